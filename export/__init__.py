@@ -1,0 +1,1 @@
+"""Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript artifact."""

@@ -1,0 +1,33 @@
+"""recship: train, quantize, export and serve recommendation models with large embedding tables.
+
+The public names follow TorchRec's tutorials; recship is built on torch and
+fbgemm_gpu only. fbgemm_gpu is imported lazily by the parts that need it, so
+``import recship`` stays fast.
+"""
+
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer import (
+    DataType,
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    EmbeddingCollection,
+    EmbeddingConfig,
+    PoolingType,
+    materialize,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataType",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "JaggedTensor",
+    "KeyedJaggedTensor",
+    "KeyedTensor",
+    "PoolingType",
+    "materialize",
+    "__version__",
+]

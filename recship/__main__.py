@@ -1,0 +1,5 @@
+import sys
+
+from recship.cli import main
+
+sys.exit(main())

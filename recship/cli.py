@@ -1,0 +1,46 @@
+"""The ``recship`` command: one subcommand per stage of the pipeline.
+
+Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
+expected errors (ValueError, FileNotFoundError) become one line on stderr and
+exit code 2.
+"""
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+from recship import __version__
+
+# name -> (module, one-line help). Modules are imported only when their command runs.
+_COMMANDS = {
+    "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="recship",
+        description="Train, quantize, export and serve recommendation models with large embedding tables.",
+    )
+    parser.add_argument("--version", action="version", version=f"recship {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in _COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(p)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return module.run(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"recship {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""gRPC prediction server for exported recship artifacts."""

@@ -1,0 +1,823 @@
+"""Jagged sparse data: JaggedTensor, KeyedJaggedTensor (KJT) and KeyedTensor.
+
+The layout and method names follow TorchRec's tutorials. A KJT with F keys and
+batch size B holds, feature-major (all examples of key 0, then key 1, ...):
+
+    values  [N]          ids (int64 or int32)
+    lengths [F * B]      ids per (key, example), same integer dtype as offsets
+    offsets [F * B + 1]  0 followed by the running sum of lengths
+    weights [N] float    optional, one score per id (id-score-list features)
+
+All three classes work eagerly, inside ``torch.jit.script``-ed code, and as
+values flowing through ``torch.fx.symbolic_trace`` (each defines
+``__fx_create_arg__`` so a traced module may return one).
+
+Inputs are validated at construction: shapes always, and the data-dependent
+rules (no negative lengths, ``sum(lengths) == len(values)``) whenever the
+tensors are on the CPU, where the check costs no device synchronisation. A KJT
+moved to a GPU with ``to()`` was already checked on the CPU.
+
+Inside these classes every constructor call spells out all arguments:
+TorchScript does not apply a class's default arguments while it is still
+compiling that class.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+
+# ---------------------------------------------------------------------------
+# Helpers (module-level so that TorchScript compiles them once).
+# ---------------------------------------------------------------------------
+
+
+def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
+    """[n] lengths -> [n + 1] offsets starting at 0, in the lengths' dtype."""
+    return torch.cat(
+        [lengths.new_zeros(1), torch.cumsum(lengths, dim=0, dtype=lengths.dtype)]
+    )
+
+
+def _check_index_dtype(t: torch.Tensor, name: str) -> None:
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def _check_jagged(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    owner: str,
+) -> None:
+    """Raises ValueError unless (values, lengths, offsets, weights) are consistent."""
+    if values.dim() < 1:
+        raise ValueError(f"{owner}: values must have at least one dimension")
+    if lengths.dim() != 1:
+        raise ValueError(f"{owner}: lengths must be 1-D, got shape {lengths.shape}")
+    if offsets.dim() != 1 or offsets.numel() != lengths.numel() + 1:
+        raise ValueError(
+            f"{owner}: offsets must be 1-D with len(lengths) + 1 = "
+            f"{lengths.numel() + 1} entries, got shape {offsets.shape}"
+        )
+    _check_index_dtype(lengths, owner + ": lengths")
+    if weights is not None:
+        if not weights.is_floating_point():
+            raise ValueError(f"{owner}: weights must be floating point, got {weights.dtype}")
+        if weights.shape[0] != values.shape[0]:
+            raise ValueError(
+                f"{owner}: weights has {weights.shape[0]} entries but values has "
+                f"{values.shape[0]}; there must be one weight per value"
+            )
+    if lengths.device.type == "cpu":
+        if lengths.numel() > 0:
+            smallest = int(lengths.min())
+            if smallest < 0:
+                raise ValueError(f"{owner}: lengths must be >= 0, found {smallest}")
+        if int(offsets[0]) != 0:
+            raise ValueError(f"{owner}: offsets must start at 0, got {int(offsets[0])}")
+        total = int(offsets[-1])
+        if total != values.shape[0]:
+            raise ValueError(
+                f"{owner}: sum(lengths) = {total} but values has {values.shape[0]} entries"
+            )
+
+
+def _is_proxy(t: torch.Tensor) -> bool:
+    """True while torch.fx traces (values are Proxies); never compiled by TorchScript."""
+    return isinstance(t, torch.fx.Proxy)
+
+
+def _nested_lists(values: torch.Tensor, lengths: List[int]) -> str:
+    """'[[1, 2], [], [3]]' for 1-D values split by lengths (for __str__)."""
+    rows: List[str] = []
+    start = 0
+    for n in lengths:
+        row = values[start : start + n].tolist()
+        rows.append("[" + ", ".join(_fmt(x) for x in row) + "]")
+        start += n
+    return "[" + ", ".join(rows) + "]"
+
+
+def _fmt(x: object) -> str:
+    return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+
+# ---------------------------------------------------------------------------
+# JaggedTensor
+# ---------------------------------------------------------------------------
+
+
+class JaggedTensor:
+    """One feature's variable-length rows.
+
+    Args:
+        values (Tensor): [N, ...] ids (or, as an EmbeddingCollection output,
+            [N, D] embeddings); rows are concatenated.
+        weights (Optional[Tensor]): [N] float, one per value.
+        lengths (Optional[Tensor]): [B] integer, values per row.
+        offsets (Optional[Tensor]): [B + 1] integer; give lengths or offsets
+            (or both, which must agree); the other is derived.
+    """
+
+    def __init__(
+        self,
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+    ) -> None:
+        if lengths is None:
+            if offsets is None:
+                raise ValueError("JaggedTensor: give lengths or offsets")
+            _check_index_dtype(offsets, "JaggedTensor: offsets")
+            lengths = offsets[1:] - offsets[:-1]
+        elif offsets is None:
+            offsets = _offsets_from_lengths(lengths)
+        if torch.jit.is_scripting():
+            _check_jagged(values, lengths, offsets, weights, "JaggedTensor")
+        elif not _is_proxy(values):
+            _check_jagged(values, lengths, offsets, weights, "JaggedTensor")
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def weights(self) -> torch.Tensor:
+        w = self._weights
+        if w is None:
+            raise ValueError("JaggedTensor has no weights")
+        return w
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def to_dense(self) -> List[torch.Tensor]:
+        """One tensor per row: [values[offsets[i]:offsets[i+1]] for each row i]."""
+        return list(torch.split(self._values, torch.jit.annotate(List[int], self._lengths.tolist())))
+
+    def to_dense_weights(self) -> Optional[List[torch.Tensor]]:
+        w = self._weights
+        if w is None:
+            return None
+        return list(torch.split(w, torch.jit.annotate(List[int], self._lengths.tolist())))
+
+    def to_padded_dense(
+        self, desired_length: Optional[int] = None, padding_value: float = 0.0
+    ) -> torch.Tensor:
+        """[B, L] values padded (or truncated) to L = desired_length or the longest row."""
+        lengths = self._lengths.to(torch.int64)
+        num_rows = lengths.numel()
+        width = desired_length if desired_length is not None else (
+            int(lengths.max()) if num_rows > 0 else 0
+        )
+        out = torch.full(
+            [num_rows, width] + list(self._values.shape[1:]),
+            padding_value,
+            dtype=self._values.dtype,
+            device=self._values.device,
+        )
+        # Position of every value inside its row, computed without a loop over rows.
+        row = torch.repeat_interleave(torch.arange(num_rows, device=lengths.device), lengths)
+        pos = torch.arange(self._values.shape[0], device=lengths.device) - self._offsets.to(
+            torch.int64
+        )[row]
+        keep = pos < width
+        out.index_put_([row[keep], pos[keep]], self._values[keep])
+        return out
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "JaggedTensor":
+        w = self._weights
+        return JaggedTensor(
+            values=self._values.to(device, non_blocking=non_blocking),
+            weights=None if w is None else w.to(device, non_blocking=non_blocking),
+            lengths=self._lengths.to(device, non_blocking=non_blocking),
+            offsets=self._offsets.to(device, non_blocking=non_blocking),
+        )
+
+    @torch.jit.unused
+    def __str__(self) -> str:
+        lengths = self._lengths.tolist()
+        if self._values.dim() != 1:
+            return f"JaggedTensor(lengths={lengths}, values={tuple(self._values.shape)})"
+        body = _nested_lists(self._values, lengths)
+        if self._weights is not None:
+            body += ",\n    weights: " + _nested_lists(self._weights, lengths)
+        return "JaggedTensor({\n    " + body + "\n})"
+
+    @torch.jit.unused
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    @torch.jit.unused
+    def __fx_create_arg__(self, tracer):  # noqa: ANN001 (fx hook)
+        return tracer.create_node(
+            "call_function",
+            JaggedTensor,
+            args=tracer.create_arg((self._values, self._weights, self._lengths, self._offsets)),
+            kwargs={},
+        )
+
+
+def _check_kjt(
+    keys: List[str],
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    lengths: torch.Tensor,
+    offsets: torch.Tensor,
+    stride: Optional[int],
+    length_per_key: Optional[List[int]],
+) -> None:
+    owner = "KeyedJaggedTensor"
+    if values.dim() != 1:
+        raise ValueError(f"{owner}: values must be 1-D, got shape {values.shape}")
+    _check_index_dtype(values, owner + ": values")
+    seen: Dict[str, int] = {}
+    for k in keys:
+        if k in seen:
+            raise ValueError(f"{owner}: duplicate key '{k}'")
+        seen[k] = 1
+    num_keys = len(keys)
+    if num_keys == 0:
+        if lengths.numel() != 0:
+            raise ValueError(f"{owner}: no keys but {lengths.numel()} lengths")
+    elif lengths.shape[0] % num_keys != 0:
+        raise ValueError(
+            f"{owner}: len(lengths) = {lengths.shape[0]} is not divisible by the "
+            f"number of keys ({num_keys}); lengths must be [num_keys * batch_size]"
+        )
+    if stride is not None and stride * num_keys != lengths.shape[0]:
+        raise ValueError(
+            f"{owner}: stride {stride} x {num_keys} keys != len(lengths) = {lengths.shape[0]}"
+        )
+    _check_jagged(values, lengths, offsets, weights, owner)
+    if length_per_key is not None and len(length_per_key) != num_keys:
+        raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
+
+
+# ---------------------------------------------------------------------------
+# KeyedJaggedTensor
+# ---------------------------------------------------------------------------
+
+
+class KeyedJaggedTensor:
+    """A batch of several sparse features (keys), stored feature-major.
+
+    Args:
+        keys (List[str]): F feature names, unique.
+        values (Tensor): [N] int64/int32 ids of all keys, key-major.
+        weights (Optional[Tensor]): [N] float, one per id.
+        lengths (Optional[Tensor]): [F * B] integer ids per (key, example).
+        offsets (Optional[Tensor]): [F * B + 1] integer; give lengths or
+            offsets; the other is derived.
+        stride (Optional[int]): batch size B; derived as len(lengths) // F.
+        length_per_key (Optional[List[int]]): ids per key, if already known
+            (saves a device synchronisation).
+
+    Example (the tutorial's batch of two)::
+
+        kjt = KeyedJaggedTensor(
+            keys=["product", "user"],
+            values=torch.tensor([1, 2, 1, 5, 2, 3, 4, 1]),
+            lengths=torch.tensor([3, 1, 2, 2]),
+        )
+        # KeyedJaggedTensor({"product": [[1, 2, 1], [5]], "user": [[2, 3], [4, 1]]})
+    """
+
+    def __init__(
+        self,
+        keys: List[str],
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+        lengths: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        length_per_key: Optional[List[int]] = None,
+    ) -> None:
+        if lengths is None:
+            if offsets is None:
+                raise ValueError("KeyedJaggedTensor: give lengths or offsets")
+            _check_index_dtype(offsets, "KeyedJaggedTensor: offsets")
+            lengths = offsets[1:] - offsets[:-1]
+        elif offsets is None:
+            offsets = _offsets_from_lengths(lengths)
+        if torch.jit.is_scripting():
+            _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key)
+        elif not _is_proxy(values):
+            _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key)
+        num_keys = len(keys)
+        if stride is None:
+            stride = lengths.shape[0] // num_keys if num_keys > 0 else 0
+        self._keys = keys
+        self._values = values
+        self._weights = weights
+        self._lengths = lengths
+        self._offsets = offsets
+        self._stride = stride
+        self._length_per_key = length_per_key
+        self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
+
+    # -- constructors ------------------------------------------------------
+
+    @staticmethod
+    def from_lengths_sync(
+        keys: List[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+    ) -> "KeyedJaggedTensor":
+        """Builds a KJT and computes length_per_key now (one synchronisation)."""
+        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=None, length_per_key=None)
+        kjt.length_per_key()
+        return kjt
+
+    @staticmethod
+    def from_offsets_sync(
+        keys: List[str],
+        values: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: Optional[torch.Tensor] = None,
+    ) -> "KeyedJaggedTensor":
+        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, offsets=offsets, lengths=None, stride=None, length_per_key=None)
+        kjt.length_per_key()
+        return kjt
+
+    @staticmethod
+    def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
+        """One KJT from per-key JaggedTensors of equal batch size (keys in dict order).
+
+        Either every JaggedTensor has weights or none has.
+        """
+        keys = list(jt_dict.keys())
+        if len(keys) == 0:
+            raise ValueError("from_jt_dict: the dict is empty")
+        jts = list(jt_dict.values())
+        stride = jts[0].lengths().shape[0]
+        weighted = jts[0].weights_or_none() is not None
+        values: List[torch.Tensor] = []
+        lengths: List[torch.Tensor] = []
+        weights: List[torch.Tensor] = []
+        length_per_key: List[int] = []
+        for key, jt in zip(keys, jts):
+            if jt.lengths().shape[0] != stride:
+                raise ValueError(
+                    f"from_jt_dict: '{key}' has batch size {jt.lengths().shape[0]}, "
+                    f"but '{keys[0]}' has {stride}"
+                )
+            if jt.values().dim() != 1:
+                raise ValueError(f"from_jt_dict: '{key}' values must be 1-D")
+            w = jt.weights_or_none()
+            if (w is not None) != weighted:
+                raise ValueError("from_jt_dict: either all JaggedTensors have weights or none")
+            values.append(jt.values())
+            lengths.append(jt.lengths())
+            length_per_key.append(jt.values().shape[0])
+            if w is not None:
+                weights.append(w)
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(values),
+            weights=torch.cat(weights) if weighted else None,
+            lengths=torch.cat(lengths),
+            stride=stride,
+            length_per_key=length_per_key,
+            offsets=None,
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        values_dtype: Optional[torch.dtype] = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> "KeyedJaggedTensor":
+        keys: List[str] = []
+        values_dtype = values_dtype if values_dtype is not None else torch.int64
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            stride=0,
+            offsets=None,
+            length_per_key=None,
+        )
+
+    # -- accessors ---------------------------------------------------------
+
+    def keys(self) -> List[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def lengths(self) -> torch.Tensor:
+        return self._lengths
+
+    def offsets(self) -> torch.Tensor:
+        return self._offsets
+
+    def weights(self) -> torch.Tensor:
+        w = self._weights
+        if w is None:
+            raise ValueError("KeyedJaggedTensor has no weights")
+        return w
+
+    def weights_or_none(self) -> Optional[torch.Tensor]:
+        return self._weights
+
+    def stride(self) -> int:
+        """Batch size B = len(lengths) // len(keys)."""
+        return self._stride
+
+    def device(self) -> torch.device:
+        return self._values.device
+
+    def length_per_key(self) -> List[int]:
+        """Number of ids of each key (cached; one synchronisation the first time)."""
+        cached = self._length_per_key
+        if cached is None:
+            if len(self._keys) == 0:
+                cached = torch.jit.annotate(List[int], [])
+            else:
+                cached = torch.jit.annotate(
+                    List[int],
+                    self._lengths.view(len(self._keys), self._stride).sum(dim=1).tolist(),
+                )
+            self._length_per_key = cached
+        return cached
+
+    def offset_per_key(self) -> List[int]:
+        """[F + 1] start of each key's ids in values, then N."""
+        cached = self._offset_per_key
+        if cached is None:
+            cached = [0]
+            for n in self.length_per_key():
+                cached.append(cached[-1] + n)
+            self._offset_per_key = cached
+        return cached
+
+    def _key_index(self, key: str) -> int:
+        for i, k in enumerate(self._keys):
+            if k == key:
+                return i
+        raise ValueError(f"KeyedJaggedTensor has no key '{key}'; keys are {self._keys}")
+
+    def _key_lengths(self) -> torch.Tensor:
+        """[F, B] view of lengths."""
+        return self._lengths.view(len(self._keys), self._stride)
+
+    def __getitem__(self, key: str) -> JaggedTensor:
+        i = self._key_index(key)
+        start = self.offset_per_key()[i]
+        end = self.offset_per_key()[i + 1]
+        w = self._weights
+        return JaggedTensor(
+            values=self._values[start:end],
+            weights=None if w is None else w[start:end],
+            lengths=self._key_lengths()[i],
+            offsets=None,
+        )
+
+    def to_dict(self) -> Dict[str, JaggedTensor]:
+        """{key: JaggedTensor} in key order; values are views, not copies."""
+        lpk = self.length_per_key()
+        values = torch.split(self._values, lpk)
+        w = self._weights
+        weights = torch.split(w, lpk) if w is not None else None
+        lengths = self._key_lengths()
+        out: Dict[str, JaggedTensor] = {}
+        for i, key in enumerate(self._keys):
+            out[key] = JaggedTensor(
+                values=values[i],
+                weights=None if weights is None else weights[i],
+                lengths=lengths[i],
+                offsets=None,
+            )
+        return out
+
+    # -- reshaping ---------------------------------------------------------
+
+    def permute(self, indices: List[int]) -> "KeyedJaggedTensor":
+        """A KJT whose key j is this KJT's key indices[j] (keys may be dropped, not repeated)."""
+        num_keys = len(self._keys)
+        seen: Dict[int, int] = {}
+        for i in indices:
+            if i < 0 or i >= num_keys:
+                raise ValueError(f"permute: index {i} out of range for {num_keys} keys")
+            if i in seen:
+                raise ValueError(f"permute: index {i} repeats; a KJT's keys are unique")
+            seen[i] = 1
+        lpk = self.length_per_key()
+        opk = self.offset_per_key()
+        values: List[torch.Tensor] = []
+        weights: List[torch.Tensor] = []
+        w = self._weights
+        for i in indices:
+            values.append(self._values[opk[i] : opk[i + 1]])
+            if w is not None:
+                weights.append(w[opk[i] : opk[i + 1]])
+        index = torch.tensor(indices, dtype=torch.int64, device=self._lengths.device)
+        return KeyedJaggedTensor(
+            keys=[self._keys[i] for i in indices],
+            values=torch.cat(values) if len(values) > 0 else self._values[:0],
+            weights=None if w is None else (torch.cat(weights) if len(weights) > 0 else w[:0]),
+            lengths=self._key_lengths().index_select(0, index).reshape(-1),
+            stride=self._stride,
+            length_per_key=[lpk[i] for i in indices],
+            offsets=None,
+        )
+
+    def split(self, segments: List[int]) -> List["KeyedJaggedTensor"]:
+        """Splits the keys into consecutive groups of the given sizes (sum = number of keys)."""
+        total = 0
+        for s in segments:
+            if s < 0:
+                raise ValueError(f"split: segment sizes must be >= 0, got {segments}")
+            total += s
+        if total != len(self._keys):
+            raise ValueError(
+                f"split: segments {segments} sum to {total}, but the KJT has {len(self._keys)} keys"
+            )
+        lpk = self.length_per_key()
+        opk = self.offset_per_key()
+        w = self._weights
+        out: List[KeyedJaggedTensor] = []
+        start = 0
+        for s in segments:
+            end = start + s
+            out.append(
+                KeyedJaggedTensor(
+                    keys=self._keys[start:end],
+                    values=self._values[opk[start] : opk[end]],
+                    weights=None if w is None else w[opk[start] : opk[end]],
+                    lengths=self._lengths[start * self._stride : end * self._stride],
+                    stride=self._stride,
+                    length_per_key=lpk[start:end],
+                    offsets=None,
+                )
+            )
+            start = end
+        return out
+
+    @staticmethod
+    def concat(kjts: List["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Joins KJTs with the same keys along the batch: examples of kjts[0], then kjts[1], ...
+
+        This is how requests are batched. (TorchRec's ``concat`` joins keys instead.)
+        """
+        if len(kjts) == 0:
+            raise ValueError("concat: no KeyedJaggedTensors given")
+        first = kjts[0]
+        keys = first.keys()
+        weighted = first.weights_or_none() is not None
+        for other in kjts[1:]:
+            if other.keys() != keys:
+                raise ValueError(f"concat: keys differ: {keys} vs {other.keys()}")
+            if (other.weights_or_none() is not None) != weighted:
+                raise ValueError("concat: either all KJTs have weights or none")
+        num_keys = len(keys)
+        # Per input: its ids split by key; the output takes key 0 of every input, then key 1, ...
+        value_parts: List[List[torch.Tensor]] = []
+        weight_parts: List[List[torch.Tensor]] = []
+        for kjt in kjts:
+            lpk = kjt.length_per_key()
+            value_parts.append(list(torch.split(kjt.values(), lpk)))
+            if weighted:
+                weight_parts.append(list(torch.split(kjt.weights(), lpk)))
+        values: List[torch.Tensor] = []
+        weights: List[torch.Tensor] = []
+        length_per_key: List[int] = []
+        for k in range(num_keys):
+            n = 0
+            for j in range(len(kjts)):
+                values.append(value_parts[j][k])
+                n += value_parts[j][k].shape[0]
+                if weighted:
+                    weights.append(weight_parts[j][k])
+            length_per_key.append(n)
+        lengths = torch.cat([kjt.lengths().view(num_keys, kjt.stride()) for kjt in kjts], dim=1)
+        stride = 0
+        for kjt in kjts:
+            stride += kjt.stride()
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(values) if num_keys > 0 else first.values(),
+            weights=(torch.cat(weights) if num_keys > 0 else first.weights()) if weighted else None,
+            lengths=lengths.reshape(-1),
+            stride=stride,
+            length_per_key=length_per_key,
+            offsets=None,
+        )
+
+    # -- devices -----------------------------------------------------------
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedJaggedTensor":
+        w = self._weights
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values.to(device, non_blocking=non_blocking),
+            weights=None if w is None else w.to(device, non_blocking=non_blocking),
+            lengths=self._lengths.to(device, non_blocking=non_blocking),
+            offsets=self._offsets.to(device, non_blocking=non_blocking),
+            stride=self._stride,
+            length_per_key=self._length_per_key,
+        )
+
+    def pin_memory(self) -> "KeyedJaggedTensor":
+        w = self._weights
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values.pin_memory(),
+            weights=None if w is None else w.pin_memory(),
+            lengths=self._lengths.pin_memory(),
+            offsets=self._offsets.pin_memory(),
+            stride=self._stride,
+            length_per_key=self._length_per_key,
+        )
+
+    @torch.jit.unused
+    def __str__(self) -> str:
+        if len(self._keys) == 0:
+            return "KeyedJaggedTensor()"
+        lengths = self._key_lengths().tolist()
+        lpk = self.length_per_key()
+        values = torch.split(self._values, lpk)
+        weights = torch.split(self._weights, lpk) if self._weights is not None else None
+        lines = []
+        for i, key in enumerate(self._keys):
+            line = f'    "{key}": ' + _nested_lists(values[i], lengths[i])
+            if weights is not None:
+                line += " weights " + _nested_lists(weights[i], lengths[i])
+            lines.append(line)
+        return "KeyedJaggedTensor({\n" + ",\n".join(lines) + "\n})"
+
+    @torch.jit.unused
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    @torch.jit.unused
+    def __fx_create_arg__(self, tracer):  # noqa: ANN001 (fx hook)
+        return tracer.create_node(
+            "call_function",
+            KeyedJaggedTensor,
+            args=tracer.create_arg(
+                (self._keys, self._values, self._weights, self._lengths, self._offsets, self._stride)
+            ),
+            kwargs={},
+        )
+
+
+def _check_kt(keys: List[str], length_per_key: List[int], values: torch.Tensor, key_dim: int) -> None:
+    if len(keys) != len(length_per_key):
+        raise ValueError(
+            f"KeyedTensor: {len(keys)} keys but {len(length_per_key)} lengths per key"
+        )
+    if key_dim < 0 or key_dim >= values.dim():
+        raise ValueError(f"KeyedTensor: key_dim {key_dim} out of range for {values.dim()}-D values")
+    total = 0
+    for n in length_per_key:
+        total += n
+    if total != values.shape[key_dim]:
+        raise ValueError(
+            f"KeyedTensor: sum(length_per_key) = {total} but values has "
+            f"{values.shape[key_dim]} along dim {key_dim}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# KeyedTensor
+# ---------------------------------------------------------------------------
+
+
+class KeyedTensor:
+    """Dense per-key results, e.g. pooled embeddings, concatenated along key_dim.
+
+    Args:
+        keys (List[str]): K names.
+        length_per_key (List[int]): width of each key along key_dim (e.g. its embedding dim).
+        values (Tensor): [B, sum(length_per_key)] for key_dim=1.
+        key_dim (int): the dimension the keys are concatenated along.
+    """
+
+    def __init__(
+        self,
+        keys: List[str],
+        length_per_key: List[int],
+        values: torch.Tensor,
+        key_dim: int = 1,
+    ) -> None:
+        if torch.jit.is_scripting():
+            _check_kt(keys, length_per_key, values, key_dim)
+        elif not _is_proxy(values):
+            _check_kt(keys, length_per_key, values, key_dim)
+        self._keys = keys
+        self._length_per_key = length_per_key
+        self._values = values
+        self._key_dim = key_dim
+        self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
+
+    @staticmethod
+    def from_tensor_list(keys: List[str], tensors: List[torch.Tensor], key_dim: int = 1) -> "KeyedTensor":
+        return KeyedTensor(
+            keys=keys,
+            length_per_key=[t.shape[key_dim] for t in tensors],
+            values=torch.cat(tensors, dim=key_dim),
+            key_dim=key_dim,
+        )
+
+    def keys(self) -> List[str]:
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        return self._values
+
+    def key_dim(self) -> int:
+        return self._key_dim
+
+    def length_per_key(self) -> List[int]:
+        return self._length_per_key
+
+    def offset_per_key(self) -> List[int]:
+        cached = self._offset_per_key
+        if cached is None:
+            cached = [0]
+            for n in self._length_per_key:
+                cached.append(cached[-1] + n)
+            self._offset_per_key = cached
+        return cached
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        for i, k in enumerate(self._keys):
+            if k == key:
+                opk = self.offset_per_key()
+                return self._values.narrow(self._key_dim, opk[i], self._length_per_key[i])
+        raise ValueError(f"KeyedTensor has no key '{key}'; keys are {self._keys}")
+
+    def to_dict(self) -> Dict[str, torch.Tensor]:
+        parts = torch.split(self._values, self._length_per_key, dim=self._key_dim)
+        out: Dict[str, torch.Tensor] = {}
+        for i, key in enumerate(self._keys):
+            out[key] = parts[i]
+        return out
+
+    @staticmethod
+    def regroup(keyed_tensors: List["KeyedTensor"], groups: List[List[str]]) -> List[torch.Tensor]:
+        """One tensor per group: the named keys' columns concatenated in the group's order."""
+        parts: Dict[str, torch.Tensor] = {}
+        key_dim = 1
+        for kt in keyed_tensors:
+            key_dim = kt.key_dim()
+            for key, t in kt.to_dict().items():
+                if key in parts:
+                    raise ValueError(f"regroup: key '{key}' appears in more than one KeyedTensor")
+                parts[key] = t
+        out: List[torch.Tensor] = []
+        for group in groups:
+            tensors: List[torch.Tensor] = []
+            for key in group:
+                if key not in parts:
+                    raise ValueError(f"regroup: no KeyedTensor has key '{key}'")
+                tensors.append(parts[key])
+            out.append(torch.cat(tensors, dim=key_dim))
+        return out
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
+        return KeyedTensor(
+            keys=self._keys,
+            length_per_key=self._length_per_key,
+            values=self._values.to(device, non_blocking=non_blocking),
+            key_dim=self._key_dim,
+        )
+
+    @torch.jit.unused
+    def __str__(self) -> str:
+        shape = tuple(self._values.shape)
+        pairs = ", ".join(f"'{k}': {n}" for k, n in zip(self._keys, self._length_per_key))
+        return f"KeyedTensor(values {shape}, {{{pairs}}})"
+
+    @torch.jit.unused
+    def __repr__(self) -> str:
+        return self.__str__()
+
+    @torch.jit.unused
+    def __fx_create_arg__(self, tracer):  # noqa: ANN001 (fx hook)
+        return tracer.create_node(
+            "call_function",
+            KeyedTensor,
+            args=tracer.create_arg((self._keys, self._length_per_key, self._values, self._key_dim)),
+            kwargs={},
+        )

@@ -1,0 +1,101 @@
+"""The package contract: layout, import names, import cost, the CLI."""
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SUBPACKAGES = ["sparse", "trainer", "quantize", "export", "serving"]
+
+
+def _python_files():
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).parts
+        if parts[0] in {".venv", "build"} or any(p.endswith(".egg-info") for p in parts):
+            continue
+        yield path
+
+
+def test_no_module_imports_a_bare_subpackage_name():
+    offenders = []
+    for path in _python_files():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] in SUBPACKAGES + ["torchrec"]:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert offenders == []
+
+
+def test_every_python_folder_is_an_installed_subpackage():
+    """`pip install .` ships only the packages pyproject lists: every folder must be there."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for top in SUBPACKAGES:
+        assert config["package-dir"][f"recship.{top}"] == top
+    expected = set()
+    for top in ["recship"] + SUBPACKAGES:
+        package = "recship" if top == "recship" else f"recship.{top}"
+        for init in (ROOT / top).rglob("__init__.py"):
+            expected.add(".".join((package,) + init.parent.relative_to(ROOT / top).parts))
+    missing = sorted(expected - set(config["packages"]))
+    assert missing == [], f"add these to [tool.setuptools] packages: {missing}"
+
+
+def test_import_from_another_directory_is_fast_and_skips_fbgemm(tmp_path):
+    code = (
+        "import sys, time; t = time.time(); import recship, recship.serving, recship.trainer; "
+        "print(time.time() - t); print('fbgemm_gpu' in sys.modules); print(recship.serving.__file__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    seconds, fbgemm_loaded, serving_file = out.stdout.split()
+    assert fbgemm_loaded == "False"
+    assert Path(serving_file).parent.name == "serving"
+    assert float(seconds) < 10
+
+
+def test_datatype_converts_to_fbgemm_sparse_type():
+    from recship.trainer import DataType
+
+    for dt in DataType:
+        assert dt.to_sparse_type().name == dt.name
+    assert DataType.parse("int4") is DataType.INT4
+    with pytest.raises(ValueError, match="unknown data type 'int3'"):
+        DataType.parse("int3")
+    with pytest.raises(ValueError, match="quantized"):
+        DataType.INT8.to_torch_dtype()
+
+
+def test_cli_version_and_demo():
+    env = dict(os.environ)
+    version = subprocess.run([sys.executable, "-m", "recship", "--version"], capture_output=True, text=True, check=True)
+    assert version.stdout.strip().startswith("recship ")
+    demo = subprocess.run([sys.executable, "-m", "recship", "demo"], capture_output=True, text=True, env=env)
+    assert demo.returncode == 0, demo.stderr
+    assert "demo finished: every check passed" in demo.stdout
+    assert "torch.Size" not in demo.stdout and "(3, 128)" in demo.stdout
+
+
+def test_cli_unknown_command_exits_2():
+    out = subprocess.run([sys.executable, "-m", "recship", "nope"], capture_output=True, text=True)
+    assert out.returncode == 2
+
+
+def test_readme_quick_start_runs_as_pasted(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.strip().splitlines()) <= 12
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "['product', 'user'] torch.Size([3, 128])",
+        "torch.Size([3, 64]) tensor([2, 0, 1])",
+    ]

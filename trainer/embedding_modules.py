@@ -1,0 +1,241 @@
+"""Float, unsharded embedding modules: EmbeddingBagCollection and EmbeddingCollection.
+
+They are the reference semantics for every other implementation in recship
+(sharded training, quantized inference): same inputs (a KeyedJaggedTensor),
+same outputs, same state-dict keys as TorchRec (``embedding_bags.<table>.weight``,
+``embeddings.<table>.weight``), so TorchRec checkpoints map by name.
+
+Built with ``device="meta"``, they allocate nothing; ``materialize(module,
+device)`` allocates and initialises every parameter afterwards.
+"""
+
+from typing import Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import (
+    BaseEmbeddingConfig,
+    EmbeddingBagConfig,
+    EmbeddingConfig,
+)
+from recship.trainer.types import PoolingType
+
+
+def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
+    if len(tables) == 0:
+        raise ValueError("an embedding collection needs at least one table")
+    names = set()
+    features: Dict[str, str] = {}
+    for t in tables:
+        if not isinstance(t, kind):
+            raise TypeError(f"expected {kind.__name__}, got {type(t).__name__} for table {t.name!r}")
+        if t.name in names:
+            raise ValueError(f"duplicate table name {t.name!r}")
+        names.add(t.name)
+        if not t.data_type.is_float:
+            raise ValueError(
+                f"table {t.name!r} has data_type {t.data_type.name}; float modules hold "
+                "FP32/FP16/BF16 weights (quantized tables come from recship.quantize)"
+            )
+        for f in t.feature_names:
+            if f in features:
+                raise ValueError(f"feature {f!r} feeds both table {features[f]!r} and {t.name!r}")
+            features[f] = t.name
+
+
+def _check_ids(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
+    """Eager input check: every needed feature present, every id inside its table."""
+    keys = features.keys()
+    missing = [f for f in rows_per_feature if f not in keys]
+    if missing:
+        raise ValueError(f"input KeyedJaggedTensor lacks features {missing}; it has {keys}")
+    if features.values().device.type != "cpu" or features.values().numel() == 0:
+        return
+    for name, jt in features.to_dict().items():
+        rows = rows_per_feature.get(name)
+        ids = jt.values()
+        if rows is None or ids.numel() == 0:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= rows:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"feature {name!r}: id {bad} is outside its table's rows [0, {rows})"
+            )
+
+
+class EmbeddingBagCollection(nn.Module):
+    """Pooled embedding lookups for several tables: KJT in, KeyedTensor out.
+
+    Args:
+        tables: one EmbeddingBagConfig per table.
+        is_weighted: use the KJT's weights as per-id scores (id-score-list
+            features). MEAN pooling then divides the weighted sum by the number
+            of ids, as fbgemm's kernels do.
+        device: where to allocate; "meta" allocates nothing.
+
+    forward(features) -> KeyedTensor whose keys are the feature names (table by
+    table, in config order) and whose values are [B, sum of their dims] float32.
+    """
+
+    _feature_names: List[List[str]]
+    _divide_by_length: List[bool]
+    _embedding_names: List[str]
+    _lengths_per_embedding: List[int]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> None:
+        super().__init__()
+        _check_tables(tables, EmbeddingBagConfig)
+        self._embedding_bag_configs = list(tables)
+        self._is_weighted = is_weighted
+        self.embedding_bags = nn.ModuleDict()
+        self._feature_names = []
+        self._divide_by_length = []
+        self._embedding_names = []
+        self._lengths_per_embedding = []
+        for t in tables:
+            mean = t.pooling == PoolingType.MEAN
+            # nn.EmbeddingBag accepts per-sample weights only in "sum" mode, so a
+            # weighted MEAN table sums and divides by the bag length in forward.
+            mode = "mean" if mean and not is_weighted else "sum"
+            self.embedding_bags[t.name] = nn.EmbeddingBag(
+                t.num_embeddings,
+                t.embedding_dim,
+                mode=mode,
+                include_last_offset=True,
+                device=device,
+                dtype=t.data_type.to_torch_dtype(),
+            )
+            self._feature_names.append(list(t.feature_names))
+            self._divide_by_length.append(mean and is_weighted)
+            self._embedding_names.extend(t.feature_names)
+            self._lengths_per_embedding.extend([t.embedding_dim] * len(t.feature_names))
+        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters()
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if torch.jit.is_scripting():
+            pass
+        elif not isinstance(features, torch.fx.Proxy):
+            _check_ids(features, self._rows_per_feature)
+        feature_dict = features.to_dict()
+        pooled: List[torch.Tensor] = []
+        i = 0
+        for bag in self.embedding_bags.values():
+            for name in self._feature_names[i]:
+                f = feature_dict[name]
+                ids = f.values()
+                weights: Optional[torch.Tensor] = None
+                if self._is_weighted:
+                    weights = f.weights().to(bag.weight.dtype)
+                out = bag(ids, f.offsets().to(ids.dtype), per_sample_weights=weights)
+                if self._divide_by_length[i]:
+                    out = out / f.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
+                pooled.append(out.float())
+            i += 1
+        return KeyedTensor(
+            keys=self._embedding_names,
+            length_per_key=self._lengths_per_embedding,
+            values=torch.cat(pooled, dim=1),
+            key_dim=1,
+        )
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def reset_parameters(self) -> None:
+        """(Re)initialises every table as its config says."""
+        for t in self._embedding_bag_configs:
+            t.init_weight(self.embedding_bags[t.name].weight)
+
+
+class EmbeddingCollection(nn.Module):
+    """Unpooled embedding lookups: KJT in, {feature: JaggedTensor of [N, dim] rows} out.
+
+    Args:
+        tables: one EmbeddingConfig per table.
+        device: where to allocate; "meta" allocates nothing.
+    """
+
+    _feature_names: List[List[str]]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingConfig],
+        device: Optional[Union[str, torch.device]] = None,
+    ) -> None:
+        super().__init__()
+        _check_tables(tables, EmbeddingConfig)
+        self._embedding_configs = list(tables)
+        self.embeddings = nn.ModuleDict()
+        self._feature_names = []
+        for t in tables:
+            self.embeddings[t.name] = nn.Embedding(
+                t.num_embeddings,
+                t.embedding_dim,
+                device=device,
+                dtype=t.data_type.to_torch_dtype(),
+            )
+            self._feature_names.append(list(t.feature_names))
+        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        if torch.device(device or "cpu").type != "meta":
+            self.reset_parameters()
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        if torch.jit.is_scripting():
+            pass
+        elif not isinstance(features, torch.fx.Proxy):
+            _check_ids(features, self._rows_per_feature)
+        feature_dict = features.to_dict()
+        out: Dict[str, JaggedTensor] = {}
+        i = 0
+        for table in self.embeddings.values():
+            for name in self._feature_names[i]:
+                f = feature_dict[name]
+                out[name] = JaggedTensor(
+                    values=table(f.values()).float(),
+                    weights=None,
+                    lengths=f.lengths(),
+                    offsets=f.offsets(),
+                )
+            i += 1
+        return out
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return self._embedding_configs
+
+    def reset_parameters(self) -> None:
+        for t in self._embedding_configs:
+            t.init_weight(self.embeddings[t.name].weight)
+
+
+def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
+    """Allocates a meta-device module on ``device`` and initialises it; returns it.
+
+    Embedding collections initialise their tables from their configs; any other
+    submodule with a ``reset_parameters`` (nn.Linear, ...) uses its own.
+    """
+    module.to_empty(device=device)
+    collections = (EmbeddingBagCollection, EmbeddingCollection)
+    inside_collection: List[str] = []
+    with torch.no_grad():
+        for name, sub in module.named_modules():
+            if any(prefix == "" or name.startswith(prefix + ".") for prefix in inside_collection):
+                continue  # an nn.EmbeddingBag's own reset would override the config's init
+            if isinstance(sub, collections):
+                inside_collection.append(name)
+                sub.reset_parameters()
+            elif hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+    return module
