@@ -1,0 +1,185 @@
+"""Sharding vocabulary: how each table is split across ranks, and what a device can hold.
+
+A ``ShardingPlan`` maps module path -> table name -> ``ParameterSharding``; each
+``ParameterSharding`` lists its shards as ``ShardMetadata`` (row/column offsets
+and sizes of the shard inside the full table, and the rank holding it). Plans
+print as a readable table and round-trip through JSON, so a production job can
+reuse a static plan.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum, unique
+from pathlib import Path
+from typing import Dict, List, Optional, Union
+
+
+@unique
+class ShardingType(Enum):
+    """How one table is split across ranks."""
+
+    DATA_PARALLEL = "data_parallel"  # a full replica on every rank, gradients all-reduced
+    TABLE_WISE = "table_wise"  # the whole table on one rank
+    ROW_WISE = "row_wise"  # contiguous row blocks, one per rank of the world
+    COLUMN_WISE = "column_wise"  # column blocks (multiples of 4 wide), each on one rank
+    TABLE_ROW_WISE = "table_row_wise"  # row blocks over the local ranks of one host
+
+
+@unique
+class EmbeddingComputeKernel(Enum):
+    """How a shard is looked up and updated."""
+
+    DENSE = "dense"  # plain torch tables, dense-gradient optimizer (data-parallel)
+    FUSED = "fused"  # fbgemm TBE with the optimizer fused into backward
+
+
+@dataclass
+class ShardMetadata:
+    """One shard: rows [r, r + rows) and columns [c, c + cols) of the table, on ``rank``."""
+
+    shard_offsets: List[int]  # [row offset, column offset]
+    shard_sizes: List[int]  # [rows, columns]
+    rank: int
+
+    @property
+    def placement(self) -> str:
+        return f"rank:{self.rank}"
+
+
+@dataclass
+class ParameterSharding:
+    """The plan for one table."""
+
+    sharding_type: ShardingType
+    compute_kernel: EmbeddingComputeKernel
+    ranks: List[int]
+    shards: List[ShardMetadata] = field(default_factory=list)
+
+
+@dataclass
+class ParameterConstraints:
+    """What the planner may do with one table (all optional).
+
+    Args:
+        sharding_types: the allowed sharding types (default: all).
+        compute_kernels: the allowed kernels (default: all).
+        pooling_factor: expected ids per example, for the cost estimate.
+        min_partition: smallest column-block width for column-wise sharding.
+    """
+
+    sharding_types: Optional[List[ShardingType]] = None
+    compute_kernels: Optional[List[EmbeddingComputeKernel]] = None
+    pooling_factor: float = 1.0
+    min_partition: Optional[int] = None
+
+
+@dataclass
+class Topology:
+    """The ranks a plan spreads over.
+
+    Args:
+        world_size: number of ranks.
+        compute_device: "cpu" or "cuda".
+        local_world_size: ranks per host (table_row_wise shards inside one host);
+            defaults to world_size (one host).
+        hbm_cap: bytes of device memory per rank (cuda), default 80 GiB.
+        ddr_cap: bytes of host memory per rank (cpu), default 128 GiB.
+    """
+
+    world_size: int
+    compute_device: str = "cpu"
+    local_world_size: Optional[int] = None
+    hbm_cap: int = 80 * 1024**3
+    ddr_cap: int = 128 * 1024**3
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.compute_device not in ("cpu", "cuda"):
+            raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {self.compute_device!r}")
+        if self.local_world_size is None:
+            self.local_world_size = self.world_size
+        if self.local_world_size < 1 or self.world_size % self.local_world_size != 0:
+            raise ValueError(
+                f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
+            )
+
+    @property
+    def num_hosts(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def capacity(self) -> int:
+        """Bytes each rank may fill with tables and optimizer state."""
+        return self.hbm_cap if self.compute_device == "cuda" else self.ddr_cap
+
+
+@dataclass
+class ShardingPlan:
+    """module path ("" for the root) -> table name -> ParameterSharding."""
+
+    plan: Dict[str, Dict[str, ParameterSharding]] = field(default_factory=dict)
+
+    def get_plan_for_module(self, module_path: str) -> Optional[Dict[str, ParameterSharding]]:
+        return self.plan.get(module_path)
+
+    # -- JSON --------------------------------------------------------------
+
+    def to_json(self) -> str:
+        def encode(ps: ParameterSharding) -> dict:
+            d = asdict(ps)
+            d["sharding_type"] = ps.sharding_type.value
+            d["compute_kernel"] = ps.compute_kernel.value
+            return d
+
+        body = {path: {t: encode(ps) for t, ps in tables.items()} for path, tables in self.plan.items()}
+        return json.dumps({"format": "recship.sharding_plan/1", "plan": body}, indent=2)
+
+    @staticmethod
+    def from_json(text: str) -> "ShardingPlan":
+        data = json.loads(text)
+        if data.get("format") != "recship.sharding_plan/1":
+            raise ValueError(f"not a recship sharding plan (format {data.get('format')!r})")
+        plan: Dict[str, Dict[str, ParameterSharding]] = {}
+        for path, tables in data["plan"].items():
+            plan[path] = {
+                name: ParameterSharding(
+                    sharding_type=ShardingType(d["sharding_type"]),
+                    compute_kernel=EmbeddingComputeKernel(d["compute_kernel"]),
+                    ranks=list(d["ranks"]),
+                    shards=[ShardMetadata(**s) for s in d["shards"]],
+                )
+                for name, d in tables.items()
+            }
+        return ShardingPlan(plan)
+
+    def save(self, path: Union[str, Path]) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def load(path: Union[str, Path]) -> "ShardingPlan":
+        return ShardingPlan.from_json(Path(path).read_text())
+
+    # -- printing ----------------------------------------------------------
+
+    def __str__(self) -> str:
+        lines: List[str] = []
+        for path, tables in self.plan.items():
+            lines.append(f"module: {path or '<root>'}")
+            rows = [("param", "sharding type", "compute kernel", "ranks")]
+            rows += [
+                (name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks))
+                for name, ps in tables.items()
+            ]
+            lines += _table(rows)
+            rows = [("param", "shard offsets", "shard sizes", "placement")]
+            for name, ps in tables.items():
+                rows += [(name, str(s.shard_offsets), str(s.shard_sizes), s.placement) for s in ps.shards]
+            lines += _table(rows)
+        return "\n".join(lines)
+
+
+def _table(rows: List[tuple]) -> List[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return [fmt(rows[0]), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
