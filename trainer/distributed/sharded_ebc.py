@@ -1,0 +1,398 @@
+"""ShardedEmbeddingBagCollection: an EmbeddingBagCollection split across ranks by a plan.
+
+Each rank runs three stages, as in TorchRec:
+
+1. input_dist: every rank sends each "lookup unit" (one feature on one shard) the
+   ids it needs: all ids of the feature for table-wise and column-wise shards;
+   for row-wise shards only the ids inside the shard's row block, rebased to it.
+   One all-to-all of counts, then one each for lengths, ids and weights. The
+   receiver concatenates what it got along the batch (KeyedJaggedTensor.concat),
+   so each unit sees the global batch.
+2. lookups: one fbgemm SplitTableBatchedEmbeddingBagsCodegen per rank holding all
+   of the rank's shards, with the optimizer fused into backward. Lookups always
+   pool with SUM; MEAN divides by the full bag length after output_dist, which
+   keeps row-wise partial sums exact.
+3. output_dist: one differentiable all-to-all sends each source rank its rows of
+   every unit's output; the source concatenates column blocks and sums row-wise
+   partials, in the unsharded module's key order.
+
+Data-parallel tables are replicated plain tensors looked up locally; their
+gradients are averaged across ranks by DistributedDataParallel (see
+DistributedModelParallel). Gradients reaching the sharded tables are divided by
+the world size in the same way, so N ranks with local batch B train exactly like
+one process with batch N * B and a mean loss.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.planner.types import ParameterSharding, ShardingType
+from recship.trainer.types import PoolingType
+
+
+@dataclass(frozen=True)
+class LookupUnit:
+    """One feature looked up in one shard (the unit every stage works in)."""
+
+    feature: str
+    table: str
+    shard: int  # index into the table's ParameterSharding.shards
+    rank: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+    row_bucketed: bool  # True for row-wise and table-row-wise shards
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    """Differentiable all-to-all of a flat tensor; the backward sends gradients back.
+
+    Gradients are multiplied by ``grad_scale`` on the way back (1 / world size: the
+    mean over ranks, matching DistributedDataParallel's averaging of dense grads).
+    """
+
+    @staticmethod
+    def forward(ctx, x, send: List[int], recv: List[int], pg, grad_scale: float):
+        ctx.send, ctx.recv, ctx.pg, ctx.grad_scale = send, recv, pg, grad_scale
+        out = x.new_empty(sum(recv))
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        back = grad.new_empty(sum(ctx.send))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.pg)
+        return back * ctx.grad_scale, None, None, None, None
+
+
+def _lookup_units(
+    configs: List[EmbeddingBagConfig], plan: Dict[str, ParameterSharding]
+) -> List[LookupUnit]:
+    """All sharded lookup units in a fixed order (every rank computes the same list)."""
+    units = []
+    for t in configs:
+        ps = plan[t.name]
+        if ps.sharding_type == ShardingType.DATA_PARALLEL:
+            continue
+        bucketed = ps.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
+        for f in t.feature_names:
+            for i, s in enumerate(ps.shards):
+                units.append(
+                    LookupUnit(
+                        feature=f,
+                        table=t.name,
+                        shard=i,
+                        rank=s.rank,
+                        row_offset=s.shard_offsets[0],
+                        rows=s.shard_sizes[0],
+                        col_offset=s.shard_offsets[1],
+                        cols=s.shard_sizes[1],
+                        row_bucketed=bucketed,
+                    )
+                )
+    return units
+
+
+def _make_tbe(
+    shards: List[Tuple[str, int, int, int]],
+    unit_shard_index: List[int],
+    optim: FusedOptimizerConfig,
+    device: torch.device,
+) -> nn.Module:
+    """One training TBE over this rank's shards; ``shards`` = [(table, shard, rows, cols)]."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        BoundsCheckMode,
+        EmbeddingLocation,
+        PoolingMode,
+    )
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+        WeightDecayMode,
+    )
+
+    if device.type == "cuda":
+        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    else:
+        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[(rows, cols, location, compute) for _, _, rows, cols in shards],
+        feature_table_map=unit_shard_index,
+        optimizer=FbgemmOptim[optim.optimizer.name],
+        learning_rate=optim.learning_rate,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        weight_decay_mode=WeightDecayMode.L2 if optim.weight_decay > 0 else WeightDecayMode.NONE,
+        beta1=optim.beta1,
+        beta2=optim.beta2,
+        pooling_mode=PoolingMode.SUM,
+        bounds_check_mode=BoundsCheckMode.FATAL,
+        device=device,
+    )
+
+
+class ShardedEmbeddingBagCollection(nn.Module):
+    """The shard of an EmbeddingBagCollection that this rank owns, plus the collectives.
+
+    Args:
+        module: the unsharded EmbeddingBagCollection (on "meta" or a real device);
+            real weights are copied into this rank's shards, meta ones initialised.
+        plan: table name -> ParameterSharding, identical on every rank.
+        optimizer: the fused optimizer of every sharded table.
+        pg: the process group (default: the world).
+        device: where this rank's shards live.
+    """
+
+    def __init__(
+        self,
+        module: EmbeddingBagCollection,
+        plan: Dict[str, ParameterSharding],
+        optimizer: FusedOptimizerConfig,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self._pg = pg
+        self._rank = dist.get_rank(pg)
+        self._world_size = dist.get_world_size(pg)
+        self._device = torch.device(device or "cpu")
+        optimizer.check_device(self._device.type)
+        self._optimizer_config = optimizer
+        self._configs = module.embedding_bag_configs()
+        self._is_weighted = module.is_weighted()
+        missing = [t.name for t in self._configs if t.name not in plan]
+        if missing:
+            raise ValueError(f"the sharding plan has no entry for tables {missing}")
+        self._plan = {t.name: plan[t.name] for t in self._configs}
+        self._rows = {f: t.num_embeddings for t in self._configs for f in t.feature_names}
+        self._units = _lookup_units(self._configs, self._plan)
+        self._units_by_rank = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
+        self._build_local_lookup(module)
+        self._build_data_parallel(module)
+
+    # -- construction ------------------------------------------------------
+
+    def _build_local_lookup(self, module: EmbeddingBagCollection) -> None:
+        mine = self._units_by_rank[self._rank]
+        self._local_shards: List[Tuple[str, int, int, int]] = []
+        index: Dict[Tuple[str, int], int] = {}
+        unit_shard_index = []
+        for u in mine:
+            key = (u.table, u.shard)
+            if key not in index:
+                index[key] = len(self._local_shards)
+                self._local_shards.append((u.table, u.shard, u.rows, u.cols))
+            unit_shard_index.append(index[key])
+        self.tbe: Optional[nn.Module] = None
+        if not self._local_shards:
+            return
+        self.tbe = _make_tbe(self._local_shards, unit_shard_index, self._optimizer_config, self._device)
+        weights = self.tbe.split_embedding_weights()
+        configs = {t.name: t for t in self._configs}
+        with torch.no_grad():
+            for (table, shard, rows, cols), w in zip(self._local_shards, weights):
+                s = self._plan[table].shards[shard]
+                full = module.embedding_bags[table].weight
+                if full.is_meta:
+                    lo, hi = configs[table].init_range()
+                    w.uniform_(lo, hi)
+                else:
+                    r0, c0 = s.shard_offsets
+                    w.copy_(full[r0 : r0 + rows, c0 : c0 + cols])
+
+    def _build_data_parallel(self, module: EmbeddingBagCollection) -> None:
+        self.data_parallel = nn.ParameterDict()
+        for t in self._configs:
+            if self._plan[t.name].sharding_type != ShardingType.DATA_PARALLEL:
+                continue
+            full = module.embedding_bags[t.name].weight
+            w = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
+            with torch.no_grad():
+                if full.is_meta:
+                    w.uniform_(*t.init_range())
+                else:
+                    w.copy_(full)
+            self.data_parallel[t.name] = nn.Parameter(w)
+
+    # -- forward -----------------------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        self._check_input(features)
+        per_feature = features.to_dict()
+        received = self._input_dist(per_feature, features.stride())
+        pooled_parts = self._output_dist(self._lookup(received), features.stride())
+        return self._assemble(per_feature, pooled_parts)
+
+    def _check_input(self, features: KeyedJaggedTensor) -> None:
+        keys = features.keys()
+        missing = [f for f in self._rows if f not in keys]
+        if missing:
+            raise ValueError(f"input KeyedJaggedTensor lacks features {missing}; it has {keys}")
+        for name, jt in features.to_dict().items():
+            rows = self._rows.get(name)
+            ids = jt.values()
+            if rows is None or ids.numel() == 0:
+                continue
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                raise ValueError(f"feature {name!r}: id {lo if lo < 0 else hi} is outside its table's rows [0, {rows})")
+
+    def _unit_input(self, u: LookupUnit, jt) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(lengths [B], ids, weights) of feature jt that unit u looks up."""
+        ids, lengths, weights = jt.values(), jt.lengths().to(torch.int64), jt.weights_or_none()
+        if not u.row_bucketed:
+            return lengths, ids.to(torch.int64), weights
+        inside = (ids >= u.row_offset) & (ids < u.row_offset + u.rows)
+        example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+        counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
+        return counts, ids[inside].to(torch.int64) - u.row_offset, None if weights is None else weights[inside]
+
+    def _input_dist(self, per_feature, batch: int) -> KeyedJaggedTensor:
+        """Sends every unit its ids; returns this rank's units over the global batch."""
+        lengths, ids, weights, counts = [], [], [], []
+        for units in self._units_by_rank:
+            n_ids = 0
+            for u in units:
+                l, i, w = self._unit_input(u, per_feature[u.feature])
+                lengths.append(l)
+                ids.append(i)
+                if w is not None:
+                    weights.append(w)
+                n_ids += i.numel()
+            counts.append(torch.tensor([n_ids, batch]))
+        send_counts = torch.stack(counts)  # [world, 2]: ids and batch size for each destination
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._pg)
+        mine = self._units_by_rank[self._rank]
+        send_lengths = [len(units) * batch for units in self._units_by_rank]
+        recv_lengths = [len(mine) * int(b) for b in recv_counts[:, 1]]
+        recv_ids = [int(n) for n in recv_counts[:, 0]]
+        lengths_in = self._exchange(torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64), send_lengths, recv_lengths)
+        ids_in = self._exchange(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64), send_counts[:, 0].tolist(), recv_ids)
+        weights_in = None
+        if self._is_weighted:
+            weights_in = self._exchange(torch.cat(weights) if weights else torch.empty(0), send_counts[:, 0].tolist(), recv_ids)
+        # Source-major blocks -> one KJT per source -> concatenated along the batch.
+        keys = [f"u{i}" for i in range(len(mine))]
+        per_source = []
+        l_parts = torch.split(lengths_in, recv_lengths)
+        i_parts = torch.split(ids_in, recv_ids)
+        w_parts = torch.split(weights_in, recv_ids) if weights_in is not None else None
+        for s in range(self._world_size):
+            per_source.append(
+                KeyedJaggedTensor(
+                    keys=keys,
+                    values=i_parts[s],
+                    weights=None if w_parts is None else w_parts[s],
+                    lengths=l_parts[s],
+                    stride=int(recv_counts[s, 1]),
+                )
+            )
+        self._recv_batches = [int(b) for b in recv_counts[:, 1]]
+        return KeyedJaggedTensor.concat(per_source)
+
+    def _exchange(self, tensor: torch.Tensor, send: List[int], recv: List[int]) -> torch.Tensor:
+        out = tensor.new_empty(sum(recv))
+        dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self._pg)
+        return out
+
+    def _lookup(self, received: KeyedJaggedTensor) -> torch.Tensor:
+        """[global batch, sum of this rank's unit widths] pooled sums."""
+        if self.tbe is None:
+            total = sum(self._recv_batches)
+            return torch.zeros(total, 0, device=self._device, requires_grad=True)
+        return self.tbe(
+            received.values().to(self._device),
+            received.offsets().to(self._device, torch.int64),
+            per_sample_weights=received.weights_or_none(),
+        )
+
+    def _output_dist(self, local_out: torch.Tensor, batch: int) -> List[torch.Tensor]:
+        """Sends each source its rows; returns, per rank d, [batch, width of d's units]."""
+        widths = [sum(u.cols for u in units) for units in self._units_by_rank]
+        my_width = widths[self._rank]
+        send = [b * my_width for b in self._recv_batches]
+        recv = [batch * w for w in widths]
+        flat = _PooledAllToAll.apply(local_out.reshape(-1), send, recv, self._pg, 1.0 / self._world_size)
+        return [part.view(batch, w) for part, w in zip(torch.split(flat, recv), widths)]
+
+    def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:
+        """Per feature: concatenate column blocks, sum row blocks, divide for MEAN."""
+        blocks: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        for d, units in enumerate(self._units_by_rank):
+            col = 0
+            for u in units:
+                blocks.setdefault(u.feature, []).append((u.col_offset, parts[d][:, col : col + u.cols]))
+                col += u.cols
+        pooled, keys, dims = [], [], []
+        for t in self._configs:
+            for f in t.feature_names:
+                jt = per_feature[f]
+                if t.name in self.data_parallel:
+                    ids = jt.values()
+                    out = nn.functional.embedding_bag(
+                        ids,
+                        self.data_parallel[t.name],
+                        jt.offsets().to(ids.dtype),
+                        mode="sum",
+                        per_sample_weights=jt.weights_or_none(),
+                        include_last_offset=True,
+                    )
+                else:
+                    by_col: Dict[int, torch.Tensor] = {}
+                    for c, b in blocks[f]:
+                        by_col[c] = by_col[c] + b if c in by_col else b
+                    out = torch.cat([by_col[c] for c in sorted(by_col)], dim=1)
+                if t.pooling == PoolingType.MEAN:
+                    out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
+                pooled.append(out)
+                keys.append(f)
+                dims.append(t.embedding_dim)
+        return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(pooled, dim=1), key_dim=1)
+
+    # -- state -------------------------------------------------------------
+
+    def local_shards(self) -> Dict[Tuple[str, int], torch.Tensor]:
+        """{(table, shard index): weight view} for the shards on this rank."""
+        if self.tbe is None:
+            return {}
+        weights = self.tbe.split_embedding_weights()
+        return {(t, s): w for (t, s, _, _), w in zip(self._local_shards, weights)}
+
+    def local_optimizer_states(self) -> Dict[Tuple[str, int], List[torch.Tensor]]:
+        """{(table, shard index): [state tensors]} of the fused optimizer on this rank."""
+        if self.tbe is None:
+            return {}
+        states = self.tbe.split_optimizer_states()
+        return {(t, s): list(st) for (t, s, _, _), st in zip(self._local_shards, states)}
+
+    def gather_table(self, table: str) -> Optional[torch.Tensor]:
+        """The full [rows, dim] table assembled on rank 0 (None elsewhere); a collective."""
+        config = next(t for t in self._configs if t.name == table)
+        if table in self.data_parallel:
+            return self.data_parallel[table].detach().clone() if self._rank == 0 else None
+        full = torch.zeros(config.num_embeddings, config.embedding_dim)
+        for (t, s), w in self.local_shards().items():
+            if t == table:
+                r0, c0 = self._plan[t].shards[s].shard_offsets
+                full[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w.detach().cpu()
+        dist.reduce(full, dst=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
+        return full if self._rank == 0 else None
+
+    def set_learning_rate(self, lr: float) -> None:
+        if self.tbe is not None:
+            self.tbe.set_learning_rate(lr)
+
+    @property
+    def optimizer(self) -> EmbOptimType:
+        return self._optimizer_config.optimizer
