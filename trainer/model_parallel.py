@@ -10,7 +10,7 @@ The fused optimizer updates the sharded tables inside backward; only the dense
 parameters (and data-parallel tables) go to a torch optimizer.
 """
 
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -95,9 +95,10 @@ class DistributedModelParallel(nn.Module):
         _materialize_dense(module, device, sharded)
         self._sharded = sharded
         self.fused_optimizer = FusedOptimizer(sharded, optimizer)
-        fused_names = [n for n, _ in module.named_parameters() if _is_fused(n, module)]
         if world_size > 1 and any(True for _ in self._dense_params(module)):
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, fused_names)
+            # DDP must neither all-reduce nor broadcast from rank 0 what differs per rank:
+            # the fused tables and the TBE's per-rank metadata buffers.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module))
             self.module = DistributedDataParallel(module, process_group=pg, device_ids=None if device.type == "cpu" else [device])
         else:
             self.module = module
@@ -122,6 +123,13 @@ class DistributedModelParallel(nn.Module):
 
     def sharded_modules(self) -> List[ShardedEmbeddingBagCollection]:
         return list(self._sharded)
+
+
+def _per_rank_state(module: nn.Module) -> List[str]:
+    """Names of parameters and buffers held by fused TBEs (different on every rank)."""
+    names = [n for n, _ in module.named_parameters() if _is_fused(n, module)]
+    names += [n for n, _ in module.named_buffers() if _is_fused(n, module)]
+    return names
 
 
 def _is_fused(name: str, module: nn.Module) -> bool:

@@ -1,0 +1,45 @@
+"""Run a function on N gloo ranks in spawned processes and collect what each returns."""
+
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, local_world_size: int, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, local_world_size: Optional[int] = None) -> List[Any]:
+    """fn(rank, world_size, *args) on every rank; returns the results in rank order."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(
+            _worker,
+            args=(world_size, _free_port(), out_dir, fn, local_world_size or world_size, args),
+            nprocs=world_size,
+        )
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]

@@ -1,0 +1,172 @@
+"""Sharded EmbeddingBagCollection on gloo vs the unsharded float module and plain-PyTorch optimizers."""
+
+import itertools
+
+import pytest
+import torch
+
+from multiprocess import run_ranks
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from recship.trainer.distributed import ShardedEmbeddingBagCollection
+from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
+
+LOCAL_BATCH = 3
+TYPES = [t for t in ShardingType]
+FORWARD_CASES = list(itertools.product(TYPES, [PoolingType.SUM, PoolingType.MEAN], [False, True]))
+CPU_OPTIMIZERS = [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
+OPTIM_CASES = list(itertools.product([t for t in TYPES if t != ShardingType.DATA_PARALLEL], CPU_OPTIMIZERS))
+
+
+def _tables(pooling):
+    # uneven row counts; dims multiples of 4 so every table can go column-wise
+    return [
+        EmbeddingBagConfig(name="t0", num_embeddings=13, embedding_dim=8, feature_names=["f0", "f1"], pooling=pooling),
+        EmbeddingBagConfig(name="t1", num_embeddings=20, embedding_dim=12, feature_names=["f2"], pooling=pooling),
+        EmbeddingBagConfig(name="t2", num_embeddings=7, embedding_dim=16, feature_names=["f3"], pooling=pooling),
+    ]
+
+
+def _global_batch(tables, world_size, seed, weighted):
+    """A random KJT of world_size * LOCAL_BATCH examples, and each rank's slice of it."""
+    g = torch.Generator().manual_seed(seed)
+    keys = [f for t in tables for f in t.feature_names]
+    rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
+    batch = world_size * LOCAL_BATCH
+    per_key = {}
+    for k in keys:
+        lengths = torch.randint(0, 4, (batch,), generator=g)
+        ids = torch.randint(0, rows[k], (int(lengths.sum()),), generator=g)
+        w = torch.rand(ids.numel(), generator=g)
+        per_key[k] = (lengths, ids, w)
+
+    def build(lo, hi):
+        lengths, values, weights = [], [], []
+        for k in keys:
+            l, i, w = per_key[k]
+            start = int(l[:lo].sum())
+            end = int(l[:hi].sum())
+            lengths.append(l[lo:hi])
+            values.append(i[start:end])
+            weights.append(w[start:end])
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(values),
+            lengths=torch.cat(lengths),
+            weights=torch.cat(weights) if weighted else None,
+        )
+
+    return build(0, batch), [build(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world_size)]
+
+
+def _plan(ebc, world_size, sharding_type, local_world_size=None):
+    topology = Topology(world_size=world_size, local_world_size=local_world_size)
+    constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in ebc.embedding_bag_configs()}
+    return EmbeddingShardingPlanner(topology, constraints).plan(ebc).get_plan_for_module("")
+
+
+def _forward_worker(rank, world_size, local_world_size):
+    errors = {}
+    for sharding_type, pooling, weighted in FORWARD_CASES:
+        torch.manual_seed(0)
+        tables = _tables(pooling)
+        ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
+        plan = _plan(ebc, world_size, sharding_type, local_world_size)
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(EmbOptimType.EXACT_SGD))
+        global_kjt, local = _global_batch(tables, world_size, seed=1, weighted=weighted)
+        want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
+        got = sharded(local[rank])
+        assert got.keys() == ebc(global_kjt).keys()
+        errors[(sharding_type.value, pooling.value, weighted)] = float((got.values() - want).abs().max().detach())
+    return errors
+
+
+def _reference_step(weights, grads, states, optim, lr, eps, col_blocks):
+    """Plain-PyTorch optimizer updates (the formulas fbgemm's exact optimizers implement).
+
+    Row-wise adagrad keeps one state per row of each column shard: under column-wise
+    sharding the mean of g^2 is taken over the shard's columns (as in TorchRec).
+    """
+    for name, w in weights.items():
+        g = grads[name]
+        if optim == EmbOptimType.EXACT_SGD:
+            w -= lr * g
+        elif optim == EmbOptimType.EXACT_ADAGRAD:
+            states[name] += g * g
+            w -= lr * g / (states[name].sqrt() + eps)
+        else:
+            for k, (c0, width) in enumerate(col_blocks[name]):
+                gb = g[:, c0 : c0 + width]
+                states[name][:, k] += (gb * gb).mean(dim=1)
+                w[:, c0 : c0 + width] -= lr * gb / (states[name][:, k].sqrt() + eps).unsqueeze(1)
+
+
+def _optimizer_worker(rank, world_size, local_world_size):
+    errors = {}
+    lr, eps = 0.1, 1e-8
+    for sharding_type, optim in OPTIM_CASES:
+        torch.manual_seed(0)
+        tables = _tables(PoolingType.MEAN)
+        ebc = EmbeddingBagCollection(tables, is_weighted=True)
+        plan = _plan(ebc, world_size, sharding_type, local_world_size)
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(optim, learning_rate=lr, eps=eps))
+        weights = {t.name: ebc.embedding_bags[t.name].weight.detach().clone() for t in tables}
+        col_blocks = {n: sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in ps.shards}) for n, ps in plan.items()}
+        states = {
+            t.name: torch.zeros(t.num_embeddings, len(col_blocks[t.name]))
+            if optim == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+            else torch.zeros(t.num_embeddings, t.embedding_dim)
+            for t in tables
+        }
+        for step in range(3):
+            if step == 2:
+                lr = 0.05  # changing the learning rate between steps
+                sharded.set_learning_rate(lr)
+            global_kjt, local = _global_batch(tables, world_size, seed=10 + step, weighted=True)
+            target = torch.randn(world_size * LOCAL_BATCH, sum(len(t.feature_names) * t.embedding_dim for t in tables), generator=torch.Generator().manual_seed(step))
+            (sharded(local[rank]).values() * target[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]).sum().backward()
+            # reference: one process, global batch, the mean over ranks of the per-rank losses
+            ref = EmbeddingBagCollection(tables, is_weighted=True)
+            ref.load_state_dict({f"embedding_bags.{n}.weight": w for n, w in weights.items()})
+            ((ref(global_kjt).values() * target).sum() / world_size).backward()
+            grads = {n: ref.embedding_bags[n].weight.grad for n in weights}
+            _reference_step(weights, grads, states, optim, lr, eps, col_blocks)
+        lr = 0.1
+        for name, w in weights.items():
+            full = sharded.gather_table(name)
+            if rank == 0:
+                errors[(sharding_type.value, optim.value, name)] = float((full - w).abs().max())
+    return errors
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+def world_size(request):
+    return request.param
+
+
+def test_sharded_forward_equals_unsharded(world_size):
+    results = run_ranks(_forward_worker, world_size, None)
+    for rank, errors in enumerate(results):
+        assert set(errors) == {(t.value, p.value, w) for t, p, w in FORWARD_CASES}
+        bad = {k: e for k, e in errors.items() if e > 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+def test_table_row_wise_on_two_hosts_of_two():
+    results = run_ranks(_forward_worker, 4, 2, local_world_size=2)
+    for rank, errors in enumerate(results):
+        bad = {k: e for k, e in errors.items() if e > 1e-5}
+        assert bad == {}, f"rank {rank}: {bad}"
+
+
+def test_fused_optimizers_equal_plain_pytorch(world_size):
+    errors = run_ranks(_optimizer_worker, world_size, None)[0]
+    assert len(errors) == len(OPTIM_CASES) * 3
+    bad = {k: e for k, e in errors.items() if e > 1e-5}
+    assert bad == {}, bad
+
+
+def test_gpu_only_optimizer_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="ADAM runs on CUDA only"):
+        FusedOptimizerConfig(EmbOptimType.ADAM).check_device("cpu")
