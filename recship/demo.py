@@ -129,5 +129,10 @@ def run(args: argparse.Namespace) -> int:
     _expect(torch.equal(scripted(mb).values(), pooled.values()), "torch.jit.script(ebc) matches eager")
     _expect(torch.equal(traced(mb).values(), pooled.values()), "torch.fx.symbolic_trace(ebc) matches eager")
 
+    _step("Sharding the tutorial's 4 tables over 2 ranks, each sharding type")
+    from recship.trainer import sharding_walkthrough
+
+    sharding_walkthrough.run()
+
     print("\ndemo finished: every check passed")
     return 0
