@@ -8,11 +8,19 @@ fbgemm_gpu only. fbgemm_gpu is imported lazily by the parts that need it, so
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer import (
     DataType,
+    DistributedModelParallel,
     EmbeddingBagCollection,
     EmbeddingBagConfig,
     EmbeddingCollection,
     EmbeddingConfig,
+    EmbeddingShardingPlanner,
+    EmbOptimType,
+    FusedOptimizerConfig,
+    ParameterConstraints,
     PoolingType,
+    ShardingPlan,
+    ShardingType,
+    Topology,
     materialize,
 )
 
@@ -20,6 +28,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DataType",
+    "DistributedModelParallel",
+    "EmbOptimType",
+    "EmbeddingShardingPlanner",
+    "FusedOptimizerConfig",
+    "ParameterConstraints",
+    "ShardingPlan",
+    "ShardingType",
+    "Topology",
     "EmbeddingBagCollection",
     "EmbeddingBagConfig",
     "EmbeddingCollection",

@@ -10,14 +10,14 @@ The fused optimizer updates the sharded tables inside backward; only the dense
 parameters (and data-parallel tables) go to a torch optimizer.
 """
 
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, Topology
@@ -117,25 +117,37 @@ class DistributedModelParallel(nn.Module):
 
     @staticmethod
     def _dense_params(module: nn.Module) -> Iterator[nn.Parameter]:
-        for name, p in module.named_parameters():
-            if not _is_fused(name, module):
-                yield p
+        for _, p in in_backward_optimizer_filter(module.named_parameters()):
+            yield p
 
     def sharded_modules(self) -> List[ShardedEmbeddingBagCollection]:
         return list(self._sharded)
 
 
+def in_backward_optimizer_filter(
+    named_parameters: Iterator[Tuple[str, nn.Parameter]], include: bool = False
+) -> Iterator[Tuple[str, nn.Parameter]]:
+    """Filters ``model.named_parameters()`` for a torch optimizer.
+
+    With include=False (the default) it yields the parameters a torch optimizer
+    should update (dense layers, data-parallel tables) and drops those whose
+    optimizer is fused into backward (the sharded tables); include=True yields
+    only the fused ones.
+    """
+    for name, p in named_parameters:
+        if getattr(p, FUSED_PARAMETER_MARK, False) == include:
+            yield name, p
+
+
 def _per_rank_state(module: nn.Module) -> List[str]:
-    """Names of parameters and buffers held by fused TBEs (different on every rank)."""
-    names = [n for n, _ in module.named_parameters() if _is_fused(n, module)]
-    names += [n for n, _ in module.named_buffers() if _is_fused(n, module)]
+    """Names of the parameters and buffers of every fused TBE (different on every rank)."""
+    names = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, ShardedEmbeddingBagCollection) and sub.tbe is not None:
+            prefix = f"{path}.tbe." if path else "tbe."
+            names += [prefix + n for n, _ in sub.tbe.named_parameters()]
+            names += [prefix + n for n, _ in sub.tbe.named_buffers()]
     return names
-
-
-def _is_fused(name: str, module: nn.Module) -> bool:
-    """True for the parameters owned by a fused TBE (weights_host, momentum..., placeholder)."""
-    owner = module.get_submodule(name.rpartition(".")[0]) if "." in name else module
-    return type(owner).__name__ == "SplitTableBatchedEmbeddingBagsCodegen"
 
 
 def _materialize_dense(module: nn.Module, device: torch.device, sharded: List[nn.Module]) -> None:

@@ -38,6 +38,10 @@ from recship.trainer.planner.types import ParameterSharding, ShardingType
 from recship.trainer.types import PoolingType
 
 
+# Attribute set on every parameter whose optimizer is fused into backward.
+FUSED_PARAMETER_MARK = "_recship_in_backward_optimizer"
+
+
 @dataclass(frozen=True)
 class LookupUnit:
     """One feature looked up in one shard (the unit every stage works in)."""
@@ -197,6 +201,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not self._local_shards:
             return
         self.tbe = _make_tbe(self._local_shards, unit_shard_index, self._optimizer_config, self._device)
+        for p in self.tbe.parameters():
+            setattr(p, FUSED_PARAMETER_MARK, True)
         weights = self.tbe.split_embedding_weights()
         configs = {t.name: t for t in self._configs}
         with torch.no_grad():

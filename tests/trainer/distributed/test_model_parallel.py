@@ -7,7 +7,7 @@ from torch import nn
 from multiprocess import run_ranks
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
-from recship.trainer.model_parallel import DistributedModelParallel
+from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 from test_sharded_ebc import LOCAL_BATCH, _global_batch
 
@@ -69,6 +69,8 @@ def _dmp_worker(rank, world_size, steps):
         "tables": tables,
         "data_parallel": sharded.data_parallel["t2"].detach().clone(),
         "dense": {k: v.detach().clone() for k, v in dmp.unwrapped.over.state_dict().items()},
+        "torch_optimizer_params": sorted(n for n, _ in in_backward_optimizer_filter(dmp.named_parameters())),
+        "fused_params": sorted(n for n, _ in in_backward_optimizer_filter(dmp.named_parameters(), include=True)),
     }
 
 
@@ -81,6 +83,11 @@ def test_dmp_trains_like_one_process():
     for r in results:
         for k, v in r["dense"].items():
             torch.testing.assert_close(v, reference.over.state_dict()[k], atol=1e-5, rtol=0)
+    # a torch optimizer gets the MLP and the data-parallel table; the fused TBE keeps the rest
+    assert results[0]["torch_optimizer_params"] == sorted(
+        ["module.module.sparse.data_parallel.t2"] + [f"module.module.over.{k}" for k in reference.over.state_dict()]
+    )
+    assert results[0]["fused_params"] and all(".sparse.tbe." in n for n in results[0]["fused_params"])
     # the data-parallel table is identical on every rank
     assert torch.equal(results[0]["data_parallel"], results[1]["data_parallel"])
     assert not torch.equal(results[0]["data_parallel"], Toy().sparse.embedding_bags["t2"].weight.detach())
