@@ -170,6 +170,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._rank = dist.get_rank(pg)
         self._world_size = dist.get_world_size(pg)
         self._device = torch.device(device or "cpu")
+        # NCCL moves only CUDA tensors; gloo only CPU ones (for all-to-all).
+        self._comm_device = self._device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
         optimizer.check_device(self._device.type)
         self._optimizer_config = optimizer
         self._configs = module.embedding_bag_configs()
@@ -275,7 +277,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 if w is not None:
                     weights.append(w)
                 n_ids += i.numel()
-            counts.append(torch.tensor([n_ids, batch]))
+            counts.append(torch.tensor([n_ids, batch], device=self._comm_device))
         send_counts = torch.stack(counts)  # [world, 2]: ids and batch size for each destination
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self._pg)
@@ -283,11 +285,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         send_lengths = [len(units) * batch for units in self._units_by_rank]
         recv_lengths = [len(mine) * int(b) for b in recv_counts[:, 1]]
         recv_ids = [int(n) for n in recv_counts[:, 0]]
-        lengths_in = self._exchange(torch.cat(lengths) if lengths else torch.empty(0, dtype=torch.int64), send_lengths, recv_lengths)
-        ids_in = self._exchange(torch.cat(ids) if ids else torch.empty(0, dtype=torch.int64), send_counts[:, 0].tolist(), recv_ids)
+        send_ids = send_counts[:, 0].tolist()
+        lengths_in = self._exchange(lengths, torch.int64, send_lengths, recv_lengths)
+        ids_in = self._exchange(ids, torch.int64, send_ids, recv_ids)
         weights_in = None
         if self._is_weighted:
-            weights_in = self._exchange(torch.cat(weights) if weights else torch.empty(0), send_counts[:, 0].tolist(), recv_ids)
+            weights_in = self._exchange(weights, torch.float32, send_ids, recv_ids)
         # Source-major blocks -> one KJT per source -> concatenated along the batch.
         keys = [f"u{i}" for i in range(len(mine))]
         per_source = []
@@ -307,10 +310,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._recv_batches = [int(b) for b in recv_counts[:, 1]]
         return KeyedJaggedTensor.concat(per_source)
 
-    def _exchange(self, tensor: torch.Tensor, send: List[int], recv: List[int]) -> torch.Tensor:
+    def _exchange(self, parts: List[torch.Tensor], dtype: torch.dtype, send: List[int], recv: List[int]) -> torch.Tensor:
+        """All-to-all of the concatenated ``parts`` (send[d] elements to rank d) onto this rank's device."""
+        tensor = torch.cat(parts).to(self._comm_device, dtype) if parts else torch.empty(0, dtype=dtype, device=self._comm_device)
         out = tensor.new_empty(sum(recv))
-        dist.all_to_all_single(out, tensor.contiguous(), recv, send, group=self._pg)
-        return out
+        dist.all_to_all_single(out, tensor, recv, send, group=self._pg)
+        return out.to(self._device)
 
     def _lookup(self, received: KeyedJaggedTensor) -> torch.Tensor:
         """[global batch, sum of this rank's unit widths] pooled sums."""
@@ -329,8 +334,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         my_width = widths[self._rank]
         send = [b * my_width for b in self._recv_batches]
         recv = [batch * w for w in widths]
-        flat = _PooledAllToAll.apply(local_out.reshape(-1), send, recv, self._pg, 1.0 / self._world_size)
-        return [part.view(batch, w) for part, w in zip(torch.split(flat, recv), widths)]
+        flat = _PooledAllToAll.apply(local_out.to(self._comm_device).reshape(-1), send, recv, self._pg, 1.0 / self._world_size)
+        return [part.view(batch, w).to(self._device) for part, w in zip(torch.split(flat, recv), widths)]
 
     def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:
         """Per feature: concatenate column blocks, sum row blocks, divide for MEAN."""
@@ -387,12 +392,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         config = next(t for t in self._configs if t.name == table)
         if table in self.data_parallel:
             return self.data_parallel[table].detach().clone() if self._rank == 0 else None
-        full = torch.zeros(config.num_embeddings, config.embedding_dim)
+        full = torch.zeros(config.num_embeddings, config.embedding_dim, device=self._comm_device)
         for (t, s), w in self.local_shards().items():
             if t == table:
                 r0, c0 = self._plan[t].shards[s].shard_offsets
-                full[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w.detach().cpu()
+                full[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w.detach()
         dist.reduce(full, dst=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
+        full = full.cpu()
         return full if self._rank == 0 else None
 
     def set_learning_rate(self, lr: float) -> None:

@@ -17,7 +17,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, local_world_size: int, args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, local_world_size: int, backend: str, args: tuple
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -26,7 +28,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, l
         LOCAL_WORLD_SIZE=str(local_world_size),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
@@ -34,12 +38,14 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, l
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, local_world_size: Optional[int] = None) -> List[Any]:
-    """fn(rank, world_size, *args) on every rank; returns the results in rank order."""
+def run_ranks(
+    fn: Callable, world_size: int, *args: Any, local_world_size: Optional[int] = None, backend: str = "gloo"
+) -> List[Any]:
+    """fn(rank, world_size, *args) on every rank (gloo, or nccl with rank r on cuda:r); results in rank order."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.spawn(
             _worker,
-            args=(world_size, _free_port(), out_dir, fn, local_world_size or world_size, args),
+            args=(world_size, _free_port(), out_dir, fn, local_world_size or world_size, backend, args),
             nprocs=world_size,
         )
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
