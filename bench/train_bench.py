@@ -11,7 +11,6 @@ and the ratios against the baseline measured in the same run.
 
 import argparse
 import os
-import resource
 import socket
 import time
 
@@ -42,7 +41,12 @@ def _tables(args):
 
 
 def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (VmHWM; ru_maxrss would include the pre-exec parent)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def baseline(args):
@@ -123,9 +127,9 @@ def main():
     rows = [("baseline nn.EmbeddingBag+Adagrad(sparse)", *base)]
     for ws in (1, 2):
         rows.append((f"fused rowwise adagrad, world size {ws}", *fused(args, ws)))
-    print(f"{'run':42s} {'samples/s':>10s} {'ratio':>6s} {'peak RSS MB':>12s} {'optim state MB':>15s}")
+    print(f"{'run':42s} {'samples/s':>10s} {'ratio':>6s} {'peak RSS MB/rank':>16s} {'optim state MB':>15s}")
     for name, sps, rss, state in rows:
-        print(f"{name:42s} {sps:10.0f} {sps / base[0]:6.2f} {rss:12.0f} {state / 2**20:15.2f}")
+        print(f"{name:42s} {sps:10.0f} {sps / base[0]:6.2f} {rss:16.0f} {state / 2**20:15.2f}")
 
 
 if __name__ == "__main__":
