@@ -51,7 +51,8 @@ class FusedOptimizerConfig:
         learning_rate: step size; change it between steps with
             ``FusedOptimizer.set_learning_rate``.
         eps: added to the denominator (adagrad, adam, lamb).
-        weight_decay: L2 weight decay.
+        weight_decay: L2 weight decay (CUDA only: fbgemm's CPU kernels ignore it, so
+            it is refused on CPU).
         beta1, beta2: moment decay (adam, partial-rowwise adam, lamb).
     """
 
@@ -77,4 +78,11 @@ class FusedOptimizerConfig:
             raise ValueError(
                 f"fused optimizer {self.optimizer.name} runs on CUDA only (fbgemm has no CPU "
                 f"kernel for it); on CPU use one of {supported}"
+            )
+        if device_type == "cpu" and self.weight_decay != 0:
+            # fbgemm-gpu-cpu 1.8.0 accepts weight_decay on CPU but its kernels ignore it
+            # (checked for every CPU optimizer, L2 and decoupled): refuse, don't train silently without it.
+            raise ValueError(
+                f"weight_decay={self.weight_decay} is not applied by fbgemm's CPU kernels; "
+                "use weight_decay=0 on CPU (it is honoured on CUDA)"
             )

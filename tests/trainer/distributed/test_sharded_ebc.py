@@ -102,10 +102,12 @@ def _reference_step(weights, grads, states, optim, lr, eps, col_blocks):
                 w[:, c0 : c0 + width] -= lr * gb / (states[name][:, k].sqrt() + eps).unsqueeze(1)
 
 
-def _optimizer_worker(rank, world_size, local_world_size):
+def _optimizer_worker(rank, world_size, local_world_size, only=None):
     errors = {}
     lr, eps = 0.1, 1e-8
     for sharding_type, optim in OPTIM_CASES:
+        if only is not None and sharding_type not in only:
+            continue
         torch.manual_seed(0)
         tables = _tables(PoolingType.MEAN)
         ebc = EmbeddingBagCollection(tables, is_weighted=True)
@@ -158,6 +160,9 @@ def test_table_row_wise_on_two_hosts_of_two():
     for rank, errors in enumerate(results):
         bad = {k: e for k, e in errors.items() if e > 1e-5}
         assert bad == {}, f"rank {rank}: {bad}"
+    errors = run_ranks(_optimizer_worker, 4, 2, [ShardingType.TABLE_ROW_WISE], local_world_size=2)[0]
+    assert len(errors) == len(CPU_OPTIMIZERS) * 3
+    assert {k: e for k, e in errors.items() if e > 1e-5} == {}
 
 
 def test_fused_optimizers_equal_plain_pytorch(world_size):
@@ -170,3 +175,9 @@ def test_fused_optimizers_equal_plain_pytorch(world_size):
 def test_gpu_only_optimizer_is_refused_on_cpu():
     with pytest.raises(ValueError, match="ADAM runs on CUDA only"):
         FusedOptimizerConfig(EmbOptimType.ADAM).check_device("cpu")
+
+
+def test_weight_decay_is_refused_on_cpu_where_fbgemm_ignores_it():
+    with pytest.raises(ValueError, match="not applied by fbgemm's CPU kernels"):
+        FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, weight_decay=0.01).check_device("cpu")
+    FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, weight_decay=0.01).check_device("cuda")
