@@ -15,6 +15,7 @@ from recship import __version__
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
+    "train": ("recship.trainer.train", "train a DLRM with sharded embedding tables"),
 }
 
 

@@ -1,6 +1,15 @@
 """Sharding plans: the vocabulary (types) and the planner that proposes one."""
 
-from recship.trainer.planner.planner import EmbeddingShardingPlanner, column_blocks, row_blocks
+from recship.trainer.planner.planner import (
+    DEFAULT_SHARDING_TYPES,
+    EmbeddingShardingPlanner,
+    column_block_count,
+    column_blocks,
+    host_ranks,
+    row_blocks,
+    shard_bytes,
+    shard_cost,
+)
 from recship.trainer.planner.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
@@ -12,6 +21,7 @@ from recship.trainer.planner.types import (
 )
 
 __all__ = [
+    "DEFAULT_SHARDING_TYPES",
     "EmbeddingComputeKernel",
     "EmbeddingShardingPlanner",
     "ParameterConstraints",
@@ -20,6 +30,10 @@ __all__ = [
     "ShardingPlan",
     "ShardingType",
     "Topology",
+    "column_block_count",
     "column_blocks",
+    "host_ranks",
     "row_blocks",
+    "shard_bytes",
+    "shard_cost",
 ]

@@ -1,27 +1,35 @@
 """EmbeddingShardingPlanner: choose how every table of every EmbeddingBagCollection is sharded.
 
-Shard geometry (the sharded modules rely on exactly these rules):
+Shard geometry (the sharded modules rely on exactly these rules; see the pure
+functions ``row_blocks``, ``host_ranks``, ``column_block_count`` and ``column_blocks``):
+
 - ROW_WISE: block = ceil(rows / world_size); rank r holds rows [r * block, (r + 1) * block)
   clipped to the table; ranks whose block is empty hold no shard.
-- TABLE_ROW_WISE: the same over the local ranks of one host.
-- COLUMN_WISE: n blocks of widths that are multiples of 4, as even as possible, wider first.
+- TABLE_ROW_WISE: the table goes to one host (host h = ranks h * L .. h * L + L - 1 for
+  L = local_world_size); its rows are split over that host's ranks as for ROW_WISE.
+- COLUMN_WISE: n = min(world_size, dim // 4, dim // min_partition) blocks whose widths are
+  multiples of 4, as even as possible, wider blocks first; each block on a distinct rank.
 - TABLE_WISE: the whole table on one rank. DATA_PARALLEL: a full replica on every rank.
 
-Memory per rank counts fp32 weights plus the fused optimizer's state (data-parallel
-replicas: weights, a dense gradient and a dense optimizer state). Cost per rank is
-the number of embedding floats it looks up per step (ids x columns); tables are placed
-largest first, each with the allowed option that keeps the busiest rank least busy.
+Shards are listed in row (or column) order and ``ParameterSharding.ranks[i]`` is the rank
+of ``shards[i]``. DATA_PARALLEL tables use the DENSE kernel, every other type FUSED.
+
+Memory per rank: fp32 weights plus the fused optimizer's state for every shard it holds
+(``shard_bytes``). Cost per rank: floats it reads and sends per step (``shard_cost``).
+Tables are placed greedily, largest first; each gets the feasible option that keeps the
+busiest rank least busy. The planner is deterministic: ties go to the earlier option in a
+fixed order (sharding type order below, then lower ranks).
 """
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.fused_optim import FusedOptimizerConfig
+from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner.types import (
     EmbeddingComputeKernel,
     ParameterConstraints,
@@ -32,37 +40,116 @@ from recship.trainer.planner.types import (
     Topology,
 )
 
-_DEFAULT_TYPES = [
+FLOAT_BYTES = 4  # the planner counts every weight and optimizer state as fp32
+
+# Candidates when a table has no sharding_types constraint; data-parallel must be asked for.
+DEFAULT_SHARDING_TYPES = [
     ShardingType.TABLE_WISE,
     ShardingType.ROW_WISE,
     ShardingType.COLUMN_WISE,
     ShardingType.TABLE_ROW_WISE,
 ]
+# Tie-break order between options of equal cost.
+_TYPE_ORDER = DEFAULT_SHARDING_TYPES + [ShardingType.DATA_PARALLEL]
+
+
+# -- shard geometry (pure) ---------------------------------------------------
 
 
 def row_blocks(rows: int, ranks: List[int]) -> List[Tuple[int, int, int]]:
-    """[(rank, row offset, rows)] for a ceil-sized row split over ``ranks`` (empty blocks dropped)."""
+    """[(rank, row offset, rows)] of a row split of ``rows`` over ``ranks``, in rank-list order.
+
+    Every rank gets ceil(rows / len(ranks)) rows except the last non-empty one; ranks
+    whose block would start past the table get nothing and are left out.
+    Example: 10 rows over ranks [0, 1, 2] -> [(0, 0, 4), (1, 4, 4), (2, 8, 2)].
+    """
+    if rows < 1 or not ranks:
+        raise ValueError(f"row_blocks needs rows >= 1 and at least one rank, got {rows} rows, ranks {ranks}")
     block = math.ceil(rows / len(ranks))
-    out = []
-    for i, r in enumerate(ranks):
-        start = i * block
-        if start < rows:
-            out.append((r, start, min(rows, start + block) - start))
-    return out
+    return [(r, i * block, min(rows, (i + 1) * block) - i * block) for i, r in enumerate(ranks) if i * block < rows]
+
+
+def host_ranks(host: int, local_world_size: int) -> List[int]:
+    """The ranks of ``host``: host * L .. host * L + L - 1 (L = local_world_size)."""
+    return list(range(host * local_world_size, (host + 1) * local_world_size))
+
+
+def column_block_count(dim: int, world_size: int, min_partition: Optional[int] = None) -> int:
+    """How many column blocks a column-wise table gets: min(world_size, dim // 4, dim // min_partition).
+
+    Never less than 1 (a min_partition wider than the table leaves one full-width block).
+    """
+    if dim % 4 != 0:
+        raise ValueError(f"column-wise sharding needs a dim divisible by 4, got {dim}")
+    n = min(world_size, dim // 4)
+    if min_partition is not None:
+        n = min(n, dim // min_partition)
+    return max(1, n)
 
 
 def column_blocks(dim: int, n: int) -> List[Tuple[int, int]]:
-    """[(column offset, width)] of n blocks whose widths are multiples of 4, wider blocks first."""
+    """[(column offset, width)] of ``n`` blocks tiling ``dim`` columns.
+
+    Widths are multiples of 4 (fbgemm's row alignment), as even as possible, wider
+    blocks first. Examples: (64, 2) -> 32, 32; (64, 3) -> 24, 20, 20.
+    """
     if dim % 4 != 0:
         raise ValueError(f"column-wise sharding needs a dim divisible by 4, got {dim}")
     units = dim // 4
-    n = max(1, min(n, units))
-    out, offset = [], 0
-    for i in range(n):
-        width = 4 * (units // n + (1 if i < units % n else 0))
-        out.append((offset, width))
-        offset += width
-    return out
+    if not 1 <= n <= units:
+        raise ValueError(f"cannot split {dim} columns into {n} blocks of multiples of 4")
+    widths = [4 * (units // n + (1 if i < units % n else 0)) for i in range(n)]
+    offsets = [sum(widths[:i]) for i in range(n)]
+    return list(zip(offsets, widths))
+
+
+# -- memory and cost (pure) --------------------------------------------------
+
+
+def shard_bytes(rows: int, cols: int, sharding_type: ShardingType, optimizer: EmbOptimType) -> int:
+    """Bytes one [rows, cols] shard takes on its rank.
+
+    Fused shards: fp32 weights plus the fused optimizer's state (row-wise adagrad: one
+    float per row). Data-parallel replicas train with a dense optimizer: weights, a
+    full-size gradient and a full-size adagrad-like state, 3 * rows * cols floats.
+    """
+    if sharding_type == ShardingType.DATA_PARALLEL:
+        return 3 * rows * cols * FLOAT_BYTES
+    return (rows * cols + optimizer.state_floats(rows, cols)) * FLOAT_BYTES
+
+
+def shard_cost(
+    shard_rows: int,
+    shard_cols: int,
+    table_rows: int,
+    sharding_type: ShardingType,
+    batch_size: int,
+    world_size: int,
+    pooling_factor: float,
+    num_features: int,
+) -> float:
+    """Floats one shard reads and sends per step on its rank (a relative cost, not seconds).
+
+    Sharded types see the global batch: lookups = ids of the global batch that fall in
+    the shard's rows (ids assumed uniform over the table) x shard_cols; communication =
+    the pooled [global batch, shard_cols] output per feature it sends back. Data-parallel
+    replicas look up only the local batch, then all-reduce a dense gradient (~2 x table).
+    """
+    ids_per_example = pooling_factor * num_features
+    if sharding_type == ShardingType.DATA_PARALLEL:
+        return batch_size * ids_per_example * shard_cols + 2.0 * shard_rows * shard_cols
+    global_batch = batch_size * world_size
+    lookups = global_batch * ids_per_example * (shard_rows / table_rows) * shard_cols
+    return lookups + global_batch * num_features * shard_cols
+
+
+def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
+    if sharding_type == ShardingType.DATA_PARALLEL:
+        return EmbeddingComputeKernel.DENSE
+    return EmbeddingComputeKernel.FUSED
+
+
+# -- the planner ---------------------------------------------------------------
 
 
 class EmbeddingShardingPlanner:
@@ -70,8 +157,10 @@ class EmbeddingShardingPlanner:
 
     Args:
         topology: ranks, device and memory per rank.
-        constraints: table name -> ParameterConstraints.
-        optimizer: the fused optimizer (its state counts against memory).
+        constraints: table name -> ParameterConstraints (applies to every collection
+            holding a table of that name).
+        optimizer: the fused optimizer; its state counts against memory
+            (default EXACT_ROWWISE_ADAGRAD).
         batch_size: examples per rank per step, for the cost estimate.
     """
 
@@ -82,120 +171,169 @@ class EmbeddingShardingPlanner:
         optimizer: Optional[FusedOptimizerConfig] = None,
         batch_size: int = 512,
     ) -> None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         self.topology = topology
         self.constraints = dict(constraints or {})
         self.optimizer = optimizer or FusedOptimizerConfig()
         self.batch_size = batch_size
 
     def plan(self, module: nn.Module) -> ShardingPlan:
+        """A plan for every EmbeddingBagCollection in ``module`` (path "" for the module itself).
+
+        Raises ValueError naming the table for bad constraints or a table that fits nowhere.
+        """
         collections = [(p, m) for p, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)]
-        tables = [t for _, m in collections for t in m.embedding_bag_configs()]
-        unknown = sorted(set(self.constraints) - {t.name for t in tables})
+        tables = [(p, t) for p, m in collections for t in m.embedding_bag_configs()]
+        unknown = sorted(set(self.constraints) - {t.name for _, t in tables})
         if unknown:
             raise ValueError(f"constraints name tables the model does not have: {unknown}")
-        world = self.topology.world_size
-        memory = [0] * world
-        cost = [0.0] * world
-        chosen: Dict[str, ParameterSharding] = {}
-        for t in sorted(tables, key=lambda t: (-t.num_embeddings * t.embedding_dim, t.name)):
-            best = None
-            for option in self._options(t, memory, cost):
-                shards, kernel, st = option
-                new_mem, new_cost = self._apply(t, st, shards, memory, cost)
-                if max(new_mem) > self.topology.capacity:
-                    continue
-                key = (max(new_cost), sum(new_cost), _TYPE_ORDER.index(st))
-                if best is None or key < best[0]:
-                    best = (key, st, kernel, shards, new_mem, new_cost)
-            if best is None:
-                size = t.num_embeddings * t.embedding_dim * 4
-                raise ValueError(
-                    f"table {t.name!r} ({size} bytes of weights plus optimizer state) fits on no rank "
-                    f"under its allowed sharding types (capacity {self.topology.capacity} bytes per rank)"
-                )
-            _, st, kernel, shards, memory, cost = best
-            chosen[t.name] = ParameterSharding(st, kernel, sorted({s.rank for s in shards}), shards)
+        allowed = [self._allowed_types(t) for _, t in tables]  # all constraint errors before placing
+
+        memory = [0] * self.topology.world_size
+        cost = [0.0] * self.topology.world_size
+        chosen: Dict[Tuple[str, str], ParameterSharding] = {}
+        sizes = [t.num_embeddings * t.embedding_dim for _, t in tables]
+        for i in sorted(range(len(tables)), key=lambda i: (-sizes[i], i)):  # largest first, then model order
+            path, t = tables[i]
+            chosen[(path, t.name)], memory, cost = self._place(t, allowed[i], memory, cost)
         return ShardingPlan(
-            {p: {t.name: chosen[t.name] for t in m.embedding_bag_configs()} for p, m in collections}
+            {p: {t.name: chosen[(p, t.name)] for t in m.embedding_bag_configs()} for p, m in collections}
         )
 
     def collective_plan(self, module: nn.Module, pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
-        """Plans on rank 0 and broadcasts, so every rank holds the same plan."""
-        if not dist.is_initialized():
+        """Plans on the group's first rank and broadcasts, so every rank holds the same plan.
+
+        Without an initialised process group it just plans. A planning error on the
+        first rank is broadcast too and raised on every rank (no rank waits forever).
+        """
+        if not (dist.is_available() and dist.is_initialized()):
             return self.plan(module)
-        box = [self.plan(module) if dist.get_rank(pg) == 0 else None]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0) if pg else 0, group=pg)
+        src = dist.get_global_rank(pg, 0) if pg is not None else 0
+        box: List[object] = [None]
+        if dist.get_rank() == src:
+            try:
+                box[0] = self.plan(module)
+            except Exception as e:  # re-raised below after the other ranks have it
+                box[0] = e
+        dist.broadcast_object_list(box, src=src, group=pg)
+        if isinstance(box[0], BaseException):
+            raise box[0]
         return box[0]
 
-    # -- options -----------------------------------------------------------
+    # -- constraints ---------------------------------------------------------
 
-    def _allowed(self, t: EmbeddingBagConfig) -> List[ShardingType]:
-        c = self.constraints.get(t.name)
-        types = list(c.sharding_types) if c and c.sharding_types is not None else list(_DEFAULT_TYPES)
+    def _allowed_types(self, t: EmbeddingBagConfig) -> List[ShardingType]:
+        """The sharding types ``t`` may use, or ValueError naming it when none can work."""
+        c = self.constraints.get(t.name) or ParameterConstraints()
+        types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else c.sharding_types)
         if not types:
             raise ValueError(f"table {t.name!r}: constraints allow no sharding type")
-        if c and c.compute_kernels is not None:
-            kernels = set(c.compute_kernels)
-            types = [st for st in types if _kernel(st) in kernels]
+        bad = [x for x in types if not isinstance(x, ShardingType)]
+        bad += [x for x in c.compute_kernels or [] if not isinstance(x, EmbeddingComputeKernel)]
+        if bad:
+            raise TypeError(f"table {t.name!r}: constraints need ShardingType / EmbeddingComputeKernel, got {bad}")
+        if c.pooling_factor <= 0:
+            raise ValueError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}")
+        if c.min_partition is not None and c.min_partition < 1:
+            raise ValueError(f"table {t.name!r}: min_partition must be >= 1, got {c.min_partition}")
+        if c.compute_kernels is not None:
+            kernels = [k.value for k in c.compute_kernels]
+            types = [st for st in types if _kernel(st) in c.compute_kernels]
             if not types:
-                raise ValueError(f"table {t.name!r}: no allowed sharding type can use compute kernels {c.compute_kernels}")
-        if t.embedding_dim % 4 != 0:
-            if types == [ShardingType.COLUMN_WISE] or (types and all(st == ShardingType.COLUMN_WISE for st in types)):
-                raise ValueError(f"table {t.name!r}: column-wise sharding needs a dim divisible by 4, got {t.embedding_dim}")
-            types = [st for st in types if st != ShardingType.COLUMN_WISE]
+                raise ValueError(
+                    f"table {t.name!r}: compute kernels {kernels} fit none of its sharding types "
+                    "(dense is for data_parallel only, fused for every other type)"
+                )
+        if t.embedding_dim % 4 != 0 and ShardingType.COLUMN_WISE in types:
+            types.remove(ShardingType.COLUMN_WISE)
+            if not types:
+                raise ValueError(
+                    f"table {t.name!r}: column-wise sharding needs a dim divisible by 4, got {t.embedding_dim}"
+                )
         return types
 
-    def _options(self, t: EmbeddingBagConfig, memory: List[int], cost: List[float]):
-        world = self.topology.world_size
-        rows, dim = t.num_embeddings, t.embedding_dim
-        c = self.constraints.get(t.name)
-        for st in self._allowed(t):
-            kernel = _kernel(st)
-            if st == ShardingType.TABLE_WISE:
-                for r in range(world):
-                    yield [ShardMetadata([0, 0], [rows, dim], r)], kernel, st
-            elif st == ShardingType.ROW_WISE:
-                yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, list(range(world)))], kernel, st
-            elif st == ShardingType.TABLE_ROW_WISE:
-                local = self.topology.local_world_size
-                for h in range(self.topology.num_hosts):
-                    ranks = list(range(h * local, (h + 1) * local))
-                    yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, ranks)], kernel, st
-            elif st == ShardingType.COLUMN_WISE:
-                n = world
-                if c and c.min_partition:
-                    n = min(n, max(1, dim // c.min_partition))
-                blocks = column_blocks(dim, n)
-                # least-loaded ranks first, ties by rank
-                ranks = sorted(range(world), key=lambda r: (cost[r], memory[r], r))[: len(blocks)]
-                yield [ShardMetadata([0, o], [rows, w], r) for (o, w), r in zip(blocks, ranks)], kernel, st
-            else:
-                yield [ShardMetadata([0, 0], [rows, dim], r) for r in range(world)], kernel, st
+    # -- placement -----------------------------------------------------------
 
-    def _apply(self, t, st, shards, memory, cost) -> Tuple[List[int], List[float]]:
+    def _place(
+        self, t: EmbeddingBagConfig, types: List[ShardingType], memory: List[int], cost: List[float]
+    ) -> Tuple[ParameterSharding, List[int], List[float]]:
+        """The best feasible option for ``t`` and the per-rank memory and cost after it."""
+        best = None
+        for st in types:
+            for shards in self._options(t, st, memory, cost):
+                new_memory, new_cost = self._add(t, st, shards, memory, cost)
+                if max(new_memory) > self.topology.capacity:
+                    continue
+                key = (max(new_cost), sum(new_cost), max(new_memory), _TYPE_ORDER.index(st))
+                if best is None or key < best[0]:
+                    sharding = ParameterSharding(st, _kernel(st), [s.rank for s in shards], shards)
+                    best = (key, sharding, new_memory, new_cost)
+        if best is None:
+            optim = self.optimizer.optimizer
+            need = min(shard_bytes(t.num_embeddings, t.embedding_dim, st, optim) for st in types)
+            raise ValueError(
+                f"table {t.name!r} ({need} bytes with its {optim.name} state) fits on no rank under sharding "
+                f"types {[st.value for st in types]}: capacity {self.topology.capacity} bytes per rank, "
+                f"already used by the tables placed before it (largest first): {memory}"
+            )
+        return best[1], best[2], best[3]
+
+    def _options(
+        self, t: EmbeddingBagConfig, st: ShardingType, memory: List[int], cost: List[float]
+    ) -> Iterator[List[ShardMetadata]]:
+        """Every placement the planner tries for ``t`` as ``st`` (shard lists, fixed order)."""
+        rows, dim, world = t.num_embeddings, t.embedding_dim, self.topology.world_size
+        if st == ShardingType.TABLE_WISE:
+            for r in range(world):
+                yield [ShardMetadata([0, 0], [rows, dim], r)]
+        elif st == ShardingType.ROW_WISE:
+            yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, list(range(world)))]
+        elif st == ShardingType.TABLE_ROW_WISE:
+            for h in range(self.topology.num_hosts):
+                ranks = host_ranks(h, self.topology.local_world_size)
+                yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, ranks)]
+        elif st == ShardingType.COLUMN_WISE:
+            shards = self._column_shards(t, memory, cost)
+            if shards is not None:
+                yield shards
+        elif st == ShardingType.DATA_PARALLEL:
+            yield [ShardMetadata([0, 0], [rows, dim], r) for r in range(world)]
+        else:
+            raise AssertionError(f"unhandled sharding type {st}")
+
+    def _column_shards(
+        self, t: EmbeddingBagConfig, memory: List[int], cost: List[float]
+    ) -> Optional[List[ShardMetadata]]:
+        """Column blocks on distinct ranks, widest block on the least busy rank that can hold it.
+
+        None when there are fewer ranks with room than blocks.
+        """
+        c = self.constraints.get(t.name) or ParameterConstraints()
+        rows, dim = t.num_embeddings, t.embedding_dim
+        blocks = column_blocks(dim, column_block_count(dim, self.topology.world_size, c.min_partition))
+        free = sorted(range(self.topology.world_size), key=lambda r: (cost[r], memory[r], r))
+        shards = []
+        for offset, width in blocks:
+            need = shard_bytes(rows, width, ShardingType.COLUMN_WISE, self.optimizer.optimizer)
+            fits = [r for r in free if memory[r] + need <= self.topology.capacity]
+            if not fits:
+                return None
+            free.remove(fits[0])
+            shards.append(ShardMetadata([0, offset], [rows, width], fits[0]))
+        return shards
+
+    def _add(
+        self, t: EmbeddingBagConfig, st: ShardingType, shards: List[ShardMetadata], memory: List[int], cost: List[float]
+    ) -> Tuple[List[int], List[float]]:
+        """Per-rank memory and cost after adding ``shards`` (the inputs are not changed)."""
+        c = self.constraints.get(t.name) or ParameterConstraints()
         memory, cost = list(memory), list(cost)
-        c = self.constraints.get(t.name)
-        pooling = c.pooling_factor if c else 1.0
-        ids_per_step = self.batch_size * self.topology.world_size * pooling
+        world = self.topology.world_size
         for s in shards:
             rows, cols = s.shard_sizes
-            if st == ShardingType.DATA_PARALLEL:
-                memory[s.rank] += 3 * rows * cols * 4
-                cost[s.rank] += self.batch_size * pooling * cols
-            else:
-                memory[s.rank] += (rows * cols + self.optimizer.optimizer.state_floats(rows, cols)) * 4
-                cost[s.rank] += ids_per_step * cols * rows / t.num_embeddings
+            memory[s.rank] += shard_bytes(rows, cols, st, self.optimizer.optimizer)
+            cost[s.rank] += shard_cost(
+                rows, cols, t.num_embeddings, st, self.batch_size, world, c.pooling_factor, t.num_features
+            )
         return memory, cost
-
-
-_TYPE_ORDER = [
-    ShardingType.TABLE_WISE,
-    ShardingType.ROW_WISE,
-    ShardingType.COLUMN_WISE,
-    ShardingType.TABLE_ROW_WISE,
-    ShardingType.DATA_PARALLEL,
-]
-
-
-def _kernel(st: ShardingType) -> EmbeddingComputeKernel:
-    return EmbeddingComputeKernel.DENSE if st == ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED

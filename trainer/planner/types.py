@@ -61,7 +61,8 @@ class ParameterConstraints:
     """What the planner may do with one table (all optional).
 
     Args:
-        sharding_types: the allowed sharding types (default: all).
+        sharding_types: the allowed sharding types (default: all but data_parallel,
+            which replicates the table and must be asked for).
         compute_kernels: the allowed kernels (default: all).
         pooling_factor: expected ids per example, for the cost estimate.
         min_partition: smallest column-block width for column-wise sharding.

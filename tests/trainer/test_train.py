@@ -1,0 +1,164 @@
+"""Training application: exact resume, resharding on load, atomic saves, corrupt checkpoints, AUC."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from recship.trainer.checkpoint import CheckpointError, CheckpointReader, latest_checkpoint, load_checkpoint, read_metadata
+from recship.trainer.train import TrainConfig, auc, launch
+
+
+def small(out, **kw):
+    base = dict(
+        out=str(out), steps=8, batch_size=32, num_embeddings_per_feature=[40] * 26, embedding_dim=8,
+        dense_arch=[16], over_arch=[16], eval_every=0, eval_batches=2, checkpoint_every=4, progress=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _tables(path):
+    r = CheckpointReader(path)
+    return {cfg.name: w for _, cfg, w in r.tables()}, r.dense_state_dict()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_resume_is_exact(tmp_path, nproc):
+    straight = launch(small(tmp_path / "a", steps=8, nproc_per_node=nproc))
+    first = launch(small(tmp_path / "b", steps=4, nproc_per_node=nproc))
+    resumed = launch(small(tmp_path / "b", steps=8, nproc_per_node=nproc, resume=True))
+    assert resumed["resumed_from"].endswith("step_00000004")
+    losses = first["losses"] + resumed["losses"]
+    assert len(losses) == 8
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(straight["losses"]), atol=1e-6, rtol=0)
+    a_tables, a_dense = _tables(straight["checkpoint"])
+    b_tables, b_dense = _tables(resumed["checkpoint"])
+    for name in a_tables:
+        torch.testing.assert_close(b_tables[name], a_tables[name], atol=1e-6, rtol=0)
+    for name in a_dense:
+        torch.testing.assert_close(b_dense[name], a_dense[name], atol=1e-6, rtol=0)
+
+
+def _gathered_after_load(rank, world_size, checkpoint, sharding):
+    """Builds a DMP under a new plan, loads the checkpoint, gathers tables and row-wise states."""
+    from recship.trainer.dlrm import DLRM
+    from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+    from recship.trainer.model_parallel import DistributedModelParallel
+    from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
+
+    config = small("unused", sharding=sharding).model_config()
+    model = DLRM(config, device="meta")
+    constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType(sharding)]) for t in config.tables()}
+    optim = FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    plan = EmbeddingShardingPlanner(Topology(world_size), constraints, optim).collective_plan(model)
+    dmp = DistributedModelParallel(model, plan=plan, optimizer=optim)
+    dense_opt = torch.optim.Adagrad(dmp.dense_parameters(), lr=0.05)
+    load_checkpoint(checkpoint, dmp, dense_opt)
+    sharded = dmp.sharded_modules()[0]
+    tables = {t.name: sharded.gather_table(t.name) for t in config.tables()}
+    # row-wise state per row: every shard of a row must carry the saved value
+    states = {}
+    for (table, idx), st in sharded.local_optimizer_states().items():
+        r0 = sharded._plan[table].shards[idx].shard_offsets[0]
+        states[f"{table}/{idx}"] = (r0, st[0].clone())
+    return tables, states, {k: v.clone() for k, v in dmp.unwrapped.over_arch.state_dict().items()}
+
+
+@pytest.mark.parametrize("world_size, sharding", [(1, "table_wise"), (3, "column_wise"), (2, "table_wise")])
+def test_checkpoint_reshards_on_load(tmp_path, world_size, sharding):
+    from multiprocess import run_ranks
+
+    saved = launch(small(tmp_path, steps=4, nproc_per_node=2, sharding="row_wise"))
+    want_tables, want_dense = _tables(saved["checkpoint"])
+    # the saved row-wise adagrad state, read back with DCP in one process
+    import torch.distributed.checkpoint as dcp
+
+    want_state = {}
+    for name in want_tables:
+        t = torch.zeros(40, 1)
+        dcp.load({f"tables/sparse_arch/{name}/state0": t}, checkpoint_id=saved["checkpoint"], no_dist=True)
+        want_state[name] = t[:, 0]
+    assert any(float(s.abs().sum()) > 0 for s in want_state.values())
+    results = run_ranks(_gathered_after_load, world_size, saved["checkpoint"], sharding)
+    tables, _, dense = results[0]
+    for name, w in want_tables.items():
+        torch.testing.assert_close(tables[name], w, atol=0, rtol=0)
+    for k, v in dense.items():
+        torch.testing.assert_close(v, want_dense[f"over_arch.{k}"], atol=0, rtol=0)
+    for _, states, _ in results:
+        for key, (r0, st) in states.items():
+            table = key.split("/")[0]
+            torch.testing.assert_close(st, want_state[table][r0 : r0 + st.numel()], atol=1e-7, rtol=0)
+    # and training continues under the new world size and plan
+    more = launch(small(tmp_path, steps=6, nproc_per_node=world_size, sharding=sharding, resume=True))
+    assert more["steps"] == 6 and len(more["losses"]) == 2
+    assert all(l == l and l < 2 for l in more["losses"])
+
+
+def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    launch(small(tmp_path, steps=4))
+    import recship.trainer.checkpoint as ckpt
+
+    real_save = ckpt.dcp.save
+
+    def dying_save(state, checkpoint_id):
+        real_save(state, checkpoint_id=checkpoint_id)
+        raise KeyboardInterrupt("killed during save")
+
+    monkeypatch.setattr(ckpt.dcp, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        launch(small(tmp_path, steps=8, resume=True))
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert any(".tmp-" in p.name for p in root.iterdir())  # the half-written one is there...
+    assert latest_checkpoint(root).name == "step_00000004"  # ...but never chosen
+    resumed = launch(small(tmp_path, steps=8, resume=True))
+    assert resumed["resumed_from"].endswith("step_00000004") and resumed["steps"] == 8
+
+
+def test_corrupt_checkpoints_name_the_missing_piece(tmp_path):
+    summary = launch(small(tmp_path, steps=4, checkpoint_every=0))
+    good = Path(summary["checkpoint"])
+    for remove, message in [(".metadata", "\\.metadata"), ("recship.json", "recship.json is missing")]:
+        bad = tmp_path / f"bad_{remove}"
+        shutil.copytree(good, bad)
+        (bad / remove).unlink()
+        with pytest.raises(CheckpointError, match=message):
+            read_metadata(bad)
+    bad = tmp_path / "bad_data"
+    shutil.copytree(good, bad)
+    next(bad.glob("*.distcp")).unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp is missing"):
+        list(CheckpointReader(bad).tables())
+    with pytest.raises(CheckpointError, match="not found"):
+        read_metadata(tmp_path / "nope")
+
+
+def test_load_for_export_streams_tables(tmp_path):
+    summary = launch(small(tmp_path, steps=4))
+    reader = CheckpointReader(summary["checkpoint"])
+    assert reader.step == 4 and reader.config["model"]["embedding_dim"] == 8
+    names = [cfg.name for _, cfg, _ in reader.tables()]
+    assert names == [f"t_cat_{i}" for i in range(26)]
+    dense = reader.dense_state_dict()
+    assert "over_arch.0.weight" in dense and "dense_arch.0.weight" in dense
+    assert reader.plan is not None and set(reader.plan.get_plan_for_module("sparse_arch")) == set(names)
+
+
+def test_auc_matches_pairwise_definition():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 5, (200,), generator=g).float()  # many ties
+    labels = (torch.rand(200, generator=g) < 0.4).float()
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    pairwise = ((pos[:, None] > neg[None, :]).double() + 0.5 * (pos[:, None] == neg[None, :]).double()).mean()
+    assert abs(auc(scores, labels) - float(pairwise)) < 1e-9
+
+
+def test_training_learns_the_synthetic_task(tmp_path):
+    summary = launch(small(tmp_path, steps=150, batch_size=128, num_embeddings_per_feature=[200] * 26, eval_batches=8, checkpoint_every=0))
+    assert summary["final_eval"]["auc"] > 0.65
+    first, last = summary["losses"][:10], summary["losses"][-10:]
+    assert sum(last) / 10 < sum(first) / 10 - 0.03

@@ -1,0 +1,7 @@
+"""``python -m recship.trainer`` (what torchrun runs): the same as ``recship train``."""
+
+import sys
+
+from recship.trainer.train import main
+
+sys.exit(main())

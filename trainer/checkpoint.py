@@ -1,0 +1,482 @@
+"""Sharded training checkpoints on torch.distributed.checkpoint (DCP).
+
+Layout of one checkpoint, ``<root>/step_<N>/``:
+    .metadata, __<rank>_0.distcp   DCP's own files (every tensor, sharded or not)
+    recship.json                   what recship needs to read it back: format, step,
+                                   world size, the sharding plan, the model config,
+                                   each table's geometry and optimizer-state layout
+
+Saved tensors (DCP keys):
+    tables/<module>/<table>/weight     ShardedTensor [rows, dim] (the plan's shards)
+    tables/<module>/<table>/state<i>   the fused optimizer's state i: ShardedTensor
+                                       [rows, dim] for adagrad; [rows, G] for row-wise
+                                       adagrad, one column per column block of the
+                                       saving plan (G = 1 unless column-wise)
+    dense/<name>                       every other parameter and buffer (replicated)
+    dense_optimizer/...                the torch optimizer's state_dict
+    progress/step, progress/next_batch
+
+Because tables are ShardedTensors with global offsets, DCP reshards on load:
+a checkpoint written by N ranks under one plan loads under M ranks and another.
+A save writes to ``step_<N>.tmp-<id>`` and renames it only once complete, so a
+crash never leaves a partial checkpoint where ``latest_checkpoint`` looks.
+"""
+
+import json
+import shutil
+import uuid
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.fused_optim import EmbOptimType
+from recship.trainer.planner.types import ShardingPlan
+
+FORMAT = "recship.checkpoint/1"
+META_FILE = "recship.json"
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # ShardedTensor import warns about its future
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+    from torch.distributed._shard.sharded_tensor import ShardMetadata as _TorchShardMetadata
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial or corrupt; the message names the missing piece."""
+
+
+# ---------------------------------------------------------------------------
+# state of the sharded tables
+# ---------------------------------------------------------------------------
+
+
+def _sharded(local: List[Tuple[List[int], torch.Tensor]], global_size: List[int], rank: int, pg) -> ShardedTensor:
+    shards = [
+        Shard(t.contiguous(), _TorchShardMetadata(list(offsets), list(t.shape), f"rank:{rank}/{t.device.type}"))
+        for offsets, t in local
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ShardedTensor._init_from_local_shards(shards, global_size, process_group=pg)
+
+
+def _column_blocks(module: ShardedEmbeddingBagCollection, table: str) -> List[int]:
+    """Sorted column offsets of the table's shards under the module's plan."""
+    return sorted({s.shard_offsets[1] for s in module._plan[table].shards})
+
+
+def _table_state(path: str, module: ShardedEmbeddingBagCollection, rank: int, pg) -> Dict[str, Any]:
+    """DCP entries for every sharded table of ``module`` (this rank's shards)."""
+    out: Dict[str, Any] = {}
+    shards = module.local_shards()
+    states = module.local_optimizer_states()
+    rowwise = module.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    for t in module._configs:
+        if t.name in module.data_parallel:
+            continue
+        key = f"tables/{path}/{t.name}"
+        mine = [(ts, w) for ts, w in shards.items() if ts[0] == t.name]
+        offsets = {ts: module._plan[t.name].shards[ts[1]].shard_offsets for ts, _ in mine}
+        out[f"{key}/weight"] = _sharded(
+            [(offsets[ts], w) for ts, w in mine], [t.num_embeddings, t.embedding_dim], rank, pg
+        )
+        n_states = len(next(iter(states.values()))) if states else _num_states(module.optimizer)
+        blocks = _column_blocks(module, t.name)
+        for i in range(n_states):
+            if rowwise:
+                local = [([offsets[ts][0], blocks.index(offsets[ts][1])], states[ts][i].view(-1, 1)) for ts, _ in mine]
+                size = [t.num_embeddings, len(blocks)]
+            else:
+                local = [(offsets[ts], states[ts][i]) for ts, _ in mine]
+                size = [t.num_embeddings, t.embedding_dim]
+            out[f"{key}/state{i}"] = _sharded(local, size, rank, pg)
+    return out
+
+
+def _num_states(optim: EmbOptimType) -> int:
+    return 0 if optim == EmbOptimType.EXACT_SGD else 1
+
+
+def _sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCollection]]:
+    out = []
+    for path, m in model.named_modules():
+        if isinstance(m, ShardedEmbeddingBagCollection):
+            out.append((_strip_wrappers(path), m))
+    return out
+
+
+def _strip_wrappers(name: str) -> str:
+    """'module.module.sparse' (DMP, DDP) -> 'sparse': keys that do not depend on wrapping."""
+    parts = name.split(".")
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def _dense_state(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Every state-dict entry outside the fused TBEs, by unwrapped name (data-parallel tables included)."""
+    tbe_prefixes = [f"{path}.tbe." if path else "tbe." for path, m in _sharded_modules(model) if m.tbe is not None]
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        name = _strip_wrappers(name)
+        if not any(name.startswith(p) for p in tbe_prefixes):
+            out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------
+# save
+# ---------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    root: Union[str, Path],
+    step: int,
+    model: nn.Module,
+    dense_optimizer: Optional[torch.optim.Optimizer] = None,
+    next_batch: int = 0,
+    plan: Optional[ShardingPlan] = None,
+    config: Optional[Dict[str, Any]] = None,
+) -> Path:
+    """Writes ``<root>/step_<step>`` from every rank (a collective); returns its path.
+
+    Args:
+        model: a DistributedModelParallel (or any module holding sharded EBCs).
+        dense_optimizer: the torch optimizer of the dense parameters.
+        next_batch: the data position to resume from.
+        plan: the sharding plan (stored so a production job can reuse it).
+        config: a JSON-able description of the model (e.g. asdict(DLRMConfig)).
+    """
+    root = Path(root)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    final = root / f"step_{step:08d}"
+    # every rank must write into the same temporary directory: rank 0 names it
+    box = [f"step_{step:08d}.tmp-{uuid.uuid4().hex[:8]}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(box, src=0)
+    tmp = root / box[0]
+    if rank == 0:
+        tmp.mkdir(parents=True, exist_ok=False)
+    _barrier()
+    state: Dict[str, Any] = {}
+    tables_meta: Dict[str, Any] = {}
+    for path, module in _sharded_modules(model):
+        state.update(_table_state(path, module, rank, None))
+        for t in module._configs:
+            ps = module._plan[t.name]
+            tables_meta[f"{path}/{t.name}"] = {
+                "config": _table_json(t),
+                "sharding_type": ps.sharding_type.value,
+                "column_blocks": _column_blocks(module, t.name),
+                "optimizer": module.optimizer.value,
+                "data_parallel": t.name in module.data_parallel,
+            }
+    for name, t in _dense_state(model).items():
+        state[f"dense/{name}"] = t.detach()
+    optimizer_meta = None
+    if dense_optimizer is not None:
+        tensors, optimizer_meta = _split_optimizer_state(dense_optimizer.state_dict())
+        state.update(tensors)
+    state["progress/step"] = torch.tensor(step)
+    state["progress/next_batch"] = torch.tensor(next_batch)
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "next_batch": next_batch,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "tables": tables_meta,
+            "dense_keys": sorted(_dense_state(model)),
+            "dense_optimizer": optimizer_meta,
+            "plan": json.loads(plan.to_json()) if plan is not None else None,
+            "config": config,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)  # the checkpoint becomes visible only now, complete
+    _barrier()
+    return final
+
+
+def _table_json(t: EmbeddingBagConfig) -> Dict[str, Any]:
+    d = asdict(t)
+    d.pop("init_fn", None)
+    d["data_type"] = t.data_type.value
+    d["pooling"] = t.pooling.value
+    return d
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------------------
+# find and load
+# ---------------------------------------------------------------------------
+
+
+def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (temporary directories are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / META_FILE).is_file()]
+    return max(done, key=lambda p: p.name) if done else None
+
+
+def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete recship checkpoint: {META_FILE} is missing")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: DCP's .metadata file is missing")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def _dcp_load(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    missing = _missing_data_files(path)
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: data file {missing[0]} is missing")
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)
+    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+
+def _missing_data_files(path: Path) -> List[str]:
+    """Data files DCP's metadata refers to that are not on disk."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    names = {item.relative_path for item in (md.storage_data or {}).values()}
+    return sorted(n for n in names if not (path / n).is_file())
+
+
+def load_checkpoint(
+    path: Union[str, Path],
+    model: nn.Module,
+    dense_optimizer: Optional[torch.optim.Optimizer] = None,
+) -> Dict[str, Any]:
+    """Loads a checkpoint into ``model`` (under any world size and plan); returns its metadata.
+
+    A collective: every rank calls it. Tables are resharded to the model's plan;
+    optimizer state follows (row-wise adagrad state of a different column split is
+    the width-weighted mean of the saved blocks it covers).
+    """
+    path = Path(path)
+    meta = read_metadata(path)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sharded = _sharded_modules(model)
+    state: Dict[str, Any] = {}
+    rowwise_templates: Dict[str, torch.Tensor] = {}
+    for mpath, module in sharded:
+        template = _table_state(mpath, module, rank, None)
+        for t in module._configs:
+            key = f"tables/{mpath}/{t.name}"
+            saved = meta["tables"].get(f"{mpath}/{t.name}")
+            if saved is None:
+                raise CheckpointError(f"{path} has no table {mpath}/{t.name}")
+            if saved["config"]["num_embeddings"] != t.num_embeddings or saved["config"]["embedding_dim"] != t.embedding_dim:
+                raise CheckpointError(
+                    f"table {t.name}: checkpoint has {saved['config']['num_embeddings']}x{saved['config']['embedding_dim']}, "
+                    f"model has {t.num_embeddings}x{t.embedding_dim}"
+                )
+            if t.name in module.data_parallel:
+                continue
+            state[f"{key}/weight"] = template[f"{key}/weight"]
+            same_optimizer = saved["optimizer"] == module.optimizer.value
+            if not same_optimizer and rank == 0:
+                warnings.warn(f"table {t.name}: optimizer changed ({saved['optimizer']} -> {module.optimizer.value}); its state starts fresh")
+            if same_optimizer and module.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+                # [rows, G] of the saving plan: read whole (it is 1/dim of the table) and map onto our shards
+                g = len(saved["column_blocks"])
+                rowwise_templates[f"{key}/state0"] = torch.zeros(t.num_embeddings, g)
+            elif same_optimizer and module.optimizer == EmbOptimType.EXACT_ADAGRAD:
+                state[f"{key}/state0"] = template[f"{key}/state0"]
+    state.update(rowwise_templates)
+    dense = _dense_state(model)
+    missing = sorted(set(dense) - set(meta["dense_keys"]))
+    if missing:
+        raise CheckpointError(f"{path} lacks dense parameters {missing}")
+    for name, t in dense.items():
+        state[f"dense/{name}"] = t.detach()
+    optimizer_tensors: Dict[str, torch.Tensor] = {}
+    if dense_optimizer is not None:
+        if meta.get("dense_optimizer") is None:
+            raise CheckpointError(f"{path} has no dense optimizer state")
+        _init_optimizer_state(dense_optimizer)
+        optimizer_tensors, _ = _split_optimizer_state(dense_optimizer.state_dict())
+        state.update(optimizer_tensors)
+    _dcp_load(state, path)
+    if dense_optimizer is not None:
+        dense_optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, meta["dense_optimizer"], path))
+    for mpath, module in sharded:
+        _copy_into_tbe(mpath, module, state, meta)
+    return meta
+
+
+def _copy_into_tbe(mpath: str, module: ShardedEmbeddingBagCollection, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
+    shards = module.local_shards()
+    states = module.local_optimizer_states()
+    with torch.no_grad():
+        for t in module._configs:
+            if t.name in module.data_parallel:
+                continue
+            key = f"tables/{mpath}/{t.name}"
+            by_offset = {tuple(s.metadata.shard_offsets): s.tensor for s in state[f"{key}/weight"].local_shards()}
+            saved_state = state.get(f"{key}/state0")
+            state_shards, rowwise = None, None
+            if isinstance(saved_state, ShardedTensor):
+                state_shards = {tuple(s.metadata.shard_offsets): s.tensor for s in saved_state.local_shards()}
+            elif saved_state is not None:
+                rowwise = saved_state
+            saved_blocks = meta["tables"][f"{mpath}/{t.name}"]["column_blocks"]
+            for (table, idx), w in shards.items():
+                if table != t.name:
+                    continue
+                offsets = tuple(module._plan[table].shards[idx].shard_offsets)
+                w.copy_(by_offset[offsets])
+                if state_shards is not None:
+                    states[(table, idx)][0].copy_(state_shards[offsets])
+                elif rowwise is not None:
+                    states[(table, idx)][0].copy_(_rowwise_for(rowwise, saved_blocks, t.embedding_dim, offsets, w.shape))
+
+
+def _rowwise_for(saved: torch.Tensor, blocks: List[int], dim: int, offsets, shape) -> torch.Tensor:
+    """Row-wise state of a shard = width-weighted mean of the saved column blocks it overlaps."""
+    r0, c0 = offsets
+    rows, cols = shape
+    edges = blocks + [dim]
+    acc = torch.zeros(rows)
+    for k in range(len(blocks)):
+        overlap = max(0, min(edges[k + 1], c0 + cols) - max(edges[k], c0))
+        if overlap:
+            acc += saved[r0 : r0 + rows, k] * overlap
+    return acc / cols
+
+
+def _split_optimizer_state(sd: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+    """A torch optimizer state_dict -> (its tensors under DCP keys, the rest as JSON)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    scalars: Dict[str, Dict[str, Any]] = {}
+    for index, per_param in sd["state"].items():
+        for name, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"dense_optimizer/{index}/{name}"] = value
+            else:
+                scalars.setdefault(str(index), {})[name] = value
+    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
+
+
+def _join_optimizer_state(tensors: Dict[str, torch.Tensor], saved: Dict[str, Any], path: Path) -> Dict[str, Any]:
+    state: Dict[int, Dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split("/")
+        state.setdefault(int(index), {})[name] = value
+    for index, values in saved["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates lazily-initialised optimizer state (e.g. Adam's) so DCP has a template to fill.
+
+    A step with zero gradients and learning rate 0 changes no parameter; the state
+    it creates is overwritten by the load.
+    """
+    if optimizer.state:
+        return
+    saved_lr = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+        for p in g["params"]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for g, lr in zip(optimizer.param_groups, saved_lr):
+        g["lr"] = lr
+
+
+# ---------------------------------------------------------------------------
+# single-process reader for export
+# ---------------------------------------------------------------------------
+
+
+class CheckpointReader:
+    """Reads a checkpoint in one process without a process group, one table at a time.
+
+    ``tables()`` yields (module path, EmbeddingBagConfig, full float weight) so that
+    peak memory stays near the largest table; ``dense_state_dict()`` returns the
+    dense parameters; ``config`` and ``plan`` are what training stored.
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        self.meta = read_metadata(self.path)
+        self.config = self.meta.get("config")
+        self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None
+        self.step = self.meta["step"]
+
+    def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
+        from recship.trainer.types import DataType, PoolingType
+
+        out = []
+        for key, t in self.meta["tables"].items():
+            c = dict(t["config"])
+            c["data_type"] = DataType(c["data_type"])
+            c["pooling"] = PoolingType(c["pooling"])
+            out.append((key.rpartition("/")[0], EmbeddingBagConfig(**c)))
+        return out
+
+    def tables(self) -> Iterator[Tuple[str, EmbeddingBagConfig, torch.Tensor]]:
+        for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+            if t["data_parallel"]:
+                name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
+            else:
+                name = f"tables/{key}/weight"
+            weight = torch.empty(cfg.num_embeddings, cfg.embedding_dim)
+            _dcp_load({name: weight}, self.path, no_dist=True)
+            yield mpath, cfg, weight
+
+    def dense_state_dict(self) -> Dict[str, torch.Tensor]:
+        keys = [k for k in self.meta["dense_keys"] if ".data_parallel." not in f".{k}"]
+        shapes = _dcp_shapes(self.path)
+        state = {f"dense/{k}": torch.empty(shapes[f"dense/{k}"][0], dtype=shapes[f"dense/{k}"][1]) for k in keys}
+        _dcp_load(state, self.path, no_dist=True)
+        return {k[len("dense/") :]: v for k, v in state.items()}
+
+
+def _dcp_shapes(path: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    out = {}
+    for key, item in md.state_dict_metadata.items():
+        props = getattr(item, "properties", None)
+        if hasattr(item, "size") and props is not None:
+            out[key] = (item.size, props.dtype)
+    return out
+
+
+def load_for_export(path: Union[str, Path]) -> CheckpointReader:
+    """The export pipeline's entry point: a CheckpointReader on ``path``."""
+    return CheckpointReader(path)

@@ -1,0 +1,104 @@
+"""DLRM: dense MLP + embedding tables + pairwise dot interaction + over MLP -> one logit.
+
+    dense [B, num_dense] --dense_arch--> [B, D] --+
+    sparse KJT --EmbeddingBagCollection--> F x [B, D] --+--> dot products of all pairs
+                                                          (upper triangle) ++ dense [B, D]
+                                                          --over_arch--> logit [B]
+"""
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Union
+
+import torch
+from torch import nn
+
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.types import PoolingType
+
+# Criteo's layout: 13 integer (dense) features, 26 categorical (sparse) features.
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+
+
+@dataclass
+class DLRMConfig:
+    """Shape of a DLRM.
+
+    Args:
+        num_embeddings_per_feature: rows of each sparse feature's table (one
+            table per feature, named ``t_<feature>``).
+        embedding_dim: width of every table and of the dense arch's output.
+        num_dense: dense input features.
+        dense_arch: hidden widths of the dense MLP (its output is embedding_dim).
+        over_arch: hidden widths of the over MLP (its output is one logit).
+        sparse_feature_names: feature names; default cat_0 .. cat_{n-1}.
+    """
+
+    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * CRITEO_NUM_SPARSE)
+    embedding_dim: int = 16
+    num_dense: int = CRITEO_NUM_DENSE
+    dense_arch: List[int] = field(default_factory=lambda: [64])
+    over_arch: List[int] = field(default_factory=lambda: [64, 32])
+    sparse_feature_names: Optional[List[str]] = None
+
+    def __post_init__(self) -> None:
+        if not self.num_embeddings_per_feature:
+            raise ValueError("a DLRM needs at least one sparse feature")
+        if self.embedding_dim % 4 != 0:
+            raise ValueError(f"embedding_dim must be a multiple of 4 (fbgemm kernels), got {self.embedding_dim}")
+        if self.sparse_feature_names is None:
+            self.sparse_feature_names = [f"cat_{i}" for i in range(len(self.num_embeddings_per_feature))]
+        if len(self.sparse_feature_names) != len(self.num_embeddings_per_feature):
+            raise ValueError(
+                f"{len(self.sparse_feature_names)} feature names for "
+                f"{len(self.num_embeddings_per_feature)} tables"
+            )
+
+    def tables(self) -> List[EmbeddingBagConfig]:
+        return [
+            EmbeddingBagConfig(
+                name=f"t_{name}",
+                num_embeddings=rows,
+                embedding_dim=self.embedding_dim,
+                feature_names=[name],
+                pooling=PoolingType.SUM,
+            )
+            for name, rows in zip(self.sparse_feature_names, self.num_embeddings_per_feature)
+        ]
+
+
+def _mlp(widths: List[int], device, final_activation: bool) -> nn.Sequential:
+    layers: List[nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(nn.Linear(widths[i], widths[i + 1], device=device))
+        if i < len(widths) - 2 or final_activation:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """forward(dense [B, num_dense] float32, sparse KJT) -> logit [B]."""
+
+    def __init__(self, config: DLRMConfig, device: Optional[Union[str, torch.device]] = None) -> None:
+        super().__init__()
+        self.config = config
+        d = config.embedding_dim
+        f = len(config.num_embeddings_per_feature)
+        self.dense_arch = _mlp([config.num_dense] + config.dense_arch + [d], device, final_activation=True)
+        self.sparse_arch = EmbeddingBagCollection(config.tables(), device=device)
+        num_pairs = (f + 1) * f // 2
+        self.over_arch = _mlp([d + num_pairs] + config.over_arch + [1], device, final_activation=False)
+        rows, cols = torch.triu_indices(f + 1, f + 1, offset=1)
+        self.register_buffer("_pair_rows", rows, persistent=False)
+        self.register_buffer("_pair_cols", cols, persistent=False)
+
+    def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        dense_emb = self.dense_arch(dense)  # [B, D]
+        pooled = self.sparse_arch(sparse).values()  # [B, F * D]
+        b = dense_emb.shape[0]
+        stacked = torch.cat([dense_emb.unsqueeze(1), pooled.view(b, -1, dense_emb.shape[1])], dim=1)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
+        pairs = dots[:, self._pair_rows, self._pair_cols]
+        return self.over_arch(torch.cat([dense_emb, pairs], dim=1)).squeeze(1)

@@ -1,0 +1,381 @@
+"""``recship train``: train a DLRM with sharded tables on one or more ranks, with checkpoints.
+
+    recship train --out runs/demo                         # 1 rank, synthetic data, defaults
+    recship train --out runs/demo --nproc-per-node 2      # spawns 2 local gloo ranks
+    torchrun --nproc-per-node 2 -m recship.trainer --out runs/demo
+    recship train --config train.yaml --resume            # YAML or JSON with the same fields
+
+Rank 0 shows a progress bar (step, samples/s, loss), evaluates log loss and AUC
+on held-out data every ``eval_every`` steps, and prints a summary at the end.
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from recship.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recship.trainer.data import CriteoTSV, SyntheticConfig, SyntheticCriteo, prefetch
+from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.model_parallel import DistributedModelParallel
+from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
+
+EVAL_STREAM = 1_000_000  # synthetic eval batches come from rank ids past this: never trained on
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; the CLI, YAML/JSON files and tests fill it."""
+
+    out: str = "runs/recship"
+    steps: int = 300
+    batch_size: int = 256  # examples per rank per step
+    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * 26)
+    embedding_dim: int = 16
+    dense_arch: List[int] = field(default_factory=lambda: [64])
+    over_arch: List[int] = field(default_factory=lambda: [64, 32])
+    optimizer: str = "exact_rowwise_adagrad"
+    embedding_lr: float = 0.05
+    dense_lr: float = 0.05
+    sharding: Optional[str] = None  # force one sharding type for every table; None: the planner decides
+    data: str = "synthetic"  # or the path of a Criteo TSV file
+    eval_data: Optional[str] = None  # Criteo TSV for evaluation (synthetic data has its own held-out stream)
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    resume: bool = False
+    seed: int = 0
+    nproc_per_node: int = 1
+    progress: bool = True
+
+    def model_config(self) -> DLRMConfig:
+        return DLRMConfig(
+            num_embeddings_per_feature=list(self.num_embeddings_per_feature),
+            embedding_dim=self.embedding_dim,
+            dense_arch=list(self.dense_arch),
+            over_arch=list(self.over_arch),
+        )
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.batch_size < 1:
+            raise ValueError("steps must be >= 0 and batch_size >= 1")
+        try:
+            EmbOptimType(self.optimizer)
+        except ValueError:
+            valid = ", ".join(o.value for o in EmbOptimType)
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of {valid}") from None
+        if self.sharding is not None:
+            try:
+                ShardingType(self.sharding)
+            except ValueError:
+                valid = ", ".join(s.value for s in ShardingType)
+                raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {valid}") from None
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Area under the ROC curve (Mann-Whitney U, ties counted half)."""
+    pos = int(labels.sum())
+    neg = labels.numel() - pos
+    if pos == 0 or neg == 0:
+        return float("nan")
+    order = torch.argsort(scores)
+    sorted_scores = scores[order]
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
+    # average the ranks of tied scores
+    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
+    if unique.numel() < scores.numel():
+        rank_sum = torch.zeros(unique.numel(), dtype=torch.float64).index_add_(0, inverse, ranks[order])
+        ranks[order] = (rank_sum / counts)[inverse]
+    return float((ranks[labels > 0.5].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+class _Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        torch.manual_seed(config.seed)
+        model_config = config.model_config()
+        model = DLRM(model_config, device="meta")
+        constraints = None
+        if config.sharding is not None:
+            st = ShardingType(config.sharding)
+            constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in model_config.tables()}
+        optimizer = FusedOptimizerConfig(EmbOptimType(config.optimizer), learning_rate=config.embedding_lr)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        topology = Topology(self.world_size, "cpu", local_world_size=local if self.world_size % local == 0 else None)
+        self.plan = EmbeddingShardingPlanner(topology, constraints, optimizer, config.batch_size).collective_plan(model)
+        torch.manual_seed(config.seed)  # dense init identical on every rank and for every world size
+        self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer)
+        self.dense_optimizer = torch.optim.Adagrad(self.model.dense_parameters(), lr=config.dense_lr)
+        self.model_config = model_config
+        self.step = 0
+        self.next_batch = 0
+        self.losses: List[float] = []
+
+    # -- data --------------------------------------------------------------
+
+    def _train_batches(self, start: int):
+        c = self.config
+        if c.data == "synthetic":
+            gen = SyntheticCriteo(SyntheticConfig(c.num_embeddings_per_feature, batch_size=c.batch_size, seed=c.seed))
+            return prefetch(gen.batches(start=start, rank=self.rank))
+        reader = CriteoTSV(c.data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
+        return prefetch(_skip(_repeat(reader), start))
+
+    def _eval_batches(self):
+        c = self.config
+        if c.eval_data is not None:
+            reader = CriteoTSV(c.eval_data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
+            return list(reader)[: c.eval_batches]
+        if c.data != "synthetic":
+            return []
+        gen = SyntheticCriteo(SyntheticConfig(c.num_embeddings_per_feature, batch_size=c.batch_size, seed=c.seed))
+        return [gen.batch(i, EVAL_STREAM + self.rank) for i in range(c.eval_batches)]
+
+    # -- loop --------------------------------------------------------------
+
+    def evaluate(self) -> Dict[str, float]:
+        scores, labels = [], []
+        with torch.no_grad():
+            for b in self._eval_batches():
+                scores.append(self.model(b.dense, b.sparse))
+                labels.append(b.labels)
+        if not scores:
+            return {}
+        s, l = torch.cat(scores), torch.cat(labels)
+        # gather every rank's predictions so rank 0 reports the global metrics
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, (s, l))
+        s = torch.cat([g[0] for g in gathered])
+        l = torch.cat([g[1] for g in gathered])
+        log_loss = float(nn.functional.binary_cross_entropy_with_logits(s, l))
+        return {"log_loss": log_loss, "auc": auc(s, l), "examples": l.numel()}
+
+    def checkpoint(self) -> Path:
+        return save_checkpoint(
+            Path(self.config.out) / "checkpoints",
+            self.step,
+            self.model,
+            self.dense_optimizer,
+            next_batch=self.next_batch,
+            plan=self.plan,
+            config={"model": asdict(self.model_config), "train": asdict(self.config)},
+        )
+
+    def resume(self) -> Optional[Path]:
+        path = latest_checkpoint(Path(self.config.out) / "checkpoints")
+        if path is None:
+            return None
+        meta = load_checkpoint(path, self.model, self.dense_optimizer)
+        self.step = meta["step"]
+        self.next_batch = meta["next_batch"]
+        return path
+
+    def run(self) -> Dict[str, Any]:
+        c = self.config
+        resumed = self.resume() if c.resume else None
+        show = self.rank == 0 and c.progress
+        bar = _progress(total=c.steps, initial=self.step, enabled=show)
+        batches = self._train_batches(self.next_batch)
+        evals: List[Dict[str, float]] = []
+        last_checkpoint = None
+        started, seen = time.perf_counter(), 0
+        while self.step < c.steps:
+            b = next(batches, None)
+            if b is None:
+                break
+            logits = self.model(b.dense, b.sparse)
+            loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+            loss.backward()  # the sharded tables are updated inside backward
+            self.dense_optimizer.step()
+            self.dense_optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+            self.next_batch += 1
+            self.losses.append(float(loss.detach()))
+            seen += len(b) * self.world_size
+            rate = seen / max(time.perf_counter() - started, 1e-9)
+            bar.update(1)
+            bar.set_postfix(loss=f"{self.losses[-1]:.4f}", samples_per_s=f"{rate:.0f}")
+            if c.eval_every and self.step % c.eval_every == 0:
+                evals.append({"step": self.step, **self.evaluate()})
+                if show:
+                    bar.write(f"step {self.step}: eval {evals[-1]}")
+            if c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                last_checkpoint = self.checkpoint()
+        bar.close()
+        if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
+            last_checkpoint = self.checkpoint()
+        final_eval = self.evaluate()
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "steps": self.step,
+            "resumed_from": str(resumed) if resumed else None,
+            "losses": self.losses,
+            "evals": evals,
+            "final_eval": final_eval,
+            "checkpoint": str(last_checkpoint),
+            "samples_per_s": seen / max(time.perf_counter() - started, 1e-9),
+        }
+
+
+def _repeat(reader):
+    while True:
+        yielded = False
+        for b in reader:
+            yielded = True
+            yield b
+        if not yielded:
+            raise ValueError(f"{reader.path} holds no valid example")
+
+
+def _skip(it, n: int):
+    for i, b in enumerate(it):
+        if i >= n:
+            yield b
+
+
+class _NoBar:
+    def update(self, n: int) -> None: ...
+    def set_postfix(self, **kw: Any) -> None: ...
+    def write(self, s: str) -> None: print(s)
+    def close(self) -> None: ...
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------
+
+
+def train(config: TrainConfig) -> Dict[str, Any]:
+    """Trains on the already-initialised process group (one call per rank); returns this rank's summary."""
+    if not dist.is_initialized():
+        raise ValueError("train() needs torch.distributed initialised; use launch() to start ranks")
+    return _Trainer(config).run()
+
+
+def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out: str) -> None:
+    """One local rank; spawned ranks are separate processes, a single rank runs in this one."""
+    if world_size > 1:
+        os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        summary = train(config)
+        Path(out, f"summary_rank{rank}.json").write_text(json.dumps(summary))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(config: TrainConfig) -> Dict[str, Any]:
+    """Runs training: in this process's group (torchrun), or spawning ``nproc_per_node`` gloo ranks.
+
+    Returns rank 0's summary.
+    """
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        try:
+            return train(config)
+        finally:
+            dist.destroy_process_group()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    n = config.nproc_per_node
+    if n < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {n}")
+    if n == 1:
+        _rank_entry(0, 1, port, config, config.out)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_rank_entry, args=(n, port, config, config.out), nprocs=n)
+    return json.loads(Path(config.out, "summary_rank0.json").read_text())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON file with TrainConfig fields (flags override it)")
+    defaults = TrainConfig()
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        value = getattr(defaults, f.name)
+        if isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {value})")
+        elif isinstance(value, list):
+            parser.add_argument(flag, type=int, nargs="+", default=None, help=f"(default {value[:4]}{'...' if len(value) > 4 else ''})")
+        else:
+            kind = float if isinstance(value, float) else int if isinstance(value, int) else str
+            parser.add_argument(flag, type=kind, default=None, help=f"(default {value})")
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values: Dict[str, Any] = {}
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        text = path.read_text()
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text) or {}
+        else:
+            values = json.loads(text)
+        unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})
+        if unknown:
+            raise ValueError(f"{path}: unknown fields {unknown}")
+    for f in fields(TrainConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = v
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    summary = launch(config)
+    if summary["rank"] != 0:
+        return 0
+    final = summary["final_eval"]
+    first = sum(summary["losses"][:10]) / max(1, len(summary["losses"][:10]))
+    last = sum(summary["losses"][-10:]) / max(1, len(summary["losses"][-10:]))
+    print(
+        f"trained {summary['steps']} steps on {summary['world_size']} rank(s): "
+        f"loss {first:.4f} -> {last:.4f} (mean of first/last 10 steps), "
+        + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}, " if final else "")
+        + f"{summary['samples_per_s']:.0f} samples/s; checkpoint {summary['checkpoint']}"
+    )
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="recship.trainer", description="Train a DLRM with sharded embedding tables.")
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"recship train: error: {e}", file=sys.stderr)
+        return 2
