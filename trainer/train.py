@@ -259,7 +259,7 @@ def _progress(total: int, initial: int, enabled: bool):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
 # ---------------------------------------------------------------------------
