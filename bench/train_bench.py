@@ -11,6 +11,7 @@ and the ratios against the baseline measured in the same run.
 
 import argparse
 import os
+from pathlib import Path
 import socket
 import time
 
@@ -111,6 +112,30 @@ def fused(args, world_size):
     return sum(r[1] for r in results), max(r[2] for r in results), sum(r[3] for r in results)
 
 
+def dlrm(args):
+    """End-to-end DLRM (26 tables x rows x dim) at world sizes 1 and 2, then checkpoint save/load."""
+    import shutil
+    import tempfile
+
+    from recship.trainer.train import TrainConfig, launch
+
+    rows = [args.rows] * 26
+    print(f"DLRM: 26 tables x {args.rows} rows x dim {args.dim}, batch {args.batch}/rank, {args.steps} steps, synthetic data")
+    print(f"{'world':>5s} {'samples/s':>10s} {'save s':>7s} {'load s':>7s} {'checkpoint MB':>14s}")
+    for ws in (1, 2):
+        out = tempfile.mkdtemp(prefix="recship-bench-")
+        try:
+            base = dict(out=out, num_embeddings_per_feature=rows, embedding_dim=args.dim, batch_size=args.batch,
+                        eval_every=0, checkpoint_every=0, eval_batches=1, progress=False, nproc_per_node=ws)
+            trained = launch(TrainConfig(steps=args.steps, **base))
+            resumed = launch(TrainConfig(steps=args.steps, resume=True, **base))  # loads, trains 0 steps
+            size = sum(f.stat().st_size for f in Path(trained["checkpoint"]).rglob("*") if f.is_file())
+            print(f"{ws:5d} {trained['samples_per_s']:10.0f} {trained['final_save_seconds']:7.2f} "
+                  f"{resumed['load_seconds']:7.2f} {size / 2**20:14.1f}")
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tables", type=int, default=8)
@@ -120,7 +145,10 @@ def main():
     parser.add_argument("--pooling", type=int, default=20)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--dlrm", action="store_true", help="instead: end-to-end DLRM samples/s and checkpoint save/load")
     args = parser.parse_args()
+    if args.dlrm:
+        return dlrm(args)
     torch.set_num_threads(args.threads)
     print(f"{args.tables} tables x {args.rows} rows x dim {args.dim}, batch {args.batch}/rank, pooling {args.pooling}, {args.steps} steps, {args.threads} threads")
     base = baseline(args)

@@ -123,6 +123,7 @@ class _Trainer:
         self.step = 0
         self.next_batch = 0
         self.losses: List[float] = []
+        self.load_seconds = 0.0
 
     # -- data --------------------------------------------------------------
 
@@ -178,7 +179,9 @@ class _Trainer:
         path = latest_checkpoint(Path(self.config.out) / "checkpoints")
         if path is None:
             return None
+        t = time.perf_counter()
         meta = load_checkpoint(path, self.model, self.dense_optimizer)
+        self.load_seconds = time.perf_counter() - t
         self.step = meta["step"]
         self.next_batch = meta["next_batch"]
         return path
@@ -215,8 +218,11 @@ class _Trainer:
             if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                 last_checkpoint = self.checkpoint()
         bar.close()
+        train_seconds = time.perf_counter() - started
+        save_started = time.perf_counter()
         if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
             last_checkpoint = self.checkpoint()
+        save_seconds = time.perf_counter() - save_started
         final_eval = self.evaluate()
         return {
             "rank": self.rank,
@@ -227,7 +233,9 @@ class _Trainer:
             "evals": evals,
             "final_eval": final_eval,
             "checkpoint": str(last_checkpoint),
-            "samples_per_s": seen / max(time.perf_counter() - started, 1e-9),
+            "samples_per_s": seen / max(train_seconds, 1e-9),
+            "final_save_seconds": save_seconds,
+            "load_seconds": self.load_seconds,
         }
 
 
