@@ -49,6 +49,17 @@ with warnings.catch_warnings():
     from torch.distributed._shard.sharded_tensor import ShardMetadata as _TorchShardMetadata
 
 
+# ShardedTensor (arbitrary shard offsets, which DTensor cannot express for our column
+# blocks and single-rank table-wise shards) is marked for deprecation; DCP warns on every use.
+_SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
+
+
+def _quiet_dcp(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
+        return fn(*args, **kwargs)
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, partial or corrupt; the message names the missing piece."""
 
@@ -187,7 +198,7 @@ def save_checkpoint(
         state.update(tensors)
     state["progress/step"] = torch.tensor(step)
     state["progress/next_batch"] = torch.tensor(next_batch)
-    dcp.save(state, checkpoint_id=str(tmp))
+    _quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
         meta = {
@@ -259,7 +270,7 @@ def _dcp_load(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
     if missing:
         raise CheckpointError(f"{path} is incomplete: data file {missing[0]} is missing")
     try:
-        dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)
+        _quiet_dcp(dcp.load, state, checkpoint_id=str(path), no_dist=no_dist)
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
         raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 

@@ -56,7 +56,11 @@ class TrainConfig:
     resume: bool = False
     seed: int = 0
     nproc_per_node: int = 1
+    device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r of its host) or "auto" (cuda when available)
     progress: bool = True
+
+    def use_cuda(self) -> bool:
+        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
 
     def model_config(self) -> DLRMConfig:
         return DLRMConfig(
@@ -74,6 +78,10 @@ class TrainConfig:
         except ValueError:
             valid = ", ".join(o.value for o in EmbOptimType)
             raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of {valid}") from None
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
         if self.sharding is not None:
             try:
                 ShardingType(self.sharding)
@@ -114,10 +122,14 @@ class _Trainer:
             constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in model_config.tables()}
         optimizer = FusedOptimizerConfig(EmbOptimType(config.optimizer), learning_rate=config.embedding_lr)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
-        topology = Topology(self.world_size, "cpu", local_world_size=local if self.world_size % local == 0 else None)
+        if config.use_cuda():
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % local)))
+        else:
+            self.device = torch.device("cpu")
+        topology = Topology(self.world_size, self.device.type, local_world_size=local if self.world_size % local == 0 else None)
         self.plan = EmbeddingShardingPlanner(topology, constraints, optimizer, config.batch_size).collective_plan(model)
         torch.manual_seed(config.seed)  # dense init identical on every rank and for every world size
-        self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer)
+        self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer, device=self.device)
         self.dense_optimizer = torch.optim.Adagrad(self.model.dense_parameters(), lr=config.dense_lr)
         self.model_config = model_config
         self.step = 0
@@ -151,8 +163,9 @@ class _Trainer:
         scores, labels = [], []
         with torch.no_grad():
             for b in self._eval_batches():
-                scores.append(self.model(b.dense, b.sparse))
-                labels.append(b.labels)
+                b = b.to(self.device)
+                scores.append(self.model(b.dense, b.sparse).cpu())
+                labels.append(b.labels.cpu())
         if not scores:
             return {}
         s, l = torch.cat(scores), torch.cat(labels)
@@ -199,6 +212,7 @@ class _Trainer:
             b = next(batches, None)
             if b is None:
                 break
+            b = b.to(self.device, non_blocking=True)
             logits = self.model(b.dense, b.sparse)
             loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
             loss.backward()  # the sharded tables are updated inside backward
@@ -286,8 +300,12 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
     """One local rank; spawned ranks are separate processes, a single rank runs in this one."""
     if world_size > 1:
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    backend = "nccl" if config.use_cuda() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         summary = train(config)
         Path(out, f"summary_rank{rank}.json").write_text(json.dumps(summary))
@@ -302,7 +320,9 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     """
     Path(config.out).mkdir(parents=True, exist_ok=True)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if config.use_cuda() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         if not dist.is_initialized():
             dist.init_process_group(backend)
         try:

@@ -162,3 +162,38 @@ def test_training_learns_the_synthetic_task(tmp_path):
     assert summary["final_eval"]["auc"] > 0.65
     first, last = summary["losses"][:10], summary["losses"][-10:]
     assert sum(last) / 10 < sum(first) / 10 - 0.03
+
+
+def test_cli_config_file_yaml_and_json_with_flag_override(tmp_path, capsys):
+    from recship.cli import main
+
+    common = {"steps": 3, "batch_size": 16, "num_embeddings_per_feature": [20] * 26, "embedding_dim": 4,
+              "dense_arch": [8], "over_arch": [8], "eval_every": 0, "eval_batches": 1, "checkpoint_every": 0}
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("".join(f"{k}: {v}\n" for k, v in common.items()))
+    assert main(["train", "--config", str(yaml_file), "--out", str(tmp_path / "y"), "--steps", "2", "--no-progress"]) == 0
+    assert "trained 2 steps on 1 rank(s)" in capsys.readouterr().out  # the flag overrides the file
+    json_file = tmp_path / "c.json"
+    json_file.write_text(json.dumps({**common, "out": str(tmp_path / "j"), "progress": False}))
+    assert main(["train", "--config", str(json_file)]) == 0
+    assert "trained 3 steps" in capsys.readouterr().out
+    json_file.write_text(json.dumps({"stepz": 3}))
+    assert main(["train", "--config", str(json_file)]) == 2
+    assert "unknown fields ['stepz']" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "x"), "--optimizer", "adamw"]) == 2
+    assert "unknown optimizer 'adamw'" in capsys.readouterr().err
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_train_on_a_criteo_file(tmp_path):
+    from test_data import ROWS, _line
+
+    g = torch.Generator().manual_seed(0)
+    lines = ["\t".join(_line(g, empty_every=(i % 4 == 0))) for i in range(100)]
+    lines.insert(10, "garbage line")
+    data = tmp_path / "train.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    summary = launch(small(tmp_path / "run", steps=5, batch_size=16, num_embeddings_per_feature=ROWS,
+                           data=str(data), eval_data=str(data), eval_every=5, checkpoint_every=0))
+    assert summary["steps"] == 5 and len(summary["losses"]) == 5
+    assert summary["final_eval"]["examples"] == 2 * 16
