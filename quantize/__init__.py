@@ -1,1 +1,21 @@
-"""Quantization of float embedding tables to fbgemm TBE weight types (int8/int4/int2/fp16/fp8)."""
+"""Quantization of float embedding tables to fbgemm TBE weight types (int8/int4/int2/fp8/fp16/fp32)."""
+
+from recship.quantize.modules import QuantEmbeddingBagCollection
+from recship.quantize.quantizer import (
+    QuantConfig,
+    QuantizationReport,
+    TableReport,
+    quantize_embedding_bag_collection,
+)
+from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
+
+__all__ = [
+    "QuantConfig",
+    "QuantEmbeddingBagCollection",
+    "QuantizationReport",
+    "TableReport",
+    "dequantize_rows",
+    "quantize_embedding_bag_collection",
+    "quantize_rows",
+    "row_bytes",
+]

@@ -1,0 +1,248 @@
+"""QuantEmbeddingBagCollection: quantized tables served by fbgemm's inference TBE.
+
+Same contract as the float EmbeddingBagCollection: KJT in, KeyedTensor out (keys
+in table order, float32 values). All tables with the same pooling share one
+``IntNBitTableBatchedEmbeddingBagsCodegen`` (a TBE holds mixed weight types), so a
+module makes at most two kernel calls (SUM and MEAN).
+
+Ids are validated before the kernel: an id outside its table is an error naming
+feature, table, id and size (fbgemm's default bounds check would silently rewrite
+it to row 0), unless that feature's id policy is "modulo", which hashes ids into
+the table. The kernel's own check runs in FATAL mode as a second line.
+
+fbgemm keeps the quantized rows in ``weights_host``, a plain attribute that
+``state_dict()`` does not see; this module registers the same tensor as a buffer
+(``weights_<group>``), so state_dict / load_state_dict round trips keep the weights.
+"""
+
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.types import DataType, PoolingType
+
+ID_POLICIES = ("reject", "modulo")
+
+
+@torch.fx.wrap
+def _check_ids(
+    ids: torch.Tensor,
+    counts: List[int],
+    rows: List[int],
+    modulo: List[bool],
+    features: List[str],
+    tables: List[str],
+) -> torch.Tensor:
+    """ids of consecutive features (counts[i] ids each) checked against rows[i]; modulo features hashed."""
+    device = ids.device
+    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
+    limits = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), counts_t)
+    ids = ids.to(torch.int64)
+    if any(modulo):
+        hashed = torch.repeat_interleave(torch.tensor(modulo, dtype=torch.bool, device=device), counts_t)
+        ids = torch.where(hashed, torch.remainder(ids, limits), ids)
+    bad = (ids < 0) | (ids >= limits)
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        i = 0
+        start = 0
+        while start + counts[i] <= first:
+            start += counts[i]
+            i += 1
+        raise ValueError(
+            f"feature '{features[i]}': id {int(ids[first])} is outside table '{tables[i]}' "
+            f"of {rows[i]} rows (ids must be in [0, {rows[i]}))"
+        )
+    return ids
+
+
+def _sparse_type(data_type: DataType):
+    return data_type.to_sparse_type()
+
+
+class QuantEmbeddingBagCollection(nn.Module):
+    """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
+
+    Args:
+        tables: the float module's table configs.
+        weight_types: table name -> DataType of its stored rows.
+        is_weighted: use the KJT's weights as per-id scores.
+        device: "cpu" or a CUDA device.
+        row_alignment: bytes each row is padded to; default 1 on CPU, 16 on CUDA.
+        id_policy: feature -> "reject" (default) or "modulo".
+    """
+
+    _names: List[str]
+    _dims: List[int]
+    _group_features: List[List[str]]
+    _group_rows: List[List[int]]
+    _group_tables: List[List[str]]
+    _group_modulo: List[List[bool]]
+    _group_mean: List[bool]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        weight_types: Dict[str, DataType],
+        is_weighted: bool = False,
+        device: Union[str, torch.device] = "cpu",
+        row_alignment: Optional[int] = None,
+        id_policy: Optional[Dict[str, str]] = None,
+    ) -> None:
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+            IntNBitTableBatchedEmbeddingBagsCodegen,
+        )
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        device = torch.device(device)
+        self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
+        id_policy = dict(id_policy or {})
+        all_features = [f for t in tables for f in t.feature_names]
+        for f, policy in id_policy.items():
+            if f not in all_features:
+                raise ValueError(f"id_policy names feature {f!r}, which no table has")
+            if policy not in ID_POLICIES:
+                raise ValueError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {policy!r}")
+        for t in tables:
+            dt = weight_types.get(t.name)
+            if dt is None:
+                raise ValueError(f"no weight type for table {t.name!r}")
+            if dt == DataType.BF16:
+                raise ValueError(f"table {t.name!r}: BF16 is not supported by fbgemm's inference TBE; use FP16")
+        self._tables = list(tables)
+        self._weight_types = {t.name: weight_types[t.name] for t in tables}
+        self._is_weighted = is_weighted
+        self.id_policy = {f: id_policy.get(f, "reject") for f in all_features}
+        location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+
+        self.tbes = nn.ModuleList()
+        self._group_features = []
+        self._group_rows = []
+        self._group_tables = []
+        self._group_modulo = []
+        self._group_mean = []
+        groups = [(p, [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
+        for pooling, group in groups:
+            if not group:
+                continue
+            feature_table_map = [i for i, t in enumerate(group) for _ in t.feature_names]
+            tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+                embedding_specs=[
+                    (t.name, t.num_embeddings, t.embedding_dim, _sparse_type(self._weight_types[t.name]), location)
+                    for t in group
+                ],
+                feature_table_map=feature_table_map,
+                pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
+                device=device,
+                bounds_check_mode=BoundsCheckMode.FATAL,
+                output_dtype=SparseType.FP32,
+                row_alignment=self.row_alignment,
+                fp8_exponent_bits=FP8_EXPONENT_BITS,
+                fp8_exponent_bias=FP8_EXPONENT_BIAS,
+            )
+            tbe.initialize_weights()
+            self.register_buffer(f"weights_{len(self.tbes)}", tbe.weights_host if device.type == "cpu" else tbe.weights_dev)
+            self.tbes.append(tbe)
+            self._group_features.append([f for t in group for f in t.feature_names])
+            self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
+            self._group_tables.append([t.name for t in group for _ in t.feature_names])
+            self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
+            self._group_mean.append(pooling == PoolingType.MEAN)
+        # output columns: the groups' outputs reordered into table order
+        self._names = [f for t in tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        group_order = [f for fs in self._group_features for f in fs]
+        self._needs_reorder = group_order != self._names
+        self.register_buffer(
+            "_column_order", _column_permutation(group_order, self._names, dict(zip(self._names, self._dims))), persistent=False
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        per_feature = features.to_dict()
+        outputs: List[torch.Tensor] = []
+        g = 0
+        for tbe in self.tbes:
+            ids_parts: List[torch.Tensor] = []
+            length_parts: List[torch.Tensor] = []
+            weight_parts: List[torch.Tensor] = []
+            counts: List[int] = []
+            for name in self._group_features[g]:
+                jt = per_feature[name]
+                ids_parts.append(jt.values())
+                length_parts.append(jt.lengths())
+                counts.append(jt.values().shape[0])
+                if self._is_weighted:
+                    weight_parts.append(jt.weights())
+            ids = _check_ids(
+                torch.cat(ids_parts),
+                counts,
+                self._group_rows[g],
+                self._group_modulo[g],
+                self._group_features[g],
+                self._group_tables[g],
+            )
+            lengths = torch.cat(length_parts).to(torch.int64)
+            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
+            per_sample_weights: Optional[torch.Tensor] = None
+            if self._is_weighted:
+                per_sample_weights = torch.cat(weight_parts).float()
+            outputs.append(tbe(ids, offsets, per_sample_weights))
+            g += 1
+        values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        if self._needs_reorder:
+            values = values.index_select(1, self._column_order)
+        return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values, key_dim=1)
+
+    # -- weights -----------------------------------------------------------
+
+    def table_weights(self) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """table -> (packed rows [rows, bytes] uint8, scale_bias [rows, 4] uint8 or None): writable views."""
+        out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        for tbe, tables in zip(self.tbes, _unique_in_order(self._group_tables)):
+            for name, (data, scale_bias) in zip(tables, tbe.split_embedding_weights()):
+                out[name] = (data, scale_bias)
+        return out
+
+    def weight_types(self) -> Dict[str, DataType]:
+        return dict(self._weight_types)
+
+    def tables(self) -> List[EmbeddingBagConfig]:
+        return list(self._tables)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    def weight_bytes(self) -> int:
+        """Bytes of every TBE's stored rows, alignment padding included."""
+        return sum(int(getattr(self, f"weights_{i}").numel()) for i in range(len(self.tbes)))
+
+
+def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:
+    out = []
+    for g in groups:
+        seen: List[str] = []
+        for name in g:
+            if name not in seen:
+                seen.append(name)
+        out.append(seen)
+    return out
+
+
+def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:
+    """Column indices that turn outputs concatenated in ``source`` order into ``target`` order."""
+    start: Dict[str, int] = {}
+    col = 0
+    for name in source:
+        start[name] = col
+        col += dims[name]
+    return torch.cat([torch.arange(start[n], start[n] + dims[n]) for n in target])

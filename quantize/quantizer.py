@@ -1,0 +1,264 @@
+"""Quantize a float EmbeddingBagCollection, table by table, with an error report.
+
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4",
+                                                                      per_table={"small": "fp16"}))
+    print(report)                      # per table: type, bytes before/after, row and pooled errors
+    report.to_json()                   # what the export manifest carries
+
+``data_type="auto"`` picks, per table, the smallest type whose measured error (on a
+sample of the table's rows and on sample pooled lookups) stays within
+``error_budget``. Rows are processed ``chunk_rows`` at a time, so tables of any
+size quantize with bounded extra memory.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Tuple, Union
+
+import torch
+
+from recship.quantize.modules import QuantEmbeddingBagCollection
+from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.types import DataType
+
+INFERENCE_TYPES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP8, DataType.FP16, DataType.FP32)
+# auto mode tries these, smallest first (FP8 costs what INT8 costs and is less accurate here)
+AUTO_CANDIDATES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP16, DataType.FP32)
+AUTO = "auto"
+
+
+def _parse_type(value: Union[str, DataType], what: str) -> Union[str, DataType]:
+    if isinstance(value, DataType):
+        dt = value
+    elif isinstance(value, str) and value.lower() == AUTO:
+        return AUTO
+    else:
+        dt = DataType.parse(value)
+    if dt not in INFERENCE_TYPES:
+        valid = ", ".join(d.name.lower() for d in INFERENCE_TYPES)
+        raise ValueError(f"{what}: {dt.name} cannot be served by fbgemm's inference kernels; use one of {valid} or auto")
+    return dt
+
+
+@dataclass
+class QuantConfig:
+    """How to quantize.
+
+    Args:
+        data_type: the default for every table: a DataType, its name, or "auto".
+        per_table: table name -> type (or "auto"), overriding the default.
+        error_budget: for "auto", the largest acceptable relative error.
+        error_minimizing: for INT4/INT2, search clipping ranges per row (never worse
+            than min/max on any row).
+        device: "cpu" or "cuda" (decides row alignment: 1 on CPU, 16 on CUDA).
+        row_alignment: override the device's row alignment.
+        chunk_rows: rows quantized at a time.
+        id_policy: feature -> "reject" (default) or "modulo".
+        sample_batches, sample_batch_size, sample_pooling, seed: the sample lookups
+            the pooled error is measured on.
+    """
+
+    data_type: Union[str, DataType] = DataType.INT8
+    per_table: Dict[str, Union[str, DataType]] = field(default_factory=dict)
+    error_budget: float = 0.01
+    error_minimizing: bool = True
+    device: str = "cpu"
+    row_alignment: Optional[int] = None
+    chunk_rows: int = 65536
+    id_policy: Dict[str, str] = field(default_factory=dict)
+    sample_batches: int = 4
+    sample_batch_size: int = 128
+    sample_pooling: int = 20
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.data_type = _parse_type(self.data_type, "data_type")
+        self.per_table = {t: _parse_type(v, f"table {t!r}") for t, v in self.per_table.items()}
+        if self.error_budget <= 0:
+            raise ValueError(f"error_budget must be > 0, got {self.error_budget}")
+        if self.chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
+
+    @property
+    def alignment(self) -> int:
+        if self.row_alignment is not None:
+            return self.row_alignment
+        return 16 if self.device.startswith("cuda") else 1
+
+
+@dataclass
+class TableReport:
+    """What quantization did to one table."""
+
+    table: str
+    data_type: str
+    chosen_by: str  # "default", "per_table" or "auto"
+    rows: int
+    dim: int
+    float_bytes: int
+    quantized_bytes: int
+    max_abs_error: float
+    mean_abs_error: float
+    pooled_relative_error: float
+    auto_trials: Dict[str, float] = field(default_factory=dict)  # type -> measured error, for auto
+
+
+@dataclass
+class QuantizationReport:
+    tables: List[TableReport]
+    row_alignment: int
+    error_minimizing: bool
+
+    @property
+    def float_bytes(self) -> int:
+        return sum(t.float_bytes for t in self.tables)
+
+    @property
+    def quantized_bytes(self) -> int:
+        return sum(t.quantized_bytes for t in self.tables)
+
+    def to_dict(self) -> dict:
+        return {
+            "row_alignment": self.row_alignment,
+            "error_minimizing": self.error_minimizing,
+            "float_bytes": self.float_bytes,
+            "quantized_bytes": self.quantized_bytes,
+            "tables": [asdict(t) for t in self.tables],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def __str__(self) -> str:
+        header = ("table", "type", "by", "rows x dim", "bytes before", "bytes after", "max |err|", "mean |err|", "pooled rel err")
+        rows = [header] + [
+            (
+                t.table, t.data_type.lower(), t.chosen_by, f"{t.rows} x {t.dim}", f"{t.float_bytes:,}",
+                f"{t.quantized_bytes:,}", f"{t.max_abs_error:.3g}", f"{t.mean_abs_error:.3g}", f"{t.pooled_relative_error:.3g}",
+            )
+            for t in self.tables
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "-+-".join("-" * w for w in widths))
+        ratio = self.quantized_bytes / max(1, self.float_bytes)
+        lines.append(f"total: {self.float_bytes:,} -> {self.quantized_bytes:,} bytes ({ratio:.3f} of float32)")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+
+
+def _sample_ids(rows: int, config: QuantConfig, salt: int) -> torch.Tensor:
+    """[batches * batch_size, pooling] sample ids of one table (fixed seed)."""
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + salt)
+    n = config.sample_batches * config.sample_batch_size
+    return torch.randint(0, rows, (n, config.sample_pooling), generator=g)
+
+
+def _pooled_error(weight: torch.Tensor, ids: torch.Tensor, data_type: DataType, error_minimizing: bool) -> float:
+    """||pooled(quantized) - pooled(float)|| / ||pooled(float)|| over the sample lookups."""
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    rows = weight[unique].detach().float()
+    deq = dequantize_rows(quantize_rows(rows, data_type, error_minimizing), data_type, rows.shape[1])
+    want = rows[inverse].sum(dim=1)
+    got = deq[inverse].sum(dim=1)
+    return float((got - want).norm() / want.norm().clamp(min=1e-30))
+
+
+def _row_error(weight: torch.Tensor, data_type: DataType, error_minimizing: bool, sample: torch.Tensor) -> float:
+    """||dequantized - float|| / ||float|| over a sample of rows."""
+    rows = weight[sample].detach().float()
+    deq = dequantize_rows(quantize_rows(rows, data_type, error_minimizing), data_type, rows.shape[1])
+    return float((deq - rows).norm() / rows.norm().clamp(min=1e-30))
+
+
+def _choose_auto(t: EmbeddingBagConfig, weight: torch.Tensor, config: QuantConfig, salt: int) -> Tuple[DataType, Dict[str, float]]:
+    ids = _sample_ids(t.num_embeddings, config, salt)
+    g = torch.Generator().manual_seed(config.seed + salt)
+    sample = torch.randperm(t.num_embeddings, generator=g)[:4096]
+    trials: Dict[str, float] = {}
+    for dt in AUTO_CANDIDATES:
+        em = config.error_minimizing
+        err = max(_pooled_error(weight, ids, dt, em), _row_error(weight, dt, em, sample))
+        trials[dt.name] = err
+        if err <= config.error_budget:
+            return dt, trials
+    return DataType.FP32, trials
+
+
+def _aligned(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+def quantize_embedding_bag_collection(
+    ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None
+) -> Tuple[QuantEmbeddingBagCollection, QuantizationReport]:
+    """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report."""
+    config = config or QuantConfig()
+    tables = ebc.embedding_bag_configs()
+    unknown = sorted(set(config.per_table) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"per_table names tables the module does not have: {unknown}")
+    chosen: Dict[str, DataType] = {}
+    chosen_by: Dict[str, str] = {}
+    trials: Dict[str, Dict[str, float]] = {}
+    for salt, t in enumerate(tables):
+        choice = config.per_table.get(t.name, config.data_type)
+        chosen_by[t.name] = "per_table" if t.name in config.per_table else "default"
+        if choice == AUTO:
+            choice, trials[t.name] = _choose_auto(t, ebc.embedding_bags[t.name].weight, config, salt)
+            chosen_by[t.name] = "auto"
+        chosen[t.name] = choice
+    qebc = QuantEmbeddingBagCollection(
+        tables, chosen, is_weighted=ebc.is_weighted(), device=config.device,
+        row_alignment=config.alignment, id_policy=config.id_policy,
+    )
+    views = qebc.table_weights()
+    reports = []
+    for salt, t in enumerate(tables):
+        dt = chosen[t.name]
+        weight = ebc.embedding_bags[t.name].weight
+        data, scale_bias = views[t.name]
+        max_err, sum_err = _fill(weight, dt, config, data, scale_bias)
+        ids = _sample_ids(t.num_embeddings, config, salt)
+        reports.append(
+            TableReport(
+                table=t.name,
+                data_type=dt.name,
+                chosen_by=chosen_by[t.name],
+                rows=t.num_embeddings,
+                dim=t.embedding_dim,
+                float_bytes=t.num_embeddings * t.embedding_dim * 4,
+                quantized_bytes=t.num_embeddings * _aligned(row_bytes(dt, t.embedding_dim), config.alignment),
+                max_abs_error=max_err,
+                mean_abs_error=sum_err / (t.num_embeddings * t.embedding_dim),
+                pooled_relative_error=_pooled_error(weight, ids, dt, config.error_minimizing),
+                auto_trials=trials.get(t.name, {}),
+            )
+        )
+    return qebc, QuantizationReport(reports, config.alignment, config.error_minimizing)
+
+
+def _fill(
+    weight: torch.Tensor,
+    dt: DataType,
+    config: QuantConfig,
+    data: torch.Tensor,
+    scale_bias: Optional[torch.Tensor],
+) -> Tuple[float, float]:
+    """Quantizes ``weight`` chunk by chunk into the TBE views; returns (max, sum) of |error|."""
+    max_err, sum_err = 0.0, 0.0
+    with torch.no_grad():
+        for start, end in row_chunks(weight.shape[0], config.chunk_rows):
+            rows = weight[start:end].detach().float().cpu()
+            q = quantize_rows(rows, dt, config.error_minimizing)
+            data[start:end].copy_(q.data)
+            if scale_bias is not None:
+                scale_bias[start:end].copy_(q.scale_bias)
+            err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
+            max_err = max(max_err, float(err.max()))
+            sum_err += float(err.double().sum())
+    return max_err, sum_err

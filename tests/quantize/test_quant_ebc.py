@@ -1,0 +1,232 @@
+"""QuantEmbeddingBagCollection vs the float module: exactness, accuracy targets, ids, script/fx/save."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from recship.quantize import QuantConfig, QuantEmbeddingBagCollection, dequantize_rows, quantize_embedding_bag_collection, quantize_rows
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+
+def _ebc(dims=(64, 32, 16), rows=(200, 120, 90), weighted=False, pooling=(PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM), seed=0):
+    torch.manual_seed(seed)
+    features = [["f0"], ["f1", "f2"], ["f3"]]
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", num_embeddings=r, embedding_dim=d, feature_names=features[i], pooling=p)
+        for i, (d, r, p) in enumerate(zip(dims, rows, pooling))
+    ]
+    ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
+    with torch.no_grad():
+        for t in tables:
+            ebc.embedding_bags[t.name].weight.normal_(0, 0.1)
+    return ebc
+
+
+def _kjt(ebc, batch, pooling, seed, weighted=False):
+    g = torch.Generator().manual_seed(seed)
+    keys, lengths, values = [], [], []
+    for t in ebc.embedding_bag_configs():
+        for f in t.feature_names:
+            keys.append(f)
+            n = torch.randint(max(0, pooling - 3), pooling + 1, (batch,), generator=g)
+            lengths.append(n)
+            values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=g))
+    v = torch.cat(values)
+    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.cat(lengths), weights=torch.rand(v.numel(), generator=g) if weighted else None)
+
+
+def _dequantized_float(ebc, qebc):
+    """The float module holding exactly the values the quantized tables store."""
+    ref = EmbeddingBagCollection(ebc.embedding_bag_configs(), is_weighted=ebc.is_weighted())
+    state = {}
+    for name, (data, scale_bias) in qebc.table_weights().items():
+        dt = qebc.weight_types()[name]
+        from recship.quantize.rowwise import QuantizedRows
+
+        dim = ebc.embedding_bags[name].weight.shape[1]
+        state[f"embedding_bags.{name}.weight"] = dequantize_rows(QuantizedRows(data, scale_bias), dt, dim)
+    ref.load_state_dict(state)
+    return ref
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("types", [("int8", "int4", "int2"), ("fp16", "fp32", "fp8"), ("int4", "int8", "fp16")])
+def test_quantized_module_computes_exactly_on_its_stored_values(weighted, types):
+    ebc = _ebc(weighted=weighted)
+    per_table = dict(zip(["t0", "t1", "t2"], types))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(per_table=per_table, chunk_rows=37))
+    kjt = _kjt(ebc, batch=16, pooling=6, seed=1, weighted=weighted)
+    out = qebc(kjt)
+    assert out.keys() == ["f0", "f1", "f2", "f3"] and out.values().dtype == torch.float32
+    torch.testing.assert_close(out.values(), _dequantized_float(ebc, qebc)(kjt).values(), atol=1e-5, rtol=1e-5)
+
+
+def _rel_error(ebc, dtype, error_minimizing):
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type=dtype, error_minimizing=error_minimizing))
+    kjt = _kjt(ebc, batch=256, pooling=20, seed=7)
+    want = ebc(kjt).values()
+    got = qebc(kjt).values()
+    return float((got - want).norm() / want.norm()), qebc, report
+
+
+def test_accuracy_targets_dim64_pooling20():
+    ebc = _ebc(dims=(64, 64, 64), rows=(1000, 1000, 1000), pooling=(PoolingType.SUM,) * 3)
+    fp16, _, _ = _rel_error(ebc, "fp16", False)
+    int8, _, _ = _rel_error(ebc, "int8", False)
+    int4, _, _ = _rel_error(ebc, "int4", False)
+    int4_best, _, report = _rel_error(ebc, "int4", True)
+    int2, _, report2 = _rel_error(ebc, "int2", True)
+    assert fp16 <= 5e-4 and int8 <= 6e-3 and int4 <= 9e-2
+    assert int4_best < int4
+    assert int2 < 1.0 and all(t.pooled_relative_error > 0 for t in report2.tables)
+
+
+def test_model_bytes_follow_the_row_formats():
+    d = 64
+    ebc = _ebc(dims=(d, d, d), rows=(500, 300, 200), pooling=(PoolingType.SUM,) * 3)
+    float_bytes = sum(t.num_embeddings * d * 4 for t in ebc.embedding_bag_configs())
+    padding = 128 * 3  # fbgemm pads each table
+    q8, r8 = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    q4, r4 = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4"))
+    assert q8.weight_bytes() <= (d + 4) / (4 * d) * float_bytes + padding
+    assert q4.weight_bytes() <= (d / 2 + 4) / (4 * d) * float_bytes + padding
+    assert r8.quantized_bytes == 1000 * (d + 4) and r4.quantized_bytes == 1000 * (d // 2 + 4)
+
+
+def test_tutorial_int8_rows_are_64_plus_4_bytes_on_cpu_and_80_with_gpu_alignment():
+    tables = [
+        EmbeddingBagConfig(name=n, embedding_dim=64, num_embeddings=4096, feature_names=[f]) for n, f in (("product_table", "product"), ("user_table", "user"))
+    ]
+    ebc = EmbeddingBagCollection(tables)
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    for name, (data, scale_bias) in qebc.table_weights().items():
+        assert data.dtype == torch.uint8 and data.shape[1] + scale_bias.shape[1] == 64 + 4
+    assert report.row_alignment == 1
+    aligned = QuantEmbeddingBagCollection(tables, {t.name: DataType.INT8 for t in tables}, row_alignment=16)
+    assert aligned.weight_bytes() >= 2 * 4096 * 80  # the tutorial's 80-byte rows (16-byte GPU alignment)
+    assert QuantConfig(device="cuda").alignment == 16
+
+
+def test_out_of_range_ids_are_rejected_not_row_zero():
+    ebc = _ebc()
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 120, 3]), lengths=torch.tensor([1, 1, 1, 1]))
+    message = "feature 'f2': id 120 is outside table 't1' of 120 rows"
+    with pytest.raises(ValueError, match=message):
+        qebc(kjt)
+    assert kjt.values().tolist() == [1, 2, 120, 3]  # the caller's tensor is untouched
+    with pytest.raises(torch.jit.Error, match=message):
+        torch.jit.script(qebc)(kjt)
+    neg = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([-1, 2, 3, 3]), lengths=torch.tensor([1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="id -1 is outside table 't0'"):
+        qebc(neg)
+
+
+def test_modulo_policy_hashes_ids_into_the_table():
+    ebc = _ebc()
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="fp32", id_policy={"f2": "modulo"}))
+    big = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 120 * 7 + 5, 3]), lengths=torch.tensor([1, 1, 1, 1]))
+    small = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 5, 3]), lengths=torch.tensor([1, 1, 1, 1]))
+    assert torch.equal(qebc(big).values(), qebc(small).values())
+    with pytest.raises(ValueError, match="id policy must be one of"):
+        quantize_embedding_bag_collection(ebc, QuantConfig(id_policy={"f2": "wrap"}))
+
+
+def test_script_fx_and_state_dict_round_trip():
+    ebc = _ebc(weighted=True)
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4"))
+    kjt = _kjt(ebc, batch=8, pooling=5, seed=3, weighted=True)
+    want = qebc(kjt).values()
+    assert float(want.abs().sum()) > 0
+    assert torch.equal(torch.jit.script(qebc)(kjt).values(), want)
+
+    class LeafTBE(torch.fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return type(m).__name__ == "IntNBitTableBatchedEmbeddingBagsCodegen" or super().is_leaf_module(m, name)
+
+    graph = LeafTBE().trace(qebc)
+    traced = torch.fx.GraphModule(qebc, graph)
+    assert any(n.op == "call_module" and n.target.startswith("tbes.") for n in graph.nodes)
+    assert torch.equal(traced(kjt).values(), want)
+    # fbgemm's weights_host is not in the TBE's state_dict (the trap); the module's buffers carry it
+    assert "weights_host" not in qebc.tbes[0].state_dict()
+    fresh = QuantEmbeddingBagCollection(ebc.embedding_bag_configs(), qebc.weight_types(), is_weighted=True)
+    assert not torch.equal(fresh(kjt).values(), want)
+    fresh.load_state_dict(qebc.state_dict())
+    assert torch.equal(fresh(kjt).values(), want)
+
+
+def test_jit_save_load_in_a_fresh_process_without_recship(tmp_path):
+    ebc = _ebc()
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(per_table={"t0": "int8", "t1": "int4", "t2": "fp16"}))
+
+    class Plain(torch.nn.Module):
+        """Takes plain tensors, as exported models do."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return self.inner(KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=values, lengths=lengths)).values()
+
+    kjt = _kjt(ebc, batch=4, pooling=3, seed=5)
+    want = qebc(kjt).values()
+    torch.jit.save(torch.jit.script(Plain(qebc)), str(tmp_path / "m.pt"))
+    torch.save({"values": kjt.values(), "lengths": kjt.lengths(), "want": want}, tmp_path / "io.pt")
+    code = textwrap.dedent(
+        f"""
+        import sys, torch, fbgemm_gpu
+        m = torch.jit.load({str(tmp_path / 'm.pt')!r})
+        io = torch.load({str(tmp_path / 'io.pt')!r})
+        got = m(io["values"], io["lengths"])
+        assert torch.equal(got, io["want"]), (got - io["want"]).abs().max()
+        assert "recship" not in sys.modules
+        print("ok", float(got.abs().sum()))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok") and float(out.stdout.split()[1]) > 0
+
+
+def test_auto_picks_the_smallest_type_within_budget():
+    ebc = _ebc(dims=(64, 64, 64), rows=(500, 500, 500), pooling=(PoolingType.SUM,) * 3)
+    with torch.no_grad():
+        ebc.embedding_bags["t2"].weight[::3] *= 50  # heavy-tailed rows: a sensitive table
+    for budget in (0.2, 0.03, 0.003):
+        _, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=budget))
+        for t in report.tables:
+            trials = list(t.auto_trials.items())
+            assert t.chosen_by == "auto" and trials[-1][0] == t.data_type
+            assert trials[-1][1] <= budget or t.data_type == "FP32"
+            assert all(err > budget for _, err in trials[:-1])  # every smaller type missed the budget
+    _, loose = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=0.2))
+    _, tight = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=0.003))
+    assert loose.quantized_bytes < tight.quantized_bytes
+
+
+def test_report_prints_and_serialises():
+    ebc = _ebc()
+    _, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8", per_table={"t2": "fp16"}))
+    text = str(report)
+    assert "table | type | by" in text and "t2    | fp16 | per_table" in text
+    data = json.loads(report.to_json())
+    assert [t["data_type"] for t in data["tables"]] == ["INT8", "INT8", "FP16"]
+    assert data["float_bytes"] == sum(t["float_bytes"] for t in data["tables"])
+    for t in data["tables"]:
+        assert 0 < t["mean_abs_error"] <= t["max_abs_error"]
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="BF16 cannot be served"):
+        QuantConfig(data_type="bf16")
+    with pytest.raises(ValueError, match="unknown data type 'int3'"):
+        QuantConfig(data_type="int3")
+    with pytest.raises(ValueError, match="per_table names tables the module does not have"):
+        quantize_embedding_bag_collection(_ebc(), QuantConfig(per_table={"nope": "int8"}))
