@@ -1,4 +1,4 @@
-"""QuantEmbeddingBagCollection: quantized tables served by fbgemm's inference TBE.
+"""QuantEmbeddingBagCollection / QuantEmbeddingCollection: quantized tables in fbgemm's inference TBE.
 
 Same contract as the float EmbeddingBagCollection: KJT in, KeyedTensor out (keys
 in table order, float32 values). All tables with the same pooling share one
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
-from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.types import DataType, PoolingType
 
 ID_POLICIES = ("reject", "modulo")
@@ -60,51 +60,28 @@ def _check_ids(
     return ids
 
 
-def _sparse_type(data_type: DataType):
-    return data_type.to_sparse_type()
+class _QuantTables(nn.Module):
+    """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
 
-
-class QuantEmbeddingBagCollection(nn.Module):
-    """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
-
-    Args:
-        tables: the float module's table configs.
-        weight_types: table name -> DataType of its stored rows.
-        is_weighted: use the KJT's weights as per-id scores.
-        device: "cpu" or a CUDA device.
-        row_alignment: bytes each row is padded to; default 1 on CPU, 16 on CUDA.
-        id_policy: feature -> "reject" (default) or "modulo".
-    """
-
-    _names: List[str]
-    _dims: List[int]
     _group_features: List[List[str]]
     _group_rows: List[List[int]]
     _group_tables: List[List[str]]
     _group_modulo: List[List[bool]]
-    _group_mean: List[bool]
 
-    def __init__(
+    def _build(
         self,
-        tables: List[EmbeddingBagConfig],
+        tables: List[BaseEmbeddingConfig],
+        groups: List[Tuple[object, List[BaseEmbeddingConfig]]],
         weight_types: Dict[str, DataType],
-        is_weighted: bool = False,
-        device: Union[str, torch.device] = "cpu",
-        row_alignment: Optional[int] = None,
-        id_policy: Optional[Dict[str, str]] = None,
+        device: torch.device,
+        row_alignment: Optional[int],
+        id_policy: Optional[Dict[str, str]],
     ) -> None:
-        super().__init__()
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-            BoundsCheckMode,
-            EmbeddingLocation,
-            PoolingMode,
-        )
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
-            IntNBitTableBatchedEmbeddingBagsCodegen,
-        )
+        """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced."""
         from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
-        device = torch.device(device)
         self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
         id_policy = dict(id_policy or {})
         all_features = [f for t in tables for f in t.feature_names]
@@ -121,28 +98,21 @@ class QuantEmbeddingBagCollection(nn.Module):
                 raise ValueError(f"table {t.name!r}: BF16 is not supported by fbgemm's inference TBE; use FP16")
         self._tables = list(tables)
         self._weight_types = {t.name: weight_types[t.name] for t in tables}
-        self._is_weighted = is_weighted
         self.id_policy = {f: id_policy.get(f, "reject") for f in all_features}
         location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
-
         self.tbes = nn.ModuleList()
         self._group_features = []
         self._group_rows = []
         self._group_tables = []
         self._group_modulo = []
-        self._group_mean = []
-        groups = [(p, [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
-        for pooling, group in groups:
-            if not group:
-                continue
-            feature_table_map = [i for i, t in enumerate(group) for _ in t.feature_names]
+        for pooling_mode, group in groups:
             tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
                 embedding_specs=[
-                    (t.name, t.num_embeddings, t.embedding_dim, _sparse_type(self._weight_types[t.name]), location)
+                    (t.name, t.num_embeddings, t.embedding_dim, self._weight_types[t.name].to_sparse_type(), location)
                     for t in group
                 ],
-                feature_table_map=feature_table_map,
-                pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
+                feature_table_map=[i for i, t in enumerate(group) for _ in t.feature_names],
+                pooling_mode=pooling_mode,
                 device=device,
                 bounds_check_mode=BoundsCheckMode.FATAL,
                 output_dtype=SparseType.FP32,
@@ -151,57 +121,39 @@ class QuantEmbeddingBagCollection(nn.Module):
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
             tbe.initialize_weights()
+            # weights_host is a plain attribute of the TBE: a buffer alias puts it in state_dict
             self.register_buffer(f"weights_{len(self.tbes)}", tbe.weights_host if device.type == "cpu" else tbe.weights_dev)
             self.tbes.append(tbe)
             self._group_features.append([f for t in group for f in t.feature_names])
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
-            self._group_mean.append(pooling == PoolingType.MEAN)
-        # output columns: the groups' outputs reordered into table order
-        self._names = [f for t in tables for f in t.feature_names]
-        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        group_order = [f for fs in self._group_features for f in fs]
-        self._needs_reorder = group_order != self._names
-        self.register_buffer(
-            "_column_order", _column_permutation(group_order, self._names, dict(zip(self._names, self._dims))), persistent=False
-        )
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        per_feature = features.to_dict()
-        outputs: List[torch.Tensor] = []
-        g = 0
-        for tbe in self.tbes:
-            ids_parts: List[torch.Tensor] = []
-            length_parts: List[torch.Tensor] = []
-            weight_parts: List[torch.Tensor] = []
-            counts: List[int] = []
-            for name in self._group_features[g]:
-                jt = per_feature[name]
-                ids_parts.append(jt.values())
-                length_parts.append(jt.lengths())
-                counts.append(jt.values().shape[0])
-                if self._is_weighted:
-                    weight_parts.append(jt.weights())
-            ids = _check_ids(
-                torch.cat(ids_parts),
-                counts,
-                self._group_rows[g],
-                self._group_modulo[g],
-                self._group_features[g],
-                self._group_tables[g],
-            )
-            lengths = torch.cat(length_parts).to(torch.int64)
-            offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
-            per_sample_weights: Optional[torch.Tensor] = None
-            if self._is_weighted:
-                per_sample_weights = torch.cat(weight_parts).float()
-            outputs.append(tbe(ids, offsets, per_sample_weights))
-            g += 1
-        values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-        if self._needs_reorder:
-            values = values.index_select(1, self._column_order)
-        return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values, key_dim=1)
+    def _group_input(
+        self, g: int, per_feature: Dict[str, JaggedTensor], weighted: bool
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
+        """(checked ids, offsets, per-sample weights, ids per feature) of group g's features."""
+        ids_parts: List[torch.Tensor] = []
+        length_parts: List[torch.Tensor] = []
+        weight_parts: List[torch.Tensor] = []
+        counts: List[int] = []
+        for name in self._group_features[g]:
+            jt = per_feature[name]
+            ids_parts.append(jt.values())
+            length_parts.append(jt.lengths())
+            counts.append(jt.values().shape[0])
+            if weighted:
+                weight_parts.append(jt.weights())
+        ids = _check_ids(
+            torch.cat(ids_parts), counts, self._group_rows[g], self._group_modulo[g],
+            self._group_features[g], self._group_tables[g],
+        )
+        lengths = torch.cat(length_parts).to(torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
+        per_sample_weights: Optional[torch.Tensor] = None
+        if weighted:
+            per_sample_weights = torch.cat(weight_parts).float()
+        return ids, offsets, per_sample_weights, counts
 
     # -- weights -----------------------------------------------------------
 
@@ -216,15 +168,111 @@ class QuantEmbeddingBagCollection(nn.Module):
     def weight_types(self) -> Dict[str, DataType]:
         return dict(self._weight_types)
 
-    def tables(self) -> List[EmbeddingBagConfig]:
+    def tables(self) -> List[BaseEmbeddingConfig]:
         return list(self._tables)
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
 
     def weight_bytes(self) -> int:
         """Bytes of every TBE's stored rows, alignment padding included."""
         return sum(int(getattr(self, f"weights_{i}").numel()) for i in range(len(self.tbes)))
+
+
+class QuantEmbeddingBagCollection(_QuantTables):
+    """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
+
+    Args:
+        tables: the float module's table configs.
+        weight_types: table name -> DataType of its stored rows.
+        is_weighted: use the KJT's weights as per-id scores.
+        device: "cpu" or a CUDA device.
+        row_alignment: bytes each row is padded to; default 1 on CPU, 16 on CUDA.
+        id_policy: feature -> "reject" (default) or "modulo".
+    """
+
+    _names: List[str]
+    _dims: List[int]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        weight_types: Dict[str, DataType],
+        is_weighted: bool = False,
+        device: Union[str, torch.device] = "cpu",
+        row_alignment: Optional[int] = None,
+        id_policy: Optional[Dict[str, str]] = None,
+    ) -> None:
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+        modes = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
+        groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
+        self._build(tables, [g for g in groups if g[1]], weight_types, torch.device(device), row_alignment, id_policy)
+        self._is_weighted = is_weighted
+        # output columns: the groups' outputs reordered into table order
+        self._names = [f for t in tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        group_order = [f for fs in self._group_features for f in fs]
+        self._needs_reorder = group_order != self._names
+        self.register_buffer(
+            "_column_order", _column_permutation(group_order, self._names, dict(zip(self._names, self._dims))), persistent=False
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        per_feature = features.to_dict()
+        outputs: List[torch.Tensor] = []
+        g = 0
+        for tbe in self.tbes:
+            ids, offsets, per_sample_weights, _ = self._group_input(g, per_feature, self._is_weighted)
+            outputs.append(tbe(ids, offsets, per_sample_weights))
+            g += 1
+        values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
+        if self._needs_reorder:
+            values = values.index_select(1, self._column_order)
+        return KeyedTensor(keys=self._names, length_per_key=self._dims, values=values, key_dim=1)
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+
+class QuantEmbeddingCollection(_QuantTables):
+    """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] float32 rows} out.
+
+    Tables of equal dim share one TBE (fbgemm's unpooled mode needs one width).
+    Arguments as for QuantEmbeddingBagCollection (no weights: rows are not pooled).
+    """
+
+    _names: List[str]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingConfig],
+        weight_types: Dict[str, DataType],
+        device: Union[str, torch.device] = "cpu",
+        row_alignment: Optional[int] = None,
+        id_policy: Optional[Dict[str, str]] = None,
+    ) -> None:
+        super().__init__()
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+
+        dims = sorted({t.embedding_dim for t in tables})
+        groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
+        self._build(tables, groups, weight_types, torch.device(device), row_alignment, id_policy)
+        self._names = [f for t in tables for f in t.feature_names]
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        per_feature = features.to_dict()
+        found: Dict[str, JaggedTensor] = {}
+        g = 0
+        for tbe in self.tbes:
+            ids, offsets, _, counts = self._group_input(g, per_feature, False)
+            rows = torch.split(tbe(ids, offsets, None), counts)
+            for i, name in enumerate(self._group_features[g]):
+                jt = per_feature[name]
+                found[name] = JaggedTensor(values=rows[i], weights=None, lengths=jt.lengths(), offsets=jt.offsets())
+            g += 1
+        out: Dict[str, JaggedTensor] = {}
+        for name in self._names:
+            out[name] = found[name]
+        return out
 
 
 def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:

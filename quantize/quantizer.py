@@ -13,14 +13,14 @@ size quantize with bounded extra memory.
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from recship.quantize.modules import QuantEmbeddingBagCollection
+from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection, _QuantTables
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.types import DataType
 
 INFERENCE_TYPES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP8, DataType.FP16, DataType.FP32)
@@ -175,7 +175,7 @@ def _row_error(weight: torch.Tensor, data_type: DataType, error_minimizing: bool
     return float((deq - rows).norm() / rows.norm().clamp(min=1e-30))
 
 
-def _choose_auto(t: EmbeddingBagConfig, weight: torch.Tensor, config: QuantConfig, salt: int) -> Tuple[DataType, Dict[str, float]]:
+def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConfig, salt: int) -> Tuple[DataType, Dict[str, float]]:
     ids = _sample_ids(t.num_embeddings, config, salt)
     g = torch.Generator().manual_seed(config.seed + salt)
     sample = torch.randperm(t.num_embeddings, generator=g)[:4096]
@@ -198,7 +198,40 @@ def quantize_embedding_bag_collection(
 ) -> Tuple[QuantEmbeddingBagCollection, QuantizationReport]:
     """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report."""
     config = config or QuantConfig()
-    tables = ebc.embedding_bag_configs()
+    weights = {t.name: ebc.embedding_bags[t.name].weight for t in ebc.embedding_bag_configs()}
+    return _quantize(
+        ebc.embedding_bag_configs(),
+        weights,
+        lambda types: QuantEmbeddingBagCollection(
+            ebc.embedding_bag_configs(), types, is_weighted=ebc.is_weighted(), device=config.device,
+            row_alignment=config.alignment, id_policy=config.id_policy,
+        ),
+        config,
+    )
+
+
+def quantize_embedding_collection(
+    ec: EmbeddingCollection, config: Optional[QuantConfig] = None
+) -> Tuple[QuantEmbeddingCollection, QuantizationReport]:
+    """A QuantEmbeddingCollection holding ``ec``'s tables in the configured types, and its report."""
+    config = config or QuantConfig()
+    weights = {t.name: ec.embeddings[t.name].weight for t in ec.embedding_configs()}
+    return _quantize(
+        ec.embedding_configs(),
+        weights,
+        lambda types: QuantEmbeddingCollection(
+            ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
+        ),
+        config,
+    )
+
+
+def _quantize(
+    tables: List[BaseEmbeddingConfig],
+    weights: Dict[str, torch.Tensor],
+    build: Callable[[Dict[str, DataType]], _QuantTables],
+    config: QuantConfig,
+):
     unknown = sorted(set(config.per_table) - {t.name for t in tables})
     if unknown:
         raise ValueError(f"per_table names tables the module does not have: {unknown}")
@@ -209,20 +242,16 @@ def quantize_embedding_bag_collection(
         choice = config.per_table.get(t.name, config.data_type)
         chosen_by[t.name] = "per_table" if t.name in config.per_table else "default"
         if choice == AUTO:
-            choice, trials[t.name] = _choose_auto(t, ebc.embedding_bags[t.name].weight, config, salt)
+            choice, trials[t.name] = _choose_auto(t, weights[t.name], config, salt)
             chosen_by[t.name] = "auto"
         chosen[t.name] = choice
-    qebc = QuantEmbeddingBagCollection(
-        tables, chosen, is_weighted=ebc.is_weighted(), device=config.device,
-        row_alignment=config.alignment, id_policy=config.id_policy,
-    )
-    views = qebc.table_weights()
+    module = build(chosen)
+    views = module.table_weights()
     reports = []
     for salt, t in enumerate(tables):
         dt = chosen[t.name]
-        weight = ebc.embedding_bags[t.name].weight
         data, scale_bias = views[t.name]
-        max_err, sum_err = _fill(weight, dt, config, data, scale_bias)
+        max_err, sum_err = _fill(weights[t.name], dt, config, data, scale_bias)
         ids = _sample_ids(t.num_embeddings, config, salt)
         reports.append(
             TableReport(
@@ -235,11 +264,11 @@ def quantize_embedding_bag_collection(
                 quantized_bytes=t.num_embeddings * _aligned(row_bytes(dt, t.embedding_dim), config.alignment),
                 max_abs_error=max_err,
                 mean_abs_error=sum_err / (t.num_embeddings * t.embedding_dim),
-                pooled_relative_error=_pooled_error(weight, ids, dt, config.error_minimizing),
+                pooled_relative_error=_pooled_error(weights[t.name], ids, dt, config.error_minimizing),
                 auto_trials=trials.get(t.name, {}),
             )
         )
-    return qebc, QuantizationReport(reports, config.alignment, config.error_minimizing)
+    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
 
 
 def _fill(

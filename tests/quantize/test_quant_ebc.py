@@ -230,3 +230,36 @@ def test_config_errors():
         QuantConfig(data_type="int3")
     with pytest.raises(ValueError, match="per_table names tables the module does not have"):
         quantize_embedding_bag_collection(_ebc(), QuantConfig(per_table={"nope": "int8"}))
+
+
+def test_quantized_embedding_collection_returns_each_ids_row():
+    from recship.quantize import quantize_embedding_collection
+    from recship.trainer import EmbeddingCollection, EmbeddingConfig
+
+    torch.manual_seed(0)
+    ec = EmbeddingCollection(
+        [
+            EmbeddingConfig(name="a", num_embeddings=40, embedding_dim=16, feature_names=["x", "y"]),
+            EmbeddingConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["z"]),
+            EmbeddingConfig(name="c", num_embeddings=20, embedding_dim=16, feature_names=["w"]),
+        ]
+    )
+    qec, report = quantize_embedding_collection(ec, QuantConfig(per_table={"a": "int8", "b": "int4", "c": "fp16"}))
+    assert len(qec.tbes) == 2  # one TBE per embedding width
+    kjt = KeyedJaggedTensor(keys=["z", "w", "x", "y"], values=torch.tensor([1, 29, 0, 19, 3, 39, 2]), lengths=torch.tensor([2, 0, 1, 1, 1, 0, 1, 1]))
+    out = qec(kjt)
+    scripted = torch.jit.script(qec)(kjt)
+    assert list(out) == ["x", "y", "z", "w"]
+    from recship.quantize.rowwise import QuantizedRows
+
+    for feature, table, dim in [("x", "a", 16), ("y", "a", 16), ("z", "b", 8), ("w", "c", 16)]:
+        data, sb = qec.table_weights()[table]
+        deq = dequantize_rows(QuantizedRows(data, sb), qec.weight_types()[table], dim)
+        ids = kjt[feature].values()
+        assert torch.equal(out[feature].values(), deq[ids])
+        assert torch.equal(out[feature].lengths(), kjt[feature].lengths())
+        assert torch.equal(scripted[feature].values(), out[feature].values())
+    assert [t.data_type for t in report.tables] == ["INT8", "INT4", "FP16"]
+    bad = KeyedJaggedTensor(keys=["x", "y", "z", "w"], values=torch.tensor([40]), lengths=torch.tensor([1, 0, 0, 0]))
+    with pytest.raises(ValueError, match="feature 'x': id 40 is outside table 'a' of 40 rows"):
+        qec(bad)
