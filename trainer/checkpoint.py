@@ -57,6 +57,8 @@ _SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating Sha
 def _quiet_dcp(fn, *args, **kwargs):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
+        # single-process reads pass no_dist=True on purpose; DCP still warns about it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         return fn(*args, **kwargs)
 
 
