@@ -37,27 +37,78 @@ def _check_ids(
     features: List[str],
     tables: List[str],
 ) -> torch.Tensor:
-    """ids of consecutive features (counts[i] ids each) checked against rows[i]; modulo features hashed."""
-    device = ids.device
-    counts_t = torch.tensor(counts, dtype=torch.int64, device=device)
-    limits = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64, device=device), counts_t)
+    """ids of consecutive features (counts[i] ids each) checked against rows[i]; modulo features hashed.
+
+    One min and one max per feature (no per-id temporaries); ids are copied only when a
+    modulo feature has ids to hash.
+    """
     ids = ids.to(torch.int64)
-    if any(modulo):
-        hashed = torch.repeat_interleave(torch.tensor(modulo, dtype=torch.bool, device=device), counts_t)
-        ids = torch.where(hashed, torch.remainder(ids, limits), ids)
-    bad = (ids < 0) | (ids >= limits)
-    if bool(bad.any()):
-        first = int(torch.nonzero(bad)[0, 0])
-        i = 0
-        start = 0
-        while start + counts[i] <= first:
-            start += counts[i]
-            i += 1
-        raise ValueError(
-            f"feature '{features[i]}': id {int(ids[first])} is outside table '{tables[i]}' "
-            f"of {rows[i]} rows (ids must be in [0, {rows[i]}))"
-        )
+    copied = False
+    start = 0
+    for i in range(len(counts)):
+        n = counts[i]
+        if n > 0:
+            segment = ids[start : start + n]
+            lo = int(segment.min())
+            hi = int(segment.max())
+            if lo < 0 or hi >= rows[i]:
+                if not modulo[i]:
+                    bad = lo if lo < 0 else hi
+                    raise ValueError(
+                        f"feature '{features[i]}': id {bad} is outside table '{tables[i]}' "
+                        f"of {rows[i]} rows (ids must be in [0, {rows[i]}))"
+                    )
+                if not copied:
+                    ids = ids.clone()
+                    copied = True
+                ids[start : start + n] = torch.remainder(segment, rows[i])
+        start += n
     return ids
+
+
+@torch.fx.wrap
+def _prepare(
+    features: KeyedJaggedTensor,
+    names: List[str],
+    rows: List[int],
+    modulo: List[bool],
+    tables: List[str],
+    weighted: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
+    """(checked ids, offsets, per-sample weights, ids per feature) of the ``names`` features.
+
+    When the KJT holds exactly these features in this order (the usual request), its
+    tensors are used as they are; otherwise the features are gathered. fx records this
+    as one call, so tracing does not depend on the input's keys.
+    """
+    counts: List[int] = []
+    if features.keys() == names:
+        counts = features.length_per_key()
+        ids = features.values()
+        offsets = features.offsets().to(torch.int64)
+        per_sample_weights: Optional[torch.Tensor] = None
+        if weighted:
+            per_sample_weights = features.weights().float()
+    else:
+        per_feature = features.to_dict()
+        ids_parts: List[torch.Tensor] = []
+        length_parts: List[torch.Tensor] = []
+        weight_parts: List[torch.Tensor] = []
+        for name in names:
+            if name not in per_feature:
+                raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
+            jt = per_feature[name]
+            ids_parts.append(jt.values())
+            length_parts.append(jt.lengths())
+            counts.append(jt.values().shape[0])
+            if weighted:
+                weight_parts.append(jt.weights())
+        ids = torch.cat(ids_parts)
+        lengths = torch.cat(length_parts).to(torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
+        per_sample_weights = torch.cat(weight_parts).float() if weighted else None
+    ids = _check_ids(ids, counts, rows, modulo, names, tables)
+    return ids, offsets, per_sample_weights, counts
 
 
 class _QuantTables(nn.Module):
@@ -129,31 +180,12 @@ class _QuantTables(nn.Module):
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
 
-    def _group_input(
-        self, g: int, per_feature: Dict[str, JaggedTensor], weighted: bool
+    def _prepare(
+        self, g: int, features: KeyedJaggedTensor, weighted: bool
     ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
-        """(checked ids, offsets, per-sample weights, ids per feature) of group g's features."""
-        ids_parts: List[torch.Tensor] = []
-        length_parts: List[torch.Tensor] = []
-        weight_parts: List[torch.Tensor] = []
-        counts: List[int] = []
-        for name in self._group_features[g]:
-            jt = per_feature[name]
-            ids_parts.append(jt.values())
-            length_parts.append(jt.lengths())
-            counts.append(jt.values().shape[0])
-            if weighted:
-                weight_parts.append(jt.weights())
-        ids = _check_ids(
-            torch.cat(ids_parts), counts, self._group_rows[g], self._group_modulo[g],
-            self._group_features[g], self._group_tables[g],
+        return _prepare(
+            features, self._group_features[g], self._group_rows[g], self._group_modulo[g], self._group_tables[g], weighted
         )
-        lengths = torch.cat(length_parts).to(torch.int64)
-        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
-        per_sample_weights: Optional[torch.Tensor] = None
-        if weighted:
-            per_sample_weights = torch.cat(weight_parts).float()
-        return ids, offsets, per_sample_weights, counts
 
     # -- weights -----------------------------------------------------------
 
@@ -217,12 +249,11 @@ class QuantEmbeddingBagCollection(_QuantTables):
         )
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        per_feature = features.to_dict()
         outputs: List[torch.Tensor] = []
         g = 0
         for tbe in self.tbes:
-            ids, offsets, per_sample_weights, _ = self._group_input(g, per_feature, self._is_weighted)
-            outputs.append(tbe(ids, offsets, per_sample_weights))
+            prepared = self._prepare(g, features, self._is_weighted)
+            outputs.append(tbe(prepared[0], prepared[1], prepared[2]))
             g += 1
         values = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         if self._needs_reorder:
@@ -263,8 +294,8 @@ class QuantEmbeddingCollection(_QuantTables):
         found: Dict[str, JaggedTensor] = {}
         g = 0
         for tbe in self.tbes:
-            ids, offsets, _, counts = self._group_input(g, per_feature, False)
-            rows = torch.split(tbe(ids, offsets, None), counts)
+            prepared = self._prepare(g, features, False)
+            rows = torch.split(tbe(prepared[0], prepared[1], None), prepared[3])
             for i, name in enumerate(self._group_features[g]):
                 jt = per_feature[name]
                 found[name] = JaggedTensor(values=rows[i], weights=None, lengths=jt.lengths(), offsets=jt.offsets())

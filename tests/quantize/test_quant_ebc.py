@@ -263,3 +263,18 @@ def test_quantized_embedding_collection_returns_each_ids_row():
     bad = KeyedJaggedTensor(keys=["x", "y", "z", "w"], values=torch.tensor([40]), lengths=torch.tensor([1, 0, 0, 0]))
     with pytest.raises(ValueError, match="feature 'x': id 40 is outside table 'a' of 40 rows"):
         qec(bad)
+
+
+def test_single_group_fast_path_equals_gathered_path_and_traces():
+    ebc = _ebc(pooling=(PoolingType.SUM,) * 3, weighted=True)
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    kjt = _kjt(ebc, batch=6, pooling=4, seed=9, weighted=True)  # keys in table order: the direct path
+    shuffled = kjt.permute([3, 1, 0, 2])  # same data, other key order: the gathering path
+    want = qebc(kjt).values()
+    assert torch.equal(qebc(shuffled).values(), want)
+    torch.testing.assert_close(want, _dequantized_float(ebc, qebc)(kjt).values(), atol=1e-5, rtol=1e-5)
+    traced = torch.fx.symbolic_trace(qebc)
+    assert torch.equal(traced(kjt).values(), want) and torch.equal(traced(shuffled).values(), want)
+    bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone().fill_(500), lengths=kjt.lengths(), weights=kjt.weights())
+    with pytest.raises(ValueError, match="feature 'f0': id 500 is outside table 't0' of 200 rows"):
+        traced(bad)
