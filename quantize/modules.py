@@ -43,6 +43,12 @@ def _check_ids(
     modulo feature has ids to hash.
     """
     ids = ids.to(torch.int64)
+    if ids.numel() == 0:
+        return ids
+    # one pass over all ids settles the usual case: everything inside the smallest table
+    lowest, highest = torch.aminmax(ids)
+    if int(lowest) >= 0 and int(highest) < min(rows):
+        return ids
     copied = False
     start = 0
     for i in range(len(counts)):
