@@ -1,0 +1,284 @@
+"""Inference sharding: one process drives N devices, each holding some table shards.
+
+A table is placed whole on one device (table-wise), or split into row blocks
+(row-wise) or column blocks (column-wise), each block its own quantized TBE on
+its own device. For every device the module builds that device's requests (ids of
+row-wise shards bucketed into the block and rebased), runs the device's
+QuantEmbeddingBagCollection, moves the result to the first device and merges:
+column blocks are concatenated, row-block partial sums added, MEAN divided by the
+full bag length last.
+
+Row-wise blocks hold exactly the rows an unsharded table would (quantization is
+per row), so table- and row-wise models equal the unsharded quantized model up to
+float summation order. Column blocks get their own per-row scale/bias, so a
+column-wise model differs from the unsharded one by (at most) quantization error.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recship.quantize.modules import QuantEmbeddingBagCollection, _check_ids
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.planner.planner import column_blocks, row_blocks
+from recship.trainer.planner.types import ShardingType
+from recship.trainer.types import DataType, PoolingType
+
+
+@dataclass
+class InferenceShard:
+    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
+
+    table: str
+    index: int
+    device: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.table}@{self.index}"
+
+
+def plan_inference_shards(
+    tables: List[EmbeddingBagConfig],
+    num_devices: int,
+    sharding: Optional[Dict[str, ShardingType]] = None,
+    bytes_per_table: Optional[Dict[str, int]] = None,
+    device_capacity: Optional[int] = None,
+) -> Dict[str, List[InferenceShard]]:
+    """Places every table: the given sharding type, or table-wise on the least-loaded device.
+
+    A table-wise table that does not fit ``device_capacity`` bytes is split row-wise
+    over all devices; if even that does not fit, ValueError names it.
+    """
+    sharding = dict(sharding or {})
+    sizes = bytes_per_table or {t.name: 0 for t in tables}
+    load = [0] * num_devices
+    out: Dict[str, List[InferenceShard]] = {}
+    for t in sorted(tables, key=lambda t: (-sizes[t.name], t.name)):
+        st = sharding.get(t.name, ShardingType.TABLE_WISE)
+        size = sizes[t.name]
+        if st == ShardingType.TABLE_WISE and device_capacity is not None and size > device_capacity - min(load):
+            st = ShardingType.ROW_WISE
+        if st == ShardingType.TABLE_WISE:
+            d = min(range(num_devices), key=lambda i: (load[i], i))
+            shards = [InferenceShard(t.name, 0, d, 0, t.num_embeddings, 0, t.embedding_dim)]
+        elif st == ShardingType.ROW_WISE:
+            shards = [
+                InferenceShard(t.name, i, d, off, n, 0, t.embedding_dim)
+                for i, (d, off, n) in enumerate(row_blocks(t.num_embeddings, list(range(num_devices))))
+            ]
+        elif st == ShardingType.COLUMN_WISE:
+            n = max(1, min(num_devices, t.embedding_dim // 4))
+            shards = [
+                InferenceShard(t.name, i, i, 0, t.num_embeddings, off, w)
+                for i, (off, w) in enumerate(column_blocks(t.embedding_dim, n))
+            ]
+        else:
+            raise ValueError(f"table {t.name!r}: inference sharding must be table_wise, row_wise or column_wise, got {st.value}")
+        for s in shards:
+            load[s.device] += size * s.rows * s.cols // max(1, t.num_embeddings * t.embedding_dim)
+        if device_capacity is not None and max(load) > device_capacity:
+            raise ValueError(
+                f"table {t.name!r} ({size} bytes quantized) does not fit: {num_devices} device(s) of "
+                f"{device_capacity} bytes each"
+            )
+        out[t.name] = shards
+    return {t.name: out[t.name] for t in tables}
+
+
+class ShardedQuantEmbeddingBagCollection(nn.Module):
+    """Quantized tables spread over devices; KJT in (on the first device), KeyedTensor out there.
+
+    Built by ``shard_quantized`` from float weights; see the module docstring.
+    """
+
+    _features: List[str]
+    _dims: List[int]
+    _unit_feature: List[List[str]]  # per device: the original feature of each unit
+    _unit_name: List[List[str]]  # per device: the unit's feature name inside the device module
+    _unit_row_offset: List[List[int]]
+    _unit_rows: List[List[int]]
+    _unit_bucketed: List[List[bool]]
+    _unit_col_offset: List[List[int]]
+    _unit_cols: List[List[int]]
+    _mean: List[bool]
+    _rows: List[int]
+    _table_of: List[str]
+    _modulo: List[bool]
+
+    def __init__(
+        self,
+        tables: List[EmbeddingBagConfig],
+        shards: Dict[str, List[InferenceShard]],
+        device_modules: List[Optional[QuantEmbeddingBagCollection]],
+        devices: List[torch.device],
+        is_weighted: bool,
+        id_policy: Optional[Dict[str, str]] = None,
+    ) -> None:
+        super().__init__()
+        self.shards = nn.ModuleList([m for m in device_modules if m is not None])
+        self._device_index = [i for i, m in enumerate(device_modules) if m is not None]
+        self._device_names = [str(devices[i]) for i in self._device_index]
+        self._is_weighted = is_weighted
+        self._features = [f for t in tables for f in t.feature_names]
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._mean = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
+        self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+        self._table_of = [t.name for t in tables for _ in t.feature_names]
+        policy = dict(id_policy or {})
+        self._modulo = [policy.get(f, "reject") == "modulo" for f in self._features]
+        self._unit_feature, self._unit_name = [], []
+        self._unit_row_offset, self._unit_rows, self._unit_bucketed = [], [], []
+        self._unit_col_offset, self._unit_cols = [], []
+        by_table = {t.name: t for t in tables}
+        for d in self._device_index:
+            uf, un, ro, rn, bk, co, cn = [], [], [], [], [], [], []
+            for t in tables:
+                bucketed = len({(s.row_offset) for s in shards[t.name]}) > 1
+                for s in shards[t.name]:
+                    if s.device != d:
+                        continue
+                    for f in by_table[t.name].feature_names:
+                        uf.append(f)
+                        un.append(f"{f}@{s.index}")
+                        ro.append(s.row_offset)
+                        rn.append(s.rows)
+                        bk.append(bucketed)
+                        co.append(s.col_offset)
+                        cn.append(s.cols)
+            self._unit_feature.append(uf)
+            self._unit_name.append(un)
+            self._unit_row_offset.append(ro)
+            self._unit_rows.append(rn)
+            self._unit_bucketed.append(bk)
+            self._unit_col_offset.append(co)
+            self._unit_cols.append(cn)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        given = features.to_dict()
+        # ids are checked (or hashed) against whole tables before row blocks split them:
+        # an out-of-range id must fail, not fall into no block
+        per_feature: Dict[str, JaggedTensor] = {}
+        for i, f in enumerate(self._features):
+            jt = given[f]
+            ids = _check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
+            per_feature[f] = JaggedTensor(values=ids, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
+        first = torch.device(self._device_names[0])
+        # per feature: column offset -> accumulated block
+        blocks: Dict[str, Dict[int, torch.Tensor]] = {}
+        k = 0
+        for module in self.shards:
+            device = torch.device(self._device_names[k])
+            values: List[torch.Tensor] = []
+            lengths: List[torch.Tensor] = []
+            weights: List[torch.Tensor] = []
+            for u in range(len(self._unit_name[k])):
+                jt = per_feature[self._unit_feature[k][u]]
+                ids, lens, w = _unit_input(
+                    jt, self._unit_row_offset[k][u], self._unit_rows[k][u], self._unit_bucketed[k][u], self._is_weighted
+                )
+                values.append(ids)
+                lengths.append(lens)
+                if w is not None:
+                    weights.append(w)
+            kjt = KeyedJaggedTensor(
+                keys=self._unit_name[k],
+                values=torch.cat(values).to(device),
+                weights=torch.cat(weights).to(device) if self._is_weighted else None,
+                lengths=torch.cat(lengths).to(device),
+                offsets=None,
+                stride=None,
+                length_per_key=None,
+            )
+            out = module(kjt).values().to(first)
+            col = 0
+            for u in range(len(self._unit_name[k])):
+                f = self._unit_feature[k][u]
+                c0 = self._unit_col_offset[k][u]
+                part = out[:, col : col + self._unit_cols[k][u]]
+                col += self._unit_cols[k][u]
+                if f not in blocks:
+                    blocks[f] = torch.jit.annotate(Dict[int, torch.Tensor], {})
+                if c0 in blocks[f]:
+                    blocks[f][c0] = blocks[f][c0] + part
+                else:
+                    blocks[f][c0] = part
+            k += 1
+        pooled: List[torch.Tensor] = []
+        for i, f in enumerate(self._features):
+            parts = blocks[f]
+            offsets = sorted(parts.keys())
+            value = torch.cat([parts[c] for c in offsets], dim=1) if len(offsets) > 1 else parts[offsets[0]]
+            if self._mean[i]:
+                value = value / per_feature[f].lengths().to(first).clamp(min=1).unsqueeze(1).to(value.dtype)
+            pooled.append(value)
+        return KeyedTensor(keys=self._features, length_per_key=self._dims, values=torch.cat(pooled, dim=1), key_dim=1)
+
+
+def _unit_input(
+    jt: JaggedTensor, row_offset: int, rows: int, bucketed: bool, weighted: bool
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(ids, lengths, weights) of one feature for one shard: all ids, or those in the row block, rebased."""
+    ids = jt.values()
+    lengths = jt.lengths().to(torch.int64)
+    weights = jt.weights_or_none() if weighted else None
+    if not bucketed:
+        return ids, lengths, weights
+    inside = (ids >= row_offset) & (ids < row_offset + rows)
+    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
+    kept = ids[inside] - row_offset
+    return kept, counts, None if weights is None else weights[inside]
+
+
+def shard_quantized(
+    tables: List[EmbeddingBagConfig],
+    weight_types: Dict[str, DataType],
+    shards: Dict[str, List[InferenceShard]],
+    devices: List[torch.device],
+    is_weighted: bool,
+    fill,
+    id_policy: Optional[Dict[str, str]] = None,
+    row_alignment: Optional[int] = None,
+) -> ShardedQuantEmbeddingBagCollection:
+    """Builds the per-device quantized modules; ``fill(shard, data_view, scale_bias_view)`` writes each block.
+
+    Ids are validated (or hashed, per ``id_policy``) against whole tables before any
+    block sees them.
+    """
+    modules: List[Optional[QuantEmbeddingBagCollection]] = []
+    by_table = {t.name: t for t in tables}
+    for d, device in enumerate(devices):
+        configs, types, placed = [], {}, []
+        for t in tables:
+            for s in shards[t.name]:
+                if s.device != d:
+                    continue
+                configs.append(
+                    EmbeddingBagConfig(
+                        name=s.name,
+                        num_embeddings=s.rows,
+                        embedding_dim=s.cols,
+                        feature_names=[f"{f}@{s.index}" for f in by_table[t.name].feature_names],
+                        pooling=PoolingType.SUM,  # MEAN is applied after merging blocks
+                    )
+                )
+                types[s.name] = weight_types[t.name]
+                placed.append(s)
+        if not configs:
+            modules.append(None)
+            continue
+        module = QuantEmbeddingBagCollection(configs, types, is_weighted=is_weighted, device=device, row_alignment=row_alignment)
+        views = module.table_weights()
+        for s in placed:
+            data, scale_bias = views[s.name]
+            fill(s, data, scale_bias)
+        modules.append(module)
+    return ShardedQuantEmbeddingBagCollection(tables, shards, modules, devices, is_weighted, id_policy)
