@@ -1,1 +1,5 @@
 """Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript artifact."""
+
+from recship.export.pipeline import ExportConfig, ExportError, export_model
+
+__all__ = ["ExportConfig", "ExportError", "export_model"]

@@ -27,6 +27,8 @@ from recship.trainer.planner.planner import column_blocks, row_blocks
 from recship.trainer.planner.types import ShardingType
 from recship.trainer.types import DataType, PoolingType
 
+torch.fx.wrap(_check_ids)  # a single fx node here too (fx.wrap patches per importing module)
+
 
 @dataclass
 class InferenceShard:

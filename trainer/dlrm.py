@@ -90,9 +90,7 @@ class DLRM(nn.Module):
         self.sparse_arch = EmbeddingBagCollection(config.tables(), device=device)
         num_pairs = (f + 1) * f // 2
         self.over_arch = _mlp([d + num_pairs] + config.over_arch + [1], device, final_activation=False)
-        rows, cols = torch.triu_indices(f + 1, f + 1, offset=1)
-        self.register_buffer("_pair_rows", rows, persistent=False)
-        self.register_buffer("_pair_cols", cols, persistent=False)
+        self._num_vectors = f + 1
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         dense_emb = self.dense_arch(dense)  # [B, D]
@@ -100,5 +98,7 @@ class DLRM(nn.Module):
         b = dense_emb.shape[0]
         stacked = torch.cat([dense_emb.unsqueeze(1), pooled.view(b, -1, dense_emb.shape[1])], dim=1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
-        pairs = dots[:, self._pair_rows, self._pair_cols]
+        # upper triangle without the diagonal: every unordered pair once
+        pair = torch.triu_indices(self._num_vectors, self._num_vectors, offset=1, device=dots.device)
+        pairs = dots[:, pair[0], pair[1]]
         return self.over_arch(torch.cat([dense_emb, pairs], dim=1)).squeeze(1)

@@ -1,0 +1,544 @@
+"""export_model: checkpoint -> quantize -> reshard for inference -> fx + TorchScript -> artifact.
+
+The artifact directory (the contract the server and the C++ loader read):
+
+    model.pt        TorchScript: forward(dense, lengths, values, weights) -> Dict[str, Tensor]
+    manifest.json   features, tables, types, outputs, plan, versions, op libraries,
+                    quantization report, sha256 of model.pt, the sample's files
+    sample/         one request as raw little-endian tensors and the outputs the
+                    exported model gave for it (any loader can self-check at start)
+
+Float tables are streamed one at a time from the checkpoint: each is quantized into
+its inference shards and its float lookups for the validation batches are computed,
+then it is dropped, so peak memory stays near the quantized model plus one table.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
+from recship.export.sharded import InferenceShard, plan_inference_shards, shard_quantized
+from recship.quantize.modules import ID_POLICIES
+from recship.quantize.quantizer import AUTO, QuantConfig, TableReport, QuantizationReport, _aligned, _choose_auto, _pooled_error, _sample_ids
+from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.planner.types import ShardingType
+from recship.trainer.types import DataType
+
+FORMAT = "recship.artifact/1"
+# What a C++ process must dlopen before torch::jit::load (see ../shared/STACK.md).
+OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
+
+
+class ExportError(ValueError):
+    """The export cannot proceed; the message names the problem."""
+
+
+@dataclass
+class ExportConfig:
+    """Args:
+    out: the artifact directory to create (must not exist unless overwrite).
+    dtype: default table type (int8, int4, int2, fp8, fp16, fp32, auto).
+    table_dtypes: table -> type overrides.
+    error_budget: for auto types, the largest per-table error; for validation, the
+        largest allowed output error (|prob| for a DLRM, relative for embeddings).
+    device: "cpu" or "cuda"; shards: number of devices (on CPU: shards in host memory).
+    sharding: force table_wise / row_wise / column_wise for every table (default: planner).
+    batch_size_hint: batch size of the validation batches.
+    id_policy: feature -> "reject" (default) or "modulo".
+    """
+
+    out: str
+    dtype: str = "int8"
+    table_dtypes: Dict[str, str] = field(default_factory=dict)
+    error_budget: Optional[float] = None
+    device: str = "cpu"
+    shards: int = 1
+    sharding: Optional[str] = None
+    batch_size_hint: int = 512
+    model_name: str = "model"
+    model_version: int = 1
+    id_policy: Dict[str, str] = field(default_factory=dict)
+    error_minimizing: bool = True
+    validation_batches: int = 4
+    sample_batch_size: int = 4
+    seed: int = 0
+    overwrite: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and torch.cuda.device_count() < self.shards:
+            raise ExportError(f"{self.shards} cuda shard(s) asked for, {torch.cuda.device_count()} CUDA device(s) present")
+        if self.shards < 1:
+            raise ExportError(f"shards must be >= 1, got {self.shards}")
+        if self.sharding is not None and self.sharding not in ("table_wise", "row_wise", "column_wise"):
+            raise ExportError(f"sharding must be table_wise, row_wise or column_wise, got {self.sharding!r}")
+        for f, p in self.id_policy.items():
+            if p not in ID_POLICIES:
+                raise ExportError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {p!r}")
+        try:
+            QuantConfig(data_type=self.dtype, per_table=dict(self.table_dtypes), error_budget=self.error_budget or 0.01)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+        if self.error_budget is not None and self.error_budget <= 0:
+            raise ExportError(f"error_budget must be > 0, got {self.error_budget}")
+
+    def quant_config(self) -> QuantConfig:
+        return QuantConfig(
+            data_type=self.dtype, per_table=dict(self.table_dtypes), error_budget=self.error_budget or 0.01,
+            error_minimizing=self.error_minimizing, device=self.device, id_policy=dict(self.id_policy), seed=self.seed,
+        )
+
+
+# ---------------------------------------------------------------------------
+# sources: a checkpoint, a DLRM, or an EmbeddingBagCollection
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Source:
+    kind: str  # "dlrm" or "embeddings"
+    tables: List[EmbeddingBagConfig]
+    stream: Callable[[], Iterator[Tuple[EmbeddingBagConfig, torch.Tensor]]]  # float tables, one at a time
+    dense_model: Optional[nn.Module]  # the DLRM with its dense weights (sparse arch on meta)
+    model_config: Optional[Dict[str, Any]]
+    is_weighted: bool
+    num_dense: int
+
+
+def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
+    """The DLRM's dense layers with ``dense`` weights; no float tables are allocated."""
+    from recship.trainer.dlrm import DLRM
+
+    model = DLRM(config, device="meta")
+    model.sparse_arch = _FixedPooled(None)  # replaced by the quantized, sharded tables
+    model.to_empty(device="cpu")
+    dense = {k: v for k, v in dense.items() if not k.startswith("sparse_arch.")}
+    missing = sorted(set(model.state_dict()) - set(dense))
+    if missing:
+        raise ExportError(f"{where} lacks dense parameters {missing}")
+    model.load_state_dict(dense)
+    return model
+
+
+def _source(src: Union[str, Path, nn.Module]) -> _Source:
+    from recship.trainer.dlrm import DLRM, DLRMConfig
+
+    if isinstance(src, (str, Path)):
+        from recship.trainer.checkpoint import CheckpointReader
+
+        if not Path(src).exists():
+            raise ExportError(f"checkpoint not found: {src}")
+        reader = CheckpointReader(src)
+        model = (reader.config or {}).get("model")
+        if model is None:
+            raise ExportError(f"{src}: the checkpoint does not record its model config")
+        config = DLRMConfig(**model)
+        dense_model = _dense_dlrm(config, reader.dense_state_dict(), str(src))
+        tables = [cfg for _, cfg in reader.table_configs()]
+        return _Source("dlrm", tables, lambda: ((cfg, w) for _, cfg, w in reader.tables()), dense_model, model, False, config.num_dense)
+    if isinstance(src, DLRM):
+        ebc = src.sparse_arch
+        dense_model = _dense_dlrm(src.config, {k: v.detach() for k, v in src.state_dict().items()}, "the model")
+        return _Source(
+            "dlrm", ebc.embedding_bag_configs(),
+            lambda: ((t, ebc.embedding_bags[t.name].weight.detach()) for t in ebc.embedding_bag_configs()),
+            dense_model, asdict(src.config), ebc.is_weighted(), src.config.num_dense,
+        )
+    if isinstance(src, EmbeddingBagCollection):
+        return _Source(
+            "embeddings", src.embedding_bag_configs(),
+            lambda: ((t, src.embedding_bags[t.name].weight.detach()) for t in src.embedding_bag_configs()),
+            None, None, src.is_weighted(), 0,
+        )
+    raise ExportError(f"cannot export a {type(src).__name__}: give a checkpoint path, a DLRM or an EmbeddingBagCollection")
+
+
+# ---------------------------------------------------------------------------
+# validation batches
+# ---------------------------------------------------------------------------
+
+
+def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: int):
+    """[(dense, kjt, labels or None)] held-out requests (synthetic, fixed seed)."""
+    from recship.trainer.data import SyntheticConfig, SyntheticCriteo
+
+    rows = [t.num_embeddings for t in source.tables]
+    names = [f for t in source.tables for f in t.feature_names]
+    out = []
+    if source.kind == "dlrm":
+        gen = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, batch_size=batch, seed=config.seed), names)
+        for i in range(n):
+            b = gen.batch(i, 2_000_000 + stream)
+            out.append((b.dense, b.sparse, b.labels))
+        return out
+    g = torch.Generator().manual_seed(config.seed * 7919 + stream)
+    per_feature_rows = [t.num_embeddings for t in source.tables for _ in t.feature_names]
+    for _ in range(n):
+        lengths = torch.randint(0, 21, (len(names) * batch,), generator=g)
+        limits = torch.tensor(per_feature_rows).repeat_interleave(batch).repeat_interleave(lengths)
+        values = (torch.rand(int(lengths.sum()), generator=g) * limits).long()
+        weights = torch.rand(values.numel(), generator=g) if source.is_weighted else None
+        kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths.to(torch.int32), weights=weights)
+        out.append((torch.zeros(batch, 0), kjt, None))
+    return out
+
+
+class _FixedPooled(nn.Module):
+    """Stands in for a sparse arch: returns pooled embeddings computed beforehand."""
+
+    def __init__(self, pooled: KeyedTensor) -> None:
+        super().__init__()
+        self.pooled = pooled
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return self.pooled
+
+
+# ---------------------------------------------------------------------------
+# the pipeline
+# ---------------------------------------------------------------------------
+
+
+def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> Dict[str, Any]:
+    """Runs every stage and writes ``config.out``; returns the manifest."""
+    out = Path(config.out)
+    if out.exists() and not config.overwrite:
+        raise ExportError(f"{out} already exists (pass overwrite to replace it)")
+    stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
+    bar = _Stages(stages, config.progress)
+
+    bar.next("load")
+    src = _source(source)
+    names = [f for t in src.tables for f in t.feature_names]
+    unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
+    if unknown:
+        raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
+    unknown_features = sorted(set(config.id_policy) - set(names))
+    if unknown_features:
+        raise ExportError(f"id policy names features the model does not have: {unknown_features}")
+    validation = _batches(src, config, config.validation_batches, config.batch_size_hint, stream=0)
+    qconfig = config.quant_config()
+
+    bar.next("quantize + shard")
+    types, chosen_by, trials = _choose_types(src, qconfig)
+    sizes = {t.name: t.num_embeddings * _aligned(row_bytes(types[t.name], t.embedding_dim), qconfig.alignment) for t in src.tables}
+    forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
+    capacity = _device_capacity(config)
+    try:
+        plan = plan_inference_shards(src.tables, config.shards, forced, sizes, capacity)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
+    float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
+    reports: Dict[str, TableReport] = {}
+    pending: Dict[str, torch.Tensor] = {}
+
+    def fill(shard: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
+        weight = pending[shard.table]
+        block = weight[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
+        err = _fill_block(block, types[shard.table], qconfig, data, scale_bias)
+        r = reports[shard.table]
+        r.max_abs_error = max(r.max_abs_error, err[0])
+        r.mean_abs_error += err[1] / (r.rows * r.dim)
+
+    # Stream: each float table is quantized into its shards, its float lookups for the
+    # validation batches are kept (small), and then it is dropped.
+    modules_by_table = _ShardBuilder(src.tables, types, plan, devices, src.is_weighted, fill, config.id_policy, qconfig.alignment)
+    for salt, (t, weight) in enumerate(src.stream()):
+        pending[t.name] = weight
+        reports[t.name] = TableReport(
+            table=t.name, data_type=types[t.name].name, chosen_by=chosen_by[t.name], rows=t.num_embeddings,
+            dim=t.embedding_dim, float_bytes=t.num_embeddings * t.embedding_dim * 4, quantized_bytes=sizes[t.name],
+            max_abs_error=0.0, mean_abs_error=0.0,
+            pooled_relative_error=_pooled_error(weight, _sample_ids(t.num_embeddings, qconfig, salt), types[t.name], qconfig.error_minimizing),
+            auto_trials=trials.get(t.name, {}),
+        )
+        modules_by_table.fill_table(t.name)
+        for i, (_, kjt, _) in enumerate(validation):
+            for f in t.feature_names:
+                jt = kjt[f]
+                float_pooled[i][f] = _float_pool(weight, jt, t, src.is_weighted)
+        del pending[t.name]
+    sparse = modules_by_table.build()
+    report = QuantizationReport([reports[t.name] for t in src.tables], qconfig.alignment, qconfig.error_minimizing)
+
+    bar.next("trace + script")
+    if src.kind == "dlrm":
+        model = src.dense_model
+        model.sparse_arch = sparse
+        exported: nn.Module = ExportedDLRM(model, names)
+    else:
+        exported = ExportedEmbeddings(sparse, names)
+    exported.eval()
+    try:
+        scripted = trace_and_script(exported)
+    except Exception as e:  # any tracing/scripting failure ends the export with its reason
+        raise ExportError(f"fx tracing / TorchScript failed: {type(e).__name__}: {e}") from e
+
+    bar.next("validate")
+    validation_report = _validate(scripted, src, validation, float_pooled, config)
+
+    bar.next("write")
+    sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
+    manifest = _write(out, scripted, src, names, types, plan, report, validation_report, sample, config)
+    bar.close()
+    _print_summary(manifest, out, config.progress)
+    return manifest
+
+
+def _choose_types(src: _Source, qconfig: QuantConfig):
+    types: Dict[str, DataType] = {}
+    chosen_by: Dict[str, str] = {}
+    trials: Dict[str, Dict[str, float]] = {}
+    needs_auto = [t.name for t in src.tables if qconfig.per_table.get(t.name, qconfig.data_type) == AUTO]
+    if needs_auto:  # a first streaming pass measures the candidate types
+        for salt, (t, w) in enumerate(src.stream()):
+            if t.name in needs_auto:
+                types[t.name], trials[t.name] = _choose_auto(t, w, qconfig, salt)
+                chosen_by[t.name] = "auto"
+    for t in src.tables:
+        if t.name not in types:
+            types[t.name] = qconfig.per_table.get(t.name, qconfig.data_type)
+            chosen_by[t.name] = "per_table" if t.name in qconfig.per_table else "default"
+    return types, chosen_by, trials
+
+
+def _device_capacity(config: ExportConfig) -> Optional[int]:
+    if config.device == "cuda":
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(config.shards)) * 9 // 10
+    return None  # host memory: the OS decides
+
+
+class _ShardBuilder:
+    """Creates the per-device quantized modules up front and fills them table by table."""
+
+    def __init__(self, tables, types, plan, devices, is_weighted, fill, id_policy, alignment) -> None:
+        self._fill = fill
+        self._plan = plan
+        self._filled: Dict[str, Tuple[InferenceShard, torch.Tensor, Optional[torch.Tensor]]] = {}
+        views: Dict[str, List] = {}
+
+        def record(shard, data, scale_bias):
+            views.setdefault(shard.table, []).append((shard, data, scale_bias))
+
+        self._module = shard_quantized(tables, types, plan, devices, is_weighted, record, id_policy, alignment)
+        self._views = views
+
+    def fill_table(self, table: str) -> None:
+        for shard, data, scale_bias in self._views[table]:
+            self._fill(shard, data, scale_bias)
+
+    def build(self):
+        return self._module
+
+
+def _fill_block(block: torch.Tensor, dt: DataType, qconfig: QuantConfig, data, scale_bias) -> Tuple[float, float]:
+    max_err, sum_err = 0.0, 0.0
+    with torch.no_grad():
+        for start, end in row_chunks(block.shape[0], qconfig.chunk_rows):
+            rows = block[start:end].float().cpu()
+            q = quantize_rows(rows, dt, qconfig.error_minimizing)
+            data[start:end].copy_(q.data)
+            if scale_bias is not None:
+                scale_bias[start:end].copy_(q.scale_bias)
+            err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
+            max_err = max(max_err, float(err.max()))
+            sum_err += float(err.double().sum())
+    return max_err, sum_err
+
+
+def _float_pool(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
+    ids = jt.values().to(torch.int64)
+    mode = "mean" if t.pooling.value == "MEAN" and not weighted else "sum"
+    out = nn.functional.embedding_bag(
+        ids, weight.float(), jt.offsets().to(torch.int64), mode=mode, include_last_offset=True,
+        per_sample_weights=jt.weights_or_none() if weighted else None,
+    )
+    if weighted and t.pooling.value == "MEAN":
+        out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
+    return out
+
+
+def _validate(scripted, src: _Source, validation, float_pooled, config: ExportConfig) -> Dict[str, Any]:
+    """Exported vs float on held-out batches; raises ExportError past the error budget."""
+    from recship.trainer.train import auc
+
+    names = [f for t in src.tables for f in t.feature_names]
+    dims = [t.embedding_dim for t in src.tables for _ in t.feature_names]
+    max_err: Dict[str, float] = {}
+    rel_err = 0.0
+    probs, float_probs, labels = [], [], []
+    with torch.no_grad():
+        for (dense, kjt, label), pooled in zip(validation, float_pooled):
+            got = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
+            ref_kt = KeyedTensor(keys=names, length_per_key=dims, values=torch.cat([pooled[f] for f in names], dim=1))
+            if src.kind == "dlrm":
+                model = src.dense_model
+                saved = model.sparse_arch
+                model.sparse_arch = _FixedPooled(ref_kt)
+                try:
+                    logit = model(dense, kjt).unsqueeze(1)
+                finally:
+                    model.sparse_arch = saved
+                want = {"logit": logit, "prob": torch.sigmoid(logit)}
+                probs.append(got["prob"][:, 0])
+                float_probs.append(want["prob"][:, 0])
+                labels.append(label)
+            else:
+                want = ref_kt.to_dict()
+                num = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
+                den = sum(float(want[k].norm() ** 2) for k in want)
+                rel_err = max(rel_err, (num / max(den, 1e-30)) ** 0.5)
+            for k in want:
+                max_err[k] = max(max_err.get(k, 0.0), float((got[k] - want[k]).abs().max()))
+    result: Dict[str, Any] = {"max_abs_error": max_err, "batches": len(validation), "batch_size": config.batch_size_hint}
+    if src.kind == "dlrm":
+        p, fp, l = torch.cat(probs), torch.cat(float_probs), torch.cat(labels)
+        bce = nn.functional.binary_cross_entropy
+        result.update(
+            auc=auc(p, l), float_auc=auc(fp, l),
+            log_loss=float(bce(p.clamp(1e-7, 1 - 1e-7), l)), float_log_loss=float(bce(fp.clamp(1e-7, 1 - 1e-7), l)),
+        )
+        measured, what = max_err["prob"], "max |prob - float prob|"
+    else:
+        result["relative_error"] = rel_err
+        measured, what = rel_err, "relative error of pooled outputs"
+    result["error"] = measured
+    if config.error_budget is not None and measured > config.error_budget:
+        raise ExportError(
+            f"validation failed: {what} = {measured:.3g} exceeds the error budget {config.error_budget:g} "
+            "(choose wider types or a larger --error-budget)"
+        )
+    return result
+
+
+def _write(out: Path, scripted, src, names, types, plan, report, validation, sample, config: ExportConfig) -> Dict[str, Any]:
+    """Writes the artifact into a temporary sibling and renames it into place."""
+    import fbgemm_gpu
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        torch.jit.save(scripted, str(tmp / "model.pt"))
+        dense, kjt, _ = sample
+        inputs = {
+            "dense": dense.float().contiguous(),
+            "lengths": kjt.lengths().to(torch.int32).contiguous(),
+            "values": kjt.values().to(torch.int64).contiguous(),
+        }
+        if kjt.weights_or_none() is not None:
+            inputs["weights"] = kjt.weights().float().contiguous()
+        with torch.no_grad():
+            outputs = scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
+        (tmp / "sample").mkdir()
+        sample_meta = {"batch_size": config.sample_batch_size, "inputs": {}, "outputs": {}}
+        for group, tensors in (("inputs", inputs), ("outputs", outputs)):
+            for name, t in tensors.items():
+                path = f"sample/{group}.{name}.bin"
+                (tmp / path).write_bytes(t.contiguous().numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes())
+                sample_meta[group][name] = {"file": path, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
+        by_table = {t.name: t for t in src.tables}
+        manifest = {
+            "format": FORMAT,
+            "model": {"name": config.model_name, "version": config.model_version, "kind": src.kind, "config": src.model_config},
+            "inputs": {
+                "dense": {"dtype": "float32", "shape": ["B", src.num_dense]},
+                "lengths": {"dtype": "int32", "shape": ["F*B"], "order": "feature-major, features in the order below"},
+                "values": {"dtype": "int64", "shape": ["N"]},
+                "weights": {"dtype": "float32", "shape": ["N"], "required": src.is_weighted},
+            },
+            "num_dense": src.num_dense,
+            "sparse_features": [
+                {
+                    "name": f, "table": t.name, "pooling": t.pooling.value, "dim": t.embedding_dim,
+                    "rows": t.num_embeddings, "weight_type": types[t.name].name,
+                    "id_policy": config.id_policy.get(f, "reject"),
+                }
+                for t in src.tables for f in t.feature_names
+            ],
+            "weighted": src.is_weighted,
+            "outputs": {k: {"dtype": "float32", "shape": ["B"] + list(v.shape[1:])} for k, v in outputs.items()},
+            "sharding": {
+                "device": config.device,
+                "num_devices": config.shards,
+                "row_alignment": report.row_alignment,
+                "shards": [asdict(s) for t in src.tables for s in plan[t.name]],
+            },
+            "versions": {"torch": torch.__version__, "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "unknown"), "python": sys.version.split()[0]},
+            "op_libraries": OP_LIBRARIES,
+            "quantization": report.to_dict(),
+            "validation": validation,
+            "sample": sample_meta,
+            "model_sha256": _sha256(tmp / "model.pt"),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # the artifact appears complete or not at all
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Stages:
+    def __init__(self, stages: List[str], enabled: bool) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=len(stages), desc="export", unit="stage", file=sys.stderr)
+        self._started = False
+
+    def next(self, name: str) -> None:
+        if self._bar is not None:
+            if self._started:
+                self._bar.update(1)
+            self._bar.set_description(f"export: {name}")
+        self._started = True
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.close()
+
+
+def _print_summary(manifest: Dict[str, Any], out: Path, enabled: bool) -> None:
+    if not enabled:
+        return
+    print(report_text(manifest))
+    v = manifest["validation"]
+    extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
+    print(f"validation: error {v['error']:.3g}{extra}")
+    print(f"artifact: {out}")
+
+
+def report_text(manifest: Dict[str, Any]) -> str:
+    """The manifest's quantization report as the printed table."""
+    q = manifest["quantization"]
+    report = QuantizationReport([TableReport(**t) for t in q["tables"]], q["row_alignment"], q["error_minimizing"])
+    return str(report)
