@@ -221,82 +221,85 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         raise ExportError(f"{out} already exists (pass overwrite to replace it)")
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
-
-    bar.next("load")
-    src = _source(source)
-    names = [f for t in src.tables for f in t.feature_names]
-    unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
-    if unknown:
-        raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
-    unknown_features = sorted(set(config.id_policy) - set(names))
-    if unknown_features:
-        raise ExportError(f"id policy names features the model does not have: {unknown_features}")
-    validation = _batches(src, config, config.validation_batches, config.batch_size_hint, stream=0)
-    qconfig = config.quant_config()
-
-    bar.next("quantize + shard")
-    types, chosen_by, trials = _choose_types(src, qconfig)
-    sizes = {t.name: t.num_embeddings * _aligned(row_bytes(types[t.name], t.embedding_dim), qconfig.alignment) for t in src.tables}
-    forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
-    capacity = _device_capacity(config)
     try:
-        plan = plan_inference_shards(src.tables, config.shards, forced, sizes, capacity)
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-    devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
-    float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
-    reports: Dict[str, TableReport] = {}
-    pending: Dict[str, torch.Tensor] = {}
 
-    def fill(shard: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
-        weight = pending[shard.table]
-        block = weight[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-        err = _fill_block(block, types[shard.table], qconfig, data, scale_bias)
-        r = reports[shard.table]
-        r.max_abs_error = max(r.max_abs_error, err[0])
-        r.mean_abs_error += err[1] / (r.rows * r.dim)
+        bar.next("load")
+        src = _source(source)
+        names = [f for t in src.tables for f in t.feature_names]
+        unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
+        if unknown:
+            raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
+        unknown_features = sorted(set(config.id_policy) - set(names))
+        if unknown_features:
+            raise ExportError(f"id policy names features the model does not have: {unknown_features}")
+        validation = _batches(src, config, config.validation_batches, config.batch_size_hint, stream=0)
+        qconfig = config.quant_config()
 
-    # Stream: each float table is quantized into its shards, its float lookups for the
-    # validation batches are kept (small), and then it is dropped.
-    modules_by_table = _ShardBuilder(src.tables, types, plan, devices, src.is_weighted, fill, config.id_policy, qconfig.alignment)
-    for salt, (t, weight) in enumerate(src.stream()):
-        pending[t.name] = weight
-        reports[t.name] = TableReport(
-            table=t.name, data_type=types[t.name].name, chosen_by=chosen_by[t.name], rows=t.num_embeddings,
-            dim=t.embedding_dim, float_bytes=t.num_embeddings * t.embedding_dim * 4, quantized_bytes=sizes[t.name],
-            max_abs_error=0.0, mean_abs_error=0.0,
-            pooled_relative_error=_pooled_error(weight, _sample_ids(t.num_embeddings, qconfig, salt), types[t.name], qconfig.error_minimizing),
-            auto_trials=trials.get(t.name, {}),
-        )
-        modules_by_table.fill_table(t.name)
-        for i, (_, kjt, _) in enumerate(validation):
-            for f in t.feature_names:
-                jt = kjt[f]
-                float_pooled[i][f] = _float_pool(weight, jt, t, src.is_weighted)
-        del pending[t.name]
-    sparse = modules_by_table.build()
-    report = QuantizationReport([reports[t.name] for t in src.tables], qconfig.alignment, qconfig.error_minimizing)
+        bar.next("quantize + shard")
+        types, chosen_by, trials = _choose_types(src, qconfig)
+        sizes = {t.name: t.num_embeddings * _aligned(row_bytes(types[t.name], t.embedding_dim), qconfig.alignment) for t in src.tables}
+        forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
+        capacity = _device_capacity(config)
+        try:
+            plan = plan_inference_shards(src.tables, config.shards, forced, sizes, capacity)
+        except ValueError as e:
+            raise ExportError(str(e)) from None
+        devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
+        float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
+        reports: Dict[str, TableReport] = {}
+        pending: Dict[str, torch.Tensor] = {}
 
-    bar.next("trace + script")
-    if src.kind == "dlrm":
-        model = src.dense_model
-        model.sparse_arch = sparse
-        exported: nn.Module = ExportedDLRM(model, names)
-    else:
-        exported = ExportedEmbeddings(sparse, names)
-    exported.eval()
-    try:
-        scripted = trace_and_script(exported)
-    except Exception as e:  # any tracing/scripting failure ends the export with its reason
-        raise ExportError(f"fx tracing / TorchScript failed: {type(e).__name__}: {e}") from e
+        def fill(shard: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
+            weight = pending[shard.table]
+            block = weight[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
+            err = _fill_block(block, types[shard.table], qconfig, data, scale_bias)
+            r = reports[shard.table]
+            r.max_abs_error = max(r.max_abs_error, err[0])
+            r.mean_abs_error += err[1] / (r.rows * r.dim)
 
-    bar.next("validate")
-    validation_report = _validate(scripted, src, validation, float_pooled, config)
+        # Stream: each float table is quantized into its shards, its float lookups for the
+        # validation batches are kept (small), and then it is dropped.
+        modules_by_table = _ShardBuilder(src.tables, types, plan, devices, src.is_weighted, fill, config.id_policy, qconfig.alignment)
+        for salt, (t, weight) in enumerate(src.stream()):
+            pending[t.name] = weight
+            reports[t.name] = TableReport(
+                table=t.name, data_type=types[t.name].name, chosen_by=chosen_by[t.name], rows=t.num_embeddings,
+                dim=t.embedding_dim, float_bytes=t.num_embeddings * t.embedding_dim * 4, quantized_bytes=sizes[t.name],
+                max_abs_error=0.0, mean_abs_error=0.0,
+                pooled_relative_error=_pooled_error(weight, _sample_ids(t.num_embeddings, qconfig, salt), types[t.name], qconfig.error_minimizing),
+                auto_trials=trials.get(t.name, {}),
+            )
+            modules_by_table.fill_table(t.name)
+            for i, (_, kjt, _) in enumerate(validation):
+                for f in t.feature_names:
+                    jt = kjt[f]
+                    float_pooled[i][f] = _float_pool(weight, jt, t, src.is_weighted)
+            del pending[t.name]
+        sparse = modules_by_table.build()
+        report = QuantizationReport([reports[t.name] for t in src.tables], qconfig.alignment, qconfig.error_minimizing)
 
-    bar.next("write")
-    sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
-    manifest = _write(out, scripted, src, names, types, plan, report, validation_report, sample, config)
-    bar.close()
+        bar.next("trace + script")
+        if src.kind == "dlrm":
+            model = src.dense_model
+            model.sparse_arch = sparse
+            exported: nn.Module = ExportedDLRM(model, names)
+        else:
+            exported = ExportedEmbeddings(sparse, names)
+        exported.eval()
+        try:
+            scripted = trace_and_script(exported)
+        except Exception as e:  # any tracing/scripting failure ends the export with its reason
+            raise ExportError(f"fx tracing / TorchScript failed: {type(e).__name__}: {e}") from e
+
+        bar.next("validate")
+        validation_report = _validate(scripted, src, validation, float_pooled, config)
+
+        bar.next("write")
+        sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
+        manifest = _write(out, scripted, src, names, types, plan, report, validation_report, sample, config)
+        bar.finish()
+    finally:
+        bar.close()
     _print_summary(manifest, out, config.progress)
     return manifest
 
@@ -521,9 +524,13 @@ class _Stages:
             self._bar.set_description(f"export: {name}")
         self._started = True
 
+    def finish(self) -> None:
+        if self._bar is not None:
+            self._bar.set_description("export: done")
+            self._bar.update(1)
+
     def close(self) -> None:
         if self._bar is not None:
-            self._bar.update(1)
             self._bar.close()
 
 

@@ -171,7 +171,8 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         for i, f in enumerate(self._features):
             jt = given[f]
             ids = _check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
-            per_feature[f] = JaggedTensor(values=ids, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
+            weights = jt.weights() if self._is_weighted else None
+            per_feature[f] = JaggedTensor(values=ids, weights=weights, lengths=jt.lengths(), offsets=jt.offsets())
         first = torch.device(self._device_names[0])
         # per feature: column offset -> accumulated block
         blocks: Dict[str, Dict[int, torch.Tensor]] = {}
@@ -230,7 +231,7 @@ def _unit_input(
     """(ids, lengths, weights) of one feature for one shard: all ids, or those in the row block, rebased."""
     ids = jt.values()
     lengths = jt.lengths().to(torch.int64)
-    weights = jt.weights_or_none() if weighted else None
+    weights = jt.weights() if weighted else None
     if not bucketed:
         return ids, lengths, weights
     inside = (ids >= row_offset) & (ids < row_offset + rows)

@@ -16,6 +16,8 @@ from recship import __version__
 _COMMANDS = {
     "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
     "train": ("recship.trainer.train", "train a DLRM with sharded embedding tables"),
+    "export": ("recship.export.cli", "export a checkpoint to a quantized TorchScript artifact"),
+    "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
 }
 
 

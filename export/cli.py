@@ -1,0 +1,51 @@
+"""``recship export`` and ``recship inspect``."""
+
+import argparse
+from typing import Dict, List
+
+from recship.export.pipeline import ExportConfig, ExportError, export_model
+
+
+def _pairs(items: List[str], what: str) -> Dict[str, str]:
+    out = {}
+    for item in items or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ExportError(f"{what} expects NAME=VALUE, got {item!r}")
+        out[name] = value
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a training checkpoint directory (runs/x/checkpoints/step_N)")
+    parser.add_argument("--out", required=True, help="artifact directory to create")
+    parser.add_argument("--dtype", default="int8", help="int8 | int4 | int2 | fp8 | fp16 | fp32 | auto (default int8)")
+    parser.add_argument("--table-dtype", action="append", metavar="TABLE=DTYPE", help="per-table type, repeatable")
+    parser.add_argument("--error-budget", type=float, help="auto types and validation: the largest allowed error")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
+    parser.add_argument("--sharding", choices=["table_wise", "row_wise", "column_wise"], help="force one sharding type")
+    parser.add_argument("--batch-size-hint", type=int, default=512, help="validation batch size (default 512)")
+    parser.add_argument("--id-policy", action="append", metavar="FEATURE=reject|modulo", help="per-feature id policy")
+    parser.add_argument("--name", default="model", help="model name in the manifest")
+    parser.add_argument("--version", type=int, default=1, help="model version in the manifest")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = ExportConfig(
+        out=args.out,
+        dtype=args.dtype,
+        table_dtypes=_pairs(args.table_dtype, "--table-dtype"),
+        error_budget=args.error_budget,
+        device=args.device,
+        shards=args.shards,
+        sharding=args.sharding,
+        batch_size_hint=args.batch_size_hint,
+        id_policy=_pairs(args.id_policy, "--id-policy"),
+        model_name=args.name,
+        model_version=args.version,
+        overwrite=args.overwrite,
+    )
+    export_model(args.checkpoint, config)
+    return 0
