@@ -246,6 +246,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             raise ExportError(str(e)) from None
         devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
         float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
+        quant_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
         reports: Dict[str, TableReport] = {}
         pending: Dict[str, torch.Tensor] = {}
 
@@ -270,10 +271,14 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
                 auto_trials=trials.get(t.name, {}),
             )
             modules_by_table.fill_table(t.name)
+            blocks = sorted({(s.col_offset, s.cols) for s in plan[t.name]})
             for i, (_, kjt, _) in enumerate(validation):
                 for f in t.feature_names:
                     jt = kjt[f]
                     float_pooled[i][f] = _float_pool(weight, jt, t, src.is_weighted)
+                    quant_pooled[i][f] = _quantized_pool(
+                        weight, jt, t, src.is_weighted, types[t.name], qconfig.error_minimizing, blocks
+                    )
             del pending[t.name]
         sparse = modules_by_table.build()
         report = QuantizationReport([reports[t.name] for t in src.tables], qconfig.alignment, qconfig.error_minimizing)
@@ -292,7 +297,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             raise ExportError(f"fx tracing / TorchScript failed: {type(e).__name__}: {e}") from e
 
         bar.next("validate")
-        validation_report = _validate(scripted, src, validation, float_pooled, config)
+        validation_report = _validate(scripted, src, validation, float_pooled, quant_pooled, config)
 
         bar.next("write")
         sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
@@ -377,39 +382,76 @@ def _float_pool(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool)
     return out
 
 
-def _validate(scripted, src: _Source, validation, float_pooled, config: ExportConfig) -> Dict[str, Any]:
-    """Exported vs float on held-out batches; raises ExportError past the error budget."""
+def _quantized_pool(weight, jt, t: EmbeddingBagConfig, weighted: bool, dt: DataType, error_minimizing: bool, blocks) -> torch.Tensor:
+    """What the unsharded quantized table gives for ``jt`` (column blocks quantized as the shards are)."""
+    ids = jt.values().to(torch.int64)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    rows = weight[unique].float()
+    deq = torch.cat(
+        [dequantize_rows(quantize_rows(rows[:, c : c + w], dt, error_minimizing), dt, w) for c, w in blocks], dim=1
+    )
+    fake = type(jt)(values=inverse, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
+    return _float_pool(deq, fake, t, weighted)
+
+
+def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], names, dims) -> Dict[str, torch.Tensor]:
+    """The model's outputs from given pooled embeddings (the float or the quantized ones)."""
+    kt = KeyedTensor(keys=names, length_per_key=dims, values=torch.cat([pooled[f] for f in names], dim=1))
+    if src.kind != "dlrm":
+        return kt.to_dict()
+    model = src.dense_model
+    saved = model.sparse_arch
+    model.sparse_arch = _FixedPooled(kt)
+    try:
+        logit = model(dense, kjt).unsqueeze(1)
+    finally:
+        model.sparse_arch = saved
+    return {"logit": logit, "prob": torch.sigmoid(logit)}
+
+
+def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, config: ExportConfig) -> Dict[str, Any]:
+    """Exported vs float and vs the unsharded quantized model on held-out batches.
+
+    Raises ExportError when the exported model disagrees with the unsharded quantized
+    one beyond float rounding (a sharding bug), or exceeds the error budget vs float.
+    """
     from recship.trainer.train import auc
 
     names = [f for t in src.tables for f in t.feature_names]
     dims = [t.embedding_dim for t in src.tables for _ in t.feature_names]
     max_err: Dict[str, float] = {}
     rel_err = 0.0
+    vs_quantized = 0.0
     probs, float_probs, labels = [], [], []
     with torch.no_grad():
-        for (dense, kjt, label), pooled in zip(validation, float_pooled):
+        for (dense, kjt, label), pooled, qpooled in zip(validation, float_pooled, quant_pooled):
             got = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
-            ref_kt = KeyedTensor(keys=names, length_per_key=dims, values=torch.cat([pooled[f] for f in names], dim=1))
+            want = _dense_outputs(src, dense, kjt, pooled, names, dims)
+            quantized = _dense_outputs(src, dense, kjt, qpooled, names, dims)
+            for k in quantized:
+                scale = max(1.0, float(quantized[k].abs().max()))
+                vs_quantized = max(vs_quantized, float((got[k] - quantized[k]).abs().max()) / scale)
             if src.kind == "dlrm":
-                model = src.dense_model
-                saved = model.sparse_arch
-                model.sparse_arch = _FixedPooled(ref_kt)
-                try:
-                    logit = model(dense, kjt).unsqueeze(1)
-                finally:
-                    model.sparse_arch = saved
-                want = {"logit": logit, "prob": torch.sigmoid(logit)}
                 probs.append(got["prob"][:, 0])
                 float_probs.append(want["prob"][:, 0])
                 labels.append(label)
             else:
-                want = ref_kt.to_dict()
                 num = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
                 den = sum(float(want[k].norm() ** 2) for k in want)
                 rel_err = max(rel_err, (num / max(den, 1e-30)) ** 0.5)
             for k in want:
                 max_err[k] = max(max_err.get(k, 0.0), float((got[k] - want[k]).abs().max()))
-    result: Dict[str, Any] = {"max_abs_error": max_err, "batches": len(validation), "batch_size": config.batch_size_hint}
+    result: Dict[str, Any] = {
+        "max_abs_error": max_err,
+        "max_relative_error_vs_unsharded_quantized": vs_quantized,
+        "batches": len(validation),
+        "batch_size": config.batch_size_hint,
+    }
+    if vs_quantized > 1e-4:
+        raise ExportError(
+            f"validation failed: the exported model differs from the unsharded quantized model by {vs_quantized:.3g} "
+            "(more than float rounding): a sharding or tracing error"
+        )
     if src.kind == "dlrm":
         p, fp, l = torch.cat(probs), torch.cat(float_probs), torch.cat(labels)
         bce = nn.functional.binary_cross_entropy

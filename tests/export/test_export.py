@@ -80,7 +80,9 @@ def test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size(tmp_pat
 
 def test_column_wise_artifact_stays_within_quantization_error(tmp_path):
     model = _dlrm()
-    export_model(model, _config(tmp_path, "cw", dtype="int8", shards=2, sharding="column_wise"))
+    manifest = export_model(model, _config(tmp_path, "cw", dtype="int8", shards=2, sharding="column_wise"))
+    # the unsharded reference quantizes the same column blocks, so they agree to rounding
+    assert manifest["validation"]["max_relative_error_vs_unsharded_quantized"] < 1e-5
     scripted, manifest = load_artifact(tmp_path / "cw")
     assert {s["cols"] for s in manifest["sharding"]["shards"]} == {4}
     b = SyntheticCriteo(SyntheticConfig(ROWS, batch_size=64, seed=5)).batch(0)
@@ -96,6 +98,7 @@ def test_artifact_from_checkpoint_loads_without_recship(tmp_path, checkpoint):
     assert [f["weight_type"] for f in manifest["sparse_features"]][:2] == ["FP16", "INT4"]
     assert manifest["num_dense"] == 13 and set(manifest["outputs"]) == {"logit", "prob"}
     assert manifest["validation"]["auc"] == pytest.approx(manifest["validation"]["float_auc"], abs=0.05)
+    assert manifest["validation"]["max_relative_error_vs_unsharded_quantized"] < 1e-5
     assert not any(p.name.startswith(".art.tmp") for p in tmp_path.iterdir())
     code = textwrap.dedent(
         f"""
