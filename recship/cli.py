@@ -18,6 +18,8 @@ _COMMANDS = {
     "train": ("recship.trainer.train", "train a DLRM with sharded embedding tables"),
     "export": ("recship.export.cli", "export a checkpoint to a quantized TorchScript artifact"),
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
+    "serve": ("recship.serving.server", "serve exported models over gRPC"),
+    "predict": ("recship.serving.client", "send one request to a running server"),
 }
 
 

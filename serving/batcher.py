@@ -1,0 +1,168 @@
+"""Dynamic batching: concurrent requests for one model version run as one forward.
+
+A worker thread takes the oldest request, then keeps collecting until the batch
+holds ``max_batch_size`` examples or ``max_delay_s`` has passed since that first
+request; expired requests are answered DEADLINE_EXCEEDED without running. The
+requests' KJTs are concatenated along the batch, the model runs once, and every
+output is split back by each request's batch size, in order, so each request gets
+exactly its own rows. The queue is bounded: a full queue refuses at once.
+"""
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from recship.serving.requests import ParsedRequest
+from recship.sparse import KeyedJaggedTensor
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """The model's queue is full (gRPC RESOURCE_EXHAUSTED)."""
+
+
+class DeadlineExpired(RuntimeError):
+    """The request's deadline passed before it ran (gRPC DEADLINE_EXCEEDED)."""
+
+
+@dataclass
+class _Item:
+    request: ParsedRequest
+    deadline: Optional[float]  # time.monotonic() seconds
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class Batcher:
+    """Queues requests for ``model`` and runs them in merged batches on one worker thread.
+
+    Args:
+        model: TorchScript artifact module: (dense, lengths, values, weights) -> Dict[str, Tensor].
+        max_batch_size: examples per forward (a single larger request runs alone).
+        max_delay_s: how long the first request of a batch waits for company; 0 disables batching.
+        max_queue: requests waiting at most; more are refused with QueueFull.
+        observe: callback(batch_examples, n_requests, queue_seconds_list, compute_seconds) for metrics.
+    """
+
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 512,
+        max_delay_s: float = 0.002,
+        max_queue: int = 1024,
+        observe: Optional[Callable[[int, int, List[float], float], None]] = None,
+        name: str = "model",
+    ) -> None:
+        self.model = model
+        self.max_batch_size = max_batch_size
+        self.max_delay_s = max_delay_s
+        self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue(maxsize=max_queue)
+        self._observe = observe
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: ParsedRequest, deadline: Optional[float] = None) -> Future:
+        if self._stopping:
+            raise QueueFull("the model is being unloaded")
+        item = _Item(request, deadline)
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            raise QueueFull(f"queue full ({self._queue.maxsize} requests waiting)") from None
+        return item.future
+
+    def stop(self, drain: bool = True) -> None:
+        """Stops after the queued requests (drain) or refusing them."""
+        self._stopping = True
+        if not drain:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item.future.set_exception(QueueFull("the model was unloaded"))
+        self._queue.put(None)
+        self._thread.join()
+
+    # -- worker ------------------------------------------------------------
+
+    def _loop(self) -> None:
+        carry: Optional[_Item] = None
+        while True:
+            first = carry if carry is not None else self._queue.get()
+            carry = None
+            if first is None:
+                return
+            batch = [first]
+            examples = first.request.batch_size
+            until = first.enqueued + self.max_delay_s
+            stop = False
+            while examples < self.max_batch_size:
+                wait = until - time.monotonic()
+                try:
+                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                if examples + item.request.batch_size > self.max_batch_size:
+                    carry = item  # starts the next batch
+                    break
+                batch.append(item)
+                examples += item.request.batch_size
+            self._run(batch)
+            if stop:
+                if carry is not None:
+                    self._run([carry])
+                return
+
+    def _run(self, batch: List[_Item]) -> None:
+        now = time.monotonic()
+        live = []
+        for item in batch:
+            if item.deadline is not None and now > item.deadline:
+                item.future.set_exception(DeadlineExpired("deadline passed while queued"))
+            elif item.future.set_running_or_notify_cancel():
+                live.append(item)
+        if not live:
+            return
+        started = time.monotonic()
+        try:
+            outputs = self._forward([item.request for item in live])
+        except Exception as e:  # the model failed: every request of this batch gets the error
+            log.exception("forward failed for a batch of %d requests", len(live))
+            for item in live:
+                item.future.set_exception(e)
+            return
+        compute = time.monotonic() - started
+        start = 0
+        for item, outs in zip(live, _split(outputs, [i.request.batch_size for i in live])):
+            item.future.set_result(outs)
+            start += item.request.batch_size
+        if self._observe is not None:
+            self._observe(sum(i.request.batch_size for i in live), len(live), [started - i.enqueued for i in live], compute)
+
+    def _forward(self, requests: List[ParsedRequest]) -> Dict[str, torch.Tensor]:
+        if len(requests) == 1:
+            r = requests[0]
+            dense, sparse = r.dense, r.sparse
+        else:
+            dense = torch.cat([r.dense for r in requests])
+            sparse = KeyedJaggedTensor.concat([r.sparse for r in requests])
+        with torch.inference_mode():
+            return self.model(dense, sparse.lengths().to(torch.int32), sparse.values(), sparse.weights_or_none())
+
+
+def _split(outputs: Dict[str, torch.Tensor], sizes: List[int]) -> List[Dict[str, torch.Tensor]]:
+    parts = {name: torch.split(t, sizes) for name, t in outputs.items()}
+    return [{name: parts[name][i] for name in outputs} for i in range(len(sizes))]

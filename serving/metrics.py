@@ -1,0 +1,31 @@
+"""Prometheus metrics of the server (one registry per server, so tests can run several)."""
+
+from typing import List, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+
+
+class Metrics:
+    def __init__(self, port: Optional[int] = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("recship_requests_total", "Predict requests", ["model", "version", "status"], registry=r)
+        self.latency = Histogram("recship_request_seconds", "Predict end-to-end latency", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("recship_queue_seconds", "time from enqueue to forward", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.compute = Histogram("recship_compute_seconds", "forward time per batch", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("recship_batch_examples", "examples per forward", ["model"], buckets=_BATCH_BUCKETS, registry=r)
+        self.ids = Counter("recship_ids_total", "ids looked up", ["model"], registry=r)
+        self.rejected_ids = Counter("recship_rejected_id_requests_total", "requests refused for out-of-range ids", ["model"], registry=r)
+        self.port = None
+        if port is not None:
+            server, _ = start_http_server(port, addr="127.0.0.1", registry=r)
+            self.port = server.server_port
+
+    def observe_batch(self, model: str, version: int, examples: int, requests: int, queue_s: List[float], compute_s: float) -> None:
+        self.batch.labels(model).observe(examples)
+        self.compute.labels(model).observe(compute_s)
+        for q in queue_s:
+            self.queue.labels(model).observe(q)

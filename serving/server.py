@@ -1,0 +1,301 @@
+"""The gRPC prediction server: model repository with hot reload, dynamic batching, health, metrics.
+
+    recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port 9100]
+
+The repository is ``DIR/<model>/<version>/`` artifacts (from ``recship export``). The
+newest version of each model is loaded at start; a watcher thread loads newer versions
+in the background, runs their sample self-check, and only then routes traffic to them
+(requests already queued finish on the old version). A broken version is refused with
+a logged reason while the old one keeps serving.
+"""
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import grpc
+import torch
+
+from recship.export.artifact import ArtifactError, load_artifact
+from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull
+from recship.serving.metrics import Metrics
+from recship.serving.requests import InvalidRequest, ModelSpec, parse_request
+from recship.serving.v1 import predictor_pb2 as pb
+from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
+
+log = logging.getLogger("recship.serving")
+
+
+@dataclass
+class ServerConfig:
+    model_repo: str
+    host: str = "127.0.0.1"
+    port: int = 8500
+    metrics_port: Optional[int] = None
+    max_batch_size: int = 512
+    max_delay_ms: float = 2.0
+    max_queue: int = 1024
+    poll_interval_s: float = 2.0
+    grpc_threads: int = 16
+    torch_threads: Optional[int] = None
+    max_message_bytes: int = 64 * 1024 * 1024
+    device: str = "cpu"
+
+
+class ModelNotFound(LookupError):
+    """No such model or version (gRPC NOT_FOUND)."""
+
+
+class _Served:
+    def __init__(self, name: str, version: int, path: Path, config: ServerConfig, metrics: Metrics) -> None:
+        self.name, self.version, self.path = name, version, path
+        self.model, self.manifest = load_artifact(path, check=True)  # checksum + sample self-check
+        self.spec = ModelSpec.from_manifest(self.manifest, config.max_batch_size)
+        self.batcher = Batcher(
+            self.model, config.max_batch_size, config.max_delay_ms / 1000.0, config.max_queue,
+            observe=lambda ex, n, q, c: metrics.observe_batch(name, version, ex, n, q, c), name=f"{name}-{version}",
+        )
+
+
+class ModelRepository:
+    """Loads, serves and hot-swaps the versions under ``config.model_repo``."""
+
+    def __init__(self, config: ServerConfig, metrics: Metrics, on_change=None) -> None:
+        self.config = config
+        self.root = Path(config.model_repo)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"model repository not found: {self.root}")
+        self._metrics = metrics
+        self._lock = threading.Lock()
+        self._serving: Dict[str, _Served] = {}
+        self._refused: Dict[Tuple[str, int], str] = {}
+        self._on_change = on_change
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+
+    def scan(self) -> None:
+        """Loads each model's newest version that is newer than the one serving."""
+        for model_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            versions = sorted((int(v.name), v) for v in model_dir.iterdir() if v.is_dir() and v.name.isdigit())
+            for version, path in reversed(versions):
+                current = self._serving.get(model_dir.name)
+                if current is not None and current.version >= version:
+                    break
+                if (model_dir.name, version) in self._refused:
+                    continue
+                try:
+                    served = _Served(model_dir.name, version, path, self.config, self._metrics)
+                except (ArtifactError, OSError, RuntimeError, KeyError, ValueError) as e:
+                    self._refused[(model_dir.name, version)] = str(e)
+                    log.error("refusing %s version %d: %s", model_dir.name, version, e)
+                    continue
+                with self._lock:
+                    old = self._serving.get(model_dir.name)
+                    self._serving[model_dir.name] = served
+                log.info("serving %s version %d from %s", model_dir.name, version, path)
+                if self._on_change:
+                    self._on_change(model_dir.name, True)
+                if old is not None:  # queued requests finish on the old version, then it goes
+                    threading.Thread(target=old.batcher.stop, daemon=True).start()
+                break
+
+    def start_watching(self) -> None:
+        def watch():
+            while not self._stop.wait(self.config.poll_interval_s):
+                try:
+                    self.scan()
+                except OSError as e:
+                    log.error("scanning %s failed: %s", self.root, e)
+
+        self._watcher = threading.Thread(target=watch, name="model-watcher", daemon=True)
+        self._watcher.start()
+
+    def get(self, name: str, version: int = 0) -> _Served:
+        with self._lock:
+            served = self._serving.get(name)
+        if served is None:
+            raise ModelNotFound(f"model {name!r} is not loaded; loaded: {sorted(self._serving)}")
+        if version and version != served.version:
+            raise ModelNotFound(f"model {name!r} version {version} is not served (serving version {served.version})")
+        return served
+
+    def models(self) -> List[_Served]:
+        with self._lock:
+            return list(self._serving.values())
+
+    def stop(self) -> None:
+        self._stop.set()
+        for served in self.models():
+            served.batcher.stop(drain=True)
+
+
+class PredictorServicer(pb_grpc.PredictorServicer):
+    def __init__(self, repo: ModelRepository, metrics: Metrics) -> None:
+        self.repo = repo
+        self.metrics = metrics
+
+    def Predict(self, request, context):
+        started = time.monotonic()
+        status = "OK"
+        version = request.model_version
+        try:
+            served = self.repo.get(request.model_name, request.model_version)
+            version = served.version
+            parsed = parse_request(request, served.spec)
+            remaining = context.time_remaining()
+            deadline = started + remaining if remaining is not None else None
+            future = served.batcher.submit(parsed, deadline)
+            outputs = future.result(timeout=remaining)
+            self.metrics.ids.labels(request.model_name).inc(int(parsed.sparse.values().numel()))
+            return pb.PredictResponse(
+                model_name=served.name,
+                model_version=served.version,
+                request_id=request.request_id,
+                outputs=[
+                    pb.Tensor(name=k, shape=list(v.shape), values=v.float().contiguous().view(-1).tolist())
+                    for k, v in outputs.items()
+                ],
+            )
+        except InvalidRequest as e:
+            status = "INVALID_ARGUMENT"
+            if "out of range" in str(e):
+                self.metrics.rejected_ids.labels(request.model_name).inc()
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ModelNotFound as e:
+            status = "NOT_FOUND"
+            _abort(context, grpc.StatusCode.NOT_FOUND, str(e))
+        except QueueFull as e:
+            status = "RESOURCE_EXHAUSTED"
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except (DeadlineExpired, futures.TimeoutError) as e:
+            status = "DEADLINE_EXCEEDED"
+            _abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded")
+        except grpc.RpcError:
+            raise
+        except Exception as e:  # anything else is our bug: INTERNAL, logged with its trace
+            status = "INTERNAL"
+            log.exception("Predict failed for model %s", request.model_name)
+            _abort(context, grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+        finally:
+            self.metrics.requests.labels(request.model_name, str(version), status).inc()
+            self.metrics.latency.labels(request.model_name).observe(time.monotonic() - started)
+
+    def GetModelMetadata(self, request, context):
+        try:
+            served = self.repo.get(request.model_name, request.model_version)
+        except ModelNotFound as e:
+            _abort(context, grpc.StatusCode.NOT_FOUND, str(e))
+        m = served.manifest
+        return pb.ModelMetadataResponse(
+            model_name=served.name,
+            model_version=served.version,
+            sparse_features=[
+                pb.FeatureSpec(name=f["name"], table=f["table"], pooling=f["pooling"], dim=f["dim"], rows=f["rows"],
+                               weight_type=f["weight_type"], id_policy=f["id_policy"])
+                for f in m["sparse_features"]
+            ],
+            num_dense=m["num_dense"],
+            weighted=m["weighted"],
+            outputs=[pb.OutputSpec(name=k, shape=[-1 if d == "B" else int(d) for d in v["shape"]]) for k, v in m["outputs"].items()],
+            max_batch_size=served.spec.max_batch_size,
+            device=self.repo.config.device,
+        )
+
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(
+            models=[pb.ModelStatus(name=s.name, versions=[s.version], serving_version=s.version) for s in self.repo.models()]
+        )
+
+
+def _abort(context, code, message: str):
+    log.warning("%s: %s", code.name, message)
+    context.abort(code, message)
+
+
+class Server:
+    """A running server; ``stop()`` drains in-flight requests."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+        from grpc_reflection.v1alpha import reflection
+
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        self.config = config
+        self.metrics = Metrics(config.metrics_port)
+        self.health = health.HealthServicer()
+        self._health_pb2 = health_pb2
+
+        def on_change(name: str, ready: bool) -> None:
+            status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+            self.health.set(name, status)
+
+        self.repo = ModelRepository(config, self.metrics, on_change)
+        self.repo.scan()
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+        ]
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=options)
+        pb_grpc.add_PredictorServicer_to_server(PredictorServicer(self.repo, self.metrics), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        names = (pb.DESCRIPTOR.services_by_name["Predictor"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.grpc)
+        self.port = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        self.grpc.start()
+        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self.repo.start_watching()
+        log.info("listening on %s:%d with models %s", config.host, self.port, [m.name for m in self.repo.models()])
+
+    def stop(self, grace: float = 5.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.grpc.stop(grace).wait()
+        self.repo.stop()
+
+    def wait(self) -> None:
+        self.grpc.wait_for_termination()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-repo", required=True, help="directory of <model>/<version>/ artifacts")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8500)
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--max-batch-size", type=int, default=512)
+    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests (0: no batching)")
+    parser.add_argument("--max-queue", type=int, default=1024)
+    parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans")
+    parser.add_argument("--grpc-threads", type=int, default=16)
+    parser.add_argument("--torch-threads", type=int, help="intra-op threads for the model (default: torch's)")
+    parser.add_argument("--device", default="cpu", choices=["cpu"], help="cpu (cuda serving: to come)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = Server(
+        ServerConfig(
+            model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, max_queue=args.max_queue,
+            poll_interval_s=args.poll_interval, grpc_threads=args.grpc_threads, torch_threads=args.torch_threads,
+            device=args.device,
+        )
+    )
+    done = threading.Event()
+
+    def shutdown(signum, frame):
+        log.info("signal %d: draining and stopping", signum)
+        threading.Thread(target=lambda: (server.stop(), done.set()), daemon=True).start()
+
+    signal.signal(signal.SIGTERM, shutdown)
+    signal.signal(signal.SIGINT, shutdown)
+    print(f"recship serve: listening on {args.host}:{server.port}", flush=True)
+    done.wait()
+    return 0

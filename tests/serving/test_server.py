@@ -1,0 +1,190 @@
+"""The gRPC server end to end on loopback: exact outputs, concurrent batching, validation, health, hot reload."""
+
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from recship.export import ExportConfig, export_model
+from recship.export.artifact import load_artifact
+from recship.serving import PredictClient
+from recship.serving.server import Server, ServerConfig
+from recship.serving.v1 import predictor_pb2 as pb
+from recship.trainer.dlrm import DLRM, DLRMConfig
+
+ROWS = [20 + i for i in range(26)]
+
+
+def _dlrm(seed):
+    torch.manual_seed(seed)
+    return DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    export_model(_dlrm(0), ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    s = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=5, poll_interval_s=0.2))
+    yield s
+    s.stop()
+
+
+def _request(seed, batch):
+    g = np.random.default_rng(seed)
+    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
+    dense = g.random((batch, 13), dtype=np.float32)
+    return sparse, dense
+
+
+def _in_process(model, sparse, dense):
+    lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)
+    values = torch.tensor([i for f in sparse for r in sparse[f] for i in r], dtype=torch.int64)
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, None).items()}
+
+
+def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
+    model, _ = load_artifact(repo / "dlrm" / "1")
+    with PredictClient(f"127.0.0.1:{server.port}") as client:
+        for seed, batch in [(1, 1), (2, 5), (3, 64)]:
+            sparse, dense = _request(seed, batch)
+            got = client.predict("dlrm", sparse, dense)
+            want = _in_process(model, sparse, dense)
+            assert set(got) == {"logit", "prob"}
+            for k in want:
+                assert got[k].shape == (batch, 1)
+                np.testing.assert_array_equal(got[k], want[k])  # bitwise: a lone request is its own batch
+
+
+def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
+    model, _ = load_artifact(repo / "dlrm" / "1")
+    requests = [_request(100 + i, 1 + i % 7) for i in range(64)]
+    before = server.metrics.batch.labels("dlrm")._sum.get()
+    count_before = _histogram_count(server, "recship_batch_examples")
+    with PredictClient(f"127.0.0.1:{server.port}") as client:
+        start = threading.Barrier(64)
+
+        def call(req):
+            start.wait()
+            return client.predict("dlrm", req[0], req[1])
+
+        with ThreadPoolExecutor(64) as pool:
+            results = list(pool.map(call, requests))
+    for (sparse, dense), got in zip(requests, results):
+        want = _in_process(model, sparse, dense)
+        np.testing.assert_allclose(got["logit"], want["logit"], rtol=1e-5, atol=1e-6)
+    forwards = _histogram_count(server, "recship_batch_examples") - count_before
+    assert forwards < 64  # requests were merged into shared batches
+    assert server.metrics.batch.labels("dlrm")._sum.get() - before == sum(len(r[1]) for r in requests)
+
+
+def _histogram_count(server, name):
+    for metric in server.metrics.registry.collect():
+        if metric.name == name:
+            return sum(s.value for s in metric.samples if s.name.endswith("_count"))
+    return 0
+
+
+def _bad(**changes):
+    sparse, dense = _request(7, 2)
+    req = PredictClient.request("dlrm", sparse, dense)
+    for key, fn in changes.items():
+        fn(req)
+    return req
+
+
+INVALID = [
+    (lambda r: r.sparse.add(name="nope", lengths=[0, 0]), "unknown sparse feature 'nope'"),
+    (lambda r: r.sparse.pop(), "missing sparse features ['cat_25']"),
+    (lambda r: r.sparse[0].ids.append(1), "sparse feature 'cat_0': sum(lengths)"),
+    (lambda r: r.sparse[1].lengths.__setitem__(0, -1), "negative length -1"),
+    (lambda r: (r.sparse[2].lengths.__setitem__(0, 1), r.sparse[2].ids.__setitem__(slice(None), [22] + list(r.sparse[2].ids)[1:]) if len(r.sparse[2].ids) else r.sparse[2].ids.append(22)), "id 22 is out of range [0, 22)"),
+    (lambda r: r.sparse[3].weights.extend([1.0] * len(r.sparse[3].ids) or [1.0]), "weights given, but the model's features are unweighted"),
+    (lambda r: setattr(r.dense, "cols", 12), "dense shape [2, 12] does not match"),
+    (lambda r: r.dense.values.__setitem__(0, float("nan")), "dense values must be finite"),
+    (lambda r: setattr(r, "batch_size", 0), "batch_size must be > 0"),
+    (lambda r: setattr(r, "batch_size", 10_000), "exceeds the model's limit of 512"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", INVALID, ids=[m for _, m in INVALID])
+def test_invalid_requests_are_refused_and_the_server_keeps_answering(server, mutate, message):
+    sparse, dense = _request(7, 2)
+    req = PredictClient.request("dlrm", sparse, dense)
+    mutate(req)
+    with PredictClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Predict(req, timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in err.value.details()
+        assert client.predict("dlrm", sparse, dense)["prob"].shape == (2, 1)
+
+
+def test_unknown_model_health_metadata_and_listing(server):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with PredictClient(f"127.0.0.1:{server.port}") as client:
+        with pytest.raises(grpc.RpcError) as err:
+            client.predict("nope", {"a": [[1]]})
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        meta = client.metadata("dlrm")
+        assert [f.name for f in meta.sparse_features] == [f"cat_{i}" for i in range(26)]
+        assert meta.num_dense == 13 and [o.name for o in meta.outputs] == ["logit", "prob"]
+        assert client.list_models() == ["dlrm"]
+        health = health_pb2_grpc.HealthStub(client.channel)
+        for service in ("", "dlrm"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_hot_reload_under_load_loses_no_request_and_refuses_a_broken_version(tmp_path):
+    root = tmp_path / "repo"
+    export_model(_dlrm(0), ExportConfig(out=str(root / "m" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    staging = tmp_path / "staging"
+    export_model(_dlrm(1), ExportConfig(out=str(staging / "2"), dtype="fp16", progress=False, validation_batches=1, batch_size_hint=32))
+    shutil.copytree(staging / "2", staging / "3")
+    (staging / "3" / "model.pt").write_bytes((staging / "3" / "model.pt").read_bytes() + b"tampered")
+    server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.1))
+    versions, errors = [], []
+    stop = threading.Event()
+    try:
+        def load():
+            with PredictClient(f"127.0.0.1:{server.port}") as client:
+                sparse, dense = _request(5, 3)
+                while not stop.is_set():
+                    try:
+                        r = client.stub.Predict(client.request("m", sparse, dense), timeout=10)
+                        versions.append(r.model_version)
+                    except grpc.RpcError as e:
+                        errors.append(e)
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        shutil.copytree(staging / "2", root / "m" / ".incoming")
+        (root / "m" / ".incoming").rename(root / "m" / "2")  # a version appears complete
+        deadline = time.time() + 20
+        while time.time() < deadline and (not versions or versions[-1] != 2):
+            time.sleep(0.05)
+        shutil.copytree(staging / "3", root / "m" / ".incoming3")
+        (root / "m" / ".incoming3").rename(root / "m" / "3")
+        time.sleep(0.6)
+        stop.set()
+        for t in threads:
+            t.join()
+    finally:
+        server.stop()
+    assert errors == []
+    assert versions[0] == 1 and versions[-1] == 2 and 3 not in versions
+    assert set(versions) == {1, 2}
