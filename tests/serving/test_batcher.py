@@ -1,0 +1,98 @@
+"""Batcher: merging, splitting, bounded queue, deadlines, failures isolated per batch."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull
+from recship.serving.requests import ParsedRequest
+from recship.sparse import KeyedJaggedTensor
+
+
+class Echo:
+    """A fake model: logit = row sum of dense + number of ids per example; records batch sizes."""
+
+    def __init__(self, delay=0.0, gate=None):
+        self.batches = []
+        self.delay = delay
+        self.gate = gate
+
+    def __call__(self, dense, lengths, values, weights):
+        if self.gate is not None:
+            self.gate.wait()
+        time.sleep(self.delay)
+        b = dense.shape[0]
+        self.batches.append(b)
+        ids = lengths.view(-1, b).sum(0).float()
+        return {"out": (dense.sum(1) + ids).unsqueeze(1)}
+
+
+def _req(batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (2 * batch,), generator=g).to(torch.int32)
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.randint(0, 9, (int(lengths.sum()),), generator=g), lengths=lengths)
+    return ParsedRequest(batch, torch.rand(batch, 3, generator=g), kjt)
+
+
+def _expected(r):
+    return (r.dense.sum(1) + r.sparse.lengths().view(2, -1).sum(0).float()).unsqueeze(1)
+
+
+def test_requests_are_merged_and_split_back_in_order():
+    gate = threading.Event()
+    model = Echo(gate=gate)
+    b = Batcher(model, max_batch_size=64, max_delay_s=0.05)
+    reqs = [_req(1 + i % 5, i) for i in range(12)]
+    futures = [b.submit(r) for r in reqs]
+    gate.set()
+    for r, f in zip(reqs, futures):
+        assert torch.equal(f.result(timeout=5)["out"], _expected(r))
+    b.stop()
+    assert sum(model.batches) == sum(r.batch_size for r in reqs) and len(model.batches) < len(reqs)
+
+
+def test_batches_never_exceed_the_limit():
+    model = Echo()
+    b = Batcher(model, max_batch_size=8, max_delay_s=0.05)
+    futures = [b.submit(_req(3, i)) for i in range(10)]
+    for f in futures:
+        f.result(timeout=5)
+    b.stop()
+    assert max(model.batches) <= 8
+
+
+def test_full_queue_refuses_at_once_and_expired_requests_do_not_run():
+    gate = threading.Event()
+    model = Echo(gate=gate)
+    b = Batcher(model, max_batch_size=1, max_delay_s=0.0, max_queue=2)
+    running = b.submit(_req(1, 0))  # taken by the worker, blocked on the gate
+    time.sleep(0.1)
+    expired = b.submit(_req(1, 1), deadline=time.monotonic() + 0.05)
+    b.submit(_req(1, 2))
+    with pytest.raises(QueueFull):
+        b.submit(_req(1, 3))
+    time.sleep(0.1)
+    gate.set()
+    running.result(timeout=5)
+    with pytest.raises(DeadlineExpired):
+        expired.result(timeout=5)
+    b.stop()
+    assert model.batches == [1, 1]  # the expired request never ran
+
+
+def test_a_failing_forward_fails_only_its_batch():
+    class Flaky(Echo):
+        def __call__(self, dense, lengths, values, weights):
+            if dense.shape[0] == 7:
+                raise RuntimeError("boom")
+            return super().__call__(dense, lengths, values, weights)
+
+    b = Batcher(Flaky(), max_batch_size=7, max_delay_s=0.0)
+    bad = b.submit(_req(7, 0))
+    with pytest.raises(RuntimeError, match="boom"):
+        bad.result(timeout=5)
+    good = b.submit(_req(2, 1))
+    assert good.result(timeout=5)["out"].shape == (2, 1)
+    b.stop()
