@@ -188,3 +188,26 @@ def test_hot_reload_under_load_loses_no_request_and_refuses_a_broken_version(tmp
     assert errors == []
     assert versions[0] == 1 and versions[-1] == 2 and 3 not in versions
     assert set(versions) == {1, 2}
+
+
+def test_recship_serve_answers_and_drains_on_sigterm(repo):
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "recship", "serve", "--model-repo", str(repo), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "listening on 127.0.0.1:" in line, proc.stderr.read()
+        port = int(line.strip().rsplit(":", 1)[1])
+        sparse, dense = _request(1, 2)
+        with PredictClient(f"127.0.0.1:{port}") as client:
+            assert client.predict("dlrm", sparse, dense)["prob"].shape == (2, 1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
