@@ -72,7 +72,7 @@ def main() -> None:
             rows = torch.ones(t * r, width, dtype=torch.uint8)  # written, so every page is real
             flat = ids + torch.arange(t).repeat_interleave(b * p) * r
             gather_s = _time(lambda: rows.index_select(0, flat), args.repeats)
-            del rows
+            rows = None  # free it before the next type
             gb = lookups * width / 1e9
             raw = f"{lookups / raw_s / 1e6:22.1f} {gb / raw_s:6.2f} {module_s / raw_s - 1:9.1%}" if raw_s else f"{'-':>22s} {'-':>6s} {'-':>9s}"
             print(f"{dtype.name:5s} {lookups / module_s / 1e6:18.1f} {gb / module_s:6.2f} {raw} {gb / gather_s:18.2f}")

@@ -23,7 +23,7 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.model_parallel import DistributedModelParallel
-from recship.trainer.planner import ParameterConstraints, ShardingPlan, ShardingType, Topology, EmbeddingShardingPlanner
+from recship.trainer.planner import ParameterConstraints, ShardingType, Topology, EmbeddingShardingPlanner
 
 
 def _batches(args, n, seed):

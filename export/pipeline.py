@@ -29,8 +29,18 @@ from torch import nn
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import InferenceShard, plan_inference_shards, shard_quantized
 from recship.quantize.modules import ID_POLICIES
-from recship.quantize.quantizer import AUTO, QuantConfig, TableReport, QuantizationReport, _aligned, _choose_auto, _pooled_error, _sample_ids
-from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
+from recship.quantize.quantizer import (
+    AUTO,
+    QuantConfig,
+    QuantizationReport,
+    TableReport,
+    _aligned,
+    _choose_auto,
+    _pooled_error,
+    _sample_ids,
+    fill_quantized,
+)
+from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
@@ -253,7 +263,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         def fill(shard: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
             weight = pending[shard.table]
             block = weight[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-            err = _fill_block(block, types[shard.table], qconfig, data, scale_bias)
+            err = fill_quantized(block, types[shard.table], qconfig, data, scale_bias)
             r = reports[shard.table]
             r.max_abs_error = max(r.max_abs_error, err[0])
             r.mean_abs_error += err[1] / (r.rows * r.dim)
@@ -353,21 +363,6 @@ class _ShardBuilder:
 
     def build(self):
         return self._module
-
-
-def _fill_block(block: torch.Tensor, dt: DataType, qconfig: QuantConfig, data, scale_bias) -> Tuple[float, float]:
-    max_err, sum_err = 0.0, 0.0
-    with torch.no_grad():
-        for start, end in row_chunks(block.shape[0], qconfig.chunk_rows):
-            rows = block[start:end].float().cpu()
-            q = quantize_rows(rows, dt, qconfig.error_minimizing)
-            data[start:end].copy_(q.data)
-            if scale_bias is not None:
-                scale_bias[start:end].copy_(q.scale_bias)
-            err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
-            max_err = max(max_err, float(err.max()))
-            sum_err += float(err.double().sum())
-    return max_err, sum_err
 
 
 def _float_pool(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
@@ -498,7 +493,6 @@ def _write(out: Path, scripted, src, names, types, plan, report, validation, sam
                 path = f"sample/{group}.{name}.bin"
                 (tmp / path).write_bytes(t.contiguous().numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes())
                 sample_meta[group][name] = {"file": path, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-        by_table = {t.name: t for t in src.tables}
         manifest = {
             "format": FORMAT,
             "model": {"name": config.model_name, "version": config.model_version, "kind": src.kind, "config": src.model_config},

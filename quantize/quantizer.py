@@ -251,7 +251,7 @@ def _quantize(
     for salt, t in enumerate(tables):
         dt = chosen[t.name]
         data, scale_bias = views[t.name]
-        max_err, sum_err = _fill(weights[t.name], dt, config, data, scale_bias)
+        max_err, sum_err = fill_quantized(weights[t.name], dt, config, data, scale_bias)
         ids = _sample_ids(t.num_embeddings, config, salt)
         reports.append(
             TableReport(
@@ -271,14 +271,14 @@ def _quantize(
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
 
 
-def _fill(
+def fill_quantized(
     weight: torch.Tensor,
     dt: DataType,
     config: QuantConfig,
     data: torch.Tensor,
     scale_bias: Optional[torch.Tensor],
 ) -> Tuple[float, float]:
-    """Quantizes ``weight`` chunk by chunk into the TBE views; returns (max, sum) of |error|."""
+    """Quantizes ``weight`` [rows, cols] chunk by chunk into TBE row views; returns (max, sum) of |error|."""
     max_err, sum_err = 0.0, 0.0
     with torch.no_grad():
         for start, end in row_chunks(weight.shape[0], config.chunk_rows):

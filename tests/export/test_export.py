@@ -1,16 +1,14 @@
 """Export: artifact contents, loading without recship, sharding, dynamic batch, validation, CLI errors."""
 
-import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from recship.export import ExportConfig, ExportError, export_model
-from recship.export.artifact import ArtifactError, load_artifact, read_manifest, read_sample
+from recship.export.artifact import ArtifactError, load_artifact, read_manifest
 from recship.quantize import dequantize_rows, quantize_rows
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from recship.quantize import QuantConfig, QuantEmbeddingBagCollection, dequantize_rows, quantize_embedding_bag_collection, quantize_rows
+from recship.quantize import QuantConfig, QuantEmbeddingBagCollection, dequantize_rows, quantize_embedding_bag_collection
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 

@@ -4,7 +4,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,7 +14,6 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import load_artifact
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
-from recship.serving.v1 import predictor_pb2 as pb
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
 ROWS = [20 + i for i in range(26)]

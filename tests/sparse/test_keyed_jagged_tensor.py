@@ -1,7 +1,7 @@
 import pytest
 import torch
 import torch.fx
-from typing import Dict, List
+from typing import Dict
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from reference import kjt_as_lists, random_kjt, requires_cuda

@@ -1,6 +1,5 @@
 """DistributedModelParallel on gloo: a toy model (EBC + MLP) trains like one process."""
 
-import pytest
 import torch
 from torch import nn
 
