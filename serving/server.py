@@ -74,7 +74,8 @@ class ModelRepository:
         self._metrics = metrics
         self._lock = threading.Lock()
         self._serving: Dict[str, _Served] = {}
-        self._refused: Dict[Tuple[str, int], str] = {}
+        # refused versions and the state of their files then: retried when the files change
+        self._refused: Dict[Tuple[str, int], Tuple] = {}
         self._on_change = on_change
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -87,12 +88,13 @@ class ModelRepository:
                 current = self._serving.get(model_dir.name)
                 if current is not None and current.version >= version:
                     break
-                if (model_dir.name, version) in self._refused:
-                    continue
+                signature = _signature(path)
+                if self._refused.get((model_dir.name, version)) == signature:
+                    continue  # refused before and unchanged since
                 try:
                     served = _Served(model_dir.name, version, path, self.config, self._metrics)
                 except (ArtifactError, OSError, RuntimeError, KeyError, ValueError) as e:
-                    self._refused[(model_dir.name, version)] = str(e)
+                    self._refused[(model_dir.name, version)] = signature
                     log.error("refusing %s version %d: %s", model_dir.name, version, e)
                     continue
                 with self._lock:
@@ -133,6 +135,11 @@ class ModelRepository:
         self._stop.set()
         for served in self.models():
             served.batcher.stop(drain=True)
+
+
+def _signature(path: Path) -> Tuple:
+    """(name, size, mtime) of every file of an artifact: tells a half-copied version from a finished one."""
+    return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()))
 
 
 class PredictorServicer(pb_grpc.PredictorServicer):

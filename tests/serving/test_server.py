@@ -209,3 +209,24 @@ def test_recship_serve_answers_and_drains_on_sigterm(repo):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_refused_version_is_retried_once_its_files_change(tmp_path, repo):
+    root = tmp_path / "repo"
+    shutil.copytree(repo / "dlrm" / "1", root / "dlrm" / "1")
+    (root / "dlrm" / "2").mkdir()
+    shutil.copy(repo / "dlrm" / "1" / "manifest.json", root / "dlrm" / "2" / "manifest.json")  # half copied: no model.pt
+    server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.1))
+    try:
+        assert server.repo.get("dlrm").version == 1
+        for item in (repo / "dlrm" / "1").iterdir():
+            if item.is_dir():
+                shutil.copytree(item, root / "dlrm" / "2" / item.name)
+            elif item.name != "manifest.json":
+                shutil.copy(item, root / "dlrm" / "2" / item.name)
+        deadline = time.time() + 10
+        while time.time() < deadline and server.repo.get("dlrm").version != 2:
+            time.sleep(0.05)
+        assert server.repo.get("dlrm").version == 2
+    finally:
+        server.stop()
