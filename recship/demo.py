@@ -223,5 +223,28 @@ def run(args: argparse.Namespace) -> int:
         server.stop()
     print("   server stopped")
 
+    _step("Build the C++ loader and run recship_predict on the same artifact and request")
+    import importlib.util
+    import json
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("cpp_build", Path(__file__).resolve().parents[1] / "cpp_loader" / "build.py")
+    if spec is None or not Path(spec.origin).is_file():
+        raise RuntimeError("cpp_loader/build.py not found: the C++ step runs from a source checkout")
+    cpp_build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpp_build)
+    print("   building (cmake, Release, -j2; cached after the first time)...", flush=True)
+    binary = cpp_build.build() / "recship_predict"
+    request_file = Path(args.out) / "request.json"
+    request_file.write_text(json.dumps({"sparse": {k: [[int(i) for i in r] for r in v] for k, v in sparse.items()}, "dense": dense.tolist()}))
+    result = subprocess.run([str(binary), str(repo / "dlrm" / "1"), "--request", str(request_file), "--bench", "200"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"recship_predict failed: {result.stderr.strip()}")
+    cpp = np.asarray(json.loads(result.stdout)["prob"], dtype=np.float32)
+    print("   recship_predict (prob):", [round(float(p), 4) for p in cpp[:, 0]])
+    print("   " + result.stderr.strip())
+    _expect(np.array_equal(cpp, out["prob"]), "C++ predictions equal the gRPC server's, bitwise")
+
     print("\ndemo finished: every check passed")
     return 0

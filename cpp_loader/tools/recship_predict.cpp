@@ -1,0 +1,158 @@
+// recship_predict ARTIFACT_DIR [--request FILE] [--bench N]: run an artifact from C++ and print its outputs.
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "recship/model.h"
+
+using json = nlohmann::json;
+
+static recship::Request from_json(const json& body, const recship::Model& model) {
+  // the request format of `recship predict`: {"sparse": {"f": [[ids], ...]}, "dense": [[...]], "weights": {...}}
+  recship::Request r;
+  for (const auto& [name, rows] : body.at("sparse").items()) {
+    recship::Feature f;
+    for (const auto& row : rows) {
+      f.lengths.push_back(static_cast<int32_t>(row.size()));
+      for (const auto& id : row) f.ids.push_back(id.get<int64_t>());
+    }
+    if (body.contains("weights") && body["weights"].contains(name))
+      for (const auto& row : body["weights"][name])
+        for (const auto& w : row) f.weights.push_back(w.get<float>());
+    r.batch_size = static_cast<int64_t>(f.lengths.size());
+    r.sparse[name] = std::move(f);
+  }
+  if (body.contains("dense")) {
+    for (const auto& row : body["dense"]) {
+      r.dense_cols = static_cast<int64_t>(row.size());
+      for (const auto& x : row) r.dense.push_back(x.get<float>());
+      ++r.dense_rows;
+    }
+  }
+  (void)model;
+  return r;
+}
+
+// Example b of a request, as a batch of one.
+static recship::Request one_example(const recship::Request& r, int64_t b) {
+  recship::Request out;
+  out.batch_size = 1;
+  for (const auto& [name, f] : r.sparse) {
+    int64_t start = 0;
+    for (int64_t i = 0; i < b; ++i) start += f.lengths[i];
+    recship::Feature g;
+    g.lengths = {f.lengths[b]};
+    g.ids.assign(f.ids.begin() + start, f.ids.begin() + start + f.lengths[b]);
+    if (!f.weights.empty()) g.weights.assign(f.weights.begin() + start, f.weights.begin() + start + f.lengths[b]);
+    out.sparse[name] = std::move(g);
+  }
+  if (r.dense_cols > 0) {
+    out.dense.assign(r.dense.begin() + b * r.dense_cols, r.dense.begin() + (b + 1) * r.dense_cols);
+    out.dense_rows = 1;
+    out.dense_cols = r.dense_cols;
+  }
+  return out;
+}
+
+// T threads, each predicting its own example 50 times, must all get the single-threaded answers.
+static bool check_threads(const recship::Model& model, const recship::Request& r, int threads) {
+  std::vector<recship::Request> requests;
+  std::vector<std::map<std::string, recship::Output>> expected;
+  for (int t = 0; t < threads; ++t) {
+    requests.push_back(one_example(r, t % r.batch_size));
+    expected.push_back(model.predict(requests.back()));
+  }
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) {
+        auto got = model.predict(requests[t]);
+        for (const auto& [name, o] : expected[t])
+          if (got.at(name).values != o.values) ++wrong;
+      }
+    });
+  for (auto& th : pool) th.join();
+  return wrong == 0;
+}
+
+static double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
+}
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR]\n";
+    return 2;
+  }
+  std::string artifact = argv[1], request_file, fbgemm_dir;
+  int bench = 0, threads = 0;
+  for (int i = 2; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "--request" && i + 1 < argc) request_file = argv[++i];
+    else if (a == "--bench" && i + 1 < argc) bench = std::stoi(argv[++i]);
+    else if (a == "--fbgemm-dir" && i + 1 < argc) fbgemm_dir = argv[++i];
+    else if (a == "--threads" && i + 1 < argc) threads = std::stoi(argv[++i]);
+    else {
+      std::cerr << "recship_predict: error: unknown argument " << a << "\n";
+      return 2;
+    }
+  }
+  try {
+    recship::LoadOptions options;
+    options.fbgemm_dir = fbgemm_dir;
+    auto model = recship::Model::load(artifact, options);
+    recship::Request request = model->sample_request();
+    if (!request_file.empty()) {
+      std::ifstream in(request_file);
+      if (!in) throw recship::Error("request file not found: " + request_file);
+      request = from_json(json::parse(in), *model);
+    }
+    auto outputs = model->predict(request);
+    json out;
+    for (const auto& [name, o] : outputs) {
+      json rows = json::array();
+      size_t width = o.values.size() / std::max<int64_t>(1, o.shape[0]);
+      for (int64_t b = 0; b < o.shape[0]; ++b)
+        rows.push_back(std::vector<float>(o.values.begin() + b * width, o.values.begin() + (b + 1) * width));
+      out[name] = rows;
+    }
+    std::cout << out.dump() << std::endl;
+    if (threads > 0) {
+      bool ok = check_threads(*model, request, threads);
+      std::cerr << (ok ? "threads ok: " : "threads FAILED: ") << threads << " threads got their own answers\n";
+      if (!ok) return 1;
+    }
+    if (bench > 0) {
+      std::vector<double> full, forward;
+      for (int i = 0; i < bench; ++i) {
+        auto t0 = std::chrono::steady_clock::now();
+        model->predict(request);
+        auto t1 = std::chrono::steady_clock::now();
+        model->forward_only(request);
+        auto t2 = std::chrono::steady_clock::now();
+        full.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+        forward.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+      }
+      std::cerr << "batch " << request.batch_size << ", " << bench << " runs: predict p50 " << percentile(full, 0.5)
+                << " ms, p90 " << percentile(full, 0.9) << " ms, p99 " << percentile(full, 0.99)
+                << " ms; validation + forward only p50 " << percentile(forward, 0.5) << " ms\n";
+    }
+  } catch (const recship::InvalidRequest& e) {
+    std::cerr << "recship_predict: invalid request: " << e.what() << "\n";
+    return 2;
+  } catch (const recship::Error& e) {
+    std::cerr << "recship_predict: error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "recship_predict: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,131 @@
+"""The C++ loader against Python's torch.jit.load: same outputs, same validation, documented errors, threads."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recship.export import ExportConfig, export_model
+from recship.export.artifact import load_artifact
+from recship.serving.requests import InvalidRequest, ModelSpec, parse_request
+from recship.serving import PredictClient
+from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from recship.trainer.dlrm import DLRM, DLRMConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = [20 + i for i in range(26)]
+
+
+@pytest.fixture(scope="module")
+def binary():
+    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build() / "recship_predict"
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("artifacts")
+    torch.manual_seed(0)
+    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    ebc = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=16, feature_names=["x", "y"], pooling=PoolingType.MEAN),
+            EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["z"]),
+        ],
+        is_weighted=True,
+    )
+    out = {}
+    for dtype in ("int8", "int4"):
+        for name, model, extra in (("dlrm", dlrm, {}), ("emb", ebc, {"id_policy": {"z": "modulo"}})):
+            path = root / f"{name}_{dtype}"
+            export_model(model, ExportConfig(out=str(path), dtype=dtype, progress=False, validation_batches=1, batch_size_hint=32, **extra))
+            out[(name, dtype)] = path
+    return out
+
+
+def _run(binary, *args):
+    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
+
+
+def _request_json(path, sparse, dense=None, weights=None):
+    body = {"sparse": sparse}
+    if dense is not None:
+        body["dense"] = dense
+    if weights is not None:
+        body["weights"] = weights
+    path.write_text(json.dumps(body))
+    return path
+
+
+def _python_outputs(art, sparse, dense, weights):
+    model, manifest = load_artifact(art)
+    names = [f["name"] for f in manifest["sparse_features"]]
+    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
+    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
+    w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
+    b = len(sparse[names[0]])
+    d = torch.tensor(dense, dtype=torch.float32) if dense is not None else torch.zeros(b, 0)
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in model(d, lengths, values, w).items()}
+
+
+@pytest.mark.parametrize("name", ["dlrm", "emb"])
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dtype):
+    art = artifacts[(name, dtype)]
+    manifest = json.loads((art / "manifest.json").read_text())
+    g = np.random.default_rng(3)
+    feats = manifest["sparse_features"]
+    sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"] * (3 if f["id_policy"] == "modulo" else 1), size=g.integers(0, 5))] for _ in range(6)] for f in feats}
+    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest["weighted"] else None
+    dense = g.random((6, manifest["num_dense"])).tolist() if manifest["num_dense"] else None
+    result = _run(binary, art, "--request", _request_json(tmp_path / "r.json", sparse, dense, weights))
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    hashed = {f["name"]: [[i % f["rows"] for i in r] for r in sparse[f["name"]]] for f in feats}
+    want = _python_outputs(art, hashed, dense, weights)
+    assert set(got) == set(want)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32), want[k])
+    sample = _run(binary, art, "--threads", 8)  # the sample, plus 8 threads each checking its own answer
+    assert sample.returncode == 0 and "threads ok: 8" in sample.stderr, sample.stderr
+
+
+def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
+    art = artifacts[("dlrm", "int8")]
+    manifest = json.loads((art / "manifest.json").read_text())
+    spec = ModelSpec.from_manifest(manifest, 512)
+    good = {f"cat_{i}": [[1], [2]] for i in range(26)}
+    dense = [[0.5] * 13, [0.25] * 13]
+    cases = [
+        ({**good, "cat_3": [[1], [ROWS[3]]]}, dense, None),  # id out of range
+        ({k: v for k, v in good.items() if k != "cat_25"}, dense, None),  # missing feature
+        ({**good, "nope": [[1], [1]]}, dense, None),  # unknown feature
+        (good, [[0.5] * 12, [0.5] * 12], None),  # dense shape
+        (good, dense, {"cat_0": [[1.0], [1.0]]}),  # weights on an unweighted model
+    ]
+    for sparse, d, weights in cases:
+        with pytest.raises(InvalidRequest) as server_error:
+            parse_request(PredictClient.request("m", sparse, d, weights), spec)
+        result = _run(binary, art, "--request", _request_json(tmp_path / "bad.json", sparse, d, weights))
+        assert result.returncode == 2
+        assert result.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
+
+
+def test_tampered_model_and_missing_op_library(binary, artifacts, tmp_path):
+    art = tmp_path / "tampered"
+    shutil.copytree(artifacts[("dlrm", "int8")], art)
+    (art / "model.pt").write_bytes((art / "model.pt").read_bytes() + b"x")
+    result = _run(binary, art)
+    assert result.returncode == 1 and "model.pt: sha256" in result.stderr and "does not match the manifest" in result.stderr
+    result = _run(binary, artifacts[("dlrm", "int8")], "--fbgemm-dir", tmp_path / "no_fbgemm")
+    assert result.returncode == 1 and "cannot load fbgemm op library" in result.stderr
+    result = _run(binary, tmp_path / "nothing")
+    assert result.returncode == 1 and "manifest.json is missing" in result.stderr
