@@ -6,6 +6,8 @@
 #include <torch/script.h>
 #include <torch/version.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -249,10 +251,17 @@ std::map<std::string, Output> Model::predict(const Request& request) const {
   return out;
 }
 
-void Model::forward_only(const Request& request) const {
+double Model::forward_ms(const Request& request, int runs) const {
   auto args = impl_->inputs(request);
   c10::InferenceMode guard;
-  impl_->module.forward(args);
+  std::vector<double> ms;
+  for (int i = 0; i < runs; ++i) {
+    auto t0 = std::chrono::steady_clock::now();
+    impl_->module.forward(args);
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms.empty() ? 0.0 : ms[ms.size() / 2];
 }
 
 const std::vector<std::string>& Model::feature_names() const { return impl_->features; }

@@ -129,3 +129,25 @@ def test_tampered_model_and_missing_op_library(binary, artifacts, tmp_path):
     assert result.returncode == 1 and "cannot load fbgemm op library" in result.stderr
     result = _run(binary, tmp_path / "nothing")
     assert result.returncode == 1 and "manifest.json is missing" in result.stderr
+
+
+def test_example_program_links_the_library_with_add_subdirectory(binary, artifacts, tmp_path):
+    import fbgemm_gpu
+    import nlohmann_json
+    import os
+
+    build = ROOT / "build" / "cpp_example"
+    if not (build / "CMakeCache.txt").exists():
+        subprocess.run(
+            ["cmake", "-S", str(ROOT / "cpp_loader" / "example"), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+             f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}", f"-DNLOHMANN_JSON_INCLUDE_DIR={nlohmann_json.get_include()}",
+             f"-DRECSHIP_FBGEMM_DIR={os.path.dirname(fbgemm_gpu.__file__)}"],
+            check=True, capture_output=True, text=True,
+        )
+    subprocess.run(["cmake", "--build", str(build), "-j", "2"], check=True, capture_output=True, text=True)
+    art = artifacts[("dlrm", "int8")]
+    result = subprocess.run([str(build / "recship_example"), str(art)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    _, manifest = load_artifact(art)
+    want = np.fromfile(art / manifest["sample"]["outputs"]["prob"]["file"], dtype="<f4")[0]
+    assert f"prob[0] = {want:.6g}" in result.stdout

@@ -61,8 +61,8 @@ class Model {
 
   // Validates and runs one request; safe to call from many threads on one Model.
   std::map<std::string, Output> predict(const Request& request) const;
-  // The forward alone on already-built tensors of the request (for overhead measurements).
-  void forward_only(const Request& request) const;
+  // Median milliseconds of the module's forward alone, inputs built once (to measure predict's overhead).
+  double forward_ms(const Request& request, int runs) const;
 
   const std::vector<std::string>& feature_names() const;
   int64_t num_dense() const;
