@@ -151,3 +151,13 @@ def test_example_program_links_the_library_with_add_subdirectory(binary, artifac
     _, manifest = load_artifact(art)
     want = np.fromfile(art / manifest["sample"]["outputs"]["prob"]["file"], dtype="<f4")[0]
     assert f"prob[0] = {want:.6g}" in result.stdout
+
+
+def test_version_mismatch_is_refused(binary, artifacts, tmp_path):
+    art = tmp_path / "other_torch"
+    shutil.copytree(artifacts[("dlrm", "int8")], art)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["versions"]["torch"] = "9.9.9"
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    result = _run(binary, art)
+    assert result.returncode == 1 and "artifact built with torch 9.9.9, this binary runs torch" in result.stderr
