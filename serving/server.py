@@ -154,6 +154,9 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         try:
             served = self.repo.get(request.model_name, request.model_version)
             version = served.version
+            size = request.ByteSize()
+            if size > self.repo.config.max_message_bytes:
+                raise InvalidRequest(f"request of {size} bytes exceeds the limit of {self.repo.config.max_message_bytes} bytes")
             parsed = parse_request(request, served.spec)
             remaining = context.time_remaining()
             deadline = started + remaining if remaining is not None else None
@@ -245,8 +248,10 @@ class Server:
 
         self.repo = ModelRepository(config, self.metrics, on_change)
         self.repo.scan()
+        # the transport admits twice the limit so that an oversized request gets our
+        # INVALID_ARGUMENT naming the size rather than gRPC's generic RESOURCE_EXHAUSTED
         options = [
-            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", 2 * config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
         ]
         self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=config.grpc_threads), options=options)
@@ -282,6 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans")
     parser.add_argument("--grpc-threads", type=int, default=16)
     parser.add_argument("--torch-threads", type=int, help="intra-op threads for the model (default: torch's)")
+    parser.add_argument("--max-message-mb", type=float, default=64, help="largest request accepted (default 64 MB)")
     parser.add_argument("--device", default="cpu", choices=["cpu"], help="cpu (cuda serving: to come)")
 
 
@@ -292,6 +298,7 @@ def run(args: argparse.Namespace) -> int:
             model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
             max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, max_queue=args.max_queue,
             poll_interval_s=args.poll_interval, grpc_threads=args.grpc_threads, torch_threads=args.torch_threads,
+            max_message_bytes=int(args.max_message_mb * 1024 * 1024),
             device=args.device,
         )
     )

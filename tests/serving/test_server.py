@@ -230,3 +230,18 @@ def test_a_refused_version_is_retried_once_its_files_change(tmp_path, repo):
         assert server.repo.get("dlrm").version == 2
     finally:
         server.stop()
+
+
+def test_oversized_request_is_invalid_argument_naming_the_size(repo):
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_message_bytes=5000))
+    try:
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            small_sparse, small_dense = _request(1, 1)
+            assert client.predict("dlrm", small_sparse, small_dense)["prob"].shape == (1, 1)
+            sparse, dense = _request(2, 64)
+            with pytest.raises(grpc.RpcError) as err:
+                client.predict("dlrm", sparse, dense)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "exceeds the limit of 5000 bytes" in err.value.details()
+    finally:
+        server.stop()
