@@ -224,7 +224,7 @@ class _Trainer:
             seen += len(b) * self.world_size
             rate = seen / max(time.perf_counter() - started, 1e-9)
             bar.update(1)
-            bar.set_postfix(loss=f"{self.losses[-1]:.4f}", samples_per_s=f"{rate:.0f}")
+            bar.set_postfix(loss=f"{self.losses[-1]:.4f}", samples_per_s=f"{rate:.0f}", refresh=False)
             if c.eval_every and self.step % c.eval_every == 0:
                 evals.append({"step": self.step, **self.evaluate()})
                 if show:
@@ -271,7 +271,7 @@ def _skip(it, n: int):
 
 class _NoBar:
     def update(self, n: int) -> None: ...
-    def set_postfix(self, **kw: Any) -> None: ...
+    def set_postfix(self, refresh: bool = True, **kw: Any) -> None: ...
     def write(self, s: str) -> None: print(s)
     def close(self) -> None: ...
 
