@@ -63,7 +63,9 @@ def load_artifact(path: Union[str, Path], check: bool = True):
 
     manifest = read_manifest(path)
     verify_checksum(path, manifest)
-    model = torch.jit.load(str(Path(path) / "model.pt"), map_location="cpu")
+    # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
+    on_cuda = manifest.get("sharding", {}).get("device") == "cuda"
+    model = torch.jit.load(str(Path(path) / "model.pt"), map_location=None if on_cuda else "cpu")
     if check:
         self_check(model, path, manifest)
     return model, manifest
@@ -78,7 +80,7 @@ def self_check(model, path: Union[str, Path], manifest: Dict[str, Any]) -> float
     for name, want in expected.items():
         if name not in got:
             raise ArtifactError(f"{path}: the model does not produce output {name!r}")
-        diff = float((got[name].float() - want).abs().max()) if want.numel() else 0.0
+        diff = float((got[name].float().cpu() - want).abs().max()) if want.numel() else 0.0
         worst = max(worst, diff)
     if worst > 1e-5:
         raise ArtifactError(f"{path}: sample self-check failed: outputs differ from the recorded ones by {worst:.3g}")

@@ -36,16 +36,17 @@ class ExportedDLRM(nn.Module):
 
     _feature_names: List[str]
 
-    def __init__(self, dlrm: nn.Module, feature_names: List[str]) -> None:
+    def __init__(self, dlrm: nn.Module, feature_names: List[str], device: str = "cpu") -> None:
         super().__init__()
         self.model = dlrm
         self._feature_names = list(feature_names)
+        self._device = device  # where the dense layers (and the merged embeddings) live
 
     def forward(
         self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
     ) -> Dict[str, torch.Tensor]:
         sparse = build_kjt(self._feature_names, values, lengths, weights)
-        logit = self.model(dense, sparse).unsqueeze(1)
+        logit = self.model(dense.to(torch.device(self._device)), sparse).unsqueeze(1)
         return {"logit": logit, "prob": torch.sigmoid(logit)}
 
 

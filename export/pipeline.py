@@ -296,8 +296,10 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.next("trace + script")
         if src.kind == "dlrm":
             model = src.dense_model
+            # dense layers run where the shards' outputs are merged: the first device
+            model.to(devices[0])
             model.sparse_arch = sparse
-            exported: nn.Module = ExportedDLRM(model, names)
+            exported: nn.Module = ExportedDLRM(model, names, str(devices[0]))
         else:
             exported = ExportedEmbeddings(sparse, names)
         exported.eval()
@@ -395,10 +397,11 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     if src.kind != "dlrm":
         return kt.to_dict()
     model = src.dense_model
+    device = next(model.parameters()).device
     saved = model.sparse_arch
-    model.sparse_arch = _FixedPooled(kt)
+    model.sparse_arch = _FixedPooled(kt.to(device))
     try:
-        logit = model(dense, kjt).unsqueeze(1)
+        logit = model(dense.to(device), kjt).unsqueeze(1).cpu()
     finally:
         model.sparse_arch = saved
     return {"logit": logit, "prob": torch.sigmoid(logit)}
@@ -420,7 +423,8 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
     probs, float_probs, labels = [], [], []
     with torch.no_grad():
         for (dense, kjt, label), pooled, qpooled in zip(validation, float_pooled, quant_pooled):
-            got = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
+            raw = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
+            got = {k: v.cpu() for k, v in raw.items()}
             want = _dense_outputs(src, dense, kjt, pooled, names, dims)
             quantized = _dense_outputs(src, dense, kjt, qpooled, names, dims)
             for k in quantized:
@@ -485,7 +489,9 @@ def _write(out: Path, scripted, src, names, types, plan, report, validation, sam
         if kjt.weights_or_none() is not None:
             inputs["weights"] = kjt.weights().float().contiguous()
         with torch.no_grad():
-            outputs = scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
+            outputs = {
+                k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
+            }
         (tmp / "sample").mkdir()
         sample_meta = {"batch_size": config.sample_batch_size, "inputs": {}, "outputs": {}}
         for group, tensors in (("inputs", inputs), ("outputs", outputs)):
