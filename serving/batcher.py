@@ -28,6 +28,10 @@ class QueueFull(RuntimeError):
     """The model's queue is full (gRPC RESOURCE_EXHAUSTED)."""
 
 
+class Unloaded(RuntimeError):
+    """The batcher stopped taking requests (its model version is being replaced)."""
+
+
 class DeadlineExpired(RuntimeError):
     """The request's deadline passed before it ran (gRPC DEADLINE_EXCEEDED)."""
 
@@ -66,22 +70,26 @@ class Batcher:
         self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue(maxsize=max_queue)
         self._observe = observe
         self._stopping = False
+        # submit() and stop() hold this so that no request can be queued behind the stop marker
+        self._gate = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._thread.start()
 
     def submit(self, request: ParsedRequest, deadline: Optional[float] = None) -> Future:
-        if self._stopping:
-            raise QueueFull("the model is being unloaded")
         item = _Item(request, deadline)
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            raise QueueFull(f"queue full ({self._queue.maxsize} requests waiting)") from None
+        with self._gate:
+            if self._stopping:
+                raise Unloaded("the model version is being unloaded")
+            try:
+                self._queue.put_nowait(item)
+            except queue.Full:
+                raise QueueFull(f"queue full ({self._queue.maxsize} requests waiting)") from None
         return item.future
 
     def stop(self, drain: bool = True) -> None:
         """Stops after the queued requests (drain) or refusing them."""
-        self._stopping = True
+        with self._gate:
+            self._stopping = True
         if not drain:
             while True:
                 try:
@@ -90,7 +98,8 @@ class Batcher:
                     break
                 if item is not None:
                     item.future.set_exception(QueueFull("the model was unloaded"))
-        self._queue.put(None)
+        with self._gate:  # after every accepted request
+            self._queue.put(None)
         self._thread.join()
 
     # -- worker ------------------------------------------------------------

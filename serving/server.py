@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from recship.export.artifact import ArtifactError, load_artifact
-from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull
+from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull, Unloaded
 from recship.serving.metrics import Metrics
 from recship.serving.requests import InvalidRequest, ModelSpec, parse_request
 from recship.serving.v1 import predictor_pb2 as pb
@@ -152,15 +152,23 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         status = "OK"
         version = request.model_version
         try:
-            served = self.repo.get(request.model_name, request.model_version)
-            version = served.version
             size = request.ByteSize()
             if size > self.repo.config.max_message_bytes:
                 raise InvalidRequest(f"request of {size} bytes exceeds the limit of {self.repo.config.max_message_bytes} bytes")
-            parsed = parse_request(request, served.spec)
             remaining = context.time_remaining()
             deadline = started + remaining if remaining is not None else None
-            future = served.batcher.submit(parsed, deadline)
+            # A hot swap can retire the version between get() and submit(): then the
+            # request goes to the version that replaced it (or NOT_FOUND if it asked for the old one).
+            for attempt in range(3):
+                served = self.repo.get(request.model_name, request.model_version)
+                version = served.version
+                parsed = parse_request(request, served.spec)
+                try:
+                    future = served.batcher.submit(parsed, deadline)
+                    break
+                except Unloaded:
+                    if attempt == 2:
+                        raise QueueFull("the model is being replaced; retry") from None
             outputs = future.result(timeout=remaining)
             self.metrics.ids.labels(request.model_name).inc(int(parsed.sparse.values().numel()))
             return pb.PredictResponse(

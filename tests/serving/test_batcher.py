@@ -96,3 +96,33 @@ def test_a_failing_forward_fails_only_its_batch():
     good = b.submit(_req(2, 1))
     assert good.result(timeout=5)["out"].shape == (2, 1)
     b.stop()
+
+
+def test_stop_during_submits_leaves_no_request_unanswered():
+    from recship.serving.batcher import Unloaded
+
+    b = Batcher(Echo(delay=0.001), max_batch_size=4, max_delay_s=0.001)
+    accepted, refused = [], []
+    lock = threading.Lock()
+
+    def submitter(k):
+        for i in range(200):
+            try:
+                f = b.submit(_req(1, k * 1000 + i))
+            except Unloaded:
+                with lock:
+                    refused.append(1)
+                return
+            with lock:
+                accepted.append(f)
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    b.stop(drain=True)
+    for t in threads:
+        t.join()
+    assert refused  # some submits came after the stop...
+    for f in accepted:  # ...and every accepted request was answered
+        assert f.result(timeout=5)["out"].shape == (1, 1)
