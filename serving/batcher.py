@@ -19,7 +19,6 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from recship.serving.requests import ParsedRequest
-from recship.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +52,7 @@ class Batcher:
         max_delay_s: how long the first request of a batch waits for company; 0 disables batching.
         max_queue: requests waiting at most; more are refused with QueueFull.
         observe: callback(batch_examples, n_requests, queue_seconds_list, compute_seconds) for metrics.
+        device: where the model's inputs go ("cpu", or "cuda:N" for a CUDA artifact).
     """
 
     def __init__(
@@ -63,8 +63,12 @@ class Batcher:
         max_queue: int = 1024,
         observe: Optional[Callable[[int, int, List[float], float], None]] = None,
         name: str = "model",
+        device: str = "cpu",
     ) -> None:
         self.model = model
+        self.device = torch.device(device)
+        # inputs arrive on the host; a CUDA model gets them through pinned memory on its own stream
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
         self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue(maxsize=max_queue)
@@ -162,14 +166,44 @@ class Batcher:
             self._observe(sum(i.request.batch_size for i in live), len(live), [started - i.enqueued for i in live], compute)
 
     def _forward(self, requests: List[ParsedRequest]) -> Dict[str, torch.Tensor]:
-        if len(requests) == 1:
-            r = requests[0]
-            dense, sparse = r.dense, r.sparse
-        else:
-            dense = torch.cat([r.dense for r in requests])
-            sparse = KeyedJaggedTensor.concat([r.sparse for r in requests])
+        r = requests[0] if len(requests) == 1 else merge(requests)
+        inputs = (r.dense, r.lengths.view(-1), r.values, r.weights)
         with torch.inference_mode():
-            return self.model(dense, sparse.lengths().to(torch.int32), sparse.values(), sparse.weights_or_none())
+            if self._stream is None:
+                return self.model(*inputs)
+            return self._forward_cuda(inputs)
+
+    def _forward_cuda(self, inputs) -> Dict[str, torch.Tensor]:
+        """Pinned host staging, asynchronous copies on this batcher's stream, results synchronised.
+
+        The inputs are copied into page-locked memory so the host-to-device copies can run
+        asynchronously on the stream; the outputs come back into pinned memory and the
+        stream is synchronised before any request sees them.
+        """
+        with torch.cuda.stream(self._stream):
+            staged = [None if t is None else t.pin_memory().to(self.device, non_blocking=True) for t in inputs]
+            outputs = self.model(*staged)
+            host = {}
+            for name, t in outputs.items():
+                host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host[name].copy_(t, non_blocking=True)
+        self._stream.synchronize()
+        return host
+
+
+def merge(requests: List[ParsedRequest]) -> ParsedRequest:
+    """Concatenates requests along the batch: request 0's examples first, then request 1's, ...
+
+    lengths [F, B_i] join along dim 1; the ids of each request are feature-major, so the
+    merged ids are ordered by feature with a stable sort (within a feature, by request).
+    """
+    lengths = torch.cat([r.lengths for r in requests], dim=1)
+    counts = torch.stack([r.lengths.sum(1) for r in requests])  # [R, F] ids per request and feature
+    feature_of_id = torch.repeat_interleave(torch.arange(lengths.shape[0]).repeat(len(requests)), counts.view(-1))
+    order = torch.argsort(feature_of_id, stable=True)
+    values = torch.cat([r.values for r in requests])[order]
+    weights = None if requests[0].weights is None else torch.cat([r.weights for r in requests])[order]
+    return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, values, weights)
 
 
 def _split(outputs: Dict[str, torch.Tensor], sizes: List[int]) -> List[Dict[str, torch.Tensor]]:

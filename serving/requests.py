@@ -1,16 +1,17 @@
 """Strict validation of prediction requests against a model's manifest.
 
-Every check raises InvalidRequest with a message naming the field; nothing invalid
-reaches a model or a batch shared with other requests.
+A request arrives as RequestArrays (numpy arrays, from the wire reader, from a
+protobuf message, or from the KServe front), is checked in a few vectorised numpy
+passes, and leaves as a ParsedRequest in the model's feature order. Every check
+raises InvalidRequest with a message naming the field; nothing invalid reaches a
+model or a batch shared with other requests.
 """
 
-from dataclasses import dataclass
-from typing import Dict, List
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
-
-from recship.sparse import KeyedJaggedTensor
 
 
 class InvalidRequest(ValueError):
@@ -28,6 +29,11 @@ class ModelSpec:
     num_dense: int
     max_batch_size: int
 
+    def __post_init__(self) -> None:
+        self._index = {name: i for i, name in enumerate(self.features)}
+        self._rows = np.array([self.rows[f] for f in self.features], dtype=np.int64)
+        self._modulo = np.array([self.modulo[f] for f in self.features], dtype=bool)
+
     @staticmethod
     def from_manifest(manifest: dict, max_batch_size: int) -> "ModelSpec":
         feats = manifest["sparse_features"]
@@ -41,86 +47,200 @@ class ModelSpec:
         )
 
 
+def _empty(dtype) -> np.ndarray:
+    return np.empty(0, dtype=dtype)
+
+
+@dataclass
+class SparseArrays:
+    """A request's sparse features in the request's order, each field concatenated over the features.
+
+    lengths: int32 [sum(length_counts)], ids: int64 [sum(id_counts)], weights: float32
+    [sum(weight_counts)]; the *_counts are int64 [F], how many of each belong to each feature.
+    """
+
+    names: List[str]
+    lengths: np.ndarray
+    length_counts: np.ndarray
+    ids: np.ndarray
+    id_counts: np.ndarray
+    weights: np.ndarray
+    weight_counts: np.ndarray
+
+    @staticmethod
+    def from_features(names: List[str], lengths: Sequence, ids: Sequence, weights: Sequence) -> "SparseArrays":
+        """From one array-like per feature for each field (an empty one where a field is not given)."""
+        cols = []
+        for arrays, dtype in ((lengths, np.int32), (ids, np.int64), (weights, np.float32)):
+            parts = [np.asarray(a, dtype=dtype).reshape(-1) for a in arrays]
+            counts = np.array([p.size for p in parts], dtype=np.int64)
+            cols += [np.concatenate(parts) if parts else _empty(dtype), counts]
+        return SparseArrays(list(names), *cols)
+
+    def feature(self, i: int):
+        """(lengths, ids, weights) of the request's i-th feature (views)."""
+        out = []
+        for values, counts in ((self.lengths, self.length_counts), (self.ids, self.id_counts), (self.weights, self.weight_counts)):
+            start = int(counts[:i].sum())
+            out.append(values[start:start + int(counts[i])])
+        return tuple(out)
+
+
+@dataclass
+class RequestArrays:
+    """Everything a Predict request carries, as plain values and numpy arrays."""
+
+    model_name: str = ""
+    model_version: int = 0
+    request_id: str = ""
+    batch_size: int = 0
+    sparse: SparseArrays = field(default_factory=lambda: SparseArrays.from_features([], [], [], []))
+    dense_rows: int = 0
+    dense_cols: int = 0
+    dense: np.ndarray = field(default_factory=lambda: _empty(np.float32))  # float32 [dense_rows * dense_cols]
+
+    @staticmethod
+    def from_message(request) -> "RequestArrays":
+        """From a ``recship.serving.v1.PredictRequest`` message (element-wise: the slow path)."""
+        feats = list(request.sparse)
+        return RequestArrays(
+            model_name=request.model_name, model_version=int(request.model_version), request_id=request.request_id,
+            batch_size=int(request.batch_size),
+            sparse=SparseArrays.from_features(
+                [f.name for f in feats], [f.lengths for f in feats], [f.ids for f in feats], [f.weights for f in feats]
+            ),
+            dense_rows=int(request.dense.rows), dense_cols=int(request.dense.cols),
+            dense=np.asarray(request.dense.values, dtype=np.float32),
+        )
+
+
 @dataclass
 class ParsedRequest:
-    """A validated request: dense [B, n_dense] and the KJT in the model's feature order."""
+    """A validated request in the model's feature order.
+
+    dense: float32 [B, n_dense]; lengths: int32 [F, B]; values: int64 [sum(lengths)],
+    feature-major (ids of modulo features already hashed); weights: float32 like values, or None.
+    """
 
     batch_size: int
     dense: torch.Tensor
-    sparse: KeyedJaggedTensor
+    lengths: torch.Tensor
+    values: torch.Tensor
+    weights: Optional[torch.Tensor] = None
 
 
 def parse_request(request, spec: ModelSpec) -> ParsedRequest:
-    """PredictRequest -> ParsedRequest, or InvalidRequest naming what is wrong."""
-    b = int(request.batch_size)
+    """A PredictRequest message or RequestArrays -> ParsedRequest, or InvalidRequest naming what is wrong."""
+    arrays = request if isinstance(request, RequestArrays) else RequestArrays.from_message(request)
+    return validate(arrays, spec)
+
+
+def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
+    b = int(r.batch_size)
     if b <= 0:
         raise InvalidRequest(f"batch_size must be > 0, got {b}")
     if b > spec.max_batch_size:
         raise InvalidRequest(f"batch_size {b} exceeds the model's limit of {spec.max_batch_size}")
-    given: Dict[str, object] = {}
-    for feature in request.sparse:
-        if feature.name in given:
-            raise InvalidRequest(f"sparse feature {feature.name!r} appears twice")
-        if feature.name not in spec.rows:
-            raise InvalidRequest(f"unknown sparse feature {feature.name!r}; the model takes {spec.features}")
-        given[feature.name] = feature
-    missing = [f for f in spec.features if f not in given]
-    if missing:
-        raise InvalidRequest(f"missing sparse features {missing}")
-    lengths, values, weights = [], [], []
-    for name in spec.features:
-        feature = given[name]
-        lens = np.asarray(feature.lengths, dtype=np.int32)
-        ids = np.asarray(feature.ids, dtype=np.int64)
+    sp = _in_model_order(r.sparse, spec)
+    n_features = len(spec.features)
+    lengths, ids, weights = sp.lengths, sp.ids, sp.weights
+    ok = bool((sp.length_counts == b).all())
+    if ok and lengths.size:
+        lengths2d = lengths.reshape(n_features, b)
+        ok = int(lengths.min()) >= 0 and bool((lengths2d.sum(1, dtype=np.int64) == sp.id_counts).all())
+    if ok and ids.size:
+        ids, ok = _check_ids(ids, sp.id_counts, spec)
+    if ok:
+        if spec.weighted:
+            ok = bool((sp.weight_counts == sp.id_counts).all()) and bool(np.isfinite(weights).all())
+        else:
+            ok = weights.size == 0
+    if not ok:  # something is wrong: find the first offending feature and say what
+        _raise_first_sparse_error(sp, spec, b)
+        raise AssertionError("vectorised and per-feature validation disagree")
+    dense = _dense(r, spec, b)
+    return ParsedRequest(
+        b,
+        dense,
+        _tensor(lengths, np.int32).view(n_features, b),
+        _tensor(ids, np.int64),
+        _tensor(weights, np.float32) if spec.weighted else None,
+    )
+
+
+def _tensor(a: np.ndarray, dtype) -> torch.Tensor:
+    """A tensor owning its memory (the readers may hand over read-only views of request bytes)."""
+    a = np.ascontiguousarray(a, dtype=dtype)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def _in_model_order(sp: SparseArrays, spec: ModelSpec) -> SparseArrays:
+    seen = set()
+    for name in sp.names:
+        if name in seen:
+            raise InvalidRequest(f"sparse feature {name!r} appears twice")
+        if name not in spec._index:
+            raise InvalidRequest(f"unknown sparse feature {name!r}; the model takes {spec.features}")
+        seen.add(name)
+    if len(seen) != len(spec.features):
+        raise InvalidRequest(f"missing sparse features {[f for f in spec.features if f not in seen]}")
+    if sp.names == spec.features:
+        return sp
+    position = {name: i for i, name in enumerate(sp.names)}
+    order = [position[f] for f in spec.features]
+    cols = []
+    for values, counts in ((sp.lengths, sp.length_counts), (sp.ids, sp.id_counts), (sp.weights, sp.weight_counts)):
+        starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        cols += [np.concatenate([values[starts[i]:starts[i] + counts[i]] for i in order]), counts[order]]
+    return SparseArrays(list(spec.features), *cols)
+
+
+def _check_ids(ids: np.ndarray, id_counts: np.ndarray, spec: ModelSpec):
+    """(ids with modulo features hashed, all in range?)."""
+    if spec._modulo.any():
+        per_id_rows = np.repeat(spec._rows, id_counts)
+        hashed = np.mod(ids, per_id_rows)
+        ids = np.where(np.repeat(spec._modulo, id_counts), hashed, ids)
+        return ids, bool(((ids >= 0) & (ids < per_id_rows)).all())
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo >= 0 and hi < int(spec._rows.min()):  # every id fits the smallest table: no per-id rows needed
+        return ids, True
+    return ids, lo >= 0 and bool((ids < np.repeat(spec._rows, id_counts)).all())
+
+
+def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None:
+    """Checks feature by feature, in the model's order, and raises for the first problem found."""
+    for i, name in enumerate(spec.features):
+        lens, ids, w = sp.feature(i)
         if lens.shape[0] != b:
             raise InvalidRequest(f"sparse feature {name!r}: {lens.shape[0]} lengths for batch_size {b}")
         if lens.size and int(lens.min()) < 0:
             raise InvalidRequest(f"sparse feature {name!r}: negative length {int(lens.min())}")
         if int(lens.sum(dtype=np.int64)) != ids.shape[0]:
-            raise InvalidRequest(f"sparse feature {name!r}: sum(lengths) = {int(lens.sum())} but {ids.shape[0]} ids")
+            raise InvalidRequest(f"sparse feature {name!r}: sum(lengths) = {int(lens.sum(dtype=np.int64))} but {ids.shape[0]} ids")
         rows = spec.rows[name]
-        if ids.size:
-            if spec.modulo[name]:
-                ids = np.mod(ids, rows)
-            else:
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < 0 or hi >= rows:
-                    bad = lo if lo < 0 else hi
-                    raise InvalidRequest(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
-        w = np.asarray(feature.weights, dtype=np.float32)
+        if ids.size and not spec.modulo[name]:
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= rows:
+                bad = lo if lo < 0 else hi
+                raise InvalidRequest(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
         if spec.weighted:
             if w.shape[0] != ids.shape[0]:
                 raise InvalidRequest(f"sparse feature {name!r}: {w.shape[0]} weights for {ids.shape[0]} ids")
             if w.size and not np.isfinite(w).all():
                 raise InvalidRequest(f"sparse feature {name!r}: weights must be finite")
-            weights.append(w)
         elif w.size:
             raise InvalidRequest(f"sparse feature {name!r}: weights given, but the model's features are unweighted")
-        lengths.append(lens)
-        values.append(ids)
-    dense = request.dense
+
+
+def _dense(r: RequestArrays, spec: ModelSpec, b: int) -> torch.Tensor:
     expected = (b, spec.num_dense)
-    if spec.num_dense == 0 and not dense.values and dense.rows == 0 and dense.cols == 0:
-        dense_t = torch.zeros(b, 0)
-    else:
-        if (int(dense.rows), int(dense.cols)) != expected:
-            raise InvalidRequest(f"dense shape [{dense.rows}, {dense.cols}] does not match [batch_size, {spec.num_dense}] = {list(expected)}")
-        d = np.asarray(dense.values, dtype=np.float32)
-        if d.shape[0] != b * spec.num_dense:
-            raise InvalidRequest(f"dense has {d.shape[0]} values for shape {list(expected)}")
-        if d.size and not np.isfinite(d).all():
-            raise InvalidRequest("dense values must be finite (no NaN or infinity)")
-        dense_t = torch.from_numpy(d.reshape(expected).copy())
-    sparse = KeyedJaggedTensor(
-        keys=spec.features,
-        values=torch.from_numpy(np.concatenate(values)) if values else torch.empty(0, dtype=torch.int64),
-        lengths=torch.from_numpy(np.concatenate(lengths)),
-        weights=torch.from_numpy(np.concatenate(weights)) if spec.weighted else None,
-        stride=b,
-    )
-    return ParsedRequest(b, dense_t, sparse)
-
-
-def ids_count(parsed: ParsedRequest) -> int:
-    return int(parsed.sparse.values().numel())
-
+    if spec.num_dense == 0 and r.dense.size == 0 and r.dense_rows == 0 and r.dense_cols == 0:
+        return torch.zeros(b, 0)
+    if (int(r.dense_rows), int(r.dense_cols)) != expected:
+        raise InvalidRequest(f"dense shape [{r.dense_rows}, {r.dense_cols}] does not match [batch_size, {spec.num_dense}] = {list(expected)}")
+    if r.dense.shape[0] != b * spec.num_dense:
+        raise InvalidRequest(f"dense has {r.dense.shape[0]} values for shape {list(expected)}")
+    if r.dense.size and not np.isfinite(r.dense).all():
+        raise InvalidRequest("dense values must be finite (no NaN or infinity)")
+    return _tensor(r.dense, np.float32).view(expected)

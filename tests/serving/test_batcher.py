@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull
+from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull, merge
 from recship.serving.requests import ParsedRequest
 from recship.sparse import KeyedJaggedTensor
 
@@ -29,15 +29,30 @@ class Echo:
         return {"out": (dense.sum(1) + ids).unsqueeze(1)}
 
 
-def _req(batch, seed):
+def _req(batch, seed, features=2, weighted=False):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 3, (2 * batch,), generator=g).to(torch.int32)
-    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.randint(0, 9, (int(lengths.sum()),), generator=g), lengths=lengths)
-    return ParsedRequest(batch, torch.rand(batch, 3, generator=g), kjt)
+    lengths = torch.randint(0, 3, (features, batch), generator=g).to(torch.int32)
+    n = int(lengths.sum())
+    weights = torch.rand(n, generator=g) if weighted else None
+    return ParsedRequest(batch, torch.rand(batch, 3, generator=g), lengths, torch.randint(0, 9, (n,), generator=g), weights)
 
 
 def _expected(r):
-    return (r.dense.sum(1) + r.sparse.lengths().view(2, -1).sum(0).float()).unsqueeze(1)
+    return (r.dense.sum(1) + r.lengths.sum(0).float()).unsqueeze(1)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_merge_equals_concatenating_the_kjts(weighted):
+    reqs = [_req(1 + i % 4, i, features=5, weighted=weighted) for i in range(9)]
+    merged = merge(reqs)
+    kjts = [KeyedJaggedTensor(keys=list("abcde"), values=r.values, lengths=r.lengths.view(-1), weights=r.weights) for r in reqs]
+    want = KeyedJaggedTensor.concat(kjts)  # recship.sparse's own concat along the batch: an independent reference
+    assert merged.batch_size == sum(r.batch_size for r in reqs)
+    assert torch.equal(merged.lengths.view(-1), want.lengths().to(torch.int32))
+    assert torch.equal(merged.values, want.values())
+    if weighted:
+        assert torch.equal(merged.weights, want.weights())
+    assert torch.equal(merged.dense, torch.cat([r.dense for r in reqs]))
 
 
 def test_requests_are_merged_and_split_back_in_order():

@@ -238,7 +238,9 @@ def test_oversized_request_is_invalid_argument_naming_the_size(repo):
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             small_sparse, small_dense = _request(1, 1)
             assert client.predict("dlrm", small_sparse, small_dense)["prob"].shape == (1, 1)
-            sparse, dense = _request(2, 64)
+            sparse, dense = _request(2, 16)
+            size = PredictClient.request("dlrm", sparse, dense).ByteSize()
+            assert 5000 < size <= 10000  # over the limit, but within what the transport admits
             with pytest.raises(grpc.RpcError) as err:
                 client.predict("dlrm", sparse, dense)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
