@@ -294,6 +294,7 @@ class Server:
             torch.set_num_threads(config.torch_threads)
         self.config = config
         self.metrics = Metrics(config.metrics_port)
+        self.accepting = True  # False once stop() begins (KServe's ServerReady / ModelReady say so)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-loop", daemon=True)
         self._thread.start()
@@ -313,6 +314,8 @@ class Server:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
         from grpc_reflection.v1alpha import reflection
+
+        from recship.serving import kserve
 
         config = self.config
         self.health = health_aio.HealthServicer()
@@ -336,8 +339,7 @@ class Server:
         add_to_server(PredictorServicer(self.inference), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         names = [pb.DESCRIPTOR.services_by_name["Predictor"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
-        for extra in _extra_services:
-            names.append(extra(self))
+        kserve.add_to_server(kserve.KServeServicer(self), self.grpc)  # (not in reflection: its messages live in a private pool)
         reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
         self.port = self.grpc.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
@@ -350,6 +352,7 @@ class Server:
         """Stops taking requests, lets those in flight finish (up to ``grace`` seconds), then unloads."""
 
         async def stop():
+            self.accepting = False
             await self.health.enter_graceful_shutdown()
             await self.grpc.stop(grace)
 
@@ -357,10 +360,6 @@ class Server:
         self.repo.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
-
-
-# Front ends registered beside Predictor: callables (server) -> full service name (see serving/kserve.py).
-_extra_services: List = []
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -121,13 +121,19 @@ def test_stop_during_submits_leaves_no_request_unanswered():
     lock = threading.Lock()
 
     def submitter(k):
-        for i in range(200):
+        give_up = time.monotonic() + 10  # submit until the stop refuses us (bounded in time)
+        i = 0
+        while time.monotonic() < give_up:
+            i += 1
             try:
                 f = b.submit(_req(1, k * 1000 + i))
             except Unloaded:
                 with lock:
                     refused.append(1)
                 return
+            except QueueFull:
+                time.sleep(0.001)
+                continue
             with lock:
                 accepted.append(f)
 
