@@ -1,0 +1,229 @@
+"""The KServe v2 front through the real tritonclient: health, metadata, inference equal to Predict, errors, batching."""
+
+import json
+import re
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+tg = pytest.importorskip("tritonclient.grpc")
+from tritonclient.grpc import service_pb2 as triton_pb2  # noqa: E402
+from tritonclient.grpc import service_pb2_grpc as triton_grpc  # noqa: E402
+
+from recship.export import ExportConfig, export_model  # noqa: E402
+from recship.serving import PredictClient  # noqa: E402
+from recship.serving.server import Server, ServerConfig  # noqa: E402
+from recship.trainer.dlrm import DLRM, DLRMConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = [20 + i for i in range(26)]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("repo")
+    torch.manual_seed(0)
+    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    export_model(dlrm, ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(repo):
+    s = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=5))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    c = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+    yield c
+    c.close()
+
+
+def _request(seed, batch):
+    g = np.random.default_rng(seed)
+    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
+    return sparse, g.random((batch, 13), dtype=np.float32)
+
+
+def _infer_inputs(sparse, dense):
+    inputs = []
+    for name, rows in sparse.items():
+        lengths = np.array([len(r) for r in rows], dtype=np.int32)
+        values = np.array([i for r in rows for i in r], dtype=np.int64)
+        for suffix, data, dtype in ((".lengths", lengths, "INT32"), (".values", values, "INT64")):
+            t = tg.InferInput(name + suffix, list(data.shape), dtype)
+            t.set_data_from_numpy(data)
+            inputs.append(t)
+    d = tg.InferInput("dense", list(dense.shape), "FP32")
+    d.set_data_from_numpy(dense)
+    inputs.append(d)
+    return inputs
+
+
+def _predict(server, sparse, dense):
+    with PredictClient(f"127.0.0.1:{server.port}") as c:
+        return c.predict("dlrm", sparse, dense)
+
+
+def test_the_proto_matches_tritonclients_copy():
+    """Field numbers, types and cardinality of every message recship declares equal Triton's."""
+    from recship.serving import kserve
+
+    ours = kserve._pool.FindFileByName("inference/grpc_service.proto")
+
+    def fields(d):
+        return {f.name: (f.number, f.type, f.is_repeated, f.message_type.full_name if f.message_type else None) for f in d.fields}
+
+    def compare(mine, theirs):
+        assert fields(mine) == fields(theirs), mine.full_name
+        for nested in mine.nested_types:
+            compare(nested, theirs.nested_types_by_name[nested.name])
+
+    for name, desc in ours.message_types_by_name.items():
+        compare(desc, triton_pb2.DESCRIPTOR.message_types_by_name[name])
+    theirs = triton_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for method in ours.services_by_name["GRPCInferenceService"].methods:
+        other = theirs.methods_by_name[method.name]
+        assert (method.input_type.full_name, method.output_type.full_name) == (other.input_type.full_name, other.output_type.full_name)
+
+
+def test_health_metadata_and_index(client, repo):
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("dlrm") and client.is_model_ready("dlrm", "1")
+    assert not client.is_model_ready("dlrm", "2") and not client.is_model_ready("nope")
+    assert client.get_server_metadata(as_json=True)["name"] == "recship"
+    meta = client.get_model_metadata("dlrm", as_json=True)
+    manifest = json.loads((repo / "dlrm" / "1" / "manifest.json").read_text())
+    want = [(f"{f['name']}.{part}", dtype, ["-1"]) for f in manifest["sparse_features"] for part, dtype in (("lengths", "INT32"), ("values", "INT64"))]
+    want.append(("dense", "FP32", ["-1", "13"]))
+    assert [(i["name"], i["datatype"], i["shape"]) for i in meta["inputs"]] == want
+    assert [(o["name"], o["datatype"], o["shape"]) for o in meta["outputs"]] == [("logit", "FP32", ["-1", "1"]), ("prob", "FP32", ["-1", "1"])]
+    assert meta["versions"] == ["1"]
+    index = client.get_model_repository_index(as_json=True)["models"]
+    assert [(m["name"], m["version"], m["state"]) for m in index] == [("dlrm", "1", "READY")]
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_infer_equals_predict(client, server, batch):
+    sparse, dense = _request(batch, batch)
+    result = client.infer("dlrm", _infer_inputs(sparse, dense), model_version="1", request_id=f"r{batch}")
+    want = _predict(server, sparse, dense)
+    for name in ("logit", "prob"):
+        np.testing.assert_array_equal(result.as_numpy(name), want[name])  # lone requests: bitwise
+    response = result.get_response()
+    assert response.model_version == "1" and response.id == f"r{batch}"
+
+
+def test_typed_contents_and_requested_outputs(server):
+    """Values in InferTensorContents (not raw bytes) work, and the answer comes back typed."""
+    sparse, dense = _request(7, 3)
+    req = triton_pb2.ModelInferRequest(model_name="dlrm")
+    for name, rows in sparse.items():
+        lengths = req.inputs.add(name=f"{name}.lengths", datatype="INT32", shape=[3])
+        lengths.contents.int_contents.extend(len(r) for r in rows)
+        values = req.inputs.add(name=f"{name}.values", datatype="INT64", shape=[sum(len(r) for r in rows)])
+        values.contents.int64_contents.extend(int(i) for r in rows for i in r)
+    d = req.inputs.add(name="dense", datatype="FP32", shape=[3, 13])
+    d.contents.fp32_contents.extend(dense.reshape(-1).tolist())
+    req.outputs.add(name="prob")
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        response = triton_grpc.GRPCInferenceServiceStub(channel).ModelInfer(req, timeout=10)
+    assert [o.name for o in response.outputs] == ["prob"] and not response.raw_output_contents
+    got = np.asarray(response.outputs[0].contents.fp32_contents, dtype=np.float32).reshape(list(response.outputs[0].shape))
+    np.testing.assert_array_equal(got, _predict(server, sparse, dense)["prob"])
+
+
+def _without(inputs, name):
+    return [i for i in inputs if i.name() != name]
+
+
+def _replace(inputs, name, data, dtype):
+    t = tg.InferInput(name, list(data.shape), dtype)
+    t.set_data_from_numpy(data)
+    return [t if i.name() == name else i for i in inputs]
+
+
+def test_invalid_inputs_give_predicts_messages(client, server):
+    sparse, dense = _request(11, 2)
+    good = _infer_inputs(sparse, dense)
+    n2 = sum(len(r) for r in sparse["cat_2"])
+    out_of_range = np.full(n2, ROWS[2], dtype=np.int64)
+    cases = [  # (KServe inputs, the equivalent Predict request or None, expected message)
+        (_replace(good, "cat_2.values", out_of_range, "INT64"), ({**sparse, "cat_2": [[ROWS[2]] * len(r) for r in sparse["cat_2"]]}, dense),
+         f"id {ROWS[2]} is out of range"),
+        (_without(_without(good, "cat_25.lengths"), "cat_25.values"), ({k: v for k, v in sparse.items() if k != "cat_25"}, dense),
+         "missing sparse features ['cat_25']"),
+        (good + _infer_inputs({"nope": [[1], [2]]}, dense)[:2], ({**sparse, "nope": [[1], [2]]}, dense), "unknown sparse feature 'nope'"),
+        (_replace(good, "dense", dense[:, :12].copy(), "FP32"), (sparse, dense[:, :12]), "dense shape [2, 12] does not match"),
+        (_replace(good, "cat_0.lengths", np.array([1, 1], dtype=np.int64), "INT64"), None, "input 'cat_0.lengths' must be INT32"),
+        (good + _infer_inputs({"x": [[1], [1]]}, dense)[:1] + [tg.InferInput("bogus", [1], "FP32")], None, "unknown input"),
+    ]
+    cases[-1][0][-1].set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    for inputs, predict_request, message in cases:
+        with pytest.raises(tg.InferenceServerException) as err:
+            client.infer("dlrm", inputs)
+        assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and message in err.value.message()
+        if predict_request is not None:  # Predict refuses the same request with the same words
+            with pytest.raises(grpc.RpcError) as predict_err:
+                _predict(server, *predict_request)
+            assert predict_err.value.details() == err.value.message()
+    with pytest.raises(tg.InferenceServerException) as err:
+        client.infer("nope", good)
+    assert err.value.status() == "StatusCode.NOT_FOUND"
+    assert client.infer("dlrm", good).as_numpy("prob").shape == (2, 1)  # and the server keeps answering
+
+
+def _batch_count(server):
+    for metric in server.metrics.registry.collect():
+        if metric.name == "recship_batch_examples":
+            return sum(s.value for s in metric.samples if s.name.endswith("_count"))
+    return 0
+
+
+def test_concurrent_tritonclients_batch_together_and_get_their_own_rows(server):
+    requests = [_request(200 + i, 1 + i % 5) for i in range(32)]
+    want = [_predict(server, s, d) for s, d in requests]
+    before = _batch_count(server)
+    start = threading.Barrier(len(requests))
+
+    def call(req):
+        c = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+        inputs = _infer_inputs(*req)
+        start.wait()
+        try:
+            return c.infer("dlrm", inputs).as_numpy("prob")
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        got = list(pool.map(call, requests))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w["prob"], rtol=1e-5, atol=1e-6)  # merged batches: float-rounding close
+    assert _batch_count(server) - before < len(requests)  # some requests shared a forward
+
+
+def test_the_readme_snippet_runs_with_only_tritonclient(server, tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"<!-- kserve-snippet -->\s*```python\n(.*?)```", readme, re.S).group(1)
+    assert "localhost:8500" in snippet
+    out = tmp_path / "prob.json"
+    script = snippet.replace("localhost:8500", f"127.0.0.1:{server.port}") + (
+        "\nimport json, sys\n"
+        f"json.dump(prob.tolist(), open({str(out)!r}, 'w'))\n"
+        "assert not [m for m in sys.modules if m.startswith('recship')], 'the snippet must not need recship'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    sparse = {f"cat_{i}": [[0], [0]] for i in range(26)}
+    want = _predict(server, sparse, np.full((2, 13), 0.5, dtype=np.float32))["prob"]
+    np.testing.assert_array_equal(np.asarray(json.loads(out.read_text()), dtype=np.float32), want)
