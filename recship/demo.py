@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
                 latencies.append((time.perf_counter() - t) * 1e3)
             p50, p99 = np.percentile(latencies, [50, 99])
             print(f"   200 sequential 3-example requests: p50 {p50:.2f} ms, p99 {p99:.2f} ms end to end")
+        _kserve_query(server.port, sparse, dense, out["prob"])
     finally:
         server.stop()
     print("   server stopped")
@@ -248,3 +249,32 @@ def run(args: argparse.Namespace) -> int:
 
     print("\ndemo finished: every check passed")
     return 0
+
+
+def _kserve_query(port: int, sparse, dense, want) -> None:
+    """The same request through the KServe v2 protocol with tritonclient (a dev dependency)."""
+    import numpy as np
+
+    try:
+        import tritonclient.grpc as tg
+    except ImportError:
+        print("   tritonclient is not installed: KServe v2 query skipped")
+        return
+    inputs = []
+    for name, rows in sparse.items():
+        for suffix, data, dtype in (
+            (".lengths", np.array([len(r) for r in rows], dtype=np.int32), "INT32"),
+            (".values", np.array([i for r in rows for i in r], dtype=np.int64), "INT64"),
+        ):
+            t = tg.InferInput(name + suffix, list(data.shape), dtype)
+            t.set_data_from_numpy(data)
+            inputs.append(t)
+    d = tg.InferInput("dense", list(dense.shape), "FP32")
+    d.set_data_from_numpy(dense)
+    inputs.append(d)
+    client = tg.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        prob = client.infer("dlrm", inputs).as_numpy("prob")
+    finally:
+        client.close()
+    _expect(np.array_equal(prob, want), "KServe v2 (tritonclient) answers equal Predict's, bitwise")

@@ -53,6 +53,7 @@ class ServerConfig:
     torch_threads: Optional[int] = None
     max_message_bytes: int = 64 * 1024 * 1024
     device: str = "cpu"
+    http_port: Optional[int] = None  # KServe v2 REST front (serving/rest.py); None: off
 
 
 class ModelNotFound(LookupError):
@@ -304,6 +305,11 @@ class Server:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             raise
+        self.rest = None
+        if config.http_port is not None:
+            from recship.serving.rest import RestFront
+
+            self.rest = RestFront(self, config.host, config.http_port)
         log.info("listening on %s:%d with models %s", config.host, self.port, [m.name for m in self.repo.models()])
 
     def _call(self, coroutine):
@@ -356,6 +362,8 @@ class Server:
             await self.health.enter_graceful_shutdown()
             await self.grpc.stop(grace)
 
+        if self.rest is not None:
+            self.rest.stop()
         self._call(stop())
         self.repo.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -367,6 +375,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8500)
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--http-port", type=int, help="also answer KServe v2 over HTTP/REST (JSON) on this port")
     parser.add_argument("--max-batch-size", type=int, default=512)
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests (0: no batching)")
     parser.add_argument("--max-queue", type=int, default=1024)
@@ -381,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     server = Server(
         ServerConfig(
-            model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
+            model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
             max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, max_queue=args.max_queue,
             poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
             max_message_bytes=int(args.max_message_mb * 1024 * 1024),
@@ -396,7 +405,8 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)
-    print(f"recship serve: listening on {args.host}:{server.port}", flush=True)
+    rest = f", KServe REST on {args.host}:{server.rest.port}" if server.rest else ""
+    print(f"recship serve: listening on {args.host}:{server.port}{rest}", flush=True)
     done.wait()
     return 0
 

@@ -227,3 +227,54 @@ def test_the_readme_snippet_runs_with_only_tritonclient(server, tmp_path):
     sparse = {f"cat_{i}": [[0], [0]] for i in range(26)}
     want = _predict(server, sparse, np.full((2, 13), 0.5, dtype=np.float32))["prob"]
     np.testing.assert_array_equal(np.asarray(json.loads(out.read_text()), dtype=np.float32), want)
+
+
+def _http(port, path, body=None):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, method="POST" if body is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_rest_front_health_metadata_infer_and_errors(repo):
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0))
+    try:
+        port = server.rest.port
+        assert _http(port, "/v2/health/live") == (200, {"live": True})
+        assert _http(port, "/v2/health/ready") == (200, {"ready": True})
+        assert _http(port, "/v2/models/dlrm/versions/1/ready")[0] == 200
+        status, meta = _http(port, "/v2/models/dlrm")
+        c = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+        grpc_meta = c.get_model_metadata("dlrm", as_json=True)
+        c.close()
+        assert status == 200 and [(i["name"], i["datatype"]) for i in meta["inputs"]] == [(i["name"], i["datatype"]) for i in grpc_meta["inputs"]]
+        sparse, dense = _request(31, 4)
+
+        def body(sp, d):
+            inputs = []
+            for name, rows in sp.items():
+                inputs.append({"name": f"{name}.lengths", "shape": [len(rows)], "datatype": "INT32", "data": [len(r) for r in rows]})
+                ids = [int(i) for r in rows for i in r]
+                inputs.append({"name": f"{name}.values", "shape": [len(ids)], "datatype": "INT64", "data": ids})
+            inputs.append({"name": "dense", "shape": list(d.shape), "datatype": "FP32", "data": d.tolist()})  # nested data
+            return json.dumps({"id": "q1", "inputs": inputs}).encode()
+
+        status, answer = _http(port, "/v2/models/dlrm/infer", body(sparse, dense))
+        assert status == 200 and answer["id"] == "q1" and answer["model_version"] == "1"
+        want = _predict(server, sparse, dense)
+        for out in answer["outputs"]:
+            np.testing.assert_array_equal(np.asarray(out["data"], dtype=np.float32).reshape(out["shape"]), want[out["name"]])
+        bad = {**sparse, "cat_4": [[ROWS[4] + 3]] * 4}
+        status, answer = _http(port, "/v2/models/dlrm/infer", body(bad, dense))
+        with pytest.raises(grpc.RpcError) as predict_err:
+            _predict(server, bad, dense)
+        assert status == 400 and answer["error"] == predict_err.value.details()
+        assert _http(port, "/v2/models/nope/infer", body(sparse, dense))[0] == 404
+        assert _http(port, "/v2/models/dlrm/infer", b"{not json")[0] == 400
+    finally:
+        server.stop()

@@ -247,3 +247,24 @@ def test_oversized_request_is_invalid_argument_naming_the_size(repo):
             assert "exceeds the limit of 5000 bytes" in err.value.details()
     finally:
         server.stop()
+
+
+def test_an_artifact_for_another_device_is_refused(tmp_path, repo, caplog):
+    import json
+    import logging
+
+    root = tmp_path / "repo"
+    shutil.copytree(repo / "dlrm" / "1", root / "dlrm" / "1")
+    manifest = json.loads((root / "dlrm" / "1" / "manifest.json").read_text())
+    manifest["sharding"]["device"] = "cuda"  # as if exported with --device cuda
+    (root / "dlrm" / "1" / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.ERROR, logger="recship.serving"):
+        server = Server(ServerConfig(model_repo=str(root), port=0))
+    try:
+        assert server.repo.models() == []
+        assert "exported for cuda, but this server runs on cpu" in caplog.text
+        with PredictClient(f"127.0.0.1:{server.port}") as client, pytest.raises(grpc.RpcError) as err:
+            client.predict("dlrm", *_request(1, 1))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        server.stop()
