@@ -119,7 +119,8 @@ class ParsedRequest:
     """A validated request in the model's feature order.
 
     dense: float32 [B, n_dense]; lengths: int32 [F, B]; values: int64 [sum(lengths)],
-    feature-major (ids of modulo features already hashed); weights: float32 like values, or None.
+    feature-major (ids of modulo features already hashed); weights: float32 like values, or None;
+    id_counts: int64 [F], ids per feature (what validation summed; the batcher's merge uses it).
     """
 
     batch_size: int
@@ -127,6 +128,11 @@ class ParsedRequest:
     lengths: torch.Tensor
     values: torch.Tensor
     weights: Optional[torch.Tensor] = None
+    id_counts: Optional[np.ndarray] = None
+
+    def __post_init__(self) -> None:
+        if self.id_counts is None:
+            self.id_counts = self.lengths.sum(1).numpy()
 
 
 def parse_request(request, spec: ModelSpec) -> ParsedRequest:
@@ -165,6 +171,7 @@ def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
         _tensor(lengths, np.int32).view(n_features, b),
         _tensor(ids, np.int64),
         _tensor(weights, np.float32) if spec.weighted else None,
+        sp.id_counts,
     )
 
 
