@@ -114,12 +114,12 @@ def _forward_ms(model, sparse, dense, in_thread: bool, repeats: int = 50) -> flo
     return statistics.median(times)
 
 
-def bench_model(name, seconds, work):
+def bench_model(name, seconds, work, torch_threads=None):
     import torch
 
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import load_artifact
-    from recship.serving.server import Server, ServerConfig
+    from recship.serving.server import Server, ServerConfig, default_torch_threads
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     shape = MODELS[name]
@@ -131,11 +131,11 @@ def bench_model(name, seconds, work):
     rows, num_dense = config.num_embeddings_per_feature, config.num_dense
     model, _ = load_artifact(out)
     print(f"\n== {name}: DLRM 26 x {rows[0]} x {config.embedding_dim}, dense {config.dense_arch}, over {config.over_arch}, INT8; "
-          f"{seconds:g} s per point; torch threads {torch.get_num_threads()}")
+          f"{seconds:g} s per point; server forward threads {torch_threads or default_torch_threads()}, in-process {torch.get_num_threads()}")
     print(f"{'batching':8s} {'conc':>4s} {'ex/req':>6s} {'examples/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s}")
     results = {}
     for delay in (2.0, 0.0):
-        server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay))
+        server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay, torch_threads=torch_threads))
         try:
             target = f"127.0.0.1:{server.port}"
             for batch in (1, 64):
@@ -162,10 +162,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--model", choices=sorted(MODELS) + ["all"], default="all")
+    parser.add_argument("--torch-threads", type=int, help="the server's intra-op threads per forward (default: its own)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
     for name in sorted(MODELS) if args.model == "all" else [args.model]:
-        bench_model(name, args.seconds, work)
+        bench_model(name, args.seconds, work, args.torch_threads)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ class Batcher:
         max_queue: requests waiting at most; more are refused with QueueFull.
         observe: callback(batch_examples, n_requests, queue_seconds_list, compute_seconds) for metrics.
         device: where the model's inputs go ("cpu", or "cuda:N" for a CUDA artifact).
+        device_lock: held around each forward; batchers of one device share it, so the
+            device runs one forward at a time (a worker per device) however many models it serves.
+        threads: intra-op threads of this batcher's forwards (torch's per-thread setting).
     """
 
     def __init__(
@@ -65,8 +68,12 @@ class Batcher:
         observe: Optional[Callable[[int, int, List[float], float], None]] = None,
         name: str = "model",
         device: str = "cpu",
+        device_lock: Optional[threading.Lock] = None,
+        threads: Optional[int] = None,
     ) -> None:
         self.model = model
+        self._device_lock = device_lock if device_lock is not None else threading.Lock()
+        self._threads = threads
         self.device = torch.device(device)
         # inputs arrive on the host; a CUDA model gets them through pinned memory on its own stream
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -110,6 +117,8 @@ class Batcher:
     # -- worker ------------------------------------------------------------
 
     def _loop(self) -> None:
+        if self._threads:
+            torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
         carry: Optional[_Item] = None
         while True:
             first = carry if carry is not None else self._queue.get()
@@ -169,7 +178,7 @@ class Batcher:
     def _forward(self, requests: List[ParsedRequest]) -> Dict[str, torch.Tensor]:
         r = requests[0] if len(requests) == 1 else merge(requests)
         inputs = (r.dense, r.lengths.view(-1), r.values, r.weights)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._device_lock:
             if self._stream is None:
                 return self.model(*inputs)
             return self._forward_cuda(inputs)

@@ -16,6 +16,7 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
+import asyncio
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -203,6 +204,9 @@ class KServeServicer:
             if unknown:
                 raise InvalidRequest(f"unknown outputs {unknown}; the model gives {list(outputs)}")
             return self._response(request, served, {k: outputs[k] for k in wanted})
+        except asyncio.CancelledError as e:  # the client went away: counted, then cancellation goes on
+            error = e
+            raise
         except Exception as e:
             error = e
         finally:

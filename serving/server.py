@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -60,8 +61,13 @@ class ModelNotFound(LookupError):
     """No such model or version (gRPC NOT_FOUND)."""
 
 
+def default_torch_threads() -> int:
+    """Intra-op threads for the forwards: every core but one, which is left to the request path."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 class _Served:
-    def __init__(self, name: str, version: int, path: Path, config: ServerConfig, metrics: Metrics) -> None:
+    def __init__(self, name: str, version: int, path: Path, config: ServerConfig, metrics: Metrics, device_lock: threading.Lock) -> None:
         self.name, self.version, self.path = name, version, path
         built_for = read_manifest(path).get("sharding", {}).get("device", "cpu")
         if built_for != config.device:
@@ -72,6 +78,7 @@ class _Served:
             self.model, config.max_batch_size, config.max_delay_ms / 1000.0, config.max_queue,
             observe=lambda ex, n, q, c: metrics.observe_batch(name, version, ex, n, q, c), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
+            device_lock=device_lock, threads=config.torch_threads or default_torch_threads(),
         )
 
 
@@ -89,6 +96,7 @@ class ModelRepository:
         # refused versions and the state of their files then: retried when the files change
         self._refused: Dict[Tuple[str, int], Tuple] = {}
         self._on_change = on_change
+        self._device_lock = threading.Lock()  # one forward at a time on the server's device, across models
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
 
@@ -104,7 +112,7 @@ class ModelRepository:
                 if self._refused.get((model_dir.name, version)) == signature:
                     continue  # refused before and unchanged since
                 try:
-                    served = _Served(model_dir.name, version, path, self.config, self._metrics)
+                    served = _Served(model_dir.name, version, path, self.config, self._metrics, self._device_lock)
                 except (ArtifactError, OSError, RuntimeError, KeyError, ValueError) as e:
                     self._refused[(model_dir.name, version)] = signature
                     log.error("refusing %s version %d: %s", model_dir.name, version, e)
@@ -164,6 +172,8 @@ def status_of(e: BaseException) -> Tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
     if isinstance(e, (DeadlineExpired, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded"
+    if isinstance(e, asyncio.CancelledError):
+        return grpc.StatusCode.CANCELLED, "cancelled by the client"
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 
@@ -231,6 +241,9 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                 request_id=request.request_id,
                 outputs=[pb.Tensor(name=k, shape=list(v.shape), values=v.float().reshape(-1).tolist()) for k, v in outputs.items()],
             )
+        except asyncio.CancelledError as e:  # the client went away: counted, then cancellation goes on
+            error = e
+            raise
         except Exception as e:
             error = e
         finally:
@@ -291,8 +304,6 @@ class Server:
     def __init__(self, config: ServerConfig) -> None:
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device")
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
         self.config = config
         self.metrics = Metrics(config.metrics_port)
         self.accepting = True  # False once stop() begins (KServe's ServerReady / ModelReady say so)
@@ -380,7 +391,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests (0: no batching)")
     parser.add_argument("--max-queue", type=int, default=1024)
     parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans")
-    parser.add_argument("--torch-threads", type=int, help="intra-op threads for the model (default: torch's)")
+    parser.add_argument("--torch-threads", type=int, help="intra-op threads per forward (default: cores - 1, at least 1)")
     parser.add_argument("--max-message-mb", type=float, default=64, help="largest request accepted (default 64 MB)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run; artifacts must be exported for it")
     parser.add_argument("--log-format", default="json", choices=["json", "text"], help="json: one JSON object per line")
