@@ -195,8 +195,8 @@ class KServeServicer:
         name, version, error = request.model_name, 0, None
         try:
             served = self.repo.get(request.model_name, _version(request.model_version))
+            version = served.version  # what a failure is counted under
             arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
-            version = arrays.model_version
             served, outputs = await self.inference.infer(arrays, context.time_remaining())
             version = served.version
             wanted = [o.name for o in request.outputs] or list(outputs)

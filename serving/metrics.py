@@ -20,9 +20,17 @@ class Metrics:
         self.ids = Counter("recship_ids_total", "ids looked up", ["model"], registry=r)
         self.rejected_ids = Counter("recship_rejected_id_requests_total", "requests refused for out-of-range ids", ["model"], registry=r)
         self.port = None
+        self._http = None
         if port is not None:
-            server, _ = start_http_server(port, addr="127.0.0.1", registry=r)
-            self.port = server.server_port
+            self._http, _ = start_http_server(port, addr="127.0.0.1", registry=r)
+            self.port = self._http.server_port
+
+    def close(self) -> None:
+        """Stops the metrics endpoint."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
 
     def observe_batch(self, model: str, version: int, examples: int, requests: int, queue_s: List[float], compute_s: float) -> None:
         self.batch.labels(model).observe(examples)

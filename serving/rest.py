@@ -105,6 +105,7 @@ class RestFront:
         try:
             request = _infer_request(name, version or "", body)
             served = s.repo.get(name, kserve._version(version or ""))
+            answered = served.version  # what a failure is counted under
             arrays = kserve.to_request_arrays(request, int(served.manifest["num_dense"]))
             future = asyncio.run_coroutine_threadsafe(s.inference.infer(arrays, _TIMEOUT_S), s._loop)
             served, outputs = future.result()

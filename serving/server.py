@@ -238,6 +238,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                 raise InvalidRequest(f"request of {len(data)} bytes exceeds the limit of {self.repo.config.max_message_bytes} bytes")
             request = _decode(data)
             name, version = request.model_name, request.model_version
+            version = self.repo.get(name, version).version  # what a failure is counted under
             served, outputs = await self.inference.infer(request, context.time_remaining())
             version = served.version
             return pb.PredictResponse(
@@ -317,7 +318,10 @@ class Server:
         self._thread.start()
         try:
             self._call(self._start())
-        except BaseException:
+        except BaseException:  # e.g. the port is taken: leave nothing running behind
+            if hasattr(self, "repo"):
+                self.repo.stop()
+            self.metrics.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             raise
@@ -382,6 +386,7 @@ class Server:
             self.rest.stop()
         self._call(stop())
         self.repo.stop()
+        self.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
 

@@ -1,5 +1,6 @@
 """The gRPC server end to end on loopback: exact outputs, concurrent batching, validation, health, hot reload."""
 
+import re
 import shutil
 import threading
 import time
@@ -268,3 +269,36 @@ def test_an_artifact_for_another_device_is_refused(tmp_path, repo, caplog):
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop()
+
+
+def test_metrics_endpoint_and_one_json_log_line_per_error(server):
+    import io
+    import json
+    import logging
+    import urllib.request
+
+    from recship.serving.server import JsonFormatter
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("recship.serving")
+    logger.addHandler(handler)
+    try:
+        sparse, dense = _request(3, 2)
+        bad = {**sparse, "cat_5": [[ROWS[5] + 1], []]}
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            client.predict("dlrm", sparse, dense)
+            with pytest.raises(grpc.RpcError):
+                client.predict("dlrm", bad, dense)
+    finally:
+        logger.removeHandler(handler)
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    errors = [e for e in lines if e.get("status") == "INVALID_ARGUMENT"]
+    assert len(errors) == 1 and errors[0]["model"] == "dlrm" and f"id {ROWS[5] + 1} is out of range" in errors[0]["message"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics.port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    counts = {status: float(m.group(1)) for status in ("OK", "INVALID_ARGUMENT")
+              for m in [re.search(r'recship_requests_total\{model="dlrm",status="%s",version="1"\} (\S+)' % status, text)] if m}
+    assert counts.get("OK", 0) >= 1 and counts.get("INVALID_ARGUMENT", 0) >= 1
+    assert re.search(r'recship_rejected_id_requests_total\{model="dlrm"\} [1-9]', text)
