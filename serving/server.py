@@ -453,4 +453,6 @@ class JsonFormatter(logging.Formatter):
 def configure_logging(fmt: str = "json") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # recship's own lines at INFO; other libraries (fbgemm_gpu logs every .so it loads) at WARNING
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    logging.getLogger("recship").setLevel(logging.INFO)
