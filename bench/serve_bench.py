@@ -147,6 +147,11 @@ def bench_model(name, seconds, work, torch_threads=None):
                 p50s = [_drive(target, 1, 512, seconds, rows, num_dense)[1] for _ in range(3)]
         finally:
             server.stop()
+    # what batching saves on the model side alone: in-process examples/s of 1-example vs 32-example forwards
+    one = _forward_ms(model, *_request_body(1, rows, num_dense, 0), False, repeats=200)
+    thirty_two = _forward_ms(model, *_request_body(32, rows, num_dense, 0), False, repeats=200)
+    print(f"in-process forward: 1 example {one:.3f} ms, 32 examples {thirty_two:.3f} ms: batching 32 gives the model "
+          f"{32 * one / thirty_two:.1f}x the examples/s; the served ratio below is what the request path leaves of it")
     sparse, dense = _request_body(512, rows, num_dense, 0)
     main_ms = statistics.median(_forward_ms(model, sparse, dense, False) for _ in range(3))
     thread_ms = statistics.median(_forward_ms(model, sparse, dense, True) for _ in range(3))
