@@ -181,6 +181,9 @@ class _Handler(BaseHTTPRequestHandler):
         except (ModelNotFound, InvalidRequest) as e:
             code, message = status_of(e)
             status, doc = _HTTP[code], {"error": message}
+        except Exception as e:  # our bug: 500, logged with its trace
+            log.exception("REST %s %s failed", self.command, self.path)
+            status, doc = 500, {"error": f"{type(e).__name__}: {e}"}
         data = json.dumps(doc).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
