@@ -118,7 +118,7 @@ class Batcher:
 
     def _loop(self) -> None:
         if self._threads:
-            torch.set_num_threads(self._threads)  # OpenMP's thread count is per calling thread
+            torch.set_num_threads(self._threads)  # on the thread that runs the forwards
         carry: Optional[_Item] = None
         while True:
             first = carry if carry is not None else self._queue.get()
