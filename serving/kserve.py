@@ -16,15 +16,14 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
-import asyncio
-import time
 from typing import Dict, List, Optional, Tuple
 
 import grpc
 import numpy as np
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+import torch
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays
+from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes
 from recship.serving.v1 import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
@@ -40,7 +39,7 @@ def message(name: str):
 
 
 # KServe datatype -> (numpy little-endian dtype, InferTensorContents field)
-_DTYPES = {
+DTYPES = {
     "INT32": ("<i4", "int_contents"),
     "INT64": ("<i8", "int64_contents"),
     "FP32": ("<f4", "fp32_contents"),
@@ -61,7 +60,8 @@ def input_metadata(manifest: dict) -> List[Tuple[str, str, List[int]]]:
     return inputs
 
 
-def _version(text: str) -> int:
+def parse_version(text: str) -> int:
+    """A KServe version string -> a repository version; "" is 0, the version the server routes to."""
     if text == "":
         return 0
     if not text.isdigit():
@@ -71,9 +71,9 @@ def _version(text: str) -> int:
 
 def _tensor(inp, raw: Optional[bytes]) -> np.ndarray:
     """One input tensor as a flat numpy array of its declared datatype, its element count checked."""
-    if inp.datatype not in _DTYPES:
-        raise InvalidRequest(f"input {inp.name!r}: datatype {inp.datatype} is not one recship takes ({', '.join(_DTYPES)})")
-    dtype, field = _DTYPES[inp.datatype]
+    if inp.datatype not in DTYPES:
+        raise InvalidRequest(f"input {inp.name!r}: datatype {inp.datatype} is not one recship takes ({', '.join(DTYPES)})")
+    dtype, field = DTYPES[inp.datatype]
     if raw is not None:
         if inp.HasField("contents"):
             raise InvalidRequest(f"input {inp.name!r}: both contents and raw_input_contents given")
@@ -119,7 +119,7 @@ def to_request_arrays(request, num_dense: int) -> RequestArrays:
     cols = [[features[n].get(part, empty[part]) for n in names] for part in ("lengths", "values", "weights")]
     return RequestArrays(
         model_name=request.model_name,
-        model_version=_version(request.model_version),
+        model_version=parse_version(request.model_version),
         request_id=request.id,
         batch_size=batch,
         sparse=SparseArrays.from_features(names, *cols),
@@ -127,6 +127,38 @@ def to_request_arrays(request, num_dense: int) -> RequestArrays:
         dense_cols=dense_shape[1] if dense_shape else 0,
         dense=dense if dense is not None else np.empty(0, np.float32),
     )
+
+
+def model_metadata(served) -> dict:
+    """ModelMetadataResponse as JSON (the REST front answers it as is; gRPC parses it into the message)."""
+    m = served.manifest
+    return {
+        "name": served.name,
+        "versions": [str(served.version)],
+        "platform": PLATFORM,
+        "inputs": [{"name": n, "datatype": d, "shape": shape} for n, d, shape in input_metadata(m)],
+        "outputs": [{"name": k, "datatype": "FP32", "shape": shape} for k, shape in output_shapes(m).items()],
+    }
+
+
+def server_metadata() -> dict:
+    from recship import __version__
+
+    return {"name": "recship", "version": __version__, "extensions": ["model_repository"]}
+
+
+async def infer(inference, request, remaining: Optional[float], outcome) -> Tuple[object, Dict[str, torch.Tensor]]:
+    """A ModelInferRequest through recship's inference path -> (the version that answered, the requested outputs)."""
+    outcome.model, outcome.version = request.model_name, parse_version(request.model_version)  # until routed
+    served = inference.repo.get(request.model_name, outcome.version)
+    outcome.version = served.version
+    arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
+    served, outputs = await inference.infer(arrays, remaining, outcome, served)
+    wanted = [o.name for o in request.outputs] or list(outputs)
+    unknown = [o for o in wanted if o not in outputs]
+    if unknown:
+        raise InvalidRequest(f"unknown outputs {unknown}; the model gives {list(outputs)}")
+    return served, {k: outputs[k] for k in wanted}
 
 
 class KServeServicer:
@@ -138,7 +170,7 @@ class KServeServicer:
         self.inference = server.inference
         self.M = {name: message(name) for name in (
             "ServerLiveResponse", "ServerReadyResponse", "ModelReadyResponse", "ServerMetadataResponse",
-            "ModelMetadataResponse", "ModelInferResponse", "RepositoryIndexResponse", "InferTensorContents",
+            "ModelMetadataResponse", "ModelInferResponse", "RepositoryIndexResponse",
         )}
 
     async def ServerLive(self, request, context):
@@ -151,7 +183,7 @@ class KServeServicer:
         from recship.serving.server import ModelNotFound, status_of
 
         try:
-            self.repo.get(request.name, _version(request.version))
+            self.repo.get(request.name, parse_version(request.version))
             ready = self.server.accepting
         except ModelNotFound:
             ready = False
@@ -160,58 +192,27 @@ class KServeServicer:
         return self.M["ModelReadyResponse"](ready=ready)
 
     async def ServerMetadata(self, request, context):
-        from recship import __version__
-
-        return self.M["ServerMetadataResponse"](name="recship", version=__version__, extensions=["model_repository"])
+        return json_format.ParseDict(server_metadata(), self.M["ServerMetadataResponse"]())
 
     async def ModelMetadata(self, request, context):
         from recship.serving.server import ModelNotFound, status_of
 
         try:
-            served = self.repo.get(request.name, _version(request.version))
+            served = self.repo.get(request.name, parse_version(request.version))
         except (ModelNotFound, InvalidRequest) as e:
             await context.abort(*status_of(e))
-        M = self.M["ModelMetadataResponse"]
-        m = served.manifest
-        return M(
-            name=served.name,
-            versions=[str(served.version)],
-            platform=PLATFORM,
-            inputs=[M.TensorMetadata(name=n, datatype=d, shape=s) for n, d, s in input_metadata(m)],
-            outputs=[
-                M.TensorMetadata(name=k, datatype="FP32", shape=[-1 if d == "B" else int(d) for d in v["shape"]])
-                for k, v in m["outputs"].items()
-            ],
-        )
+        return json_format.ParseDict(model_metadata(served), self.M["ModelMetadataResponse"]())
 
     async def RepositoryIndex(self, request, context):
         M = self.M["RepositoryIndexResponse"]
         return M(models=[M.ModelIndex(name=s.name, version=str(s.version), state="READY") for s in self.repo.models()])
 
     async def ModelInfer(self, request, context):
-        from recship.serving.server import status_of
+        async def work(outcome):
+            served, outputs = await infer(self.inference, request, context.time_remaining(), outcome)
+            return self._response(request, served, outputs)
 
-        started = time.monotonic()
-        name, version, error = request.model_name, 0, None
-        try:
-            served = self.repo.get(request.model_name, _version(request.model_version))
-            version = served.version  # what a failure is counted under
-            arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
-            served, outputs = await self.inference.infer(arrays, context.time_remaining())
-            version = served.version
-            wanted = [o.name for o in request.outputs] or list(outputs)
-            unknown = [o for o in wanted if o not in outputs]
-            if unknown:
-                raise InvalidRequest(f"unknown outputs {unknown}; the model gives {list(outputs)}")
-            return self._response(request, served, {k: outputs[k] for k in wanted})
-        except asyncio.CancelledError as e:  # the client went away: counted, then cancellation goes on
-            error = e
-            raise
-        except Exception as e:
-            error = e
-        finally:
-            self.inference.record(name, version, error, started)
-        await context.abort(*status_of(error))
+        return await self.inference.answer(context, work)
 
     def _response(self, request, served, outputs):
         R = self.M["ModelInferResponse"]

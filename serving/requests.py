@@ -47,6 +47,11 @@ class ModelSpec:
         )
 
 
+def output_shapes(manifest: dict) -> Dict[str, List[int]]:
+    """Each output's shape from the manifest, -1 for the batch dimension."""
+    return {k: [-1 if d == "B" else int(d) for d in v["shape"]] for k, v in manifest["outputs"].items()}
+
+
 def _empty(dtype) -> np.ndarray:
     return np.empty(0, dtype=dtype)
 

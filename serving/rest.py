@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional, Tuple
+from typing import Tuple
 
 import grpc
 import numpy as np
@@ -71,64 +71,42 @@ class RestFront:
             ready = s.accepting and bool(s.repo.models())
             return (200 if ready else 503), {"ready": ready}
         if path == "/v2":
-            from recship import __version__
-
-            return 200, {"name": "recship", "version": __version__, "extensions": ["model_repository"]}
+            return 200, kserve.server_metadata()
         match = _MODEL.match(path)
         if match is None or match.group(3) == "/infer":
             return 404, {"error": f"no route for GET {path}"}
         name, version, tail = match.groups()
-        served = s.repo.get(name, kserve._version(version or ""))
+        served = s.repo.get(name, kserve.parse_version(version or ""))
         if tail == "/ready":
             return (200 if s.accepting else 503), {"name": name, "ready": s.accepting}
-        m = served.manifest
-        return 200, {
-            "name": served.name,
-            "versions": [str(served.version)],
-            "platform": kserve.PLATFORM,
-            "inputs": [{"name": n, "datatype": d, "shape": shape} for n, d, shape in kserve.input_metadata(m)],
-            "outputs": [
-                {"name": k, "datatype": "FP32", "shape": [-1 if d == "B" else int(d) for d in v["shape"]]}
-                for k, v in m["outputs"].items()
-            ],
-        }
+        return 200, kserve.model_metadata(served)
 
     def infer(self, path: str, body: bytes) -> Tuple[int, dict]:
+        from recship.serving.server import Outcome, status_of
+
         match = _MODEL.match(path)
         if match is None or match.group(3) != "/infer":
             return 404, {"error": f"no route for POST {path}"}
         name, version, _ = match.groups()
         s = self.server
-        started = time.monotonic()
-        error: Optional[BaseException] = None
-        answered = 0
+        outcome, started, error = Outcome(name), time.monotonic(), None
         try:
             request = _infer_request(name, version or "", body)
-            served = s.repo.get(name, kserve._version(version or ""))
-            answered = served.version  # what a failure is counted under
-            arrays = kserve.to_request_arrays(request, int(served.manifest["num_dense"]))
-            future = asyncio.run_coroutine_threadsafe(s.inference.infer(arrays, _TIMEOUT_S), s._loop)
-            served, outputs = future.result()
-            answered = served.version
-            wanted = [o.name for o in request.outputs] or list(outputs)
-            unknown = [o for o in wanted if o not in outputs]
-            if unknown:
-                raise InvalidRequest(f"unknown outputs {unknown}; the model gives {list(outputs)}")
+            work = kserve.infer(s.inference, request, _TIMEOUT_S, outcome)
+            served, outputs = asyncio.run_coroutine_threadsafe(work, s._loop).result()
             return 200, {
                 "model_name": served.name,
                 "model_version": str(served.version),
                 "id": request.id,
                 "outputs": [
-                    {"name": k, "datatype": "FP32", "shape": list(outputs[k].shape), "data": outputs[k].float().reshape(-1).tolist()}
-                    for k in wanted
+                    {"name": k, "datatype": "FP32", "shape": list(t.shape), "data": t.float().reshape(-1).tolist()}
+                    for k, t in outputs.items()
                 ],
             }
         except Exception as e:
             error = e
         finally:
-            s.inference.record(name, answered, error, started)
-        from recship.serving.server import status_of
-
+            s.inference.record(outcome, error, started)
         code, message = status_of(error)
         return _HTTP.get(code, 500), {"error": message}
 
@@ -146,9 +124,9 @@ def _infer_request(name: str, version: str, body: bytes):
         if not isinstance(tensor, dict) or not {"name", "shape", "datatype", "data"} <= set(tensor):
             raise InvalidRequest(f"inputs[{i}] must have name, shape, datatype and data")
         datatype = str(tensor["datatype"])
-        if datatype not in kserve._DTYPES:
-            raise InvalidRequest(f"input {tensor['name']!r}: datatype {datatype} is not one recship takes ({', '.join(kserve._DTYPES)})")
-        dtype, field = kserve._DTYPES[datatype]
+        if datatype not in kserve.DTYPES:
+            raise InvalidRequest(f"input {tensor['name']!r}: datatype {datatype} is not one recship takes ({', '.join(kserve.DTYPES)})")
+        dtype, field = kserve.DTYPES[datatype]
         try:
             data = np.asarray(tensor["data"], dtype=dtype).reshape(-1)  # KServe allows nested or flat data
             shape = [int(d) for d in tensor["shape"]]

@@ -34,7 +34,7 @@ from recship.export.artifact import ArtifactError, load_artifact, read_manifest
 from recship.serving.batcher import Batcher, DeadlineExpired, QueueFull, Unloaded
 from recship.serving.metrics import Metrics
 from recship.serving import wire
-from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
+from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, output_shapes, validate
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
 
@@ -182,20 +182,37 @@ def status_of(e: BaseException) -> Tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
 
 
+@dataclass
+class Outcome:
+    """What a request is counted and logged under: its model, and the version it was routed to (0 before)."""
+
+    model: str = ""
+    version: int = 0
+
+
 class Inference:
-    """What every front (recship's Predictor, KServe v2) does with a request: route, validate, batch, count."""
+    """What every front (recship's Predictor, KServe v2 over gRPC and HTTP) does with a request:
+    route, validate, batch, count."""
 
     def __init__(self, repo: "ModelRepository", metrics: Metrics) -> None:
         self.repo = repo
         self.metrics = metrics
 
-    async def infer(self, request: RequestArrays, remaining: Optional[float]) -> Tuple["_Served", Dict[str, torch.Tensor]]:
-        """(the version that answered, its outputs); raises the exceptions ``status_of`` maps."""
+    async def infer(
+        self, request: RequestArrays, remaining: Optional[float], outcome: Outcome, served: Optional["_Served"] = None
+    ) -> Tuple["_Served", Dict[str, torch.Tensor]]:
+        """(the version that answered, its outputs); raises the exceptions ``status_of`` maps.
+
+        ``served``: the version a front has already looked up for this request, if any.
+        """
         started = time.monotonic()
+        outcome.model, outcome.version = request.model_name, request.model_version  # until routed
         # A hot swap can retire the version between get() and submit(): then the
         # request goes to the version that replaced it (or NOT_FOUND if it asked for the old one).
         for attempt in range(3):
-            served = self.repo.get(request.model_name, request.model_version)
+            if served is None or attempt:
+                served = self.repo.get(request.model_name, request.model_version)
+            outcome.version = served.version
             parsed = validate(request, served.spec)
             try:
                 future = served.batcher.submit(parsed, started + remaining if remaining is not None else None)
@@ -207,8 +224,27 @@ class Inference:
         self.metrics.ids.labels(served.name).inc(int(parsed.values.numel()))
         return served, outputs
 
-    def record(self, model: str, version: int, e: Optional[BaseException], started: float) -> None:
+    async def answer(self, context, work):
+        """Runs ``await work(outcome)`` for a gRPC call: its response, or an abort with the mapped status.
+
+        Every call is counted once, under ``outcome``; a failure is logged once; a client
+        that goes away is counted as CANCELLED and the cancellation goes on.
+        """
+        outcome, started, error = Outcome(), time.monotonic(), None
+        try:
+            return await work(outcome)
+        except asyncio.CancelledError as e:
+            error = e
+            raise
+        except Exception as e:
+            error = e
+        finally:
+            self.record(outcome, error, started)
+        await context.abort(*status_of(error))
+
+    def record(self, outcome: Outcome, e: Optional[BaseException], started: float) -> None:
         """Counts the request; logs one line for a failure (with the trace for INTERNAL)."""
+        model, version = outcome.model, outcome.version
         status = "OK"
         if e is not None:
             code, message = status_of(e)
@@ -231,30 +267,21 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
     async def Predict(self, data: bytes, context):
         """Takes the serialized request (see ``add_to_server``): the wire reader turns it into arrays."""
-        started = time.monotonic()
-        name, version, error = "", 0, None
-        try:
-            if len(data) > self.repo.config.max_message_bytes:
-                raise InvalidRequest(f"request of {len(data)} bytes exceeds the limit of {self.repo.config.max_message_bytes} bytes")
+
+        async def work(outcome: Outcome):
+            limit = self.repo.config.max_message_bytes
+            if len(data) > limit:
+                raise InvalidRequest(f"request of {len(data)} bytes exceeds the limit of {limit} bytes")
             request = _decode(data)
-            name, version = request.model_name, request.model_version
-            version = self.repo.get(name, version).version  # what a failure is counted under
-            served, outputs = await self.inference.infer(request, context.time_remaining())
-            version = served.version
+            served, outputs = await self.inference.infer(request, context.time_remaining(), outcome)
             return pb.PredictResponse(
                 model_name=served.name,
                 model_version=served.version,
                 request_id=request.request_id,
                 outputs=[pb.Tensor(name=k, shape=list(v.shape), values=v.float().reshape(-1).tolist()) for k, v in outputs.items()],
             )
-        except asyncio.CancelledError as e:  # the client went away: counted, then cancellation goes on
-            error = e
-            raise
-        except Exception as e:
-            error = e
-        finally:
-            self.inference.record(name, version, error, started)
-        await context.abort(*status_of(error))
+
+        return await self.inference.answer(context, work)
 
     async def GetModelMetadata(self, request, context):
         try:
@@ -272,7 +299,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             ],
             num_dense=m["num_dense"],
             weighted=m["weighted"],
-            outputs=[pb.OutputSpec(name=k, shape=[-1 if d == "B" else int(d) for d in v["shape"]]) for k, v in m["outputs"].items()],
+            outputs=[pb.OutputSpec(name=k, shape=shape) for k, shape in output_shapes(m).items()],
             max_batch_size=served.spec.max_batch_size,
             device=self.repo.config.device,
         )
