@@ -56,7 +56,7 @@ class Batcher:
         device: where the model's inputs go ("cpu", or "cuda:N" for a CUDA artifact).
         device_lock: held around each forward; batchers of one device share it, so the
             device runs one forward at a time (a worker per device) however many models it serves.
-        threads: intra-op threads of this batcher's forwards (torch's per-thread setting).
+        threads: intra-op threads of this batcher's forwards (set on its own thread).
     """
 
     def __init__(
@@ -215,7 +215,7 @@ def merge(requests: List[ParsedRequest]) -> ParsedRequest:
     order = torch.from_numpy(np.argsort(feature_of_id, kind="stable"))
     values = torch.cat([r.values for r in requests])[order]
     weights = None if requests[0].weights is None else torch.cat([r.weights for r in requests])[order]
-    return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, values, weights)
+    return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, values, weights, counts.sum(0))
 
 
 def _split(outputs: Dict[str, torch.Tensor], sizes: List[int]) -> List[Dict[str, torch.Tensor]]:
