@@ -2,17 +2,24 @@
 
 A worker thread takes the oldest request, then keeps collecting until the batch
 holds ``max_batch_size`` examples or ``max_delay_s`` has passed since that first
-request; expired requests are answered DEADLINE_EXCEEDED without running. The
-requests' KJTs are concatenated along the batch, the model runs once, and every
-output is split back by each request's batch size, in order, so each request gets
-exactly its own rows. The queue is bounded: a full queue refuses at once.
+request. Requests whose deadline passed or whose caller gave up (a cancelled
+future) are answered, or dropped, without running. The batch's inputs are merged
+along the batch, the model runs once, and every output is split back by each
+request's batch size, in order, so each request gets exactly its own rows.
+
+Admission is bounded (``max_queue`` requests waiting; more are refused at once), but
+the queue itself is not, so that the stop marker can always be queued: stopping
+never waits for room. No single request's fate can stop the worker: a future that
+its caller already cancelled is skipped, a failing forward fails only its batch,
+and should the worker die anyway it fails everything queued, refuses new requests
+with ``WorkerDied`` and reports its death through ``on_death``.
 """
 
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -29,11 +36,15 @@ class QueueFull(RuntimeError):
 
 
 class Unloaded(RuntimeError):
-    """The batcher stopped taking requests (its model version is being replaced)."""
+    """The batcher stopped taking requests (its model version is being replaced or unloaded)."""
 
 
 class DeadlineExpired(RuntimeError):
     """The request's deadline passed before it ran (gRPC DEADLINE_EXCEEDED)."""
+
+
+class WorkerDied(RuntimeError):
+    """The model's worker thread ended unexpectedly (gRPC UNAVAILABLE until it is restarted)."""
 
 
 @dataclass
@@ -42,6 +53,18 @@ class _Item:
     deadline: Optional[float]  # time.monotonic() seconds
     future: Future = field(default_factory=Future)
     enqueued: float = field(default_factory=time.monotonic)
+
+    def fail(self, error: BaseException) -> None:
+        """Answers with ``error`` unless the caller has already gone (cancelled) or it was answered."""
+        future = self.future
+        try:
+            if future.running() or future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        except (InvalidStateError, RuntimeError):  # already answered: that answer stands
+            pass
+
+    def expired(self, now: float) -> bool:
+        return self.deadline is not None and now > self.deadline
 
 
 class Batcher:
@@ -57,6 +80,7 @@ class Batcher:
         device_lock: held around each forward; batchers of one device share it, so the
             device runs one forward at a time (a worker per device) however many models it serves.
         threads: intra-op threads of this batcher's forwards (set on its own thread).
+        on_death: called (from the dying worker thread) with the exception if the worker ever dies.
     """
 
     def __init__(
@@ -70,8 +94,10 @@ class Batcher:
         device: str = "cpu",
         device_lock: Optional[threading.Lock] = None,
         threads: Optional[int] = None,
+        on_death: Optional[Callable[[BaseException], None]] = None,
     ) -> None:
         self.model = model
+        self.name = name
         self._device_lock = device_lock if device_lock is not None else threading.Lock()
         self._threads = threads
         self.device = torch.device(device)
@@ -79,101 +105,135 @@ class Batcher:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
-        self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue()  # unbounded: admission is counted in submit()
         self._observe = observe
+        self._on_death = on_death
         self._stopping = False
-        # submit() and stop() hold this so that no request can be queued behind the stop marker
+        self.died: Optional[BaseException] = None  # set if the worker ended unexpectedly
+        # submit(), stop() and a dying worker hold this, so nothing is queued behind the stop marker
+        # or after the worker's last look at the queue
         self._gate = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=f"batcher-{name}", daemon=True)
         self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self.died is None and not self._stopping
 
     def submit(self, request: ParsedRequest, deadline: Optional[float] = None) -> Future:
         item = _Item(request, deadline)
         with self._gate:
+            if self.died is not None:
+                raise WorkerDied(f"the worker of {self.name} died ({type(self.died).__name__}); it is being restarted")
             if self._stopping:
                 raise Unloaded("the model version is being unloaded")
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
-                raise QueueFull(f"queue full ({self._queue.maxsize} requests waiting)") from None
+            if self._queue.qsize() >= self.max_queue:
+                raise QueueFull(f"queue full ({self.max_queue} requests waiting)")
+            self._queue.put_nowait(item)
         return item.future
 
-    def stop(self, drain: bool = True) -> None:
-        """Stops after the queued requests (drain) or refusing them."""
+    def stop(self, drain: bool = True, timeout: Optional[float] = 30.0) -> None:
+        """Stops after the queued requests (drain) or refusing them; never waits for queue room.
+
+        Waits up to ``timeout`` seconds for the forward in progress (None: as long as it takes).
+        """
         with self._gate:
             self._stopping = True
-        if not drain:
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not None:
-                    item.future.set_exception(QueueFull("the model was unloaded"))
-        with self._gate:  # after every accepted request
-            self._queue.put(None)
-        self._thread.join()
+            if not drain:
+                self._fail_queued(Unloaded("the model was unloaded"))
+            self._queue.put_nowait(None)  # after every accepted request
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("the worker of %s is still in a forward after %.0f s; leaving it behind", self.name, timeout)
+
+    def _fail_queued(self, error: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item.fail(error)
 
     # -- worker ------------------------------------------------------------
 
-    def _loop(self) -> None:
-        if self._threads:
-            torch.set_num_threads(self._threads)  # on the thread that runs the forwards
-        carry: Optional[_Item] = None
-        while True:
-            first = carry if carry is not None else self._queue.get()
-            carry = None
-            if first is None:
-                return
-            batch = [first]
-            examples = first.request.batch_size
-            until = first.enqueued + self.max_delay_s
-            stop = False
-            while examples < self.max_batch_size:
-                wait = until - time.monotonic()
-                try:
-                    item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                if examples + item.request.batch_size > self.max_batch_size:
-                    carry = item  # starts the next batch
-                    break
-                batch.append(item)
-                examples += item.request.batch_size
-            self._run(batch)
-            if stop:
-                if carry is not None:
-                    self._run([carry])
-                return
+    def _main(self) -> None:
+        batch: List[_Item] = []
+        try:
+            if self._threads:
+                torch.set_num_threads(self._threads)  # on the thread that runs the forwards
+            carry: Optional[_Item] = None
+            while True:
+                batch, carry, stop = self._collect(carry)
+                if batch:
+                    self._run(batch)
+                batch = []
+                if stop:
+                    if carry is not None:
+                        self._run([carry])
+                    return
+        except BaseException as e:  # a bug in the worker itself: fail what it holds, refuse the rest, report
+            log.critical("the worker of %s died", self.name, exc_info=e)
+            with self._gate:
+                self.died = e
+                error = WorkerDied(f"the worker of {self.name} died: {type(e).__name__}")
+                for item in batch:
+                    item.fail(error)
+                self._fail_queued(error)
+            if self._on_death is not None:
+                self._on_death(e)
+
+    def _collect(self, carry: Optional[_Item]):
+        """(the next batch, the request that starts the batch after it, whether the stop marker came)."""
+        first = carry if carry is not None else self._queue.get()
+        if first is None:
+            return [], None, True
+        batch, examples = [first], first.request.batch_size
+        until = first.enqueued + self.max_delay_s
+        while examples < self.max_batch_size:
+            wait = until - time.monotonic()
+            try:
+                item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, None, True
+            if item.future.cancelled():  # its caller gave up: it takes no room in the batch
+                continue
+            if examples + item.request.batch_size > self.max_batch_size:
+                return batch, item, False  # it starts the next batch
+            batch.append(item)
+            examples += item.request.batch_size
+        return batch, None, False
 
     def _run(self, batch: List[_Item]) -> None:
         now = time.monotonic()
         live = []
         for item in batch:
-            if item.deadline is not None and now > item.deadline:
-                item.future.set_exception(DeadlineExpired("deadline passed while queued"))
-            elif item.future.set_running_or_notify_cancel():
+            if item.expired(now):
+                item.fail(DeadlineExpired("deadline passed while queued"))
+            elif item.future.set_running_or_notify_cancel():  # False: the caller cancelled it
                 live.append(item)
         if not live:
             return
         started = time.monotonic()
         try:
             outputs = self._forward([item.request for item in live])
+            compute = time.monotonic() - started
+            parts = _split(outputs, [i.request.batch_size for i in live])
         except Exception as e:  # the model failed: every request of this batch gets the error
             log.exception("forward failed for a batch of %d requests", len(live))
             for item in live:
                 item.future.set_exception(e)
             return
-        compute = time.monotonic() - started
-        start = 0
-        for item, outs in zip(live, _split(outputs, [i.request.batch_size for i in live])):
+        for item, outs in zip(live, parts):
             item.future.set_result(outs)
-            start += item.request.batch_size
         if self._observe is not None:
-            self._observe(sum(i.request.batch_size for i in live), len(live), [started - i.enqueued for i in live], compute)
+            try:
+                self._observe(sum(i.request.batch_size for i in live), len(live), [started - i.enqueued for i in live], compute)
+            except Exception:  # metrics must never cost a request or the worker
+                log.exception("recording metrics of %s failed", self.name)
 
     def _forward(self, requests: List[ParsedRequest]) -> Dict[str, torch.Tensor]:
         r = requests[0] if len(requests) == 1 else merge(requests)

@@ -147,3 +147,74 @@ def test_stop_during_submits_leaves_no_request_unanswered():
     assert refused  # some submits came after the stop...
     for f in accepted:  # ...and every accepted request was answered
         assert f.result(timeout=5)["out"].shape == (1, 1)
+
+
+def _cancelled(b, seed, deadline=None):
+    f = b.submit(_req(1, seed), deadline=deadline)
+    assert f.cancel()  # what asyncio.wait_for does to the wrapped future when the client's deadline passes
+    return f
+
+
+@pytest.mark.parametrize("when", ["queued", "expired_and_cancelled", "carried"])
+def test_a_cancelled_or_expired_request_in_any_queue_state_does_not_stop_the_worker(when):
+    """Regression: set_exception on a future the asyncio side had cancelled killed the worker thread."""
+    gate = threading.Event()
+    model = Echo(gate=gate)
+    b = Batcher(model, max_batch_size=2, max_delay_s=0.05, max_queue=8)
+    blocker = b.submit(_req(1, 0))  # the worker takes it and waits on the gate
+    time.sleep(0.1)
+    if when == "queued":
+        _cancelled(b, 1)
+    elif when == "expired_and_cancelled":
+        _cancelled(b, 1, deadline=time.monotonic() + 0.001)
+        time.sleep(0.01)
+    else:  # a 2-example request that will not fit beside the next one: carried to the following batch
+        b.submit(_req(1, 2))
+        carried = b.submit(_req(2, 3))
+        assert carried.cancel()
+    gate.set()
+    blocker.result(timeout=5)
+    later = [_req(1 + i % 2, 10 + i) for i in range(6)]
+    futures = [b.submit(r) for r in later]
+    for r, f in zip(later, futures):
+        assert torch.equal(f.result(timeout=5)["out"], _expected(r))
+    assert b.alive
+    b.stop()
+
+
+def test_stop_with_a_full_queue_returns_at_once_and_answers_everything():
+    gate = threading.Event()
+    b = Batcher(Echo(gate=gate), max_batch_size=1, max_delay_s=0.0, max_queue=4)
+    running = b.submit(_req(1, 0))
+    time.sleep(0.1)
+    queued = [b.submit(_req(1, i)) for i in range(1, 5)]
+    with pytest.raises(QueueFull):
+        b.submit(_req(1, 9))
+    threading.Timer(0.2, gate.set).start()
+    started = time.monotonic()
+    b.stop(drain=False)
+    assert time.monotonic() - started < 5
+    assert running.result(timeout=5)["out"].shape == (1, 1)
+    for f in queued:
+        with pytest.raises(Exception, match="unloaded"):
+            f.result(timeout=5)
+
+
+def test_a_dead_worker_fails_its_requests_refuses_new_ones_and_reports():
+    from recship.serving.batcher import WorkerDied
+
+    deaths = []
+    b = Batcher(Echo(), max_batch_size=4, max_delay_s=0.0, on_death=deaths.append)
+
+    def broken(carry):
+        raise SystemExit("a bug in the worker loop")
+
+    b._collect = broken  # the worker is waiting inside the real _collect: its next call fails
+    assert b.submit(_req(1, 0)).result(timeout=5)["out"].shape == (1, 1)
+    deadline = time.monotonic() + 5
+    while b.died is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(b.died, SystemExit) and len(deaths) == 1 and not b.alive
+    with pytest.raises(WorkerDied):
+        b.submit(_req(1, 1))
+    b.stop()  # returns: the thread is gone
