@@ -119,7 +119,8 @@ def bench_model(name, seconds, work, torch_threads=None):
 
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import load_artifact
-    from recship.serving.server import Server, ServerConfig, default_torch_threads
+    from recship.serving.repository import default_torch_threads
+    from recship.serving.server import Server, ServerConfig
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     shape = MODELS[name]

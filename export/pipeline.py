@@ -13,7 +13,6 @@ its inference shards and its float lookups for the validation batches are comput
 then it is dropped, so peak memory stays near the quantized model plus one table.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from recship.export.artifact import FORMAT, file_sha256
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import InferenceShard, plan_inference_shards, shard_quantized
 from recship.quantize.modules import ID_POLICIES
@@ -47,7 +47,6 @@ from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.planner.types import ShardingType
 from recship.trainer.types import DataType
 
-FORMAT = "recship.artifact/1"
 # What a C++ process must dlopen before torch::jit::load (see ../shared/STACK.md).
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
 
@@ -530,7 +529,7 @@ def _write(out: Path, scripted, src, names, types, plan, report, validation, sam
             "quantization": report.to_dict(),
             "validation": validation,
             "sample": sample_meta,
-            "model_sha256": _sha256(tmp / "model.pt"),
+            "model_sha256": file_sha256(tmp / "model.pt"),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
         if out.exists():
@@ -540,14 +539,6 @@ def _write(out: Path, scripted, src, names, types, plan, report, validation, sam
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class _Stages:

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes
+from recship.serving.inference import Inference, Outcome, decode
+from recship.serving.repository import VERSION_NAME, ModelNotFound
+from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes, shown
 from recship.serving.v1 import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
@@ -64,27 +66,27 @@ def parse_version(text: str) -> int:
     """A KServe version string -> a repository version; "" is 0, the version the server routes to."""
     if text == "":
         return 0
-    if not text.isdigit():
-        raise InvalidRequest(f"model_version must be a version number, got {text!r}")
+    if not VERSION_NAME.fullmatch(text):  # ASCII digits only: "²".isdigit() is true, int("²") fails
+        raise InvalidRequest(f"model_version must be a version number, got {shown(text)}")
     return int(text)
 
 
 def _tensor(inp, raw: Optional[bytes]) -> np.ndarray:
     """One input tensor as a flat numpy array of its declared datatype, its element count checked."""
     if inp.datatype not in DTYPES:
-        raise InvalidRequest(f"input {inp.name!r}: datatype {inp.datatype} is not one recship takes ({', '.join(DTYPES)})")
+        raise InvalidRequest(f"input {shown(inp.name)}: datatype {shown(inp.datatype, 16)} is not one recship takes ({', '.join(DTYPES)})")
     dtype, field = DTYPES[inp.datatype]
     if raw is not None:
         if inp.HasField("contents"):
-            raise InvalidRequest(f"input {inp.name!r}: both contents and raw_input_contents given")
+            raise InvalidRequest(f"input {shown(inp.name)}: both contents and raw_input_contents given")
         if len(raw) % np.dtype(dtype).itemsize:
-            raise InvalidRequest(f"input {inp.name!r}: {len(raw)} raw bytes is not a whole number of {inp.datatype} values")
+            raise InvalidRequest(f"input {shown(inp.name)}: {len(raw)} raw bytes is not a whole number of {inp.datatype} values")
         values = np.frombuffer(raw, dtype=dtype)
     else:
         values = np.asarray(getattr(inp.contents, field), dtype=dtype)
     shape = list(inp.shape)
     if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != values.size:
-        raise InvalidRequest(f"input {inp.name!r}: shape {shape} does not match its {values.size} values")
+        raise InvalidRequest(f"input {shown(inp.name)}: shape {shown(shape)} does not match its {values.size} values")
     return values
 
 
@@ -95,21 +97,23 @@ def to_request_arrays(request, num_dense: int) -> RequestArrays:
         raise InvalidRequest(f"{len(raws)} raw_input_contents for {len(request.inputs)} inputs")
     features: Dict[str, Dict[str, np.ndarray]] = {}
     dense, dense_shape = None, None
+    seen = set()
     for i, inp in enumerate(request.inputs):
+        if inp.name in seen:
+            raise InvalidRequest(f"input {shown(inp.name)} appears twice")
+        seen.add(inp.name)
         values = _tensor(inp, raws[i] if raws else None)
         if inp.name == "dense":
             if inp.datatype != "FP32" or len(inp.shape) != 2:
-                raise InvalidRequest(f"input 'dense' must be FP32 [batch_size, {num_dense}], got {inp.datatype} {list(inp.shape)}")
+                raise InvalidRequest(f"input 'dense' must be FP32 [batch_size, {num_dense}], got {inp.datatype} {shown(list(inp.shape))}")
             dense, dense_shape = values, list(inp.shape)
             continue
         name, _, part = inp.name.rpartition(".")
         if not name or part not in _SUFFIXES:
-            raise InvalidRequest(f"unknown input {inp.name!r}: inputs are <feature>.lengths, <feature>.values, <feature>.weights and dense")
+            raise InvalidRequest(f"unknown input {shown(inp.name)}: inputs are <feature>.lengths, <feature>.values, <feature>.weights and dense")
         if inp.datatype != _SUFFIXES[part] or len(inp.shape) != 1:
-            raise InvalidRequest(f"input {inp.name!r} must be {_SUFFIXES[part]} [n], got {inp.datatype} {list(inp.shape)}")
-        if part in features.setdefault(name, {}):
-            raise InvalidRequest(f"input {inp.name!r} appears twice")
-        features[name][part] = values
+            raise InvalidRequest(f"input {shown(inp.name)} must be {_SUFFIXES[part]} [n], got {inp.datatype} {shown(list(inp.shape))}")
+        features.setdefault(name, {})[part] = values
     if dense_shape is not None:
         batch = dense_shape[0]
     else:
@@ -147,102 +151,119 @@ def server_metadata() -> dict:
     return {"name": "recship", "version": __version__, "extensions": ["model_repository"]}
 
 
-async def infer(inference, request, remaining: Optional[float], outcome) -> Tuple[object, Dict[str, torch.Tensor]]:
+async def infer(inference: Inference, request, remaining: Optional[float], outcome: Outcome) -> Tuple[object, Dict[str, torch.Tensor]]:
     """A ModelInferRequest through recship's inference path -> (the version that answered, the requested outputs)."""
-    outcome.model, outcome.version = request.model_name, parse_version(request.model_version)  # until routed
-    served = inference.repo.get(request.model_name, outcome.version)
-    outcome.version = served.version
+    served = inference.route(request.model_name, parse_version(request.model_version), outcome)
     arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
-    served, outputs = await inference.infer(arrays, remaining, outcome, served)
-    wanted = [o.name for o in request.outputs] or list(outputs)
-    unknown = [o for o in wanted if o not in outputs]
+    wanted = [o.name for o in request.outputs] or list(output_shapes(served.manifest))
+    unknown = [o for o in wanted if o not in output_shapes(served.manifest)]
     if unknown:
-        raise InvalidRequest(f"unknown outputs {unknown}; the model gives {list(outputs)}")
+        raise InvalidRequest(f"unknown outputs {shown(unknown)}; the model gives {list(output_shapes(served.manifest))}")
+    if len(set(wanted)) != len(wanted):
+        raise InvalidRequest(f"outputs {shown(wanted)} name one twice")
+    served, outputs = await inference.infer(arrays, remaining, outcome, served)
     return served, {k: outputs[k] for k in wanted}
 
 
 class KServeServicer:
-    """inference.GRPCInferenceService over a recship server's repository and inference path."""
+    """inference.GRPCInferenceService over recship's inference path. Every method takes its request's
+    bytes (see ``add_to_server``), so bytes that do not decode get INVALID_ARGUMENT and are counted."""
 
-    def __init__(self, server) -> None:
-        self.server = server
-        self.repo = server.repo
-        self.inference = server.inference
-        self.M = {name: message(name) for name in (
-            "ServerLiveResponse", "ServerReadyResponse", "ModelReadyResponse", "ServerMetadataResponse",
-            "ModelMetadataResponse", "ModelInferResponse", "RepositoryIndexResponse",
-        )}
+    def __init__(self, inference: Inference, server) -> None:
+        self.inference = inference
+        self.repo = inference.repo
+        self.server = server  # for ``accepting`` (False while stopping)
 
-    async def ServerLive(self, request, context):
-        return self.M["ServerLiveResponse"](live=True)
+    async def _answer(self, method: str, data: bytes, context, respond):
+        """Decodes ``data`` as ``<method>Request``, answers ``<method>Response`` from ``respond(request, outcome)``."""
+        request_class, response_class = message(f"{method}Request"), message(f"{method}Response")
 
-    async def ServerReady(self, request, context):
-        return self.M["ServerReadyResponse"](ready=self.server.accepting and bool(self.repo.models()))
+        async def work(outcome: Outcome):
+            return await respond(decode(request_class, data), outcome, response_class)
 
-    async def ModelReady(self, request, context):
-        from recship.serving.server import ModelNotFound, status_of
+        return await self.inference.answer(context, method, work)
 
-        try:
-            self.repo.get(request.name, parse_version(request.version))
-            ready = self.server.accepting
-        except ModelNotFound:
-            ready = False
-        except InvalidRequest as e:
-            await context.abort(*status_of(e))
-        return self.M["ModelReadyResponse"](ready=ready)
+    async def ServerLive(self, data, context):
+        async def respond(request, outcome, R):
+            return R(live=True)
 
-    async def ServerMetadata(self, request, context):
-        return json_format.ParseDict(server_metadata(), self.M["ServerMetadataResponse"]())
+        return await self._answer("ServerLive", data, context, respond)
 
-    async def ModelMetadata(self, request, context):
-        from recship.serving.server import ModelNotFound, status_of
+    async def ServerReady(self, data, context):
+        async def respond(request, outcome, R):
+            return R(ready=self.server.accepting and bool(self.repo.models()))
 
-        try:
-            served = self.repo.get(request.name, parse_version(request.version))
-        except (ModelNotFound, InvalidRequest) as e:
-            await context.abort(*status_of(e))
-        return json_format.ParseDict(model_metadata(served), self.M["ModelMetadataResponse"]())
+        return await self._answer("ServerReady", data, context, respond)
 
-    async def RepositoryIndex(self, request, context):
-        M = self.M["RepositoryIndexResponse"]
-        return M(models=[M.ModelIndex(name=s.name, version=str(s.version), state="READY") for s in self.repo.models()])
+    async def ModelReady(self, data, context):
+        async def respond(request, outcome, R):
+            try:
+                served = self.inference.route(request.name, parse_version(request.version), outcome)
+            except ModelNotFound:
+                return R(ready=False)
+            return R(ready=self.server.accepting and served.batcher.alive)
 
-    async def ModelInfer(self, request, context):
-        async def work(outcome):
-            served, outputs = await infer(self.inference, request, context.time_remaining(), outcome)
-            return self._response(request, served, outputs)
+        return await self._answer("ModelReady", data, context, respond)
 
-        return await self.inference.answer(context, work)
+    async def ServerMetadata(self, data, context):
+        async def respond(request, outcome, R):
+            return json_format.ParseDict(server_metadata(), R())
 
-    def _response(self, request, served, outputs):
-        R = self.M["ModelInferResponse"]
-        response = R(model_name=served.name, model_version=str(served.version), id=request.id)
-        raw = bool(request.raw_input_contents) or not request.inputs
-        for k, t in outputs.items():
-            values = t.float().contiguous().numpy()
-            out = response.outputs.add(name=k, datatype="FP32", shape=list(values.shape))
-            if raw:
-                response.raw_output_contents.append(values.astype("<f4", copy=False).tobytes())
-            else:
-                out.contents.fp32_contents.extend(values.reshape(-1).tolist())
-        return response
+        return await self._answer("ServerMetadata", data, context, respond)
+
+    async def ModelMetadata(self, data, context):
+        async def respond(request, outcome, R):
+            served = self.inference.route(request.name, parse_version(request.version), outcome)
+            return json_format.ParseDict(model_metadata(served), R())
+
+        return await self._answer("ModelMetadata", data, context, respond)
+
+    async def RepositoryIndex(self, data, context):
+        async def respond(request, outcome, R):
+            return R(models=[R.ModelIndex(name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
+                             for m in repository_index(self.repo)])
+
+        return await self._answer("RepositoryIndex", data, context, respond)
+
+    async def ModelInfer(self, data, context):
+        async def work(outcome: Outcome):
+            with self.inference.admit(len(data)):
+                request = decode(message("ModelInferRequest"), data)
+                served, outputs = await infer(self.inference, request, context.time_remaining(), outcome)
+                return _response(request, served, outputs)
+
+        return await self.inference.answer(context, "ModelInfer", work)
+
+
+def repository_index(repo) -> List[dict]:
+    """Every served version (READY) and every refused version or folder (UNAVAILABLE, with its reason)."""
+    index = [{"name": s.name, "version": str(s.version), "state": "READY" if s.batcher.alive else "UNAVAILABLE",
+              "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.models()]
+    index += [{"name": u.model, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason} for u in repo.unavailable()]
+    return sorted(index, key=lambda m: (m["name"], m["version"]))
+
+
+def _response(request, served, outputs):
+    R = message("ModelInferResponse")
+    response = R(model_name=served.name, model_version=str(served.version), id=request.id)
+    raw = bool(request.raw_input_contents) or not request.inputs
+    for k, t in outputs.items():
+        values = t.float().contiguous().numpy()
+        out = response.outputs.add(name=k, datatype="FP32", shape=list(values.shape))
+        if raw:
+            response.raw_output_contents.append(values.astype("<f4", copy=False).tobytes())
+        else:
+            out.contents.fp32_contents.extend(values.reshape(-1).tolist())
+    return response
+
+
+_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex")
 
 
 def add_to_server(servicer: KServeServicer, server) -> None:
-    """Registers inference.GRPCInferenceService on a grpc.aio server."""
-    rpc = grpc.unary_unary_rpc_method_handler
-    methods = {
-        "ServerLive": ("ServerLiveRequest", "ServerLiveResponse"),
-        "ServerReady": ("ServerReadyRequest", "ServerReadyResponse"),
-        "ModelReady": ("ModelReadyRequest", "ModelReadyResponse"),
-        "ServerMetadata": ("ServerMetadataRequest", "ServerMetadataResponse"),
-        "ModelMetadata": ("ModelMetadataRequest", "ModelMetadataResponse"),
-        "ModelInfer": ("ModelInferRequest", "ModelInferResponse"),
-        "RepositoryIndex": ("RepositoryIndexRequest", "RepositoryIndexResponse"),
-    }
+    """Registers inference.GRPCInferenceService on a grpc.aio server (requests arrive as bytes)."""
     handlers = {
-        method: rpc(getattr(servicer, method), request_deserializer=message(req).FromString,
-                    response_serializer=message(resp).SerializeToString)
-        for method, (req, resp) in methods.items()
+        method: grpc.unary_unary_rpc_method_handler(getattr(servicer, method), response_serializer=message(f"{method}Response").SerializeToString)
+        for method in _METHODS
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,4 +1,9 @@
-"""Prometheus metrics of the server (one registry per server, so tests can run several)."""
+"""Prometheus metrics of the server (one registry per server, so tests can run several).
+
+Label values are bounded by what the server serves: ``model`` and ``version`` are served
+models and versions, or ``-`` for requests that reached none (an unknown model name never
+becomes a label), and ``method`` is one of the fronts' method names.
+"""
 
 from typing import List, Optional
 
@@ -9,21 +14,28 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class Metrics:
-    def __init__(self, port: Optional[int] = None) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("recship_requests_total", "Predict requests", ["model", "version", "status"], registry=r)
-        self.latency = Histogram("recship_request_seconds", "Predict end-to-end latency", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("recship_requests_total", "requests by method, model, version and status",
+                                ["method", "model", "version", "status"], registry=r)
+        self.latency = Histogram("recship_request_seconds", "end-to-end latency of a request", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("recship_queue_seconds", "time from enqueue to forward", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.compute = Histogram("recship_compute_seconds", "forward time per batch", ["model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.batch = Histogram("recship_batch_examples", "examples per forward", ["model"], buckets=_BATCH_BUCKETS, registry=r)
         self.ids = Counter("recship_ids_total", "ids looked up", ["model"], registry=r)
         self.rejected_ids = Counter("recship_rejected_id_requests_total", "requests refused for out-of-range ids", ["model"], registry=r)
-        self.port = None
+        self.port: Optional[int] = None
         self._http = None
-        if port is not None:
-            self._http, _ = start_http_server(port, addr="127.0.0.1", registry=r)
-            self.port = self._http.server_port
+
+    def serve(self, port: Optional[int], host: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
+              client_cafile: Optional[str] = None) -> None:
+        """Starts the /metrics endpoint on ``host:port`` (None: no endpoint), on TLS when a certificate is given."""
+        if port is None:
+            return
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile, keyfile=keyfile,
+                                          client_cafile=client_cafile, client_auth_required=client_cafile is not None)
+        self.port = self._http.server_port
 
     def close(self) -> None:
         """Stops the metrics endpoint."""

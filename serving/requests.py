@@ -18,6 +18,21 @@ class InvalidRequest(ValueError):
     """The request is malformed; the message names the offending field (gRPC INVALID_ARGUMENT)."""
 
 
+class IdOutOfRange(InvalidRequest):
+    """An id outside its feature's table (a ``reject`` feature); counted apart in the metrics."""
+
+
+def shown(text: object, limit: int = 64) -> str:
+    """A client's string for a message or a log line: quoted with control characters escaped, cut to ``limit``.
+
+    Echoing names in full lets a client make the answer exceed gRPC's metadata limit.
+    """
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 @dataclass
 class ModelSpec:
     """What validation needs from a manifest."""
@@ -140,12 +155,6 @@ class ParsedRequest:
             self.id_counts = self.lengths.sum(1).numpy()
 
 
-def parse_request(request, spec: ModelSpec) -> ParsedRequest:
-    """A PredictRequest message or RequestArrays -> ParsedRequest, or InvalidRequest naming what is wrong."""
-    arrays = request if isinstance(request, RequestArrays) else RequestArrays.from_message(request)
-    return validate(arrays, spec)
-
-
 def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
     b = int(r.batch_size)
     if b <= 0:
@@ -190,9 +199,9 @@ def _in_model_order(sp: SparseArrays, spec: ModelSpec) -> SparseArrays:
     seen = set()
     for name in sp.names:
         if name in seen:
-            raise InvalidRequest(f"sparse feature {name!r} appears twice")
+            raise InvalidRequest(f"sparse feature {shown(name)} appears twice")
         if name not in spec._index:
-            raise InvalidRequest(f"unknown sparse feature {name!r}; the model takes {spec.features}")
+            raise InvalidRequest(f"unknown sparse feature {shown(name)}; the model takes {spec.features}")
         seen.add(name)
     if len(seen) != len(spec.features):
         raise InvalidRequest(f"missing sparse features {[f for f in spec.features if f not in seen]}")
@@ -235,7 +244,7 @@ def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= rows:
                 bad = lo if lo < 0 else hi
-                raise InvalidRequest(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
+                raise IdOutOfRange(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
         if spec.weighted:
             if w.shape[0] != ids.shape[0]:
                 raise InvalidRequest(f"sparse feature {name!r}: {w.shape[0]} weights for {ids.shape[0]} ids")

@@ -12,7 +12,7 @@ import torch
 
 from recship.export import ExportConfig, export_model
 from recship.export.artifact import load_artifact
-from recship.serving.requests import InvalidRequest, ModelSpec, parse_request
+from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
 from recship.serving import PredictClient
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.dlrm import DLRM, DLRMConfig
@@ -113,7 +113,7 @@ def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
     ]
     for sparse, d, weights in cases:
         with pytest.raises(InvalidRequest) as server_error:
-            parse_request(PredictClient.request("m", sparse, d, weights), spec)
+            validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
         result = _run(binary, art, "--request", _request_json(tmp_path / "bad.json", sparse, d, weights))
         assert result.returncode == 2
         assert result.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"

@@ -299,6 +299,6 @@ def test_metrics_endpoint_and_one_json_log_line_per_error(server):
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics.port}/metrics", timeout=5) as r:
         text = r.read().decode()
     counts = {status: float(m.group(1)) for status in ("OK", "INVALID_ARGUMENT")
-              for m in [re.search(r'recship_requests_total\{model="dlrm",status="%s",version="1"\} (\S+)' % status, text)] if m}
+              for m in [re.search(r'recship_requests_total\{method="Predict",model="dlrm",status="%s",version="1"\} (\S+)' % status, text)] if m}
     assert counts.get("OK", 0) >= 1 and counts.get("INVALID_ARGUMENT", 0) >= 1
     assert re.search(r'recship_rejected_id_requests_total\{model="dlrm"\} [1-9]', text)
