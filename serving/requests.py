@@ -18,6 +18,10 @@ class InvalidRequest(ValueError):
     """The request is malformed; the message names the offending field (gRPC INVALID_ARGUMENT)."""
 
 
+class RequestTooLarge(InvalidRequest):
+    """The request is over the server's size limit (gRPC INVALID_ARGUMENT, HTTP 413)."""
+
+
 class IdOutOfRange(InvalidRequest):
     """An id outside its feature's table (a ``reject`` feature); counted apart in the metrics."""
 

@@ -30,10 +30,12 @@ from typing import Any, List, Optional, Tuple
 import grpc
 import numpy as np
 from aiohttp import web
+from aiohttp import web_response as aiohttp_response
 
 from recship.serving import kserve
+from recship.serving.batcher import DeadlineExpired
 from recship.serving.inference import Inference, Outcome, status_of
-from recship.serving.requests import InvalidRequest, shown
+from recship.serving.requests import InvalidRequest, RequestTooLarge, shown
 
 log = logging.getLogger("recship.serving")
 
@@ -51,12 +53,25 @@ _MAX_DIMS = 8
 _INT_RANGE = {"INT32": (-(2**31), 2**31 - 1), "INT64": (-(2**63), 2**63 - 1)}
 
 
-class HttpError(Exception):
-    """An answer decided before the request reaches the inference path (413, 408, 405, 404)."""
+class RouteError(Exception):
+    """No such route or method (404, 405): answered before the request reaches the inference path."""
 
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class SlowBody(DeadlineExpired):
+    """The request body did not arrive in time (HTTP 408; counted as DEADLINE_EXCEEDED)."""
+
+
+class _ClientErrors(logging.LoggerAdapter):
+    """aiohttp's protocol logger: a malformed request is the client's error, one warning line, no trace."""
+
+    def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
+        error = exc_info if isinstance(exc_info, BaseException) else None
+        text = str(getattr(error, "message", error) or "").strip()
+        self.warning("%s: %s", msg % args if args else msg, text.splitlines()[0][:200] if text else type(error).__name__, **kwargs)
 
 
 class RestFront:
@@ -72,14 +87,16 @@ class RestFront:
         self.app = web.Application(client_max_size=self.max_body)
         self.app.router.add_route("*", "/{path:.*}", self._handle)
         self.app.on_response_prepare.append(_server_header)
+        # aiohttp's own answers to malformed HTTP (before any handler) name its software in
+        # Server: this process serves no other aiohttp site, so the default is set here
+        aiohttp_response.SERVER_SOFTWARE = "recship"
         self.runner: Optional[web.AppRunner] = None
         self.port: Optional[int] = None
 
     async def start(self, host: str, port: int, ssl_context: Optional[ssl.SSLContext]) -> None:
-        # keepalive_timeout closes idle connections; aiohttp also closes one whose
-        # request headers do not arrive within it (a slow client holds no thread either way)
+        # keepalive_timeout closes idle connections, including ones that never send a request
         self.runner = web.AppRunner(self.app, handle_signals=False, access_log=None, keepalive_timeout=self.idle_timeout,
-                                    shutdown_timeout=_SHUTDOWN_GRACE_S)
+                                    shutdown_timeout=_SHUTDOWN_GRACE_S, logger=_ClientErrors(logging.getLogger("recship.serving.http"), {}))
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context, backlog=1024)
         await site.start()
@@ -92,90 +109,86 @@ class RestFront:
 
     async def _handle(self, request: web.Request) -> web.Response:
         try:
-            if request.method == "GET":
-                status, doc = await self.inference.call(f"http.{_route_name(request.path)}", lambda o: self._get(request.path, o))
-            elif request.method == "POST":
-                status, doc = await self._post(request)
+            method, route, name, version = _route(request.method, request.path)
+            if route == "infer":
+                status, doc = await self.inference.call(method, lambda o: self._infer(request, name, version, o))
             else:
-                raise HttpError(405, f"method {shown(request.method, 16)} is not allowed; use GET or POST")
-        except HttpError as e:
+                status, doc = await self.inference.call(method, lambda o: self._get(route, name, version, o))
+        except RouteError as e:
             status, doc = e.status, {"error": str(e)}
         except Exception as e:
             code, message = status_of(e)
-            status, doc = _HTTP.get(code, 500), {"error": message}
+            status = 408 if isinstance(e, SlowBody) else 413 if isinstance(e, RequestTooLarge) else _HTTP.get(code, 500)
+            doc = {"error": message}
         return web.Response(status=status, body=json.dumps(doc).encode(), content_type="application/json")
 
     # -- the routes, each returning (HTTP status, JSON body) -----------------
 
-    async def _get(self, path: str, outcome: Outcome) -> Tuple[int, dict]:
-        if path == "/v2/health/live":
+    async def _get(self, route: str, name: str, version: str, outcome: Outcome) -> Tuple[int, Any]:
+        if route == "live":
             return 200, {"live": True}
-        if path == "/v2/health/ready":
+        if route == "ready":
             ready = self.server.accepting and bool(self.repo.models())
             return (200 if ready else 503), {"ready": ready}
-        if path == "/v2":
+        if route == "server_metadata":
             return 200, kserve.server_metadata()
-        match = _MODEL.match(path)
-        if match is None or match.group(3) == "/infer":
-            raise HttpError(404, f"no route for GET {shown(path)}")
-        name, version, tail = match.groups()
-        served = self.inference.route(name, kserve.parse_version(version or ""), outcome)
-        if tail == "/ready":
+        if route == "repository_index":
+            return 200, kserve.repository_index(self.repo)
+        served = self.inference.route(name, kserve.parse_version(version), outcome)
+        if route == "model_ready":
             ready = self.server.accepting and served.batcher.alive
             return (200 if ready else 503), {"name": served.name, "ready": ready}
         return 200, kserve.model_metadata(served)
 
-    async def _post(self, request: web.Request) -> Tuple[int, dict]:
-        path = request.path
-        if path == "/v2/repository/index":
-            return 200, kserve.repository_index(self.repo)
-        match = _MODEL.match(path)
-        if match is None or match.group(3) != "/infer":
-            raise HttpError(404, f"no route for POST {shown(path)}")
-        name, version, _ = match.groups()
-
-        async def work(outcome: Outcome) -> Tuple[int, dict]:
-            declared = request.content_length
-            if declared is not None and declared > self.max_body:
-                raise HttpError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes (--max-message-mb)")
-            with self.inference.admit(declared or 0):
-                body = await self._read_body(request)
-                with self.inference.admit(0 if declared is not None else len(body)):
-                    infer_request = _infer_request(name, version or "", body)
-                    served, outputs = await kserve.infer(self.inference, infer_request, _TIMEOUT_S, outcome)
-            return 200, {
-                "model_name": served.name,
-                "model_version": str(served.version),
-                "id": infer_request.id,
-                "outputs": [
-                    {"name": k, "datatype": "FP32", "shape": list(t.shape), "data": t.float().reshape(-1).tolist()}
-                    for k, t in outputs.items()
-                ],
-            }
-
-        return await self.inference.call("http.infer", work)
+    async def _infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, dict]:
+        declared = request.content_length
+        if declared is not None and declared > self.max_body:
+            raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes (--max-message-mb)")
+        with self.inference.admit(declared or 0):
+            body = await self._read_body(request)
+            with self.inference.admit(0 if declared is not None else len(body)):
+                infer_request = _infer_request(name, version, body)
+                served, outputs = await kserve.infer(self.inference, infer_request, _TIMEOUT_S, outcome)
+        return 200, {
+            "model_name": served.name,
+            "model_version": str(served.version),
+            "id": infer_request.id,
+            "outputs": [
+                {"name": k, "datatype": "FP32", "shape": list(t.shape), "data": t.float().reshape(-1).tolist()}
+                for k, t in outputs.items()
+            ],
+        }
 
     async def _read_body(self, request: web.Request) -> bytes:
         try:
             return await asyncio.wait_for(request.read(), timeout=self.idle_timeout)
         except web.HTTPRequestEntityTooLarge:
-            raise HttpError(413, f"request body exceeds the limit of {self.max_body} bytes (--max-message-mb)") from None
+            raise RequestTooLarge(f"request body exceeds the limit of {self.max_body} bytes (--max-message-mb)") from None
         except asyncio.TimeoutError:
-            raise HttpError(408, f"the request body did not arrive within {self.idle_timeout:g} s") from None
+            raise SlowBody(f"the request body did not arrive within {self.idle_timeout:g} s") from None
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["Server"] = "recship"  # not aiohttp's "Python/3.x aiohttp/3.x"
 
 
-def _route_name(path: str) -> str:
-    """A bounded metric name for a GET path (never the path itself)."""
-    if path.startswith("/v2/health/"):
-        return "health"
+def _route(method: str, path: str) -> Tuple[str, str, str, str]:
+    """(metric method name, route, model, version) of a request, or RouteError (404 / 405)."""
+    fixed = {("GET", "/v2/health/live"): "live", ("GET", "/v2/health/ready"): "ready", ("GET", "/v2"): "server_metadata",
+             ("POST", "/v2/repository/index"): "repository_index"}
     match = _MODEL.match(path)
-    if match is not None:
-        return "model_ready" if match.group(3) == "/ready" else "model_metadata"
-    return "server_metadata" if path == "/v2" else "unknown_route"
+    if (method, path) in fixed:
+        route, name, version = fixed[(method, path)], "", ""
+    elif match is not None:
+        name, version, tail = match.group(1), match.group(2) or "", match.group(3)
+        route = {None: "model_metadata", "/ready": "model_ready", "/infer": "infer"}[tail]
+        if method != ("POST" if route == "infer" else "GET"):
+            raise RouteError(405, f"{shown(method, 16)} is not allowed on {shown(path)}")
+    elif method not in ("GET", "POST"):
+        raise RouteError(405, f"method {shown(method, 16)} is not allowed; use GET or POST")
+    else:
+        raise RouteError(404, f"no route for {method} {shown(path)}")
+    return f"http.{route}", route, name, version
 
 
 def _reject_constant(name: str) -> None:

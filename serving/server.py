@@ -32,7 +32,7 @@ from recship.serving import wire
 from recship.serving.inference import Inference, Outcome, decode
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ModelRepository
-from recship.serving.requests import InvalidRequest, RequestArrays, output_shapes
+from recship.serving.requests import InvalidRequest, RequestArrays, RequestTooLarge, output_shapes
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
 
@@ -96,7 +96,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
             with self.inference.admit(len(data)):
                 limit = self.repo.config.max_message_bytes
                 if len(data) > limit:
-                    raise InvalidRequest(f"request of {len(data)} bytes exceeds the limit of {limit} bytes")
+                    raise RequestTooLarge(f"request of {len(data)} bytes exceeds the limit of {limit} bytes")
                 request = _read_predict(data)
                 served, outputs = await self.inference.infer(request, context.time_remaining(), outcome)
                 return pb.PredictResponse(

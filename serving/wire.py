@@ -80,6 +80,10 @@ def _fields(buf: bytes, pos: int, end: int):
         pos += 1
         if key >= 0x80:
             key, pos = _varint(buf, pos - 1)
+            if key > 0xFFFFFFFF:
+                raise Malformed("field key longer than 32 bits")
+        if key < 8:
+            raise Malformed("field number 0")
         wire = key & 7
         if wire == _VARINT:
             value = buf[pos]

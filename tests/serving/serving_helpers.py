@@ -1,0 +1,40 @@
+"""Shared by the serving tests: the small artifact's shape and a raw HTTP/1.1 client."""
+
+import socket
+from typing import Dict, Optional, Tuple
+
+ROWS = [20 + i for i in range(26)]  # table sizes of the 26 features cat_0..cat_25
+NUM_DENSE = 13
+
+
+def http_request(port: int, method: str, path: str, body: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None,
+                 host: str = "127.0.0.1", timeout: float = 20.0) -> Tuple[int, Dict[str, str], bytes]:
+    """One request on a fresh connection: (status, lower-cased headers, body). Raw sockets, so nothing is normalised."""
+    head = {"Host": "test", "Connection": "close", **(headers or {})}
+    if body is not None and "Content-Length" not in head and "Transfer-Encoding" not in head:
+        head["Content-Length"] = str(len(body))
+    data = f"{method} {path} HTTP/1.1\r\n".encode() + "".join(f"{k}: {v}\r\n" for k, v in head.items()).encode() + b"\r\n" + (body or b"")
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(data)
+        return read_response(s)
+
+
+def read_response(s: socket.socket) -> Tuple[int, Dict[str, str], bytes]:
+    """Reads one HTTP response (Content-Length framed) from a connected socket."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response: {buf[:200]!r}")
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    length = int(headers.get("content-length", "0"))
+    while len(rest) < length:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return status, headers, rest[:length]
