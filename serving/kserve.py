@@ -155,10 +155,11 @@ async def infer(inference: Inference, request, remaining: Optional[float], outco
     """A ModelInferRequest through recship's inference path -> (the version that answered, the requested outputs)."""
     served = inference.route(request.model_name, parse_version(request.model_version), outcome)
     arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
-    wanted = [o.name for o in request.outputs] or list(output_shapes(served.manifest))
-    unknown = [o for o in wanted if o not in output_shapes(served.manifest)]
+    given = list(output_shapes(served.manifest))
+    wanted = [o.name for o in request.outputs] or given
+    unknown = [o for o in wanted if o not in given]
     if unknown:
-        raise InvalidRequest(f"unknown outputs {shown(unknown)}; the model gives {list(output_shapes(served.manifest))}")
+        raise InvalidRequest(f"unknown outputs {shown(unknown)}; the model gives {given}")
     if len(set(wanted)) != len(wanted):
         raise InvalidRequest(f"outputs {shown(wanted)} name one twice")
     served, outputs = await inference.infer(arrays, remaining, outcome, served)
