@@ -12,7 +12,6 @@ left at its default of 256 MB, they must be refused with RESOURCE_EXHAUSTED).
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -3,16 +3,13 @@ bad neighbours in the repository, undecodable bytes, echoed names, metric labels
 memory bounds, TLS, the trusted list, rollback and worker death."""
 
 import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
