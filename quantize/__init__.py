@@ -7,6 +7,7 @@ from recship.quantize.quantizer import (
     TableReport,
     quantize_embedding_bag_collection,
     quantize_embedding_collection,
+    quantize_embeddings,
 )
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 
@@ -19,6 +20,7 @@ __all__ = [
     "dequantize_rows",
     "quantize_embedding_bag_collection",
     "quantize_embedding_collection",
+    "quantize_embeddings",
     "quantize_rows",
     "row_bytes",
 ]

@@ -11,11 +11,14 @@ sample of the table's rows and on sample pooled lookups) stays within
 size quantize with bounded extra memory.
 """
 
+import copy
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
+from torch import nn
 
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection, _QuantTables
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
@@ -291,3 +294,82 @@ def fill_quantized(
             max_err = max(max_err, float(err.max()))
             sum_err += float(err.double().sum())
     return max_err, sum_err
+
+
+def quantize_embeddings(
+    module: nn.Module,
+    dtype: Union[str, DataType] = "int8",
+    per_table: Optional[Dict[str, Union[str, DataType]]] = None,
+    inplace: bool = False,
+    **options,
+) -> Tuple[nn.Module, QuantizationReport]:
+    """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
+
+    Args:
+        module: any nn.Module; collections may be nested anywhere (in ModuleLists and
+            ModuleDicts too), several, weighted or not. A collection reached by two paths
+            (shared between towers) is quantized once and both paths get the same module.
+        dtype: every table's type (a DataType, its name, or "auto").
+        per_table: table -> type, overriding ``dtype``. A key is a table name, or
+            "<collection path>.<table>" where two collections have a table of that name.
+        inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
+        options: the other QuantConfig fields (error_budget, error_minimizing, device,
+            chunk_rows, id_policy, ...); id_policy's features may belong to any collection.
+
+    Returns (the quantized module, one report whose tables are named "<path>.<table>").
+    """
+    if not inplace:
+        module = copy.deepcopy(module)
+    found = [(path, m) for path, m in module.named_modules(remove_duplicate=False)
+             if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
+    if not found:
+        raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection to quantize")
+    collections: Dict[int, Tuple[str, nn.Module]] = {}
+    for path, m in found:
+        collections.setdefault(id(m), (path, m))
+    tables = {key: _configs(m) for key, (_, m) in collections.items()}
+    assigned = _assign(per_table or {}, "per_table", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
+    id_policy = options.pop("id_policy", None) or {}
+    policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
+    reports: List[TableReport] = []
+    swapped: Dict[int, nn.Module] = {}
+    config = QuantConfig(data_type=dtype, **options)
+    for key, (path, m) in collections.items():
+        sub = dataclasses.replace(config, per_table=assigned[key], id_policy=policies[key])
+        quantize = quantize_embedding_bag_collection if isinstance(m, EmbeddingBagCollection) else quantize_embedding_collection
+        swapped[key], report = quantize(m, sub)
+        reports += [dataclasses.replace(r, table=f"{path}.{r.table}" if path else r.table) for r in report.tables]
+    for path, m in found:
+        if not path:
+            module = swapped[id(m)]
+            continue
+        parent, _, name = path.rpartition(".")
+        setattr(module.get_submodule(parent), name, swapped[id(m)])
+    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
+
+
+def _configs(m: nn.Module) -> List[BaseEmbeddingConfig]:
+    return m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs()
+
+
+def _assign(
+    given: Dict[str, object], what: str, names: Dict[int, List[str]], collections: Dict[int, Tuple[str, nn.Module]]
+) -> Dict[int, Dict[str, object]]:
+    """Splits ``given`` (name or "<path>.<name>" -> value) among the collections that own the names."""
+    out: Dict[int, Dict[str, object]] = {key: {} for key in collections}
+    for name, value in given.items():
+        owners = [key for key in collections if name in names[key]]
+        qualified = [key for key in collections if collections[key][0] and name.startswith(collections[key][0] + ".")
+                     and name[len(collections[key][0]) + 1:] in names[key]]
+        if len(owners) > 1:
+            paths = [f"{collections[k][0]}.{name}" for k in owners]
+            raise ValueError(f"{what}: {name!r} is in several collections; name one of {paths}")
+        if owners:
+            out[owners[0]][name] = value
+        elif qualified:
+            key = qualified[0]
+            out[key][name[len(collections[key][0]) + 1:]] = value
+        else:
+            known = sorted(f"{collections[k][0]}.{n}" if collections[k][0] else n for k in collections for n in names[k])
+            raise ValueError(f"{what} names {name!r}, which no collection has; known: {known[:20]}")
+    return out
