@@ -16,6 +16,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from recship.fx import symbolic_trace
 from recship.sparse import KeyedJaggedTensor
 
 
@@ -67,19 +68,6 @@ class ExportedEmbeddings(nn.Module):
         return pooled.to_dict()
 
 
-class LeafTBETracer(torch.fx.Tracer):
-    """fx tracer that keeps fbgemm TBEs and recship's quantized collections as leaves."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        from recship.quantize.modules import QuantEmbeddingBagCollection
-
-        if isinstance(m, QuantEmbeddingBagCollection) or type(m).__name__ == "IntNBitTableBatchedEmbeddingBagsCodegen":
-            return True
-        return super().is_leaf_module(m, qualname)
-
-
 def trace_and_script(module: nn.Module) -> torch.jit.ScriptModule:
     """fx-trace with TBE modules as leaves, then TorchScript the traced graph."""
-    graph = LeafTBETracer().trace(module)
-    traced = torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
-    return torch.jit.script(traced)
+    return torch.jit.script(symbolic_trace(module))

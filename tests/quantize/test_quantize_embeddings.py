@@ -36,11 +36,12 @@ class TwoTowers(nn.Module):
                 p.normal_(0, 0.1)
 
     def forward(self, user: KeyedJaggedTensor, item: KeyedJaggedTensor, tags: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.user.ebc(user).values()
         history = self.user.history(user)["history"]
-        b = history.lengths().shape[0]
-        seq = torch.zeros(b, 8).index_add_(0, torch.repeat_interleave(torch.arange(b), history.lengths()), history.values())
+        example = torch.repeat_interleave(torch.arange(history.lengths().numel()), history.lengths())
+        seq = torch.zeros_like(pooled[:, :8]).index_add_(0, example, history.values())  # mean of the history's rows
         seq = seq / history.lengths().clamp(min=1).unsqueeze(1)
-        parts = [self.user.ebc(user).values(), seq, self.items[0]["ebc"](item).values(), self.user.tags(tags).values(), self.shared(tags).values()]
+        parts = [pooled, seq, self.items[0]["ebc"](item).values(), self.user.tags(tags).values(), self.shared(tags).values()]
         return self.head(torch.cat(parts, dim=1))
 
 
@@ -117,3 +118,17 @@ def test_id_policy_reaches_the_collection_of_its_feature():
     q, _ = quantize_embeddings(TwoTowers(), id_policy={"tag": "modulo", "history": "modulo"})
     assert q.shared.id_policy == {"tag": "modulo"} and q.user.history.id_policy == {"history": "modulo"}
     assert q.user.ebc.id_policy == {"user": "reject", "country": "reject"}
+
+
+def test_the_quantized_model_traces_with_recship_fx_and_scripts():
+    from recship.fx import Tracer
+
+    torch.manual_seed(4)
+    q, _ = quantize_embeddings(TwoTowers(), dtype="int4")
+    graph = Tracer(leaf_modules=["Linear"]).trace(q)
+    assert any(n.op == "call_module" and n.target == "head" for n in graph.nodes)  # a named leaf stays a call
+    scripted = torch.jit.script(torch.fx.GraphModule(q, graph))
+    for batch, seed in [(1, 5), (7, 6), (64, 7)]:
+        inputs = _inputs(batch, seed)
+        with torch.no_grad():
+            assert torch.equal(scripted(*inputs), q(*inputs))
