@@ -15,7 +15,7 @@ column-wise model differs from the unsharded one by (at most) quantization error
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -285,3 +285,96 @@ def shard_quantized(
             fill(s, data, scale_bias)
         modules.append(module)
     return ShardedQuantEmbeddingBagCollection(tables, shards, modules, devices, is_weighted, id_policy)
+
+
+def shard_quant_model(
+    module: nn.Module,
+    devices: Optional[List[Union[str, torch.device]]] = None,
+    shards: Optional[int] = None,
+    sharding: Union[None, str, ShardingType, Dict[str, Union[str, ShardingType]]] = None,
+    inplace: bool = False,
+) -> Tuple[nn.Module, Dict[str, Dict[str, List[InferenceShard]]]]:
+    """Inference sharding of every QuantEmbeddingBagCollection in ``module``'s tree over several devices.
+
+    Args:
+        module: a model after ``quantize_embeddings`` (or a bare QuantEmbeddingBagCollection).
+        devices: where the shards go, e.g. ``["cuda:0", "cuda:1"]``; outputs are merged on the first.
+        shards: instead of ``devices``: N shards in host memory (``["cpu"] * N``), which
+            works on a CPU-only torch build.
+        sharding: ``table_wise`` (default: whole tables on the least-loaded device),
+            ``row_wise`` or ``column_wise``, for every table or as {table: type}. Column
+            blocks are cut from the stored rows, so only FP16 and FP32 tables can be split
+            by columns (an integer type's per-row scale covers the whole row; shard such
+            tables at export, from the float weights).
+        inplace: swap inside ``module``; otherwise a deep copy is sharded.
+
+    The stored rows are copied as they are, so table- and row-wise shards answer what the
+    unsharded module answers (up to float summation order). EmbeddingCollections (unpooled
+    lookups) are not split: they stay whole on the device they were quantized for.
+
+    Returns (the sharded module, {collection path: {table: its shards}}).
+    """
+    import copy
+
+    from recship.quantize.modules import QuantEmbeddingBagCollection
+
+    if (devices is None) == (shards is None):
+        raise ValueError("give exactly one of devices=[...] and shards=N")
+    targets = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * int(shards)
+    if not targets:
+        raise ValueError("shard_quant_model needs at least one device")
+    if any(d.type == "cuda" for d in targets) and not torch.cuda.is_available():
+        raise ValueError(f"devices {[str(d) for d in targets]}: torch sees no CUDA device")
+    if not inplace:
+        module = copy.deepcopy(module)
+    found = [(path, m) for path, m in module.named_modules(remove_duplicate=False) if isinstance(m, QuantEmbeddingBagCollection)]
+    if not found:
+        raise ValueError(f"{type(module).__name__} holds no QuantEmbeddingBagCollection: quantize it first (quantize_embeddings)")
+    all_tables = {t.name for _, m in found for t in m.tables()}
+    if isinstance(sharding, dict):
+        unknown = sorted(set(sharding) - all_tables)
+        if unknown:
+            raise ValueError(f"sharding names tables no collection has: {unknown}")
+    done: Dict[int, nn.Module] = {}
+    plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
+    for path, m in found:
+        if id(m) not in done:
+            tables = m.tables()
+            kinds = {t.name: ShardingType(sharding.get(t.name, "table_wise") if isinstance(sharding, dict) else sharding or "table_wise")
+                     for t in tables}
+            done[id(m)], plans[path] = _shard_one(m, targets, kinds)
+        if not path:
+            module = done[id(m)]
+        else:
+            parent, _, name = path.rpartition(".")
+            setattr(module.get_submodule(parent), name, done[id(m)])
+    return module, plans
+
+
+def _shard_one(qebc, devices: List[torch.device], kinds: Dict[str, ShardingType]):
+    tables = qebc.tables()
+    types = qebc.weight_types()
+    for t in tables:
+        if kinds[t.name] == ShardingType.COLUMN_WISE and types[t.name] not in (DataType.FP16, DataType.FP32):
+            raise ValueError(
+                f"table {t.name!r} is {types[t.name].name}: its rows cannot be split by columns after quantization "
+                "(one scale per row); shard it table_wise or row_wise, or column_wise at export from the float weights"
+            )
+    source = qebc.table_weights()
+    dims = {t.name: t.embedding_dim for t in tables}
+    stored = {name: int(data.numel()) + (0 if sb is None else int(sb.numel())) for name, (data, sb) in source.items()}
+    plan = plan_inference_shards(tables, len(devices), kinds, bytes_per_table=stored)
+
+    def fill(s: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
+        src_data, src_scale_bias = source[s.table]
+        rows = slice(s.row_offset, s.row_offset + s.rows)
+        cols = slice(None)
+        if (s.col_offset, s.cols) != (0, dims[s.table]):  # a column block of an FP16/FP32 table: its bytes
+            width = torch.empty((), dtype=types[s.table].to_torch_dtype()).element_size()
+            cols = slice(s.col_offset * width, (s.col_offset + s.cols) * width)
+        data.copy_(src_data[rows, cols])
+        if scale_bias is not None:
+            scale_bias.copy_(src_scale_bias[rows])
+
+    sharded = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), fill, qebc.id_policy)
+    return sharded, plan
