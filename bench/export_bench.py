@@ -44,7 +44,7 @@ def main() -> None:
     from recship.trainer.train import TrainConfig, launch
 
     summary = launch(TrainConfig(out=str(work / "train"), steps=1, batch_size=256, num_embeddings_per_feature=[args.rows] * 26,
-                                 embedding_dim=args.dim, eval_every=0, eval_batches=1, checkpoint_every=0, progress=False))
+                                 embedding_dim=args.dim, eval_every=0, eval_batches=1, checkpoint_every=0, progress=False, overwrite=True))
     checkpoint = summary["checkpoint"]
 
     def child(*argv):

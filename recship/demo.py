@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     from recship.trainer.checkpoint import CheckpointReader
     from recship.trainer.train import TrainConfig, launch
 
-    summary = launch(TrainConfig(out=args.out, steps=200, nproc_per_node=2, eval_every=100, checkpoint_every=100, seed=args.seed))
+    summary = launch(TrainConfig(out=args.out, steps=200, nproc_per_node=2, eval_every=100, checkpoint_every=100, seed=args.seed,
+                                 overwrite=True))  # the walk-through starts over each time it runs
     first = sum(summary["losses"][:20]) / 20
     last = sum(summary["losses"][-20:]) / 20
     print(f"   loss {first:.4f} -> {last:.4f} (mean of first/last 20 steps); eval {summary['final_eval']}")

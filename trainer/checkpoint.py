@@ -245,8 +245,17 @@ def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
     root = Path(root)
     if not root.is_dir():
         return None
-    done = [p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / META_FILE).is_file()]
-    return max(done, key=lambda p: p.name) if done else None
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def complete_checkpoints(root: Union[str, Path]) -> List[Path]:
+    """The complete checkpoints under ``root``, oldest first (saves in progress and killed ones excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / META_FILE).is_file()),
+                  key=lambda p: p.name)
 
 
 def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:

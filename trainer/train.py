@@ -12,6 +12,7 @@ on held-out data every ``eval_every`` steps, and prints a summary at the end.
 import argparse
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recship.trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from recship.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from recship.trainer.data import CriteoTSV, SyntheticConfig, SyntheticCriteo, prefetch
 from recship.trainer.dlrm import DLRM, DLRMConfig
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
@@ -53,7 +54,9 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 100
-    resume: bool = False
+    resume: bool = False  # continue from the newest complete checkpoint in out/checkpoints
+    overwrite: bool = False  # delete out/checkpoints and start over (refused without it or --resume)
+    keep_last: int = 0  # keep only the newest N checkpoints (0: keep all)
     seed: int = 0
     nproc_per_node: int = 1
     device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r of its host) or "auto" (cuda when available)
@@ -73,6 +76,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError("steps must be >= 0 and batch_size >= 1")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
         try:
             EmbOptimType(self.optimizer)
         except ValueError:
@@ -178,8 +185,9 @@ class _Trainer:
         return {"log_loss": log_loss, "auc": auc(s, l), "examples": l.numel()}
 
     def checkpoint(self) -> Path:
-        return save_checkpoint(
-            Path(self.config.out) / "checkpoints",
+        root = Path(self.config.out) / "checkpoints"
+        path = save_checkpoint(
+            root,
             self.step,
             self.model,
             self.dense_optimizer,
@@ -187,6 +195,10 @@ class _Trainer:
             plan=self.plan,
             config={"model": asdict(self.model_config), "train": asdict(self.config)},
         )
+        if self.config.keep_last and self.rank == 0:  # the save is complete (renamed) on every rank by now
+            for old in complete_checkpoints(root)[: -self.config.keep_last]:
+                shutil.rmtree(old)
+        return path
 
     def resume(self) -> Optional[Path]:
         path = latest_checkpoint(Path(self.config.out) / "checkpoints")
@@ -197,11 +209,14 @@ class _Trainer:
         self.load_seconds = time.perf_counter() - t
         self.step = meta["step"]
         self.next_batch = meta["next_batch"]
+        if self.rank == 0:
+            print(f"resumed from step {self.step} (world {meta.get('world_size', '?')} -> {self.world_size}): {path}", flush=True)
         return path
 
     def run(self) -> Dict[str, Any]:
         c = self.config
         resumed = self.resume() if c.resume else None
+        first_step = self.step
         show = self.rank == 0 and c.progress
         bar = _progress(total=c.steps, initial=self.step, enabled=show)
         batches = self._train_batches(self.next_batch)
@@ -242,6 +257,7 @@ class _Trainer:
             "rank": self.rank,
             "world_size": self.world_size,
             "steps": self.step,
+            "steps_this_run": self.step - first_step,
             "resumed_from": str(resumed) if resumed else None,
             "losses": self.losses,
             "evals": evals,
@@ -319,6 +335,7 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     Returns rank 0's summary.
     """
     Path(config.out).mkdir(parents=True, exist_ok=True)
+    _check_run_folder(config, delete=os.environ.get("RANK", "0") == "0")  # under torchrun only rank 0 deletes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         backend = "nccl" if config.use_cuda() else "gloo"
         if backend == "nccl":
@@ -342,6 +359,22 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
 
         mp.spawn(_rank_entry, args=(n, port, config, config.out), nprocs=n)
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
+
+
+def _check_run_folder(config: TrainConfig, delete: bool) -> None:
+    """Refuses to train over earlier checkpoints unless told what to do with them (users lost runs this way)."""
+    root = Path(config.out) / "checkpoints"
+    newest = latest_checkpoint(root)
+    if newest is None or config.resume:
+        return
+    if not config.overwrite:
+        raise ValueError(
+            f"{config.out} already holds checkpoints (newest: {newest.name}); pass --resume to continue them "
+            "or --overwrite to delete them and start over"
+        )
+    if delete:
+        shutil.rmtree(root)
+        print(f"--overwrite: deleted the checkpoints in {root}", flush=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -387,11 +420,15 @@ def run(args: argparse.Namespace) -> int:
     summary = launch(config)
     if summary["rank"] != 0:
         return 0
+    done = summary["steps_this_run"]
+    if done == 0:
+        print(f"nothing to train: the run is already at step {summary['steps']} (--steps {config.steps}); checkpoint {summary['checkpoint']}")
+        return 0
     final = summary["final_eval"]
     first = sum(summary["losses"][:10]) / max(1, len(summary["losses"][:10]))
     last = sum(summary["losses"][-10:]) / max(1, len(summary["losses"][-10:]))
     print(
-        f"trained {summary['steps']} steps on {summary['world_size']} rank(s): "
+        f"trained {done} steps (steps {summary['steps'] - done + 1}-{summary['steps']}) on {summary['world_size']} rank(s): "
         f"loss {first:.4f} -> {last:.4f} (mean of first/last 10 steps), "
         + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}, " if final else "")
         + f"{summary['samples_per_s']:.0f} samples/s; checkpoint {summary['checkpoint']}"

@@ -172,7 +172,7 @@ def test_cli_config_file_yaml_and_json_with_flag_override(tmp_path, capsys):
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("".join(f"{k}: {v}\n" for k, v in common.items()))
     assert main(["train", "--config", str(yaml_file), "--out", str(tmp_path / "y"), "--steps", "2", "--no-progress"]) == 0
-    assert "trained 2 steps on 1 rank(s)" in capsys.readouterr().out  # the flag overrides the file
+    assert "trained 2 steps (steps 1-2) on 1 rank(s)" in capsys.readouterr().out  # the flag overrides the file
     json_file = tmp_path / "c.json"
     json_file.write_text(json.dumps({**common, "out": str(tmp_path / "j"), "progress": False}))
     assert main(["train", "--config", str(json_file)]) == 0
@@ -197,3 +197,32 @@ def test_train_on_a_criteo_file(tmp_path):
                            data=str(data), eval_data=str(data), eval_every=5, checkpoint_every=0))
     assert summary["steps"] == 5 and len(summary["losses"]) == 5
     assert summary["final_eval"]["examples"] == 2 * 16
+
+
+def test_run_safety_refuse_overwrite_resume_keep_last(tmp_path, capsys):
+    from recship.cli import main
+
+    args = ["train", "--out", str(tmp_path), "--steps", "4", "--batch-size", "16", "--num-embeddings-per-feature", "20",
+            "--embedding-dim", "4", "--dense-arch", "8", "--over-arch", "8", "--eval-every", "0", "--eval-batches", "1",
+            "--checkpoint-every", "1", "--keep-last", "2", "--no-progress"]
+    assert main(args) == 0
+    assert "trained 4 steps (steps 1-4)" in capsys.readouterr().out
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]  # --keep-last 2
+    # a second run into the same folder is refused, with the flags that decide it named
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (newest: step_00000004)" in err and "--resume" in err and "--overwrite" in err
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"]  # nothing lost
+    # --resume continues and says from where
+    assert main(args[:4] + ["6"] + args[5:] + ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 4 (world 1 -> 1)" in out and "trained 2 steps (steps 5-6)" in out
+    assert main(args[:4] + ["6"] + args[5:] + ["--resume"]) == 0
+    assert "nothing to train: the run is already at step 6" in capsys.readouterr().out
+    # --overwrite starts over
+    assert main(args + ["--overwrite"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted the checkpoints" in out and "trained 4 steps (steps 1-4)" in out
+    assert main(args + ["--overwrite", "--resume"]) == 2
+    assert "contradict" in capsys.readouterr().err
