@@ -86,6 +86,7 @@ class ExportConfig:
     seed: int = 0
     overwrite: bool = False
     progress: bool = True
+    num_dense: Optional[int] = None  # any-model export: the dense width (else the model's num_dense attribute)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -142,6 +143,13 @@ def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module
         raise ExportError(f"{where} lacks dense parameters {missing}")
     model.load_state_dict(dense)
     return model
+
+
+def _is_any_model(src) -> bool:
+    """A module other than the built-in DLRM or a bare EmbeddingBagCollection (those have their streaming path)."""
+    from recship.trainer.dlrm import DLRM
+
+    return isinstance(src, nn.Module) and not isinstance(src, (DLRM, EmbeddingBagCollection))
 
 
 def _source(src: Union[str, Path, nn.Module]) -> _Source:
@@ -233,6 +241,16 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
+        if _is_any_model(source):
+            from recship.export.any_model import export_any_model
+
+            scripted, fields, sample = export_any_model(source, config, bar.next)
+            bar.next("write")
+            manifest = write_artifact(out, scripted, fields, (*sample, None), config)
+            bar.finish()
+            bar.close()
+            _print_summary(manifest, out, config.progress)
+            return manifest
         src = _source(source)
         names = [f for t in src.tables for f in t.feature_names]
         unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
@@ -312,7 +330,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
 
         bar.next("write")
         sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
-        manifest = _write(out, scripted, src, names, types, plan, report, validation_report, sample, config)
+        manifest = write_artifact(out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config)
         bar.finish()
     finally:
         bar.close()
@@ -470,8 +488,37 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
     return result
 
 
-def _write(out: Path, scripted, src, names, types, plan, report, validation, sample, config: ExportConfig) -> Dict[str, Any]:
-    """Writes the artifact into a temporary sibling and renames it into place."""
+def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validation: Dict[str, Any], config: ExportConfig) -> Dict[str, Any]:
+    """The manifest fields that depend on the model (``write_artifact`` adds the rest)."""
+    return {
+        "model": {"name": config.model_name, "version": config.model_version, "kind": src.kind, "config": src.model_config},
+        "num_dense": src.num_dense,
+        "weighted": src.is_weighted,
+        "sparse_features": [
+            {
+                "name": f, "table": t.name, "pooling": t.pooling.value, "dim": t.embedding_dim,
+                "rows": t.num_embeddings, "weight_type": types[t.name].name,
+                "id_policy": config.id_policy.get(f, "reject"),
+            }
+            for t in src.tables for f in t.feature_names
+        ],
+        "sharding": {
+            "device": config.device,
+            "num_devices": config.shards,
+            "row_alignment": report.row_alignment,
+            "shards": [asdict(s) for t in src.tables for s in plan[t.name]],
+        },
+        "quantization": report.to_dict(),
+        "validation": validation,
+    }
+
+
+def write_artifact(out: Path, scripted, fields: Dict[str, Any], sample, config: ExportConfig) -> Dict[str, Any]:
+    """Writes the artifact into a temporary sibling and renames it into place.
+
+    ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
+    validation of the manifest; the inputs, outputs, sample, versions and checksum are added here.
+    """
     import fbgemm_gpu
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -500,34 +547,22 @@ def _write(out: Path, scripted, src, names, types, plan, report, validation, sam
                 sample_meta[group][name] = {"file": path, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
         manifest = {
             "format": FORMAT,
-            "model": {"name": config.model_name, "version": config.model_version, "kind": src.kind, "config": src.model_config},
+            "model": fields["model"],
             "inputs": {
-                "dense": {"dtype": "float32", "shape": ["B", src.num_dense]},
+                "dense": {"dtype": "float32", "shape": ["B", fields["num_dense"]]},
                 "lengths": {"dtype": "int32", "shape": ["F*B"], "order": "feature-major, features in the order below"},
                 "values": {"dtype": "int64", "shape": ["N"]},
-                "weights": {"dtype": "float32", "shape": ["N"], "required": src.is_weighted},
+                "weights": {"dtype": "float32", "shape": ["N"], "required": fields["weighted"]},
             },
-            "num_dense": src.num_dense,
-            "sparse_features": [
-                {
-                    "name": f, "table": t.name, "pooling": t.pooling.value, "dim": t.embedding_dim,
-                    "rows": t.num_embeddings, "weight_type": types[t.name].name,
-                    "id_policy": config.id_policy.get(f, "reject"),
-                }
-                for t in src.tables for f in t.feature_names
-            ],
-            "weighted": src.is_weighted,
+            "num_dense": fields["num_dense"],
+            "sparse_features": fields["sparse_features"],
+            "weighted": fields["weighted"],
             "outputs": {k: {"dtype": "float32", "shape": ["B"] + list(v.shape[1:])} for k, v in outputs.items()},
-            "sharding": {
-                "device": config.device,
-                "num_devices": config.shards,
-                "row_alignment": report.row_alignment,
-                "shards": [asdict(s) for t in src.tables for s in plan[t.name]],
-            },
+            "sharding": fields["sharding"],
             "versions": {"torch": torch.__version__, "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "unknown"), "python": sys.version.split()[0]},
             "op_libraries": OP_LIBRARIES,
-            "quantization": report.to_dict(),
-            "validation": validation,
+            "quantization": fields["quantization"],
+            "validation": fields["validation"],
             "sample": sample_meta,
             "model_sha256": file_sha256(tmp / "model.pt"),
         }

@@ -1,0 +1,220 @@
+"""Export of any model that holds embedding collections (not only the built-in DLRM).
+
+The model contract: an ``nn.Module`` whose ``forward(dense, features)`` takes ``dense``
+float32 [B, num_dense] (num_dense may be 0) and ``features`` a KeyedJaggedTensor, and
+returns a Tensor [B, ...] or a Dict[str, Tensor] of [B, ...] tensors; its
+EmbeddingBagCollections and EmbeddingCollections may sit anywhere in its tree, and its
+forward must be traceable by torch.fx with those collections as leaves (no Python
+branching on tensor values; transforms of raw inputs, such as a log of dense counts,
+belong in forward so that clients send raw values).
+
+The steps are TorchRec's inference flow on recship's modules: ``quantize_embeddings``,
+``shard_quant_model``, ``recship.fx`` tracing, TorchScript; then the exported model is
+checked against the float model and the unsharded quantized one on synthetic batches
+and written as the usual artifact, which the server, its KServe fronts and the C++
+loader serve without model-specific code.
+
+Not yet: checkpoints of such models (export takes the module in memory), features that
+mix weighted and unweighted collections (the artifact carries one weighted flag), CUDA.
+"""
+
+import copy
+import inspect
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recship.export.model import build_kjt, trace_and_script
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
+
+
+class ExportedModule(nn.Module):
+    """The artifact's entry point around a user's (quantized) model: request tensors in, named outputs out."""
+
+    def __init__(self, model: nn.Module, feature_names: List[str], single_output: bool) -> None:
+        super().__init__()
+        self.model = model
+        self._feature_names = list(feature_names)
+        self._single_output = single_output  # a constant when traced: the branch below is resolved then
+
+    def forward(
+        self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
+    ) -> Dict[str, torch.Tensor]:
+        out = self.model(dense, build_kjt(self._feature_names, values, lengths, weights))
+        if self._single_output:
+            return {"output": out}
+        return out
+
+
+def collections_of(module: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(first path, collection) of every float EBC / EC in the tree, each once."""
+    seen: Dict[int, Tuple[str, nn.Module]] = {}
+    for path, m in module.named_modules(remove_duplicate=False):
+        if type(m) in (EmbeddingBagCollection, EmbeddingCollection):
+            seen.setdefault(id(m), (path, m))
+    return list(seen.values())
+
+
+def describe(module: nn.Module, num_dense: Optional[int], error) -> Dict[str, Any]:
+    """Checks the model contract; returns features [(name, path, table config, pooling)], weighted, num_dense."""
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    if len(params) != 2:
+        names = ", ".join(p.name for p in params)
+        raise error(f"{type(module).__name__}.forward({names}): a model to export takes forward(dense, features) "
+                    "(dense: float [B, num_dense], features: KeyedJaggedTensor)")
+    found = collections_of(module)
+    if not found:
+        raise error(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
+    features, owner = [], {}
+    weighted = set()
+    for path, c in found:
+        is_bag = isinstance(c, EmbeddingBagCollection)
+        weighted.add(c.is_weighted() if is_bag else False)
+        for t in (c.embedding_bag_configs() if is_bag else c.embedding_configs()):
+            for f in t.feature_names:
+                if f in owner:
+                    raise error(f"feature {f!r} is looked up by two collections ({owner[f]} and {path or 'the model'}): "
+                                "give each collection its own feature name")
+                owner[f] = path or "the model"
+                features.append((f, path, t, t.pooling.value if is_bag else "NONE"))
+    if len(weighted) > 1:
+        raise error("the model mixes weighted and unweighted collections; an artifact takes weights for every feature "
+                    "or for none (not supported yet)")
+    if num_dense is None:
+        num_dense = getattr(module, "num_dense", None)
+    if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
+        raise error(f"the dense width is unknown: give ExportConfig(num_dense=N) or a num_dense attribute on "
+                    f"{type(module).__name__} (0 for a model without dense inputs)")
+    return {"features": features, "weighted": weighted.pop(), "num_dense": num_dense}
+
+
+def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
+    """A held-out request: dense ~ U[0, 1), 0-4 ids per feature and example, uniform over each table."""
+    g = torch.Generator().manual_seed(seed)
+    features = spec["features"]
+    lengths = torch.randint(0, 5, (len(features) * batch,), generator=g)
+    rows = torch.tensor([t.num_embeddings for _, _, t, _ in features]).repeat_interleave(batch).repeat_interleave(lengths)
+    values = (torch.rand(int(lengths.sum()), generator=g) * rows).long()
+    weights = torch.rand(values.numel(), generator=g) if spec["weighted"] else None
+    kjt = KeyedJaggedTensor(keys=[f for f, _, _, _ in features], values=values, lengths=lengths.to(torch.int32), weights=weights)
+    return torch.rand(batch, spec["num_dense"], generator=g), kjt
+
+
+def _as_dict(out, error) -> Dict[str, torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return {"output": out}
+    if isinstance(out, dict) and out and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()):
+        return out
+    raise error(f"the model's forward returned {type(out).__name__}; a model to export returns a Tensor or a Dict[str, Tensor]")
+
+
+def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str, Any], Any]:
+    """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
+
+    ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
+    """
+    from recship.export.pipeline import ExportError
+    from recship.export.sharded import shard_quant_model
+    from recship.quantize import quantize_embeddings
+
+    if config.device != "cpu":
+        raise ExportError("exporting a model other than the built-in DLRM runs on CPU only for now (--device cpu)")
+    model = copy.deepcopy(module).eval()
+    spec = describe(model, config.num_dense, ExportError)
+    names = [f for f, _, _, _ in spec["features"]]
+    unknown = sorted(set(config.id_policy) - set(names))
+    if unknown:
+        raise ExportError(f"id policy names features the model does not have: {unknown}")
+    validation = [synthetic_batch(spec, config.batch_size_hint, config.seed * 7919 + i) for i in range(config.validation_batches)]
+    with torch.no_grad():
+        try:
+            raw = [model(dense, kjt) for dense, kjt in validation]
+        except Exception as e:
+            raise ExportError(f"the float model failed on a synthetic batch: {type(e).__name__}: {e}") from e
+    single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
+    float_outputs = [_as_dict(r, ExportError) for r in raw]
+    for k, v in float_outputs[0].items():
+        if v.dim() == 0 or v.shape[0] != config.batch_size_hint:
+            raise ExportError(f"output {k!r} has shape {list(v.shape)}: outputs must be batch-first [B, ...]")
+
+    progress("quantize + shard")
+    try:
+        quantized, report = quantize_embeddings(
+            model, dtype=config.dtype, per_table=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
+            error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed,
+        )
+        sharded, plans = quantized, {}
+        if config.shards > 1 or config.sharding:
+            sharded, plans = shard_quant_model(quantized, shards=config.shards, sharding=config.sharding or "table_wise")
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+
+    progress("trace + script")
+    exported = ExportedModule(sharded, names, single).eval()
+    try:
+        scripted = trace_and_script(exported)
+    except Exception as e:
+        raise ExportError(
+            f"fx tracing / TorchScript of {type(module).__name__} failed: {type(e).__name__}: {e} "
+            "(its forward must be traceable by torch.fx: no Python branches on tensor values)"
+        ) from e
+
+    progress("validate")
+    unsharded = ExportedModule(quantized, names, single).eval()
+    max_diff: Dict[str, float] = {}
+    sums = [0.0, 0.0]
+    vs_quantized = 0.0
+    with torch.no_grad():
+        for (dense, kjt), want in zip(validation, float_outputs):
+            args = (dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
+            got, reference = scripted(*args), unsharded(*args)
+            for k, w in want.items():
+                max_diff[k] = max(max_diff.get(k, 0.0), float((got[k] - w).abs().max()) if w.numel() else 0.0)
+                sums[0] += float((got[k] - w).double().norm() ** 2)
+                sums[1] += float(w.double().norm() ** 2)
+                scale = max(1.0, float(reference[k].abs().max()) if reference[k].numel() else 1.0)
+                vs_quantized = max(vs_quantized, float((got[k] - reference[k]).abs().max()) / scale if w.numel() else 0.0)
+    relative = (sums[0] / max(sums[1], 1e-30)) ** 0.5
+    if vs_quantized > 1e-4:
+        raise ExportError(f"validation failed: the exported model differs from the unsharded quantized model by {vs_quantized:.3g} "
+                          "(more than float rounding): a sharding or tracing error")
+    if config.error_budget is not None and relative > config.error_budget:
+        raise ExportError(f"validation failed: the outputs' relative difference from the float model is {relative:.3g}, "
+                          f"over the error budget {config.error_budget:g} (choose wider types or a larger --error-budget)")
+    validation_report = {
+        "data": "synthetic",
+        "batches": len(validation),
+        "batch_size": config.batch_size_hint,
+        "max_abs_diff_vs_float": max_diff,
+        "relative_diff_vs_float": relative,
+        "max_relative_diff_vs_unsharded_quantized": vs_quantized,
+        "error": relative,
+    }
+
+    types = {t.table: t.data_type for t in report.tables}
+    features = []
+    for f, path, t, pooling in spec["features"]:
+        qualified = f"{path}.{t.name}" if path else t.name
+        features.append({
+            "name": f, "table": qualified, "pooling": pooling, "dim": t.embedding_dim, "rows": t.num_embeddings,
+            "weight_type": types[qualified], "id_policy": config.id_policy.get(f, "reject"),
+        })
+    shards = [{"table": f"{path}.{table}" if path else table, **{k: v for k, v in vars(s).items() if k != "table"}}
+              for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
+    fields = {
+        "model": {"name": config.model_name, "version": config.model_version, "kind": "module",
+                  "class": f"{type(module).__module__}.{type(module).__qualname__}", "config": None},
+        "num_dense": spec["num_dense"],
+        "weighted": spec["weighted"],
+        "sparse_features": features,
+        "sharding": {"device": "cpu", "num_devices": config.shards, "row_alignment": report.row_alignment, "shards": shards},
+        "quantization": report.to_dict(),
+        "validation": validation_report,
+    }
+    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729)
+

@@ -1,0 +1,177 @@
+"""Export of models other than the built-in DLRM: the example two-tower model and multi-task ranker,
+exported, self-checked, served over gRPC (Predict and KServe) and run from C++, all answering alike."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from recship.export import ExportConfig, ExportError, export_model
+from recship.export.artifact import load_artifact
+from recship.models import MultiTaskRanker, TwoTower
+from recship.serving import PredictClient
+from recship.serving.kserve import message
+from recship.serving.server import Server, ServerConfig
+from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _models():
+    torch.manual_seed(0)
+    two_tower = TwoTower(num_users=300, num_items=500, num_countries=20, num_categories=30, dim=16, num_dense=4)
+    torch.manual_seed(1)
+    ranker = MultiTaskRanker(num_items=400, num_tags=60, dim=8, num_dense=5, hidden=16)
+    return {"two_tower": two_tower, "ranker": ranker}
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("any-model")
+    models = _models()
+    configs = {"two_tower": dict(dtype="int8"), "ranker": dict(dtype="int4", shards=2, sharding="row_wise", table_dtypes={"tag_table": "int8"})}
+    manifests = {}
+    for name, model in models.items():
+        manifests[name] = export_model(model, ExportConfig(out=str(root / "repo" / name / "1"), progress=False, validation_batches=2,
+                                                          batch_size_hint=64, model_name=name, **configs[name]))
+    return root, models, manifests
+
+
+def _request(manifest, batch, seed):
+    g = np.random.default_rng(seed)
+    sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"], size=g.integers(0, 4))] for _ in range(batch)]
+              for f in manifest["sparse_features"]}
+    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest["weighted"] else None
+    return sparse, g.random((batch, manifest["num_dense"]), dtype=np.float32), weights
+
+
+def _in_process(model, manifest, sparse, dense, weights):
+    names = [f["name"] for f in manifest["sparse_features"]]
+    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
+    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
+    w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, w).items()}
+
+
+def test_the_manifests_describe_the_models(exported):
+    _, _, manifests = exported
+    tt = manifests["two_tower"]
+    assert [(f["name"], f["pooling"], f["table"]) for f in tt["sparse_features"]] == [
+        ("user", "SUM", "user_tables.user_ids"), ("country", "SUM", "user_tables.country_ids"), ("history", "NONE", "history.history_items"),
+        ("item", "SUM", "item_tables.item_ids"), ("category", "MEAN", "item_tables.category_ids")]
+    assert tt["num_dense"] == 4 and not tt["weighted"] and tt["model"]["kind"] == "module"
+    assert {k: v["shape"] for k, v in tt["outputs"].items()} == {"score": ["B", 1], "user_embedding": ["B", 16], "item_embedding": ["B", 16]}
+    ranker = manifests["ranker"]
+    assert ranker["weighted"] and {k: v["shape"] for k, v in ranker["outputs"].items()} == {"click": ["B", 1], "purchase": ["B", 1]}
+    assert {f["table"]: f["weight_type"] for f in ranker["sparse_features"]} == {"sparse.item_table": "INT4", "sparse.tag_table": "INT8"}
+    assert {s["device"] for s in ranker["sharding"]["shards"]} == {0, 1}
+    for m in manifests.values():  # quantization error is small against the float model
+        assert m["validation"]["relative_diff_vs_float"] < (0.03 if m is tt else 0.2)
+        assert m["validation"]["max_relative_diff_vs_unsharded_quantized"] < 1e-5
+
+
+def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
+    root, _, manifests = exported
+    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    binary = build.build() / "recship_predict"
+    server = Server(ServerConfig(model_repo=str(root / "repo"), port=0, max_batch_size=1024))
+    try:
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+            kserve = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+                                         response_deserializer=message("ModelInferResponse").FromString)
+            for name, manifest in manifests.items():
+                model, _ = load_artifact(root / "repo" / name / "1")
+                for batch, seed in [(1, 1), (7, 2), (513, 3)]:
+                    sparse, dense, weights = _request(manifest, batch, seed)
+                    want = _in_process(model, manifest, sparse, dense, weights)
+                    got = client.predict(name, sparse, dense, weights)
+                    assert set(got) == set(want)
+                    for k in want:
+                        np.testing.assert_array_equal(got[k], want[k])
+                    # KServe v2 over gRPC: the same rows
+                    request = message("ModelInferRequest")(model_name=name)
+                    dense_in = request.inputs.add(name="dense", datatype="FP32", shape=list(dense.shape))
+                    dense_in.contents.fp32_contents.extend(dense.reshape(-1).tolist())
+                    for f in manifest["sparse_features"]:
+                        rows = sparse[f["name"]]
+                        request.inputs.add(name=f"{f['name']}.lengths", datatype="INT32", shape=[batch]).contents.int_contents.extend(
+                            [len(r) for r in rows])
+                        ids = [i for r in rows for i in r]
+                        request.inputs.add(name=f"{f['name']}.values", datatype="INT64", shape=[len(ids)]).contents.int64_contents.extend(ids)
+                        if weights:
+                            w = [x for r in weights[f["name"]] for x in r]
+                            request.inputs.add(name=f"{f['name']}.weights", datatype="FP32", shape=[len(w)]).contents.fp32_contents.extend(w)
+                    answer = kserve(request.SerializeToString(), timeout=30)
+                    for out in answer.outputs:
+                        np.testing.assert_array_equal(np.array(out.contents.fp32_contents, dtype=np.float32).reshape(list(out.shape)), want[out.name])
+                    if batch == 7:  # C++: the same request through recship_predict
+                        body = {"sparse": sparse, "dense": dense.tolist(), **({"weights": weights} if weights else {})}
+                        path = tmp_path / f"{name}.json"
+                        path.write_text(json.dumps(body))
+                        result = subprocess.run([str(binary), str(root / "repo" / name / "1"), "--request", str(path)], capture_output=True, text=True)
+                        assert result.returncode == 0, result.stderr
+                        cpp = json.loads(result.stdout)
+                        for k in want:
+                            np.testing.assert_array_equal(np.asarray(cpp[k], dtype=np.float32), got[k])
+            channel.close()
+    finally:
+        server.stop()
+
+
+class _NoTables(nn.Module):
+    num_dense = 2
+
+    def forward(self, dense, features):
+        return dense
+
+
+class _WrongSignature(TwoTower):
+    def forward(self, features):
+        return super().forward(torch.zeros(1, 4), features)
+
+
+class _Branchy(TwoTower):
+    def forward(self, dense, features):
+        out = super().forward(dense, features)
+        if out["score"].sum() > 0:  # a Python branch on a tensor value: fx cannot trace it
+            return out
+        return out
+
+
+class _Mixed(TwoTower):
+    def __init__(self):
+        super().__init__(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8)
+        self.extra = EmbeddingBagCollection([EmbeddingBagConfig(name="w", num_embeddings=5, embedding_dim=4, feature_names=["scored"])],
+                                            is_weighted=True)
+
+
+@pytest.mark.parametrize("model,message", [
+    (_NoTables(), "holds no EmbeddingBagCollection or EmbeddingCollection"),
+    (_WrongSignature(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), r"forward\(features\): a model to export takes forward\(dense, features\)"),
+    (_Branchy(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), "fx tracing / TorchScript of _Branchy failed"),
+    (_Mixed(), "mixes weighted and unweighted collections"),
+])
+def test_models_outside_the_contract_are_refused_by_name(model, message, tmp_path):
+    with pytest.raises(ExportError, match=message):
+        export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, validation_batches=1, batch_size_hint=8))
+    assert not (tmp_path / "a").exists()
+
+
+def test_the_dense_width_must_be_known(tmp_path):
+    model = TwoTower(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8)
+    del model.num_dense
+    with pytest.raises(ExportError, match="the dense width is unknown"):
+        export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False))
+    manifest = export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, num_dense=4, validation_batches=1, batch_size_hint=8))
+    assert manifest["num_dense"] == 4
