@@ -19,7 +19,6 @@ mix weighted and unweighted collections (the artifact carries one weighted flag)
 """
 
 import copy
-import inspect
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -27,7 +26,7 @@ from torch import nn
 
 from recship.export.model import build_kjt, trace_and_script
 from recship.sparse import KeyedJaggedTensor
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.entry_point import describe_model
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
 
@@ -48,49 +47,6 @@ class ExportedModule(nn.Module):
         if self._single_output:
             return {"output": out}
         return out
-
-
-def collections_of(module: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """(first path, collection) of every float EBC / EC in the tree, each once."""
-    seen: Dict[int, Tuple[str, nn.Module]] = {}
-    for path, m in module.named_modules(remove_duplicate=False):
-        if type(m) in (EmbeddingBagCollection, EmbeddingCollection):
-            seen.setdefault(id(m), (path, m))
-    return list(seen.values())
-
-
-def describe(module: nn.Module, num_dense: Optional[int], error) -> Dict[str, Any]:
-    """Checks the model contract; returns features [(name, path, table config, pooling)], weighted, num_dense."""
-    params = [p for p in inspect.signature(module.forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
-    if len(params) != 2:
-        names = ", ".join(p.name for p in params)
-        raise error(f"{type(module).__name__}.forward({names}): a model to export takes forward(dense, features) "
-                    "(dense: float [B, num_dense], features: KeyedJaggedTensor)")
-    found = collections_of(module)
-    if not found:
-        raise error(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
-    features, owner = [], {}
-    weighted = set()
-    for path, c in found:
-        is_bag = isinstance(c, EmbeddingBagCollection)
-        weighted.add(c.is_weighted() if is_bag else False)
-        for t in (c.embedding_bag_configs() if is_bag else c.embedding_configs()):
-            for f in t.feature_names:
-                if f in owner:
-                    raise error(f"feature {f!r} is looked up by two collections ({owner[f]} and {path or 'the model'}): "
-                                "give each collection its own feature name")
-                owner[f] = path or "the model"
-                features.append((f, path, t, t.pooling.value if is_bag else "NONE"))
-    if len(weighted) > 1:
-        raise error("the model mixes weighted and unweighted collections; an artifact takes weights for every feature "
-                    "or for none (not supported yet)")
-    if num_dense is None:
-        num_dense = getattr(module, "num_dense", None)
-    if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
-        raise error(f"the dense width is unknown: give ExportConfig(num_dense=N) or a num_dense attribute on "
-                    f"{type(module).__name__} (0 for a model without dense inputs)")
-    return {"features": features, "weighted": weighted.pop(), "num_dense": num_dense}
 
 
 def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
@@ -125,7 +81,10 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
     if config.device != "cpu":
         raise ExportError("exporting a model other than the built-in DLRM runs on CPU only for now (--device cpu)")
     model = copy.deepcopy(module).eval()
-    spec = describe(model, config.num_dense, ExportError)
+    try:
+        spec = describe_model(model, config.num_dense)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     names = [f for f, _, _, _ in spec["features"]]
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:

@@ -158,7 +158,7 @@ class _Mixed(TwoTower):
 
 @pytest.mark.parametrize("model,message", [
     (_NoTables(), "holds no EmbeddingBagCollection or EmbeddingCollection"),
-    (_WrongSignature(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), r"forward\(features\): a model to export takes forward\(dense, features\)"),
+    (_WrongSignature(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), r"forward\(features\): the model contract is forward\(dense, features\)"),
     (_Branchy(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), "fx tracing / TorchScript of _Branchy failed"),
     (_Mixed(), "mixes weighted and unweighted collections"),
 ])
