@@ -19,6 +19,7 @@ mix weighted and unweighted collections (the artifact carries one weighted flag)
 """
 
 import copy
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -74,7 +75,7 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
     """
-    from recship.export.pipeline import ExportError
+    from recship.export.pipeline import ExportError, expand_id_policy
     from recship.export.sharded import shard_quant_model
     from recship.quantize import quantize_embeddings
 
@@ -86,6 +87,7 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
     except ValueError as e:
         raise ExportError(str(e)) from None
     names = [f for f, _, _, _ in spec["features"]]
+    config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")
@@ -167,7 +169,8 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
               for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
     fields = {
         "model": {"name": config.model_name, "version": config.model_version, "kind": "module",
-                  "class": f"{type(module).__module__}.{type(module).__qualname__}", "config": None},
+                  "class": f"{type(module).__module__}.{type(module).__qualname__}",
+                  "entry_point": {"model": config.model, "args": config.model_args} if config.model else None, "config": None},
         "num_dense": spec["num_dense"],
         "weighted": spec["weighted"],
         "sparse_features": features,

@@ -1,7 +1,8 @@
 """``recship export`` and ``recship inspect``."""
 
 import argparse
-from typing import Dict, List
+import json
+from typing import Any, Dict, List
 
 from recship.export.pipeline import ExportConfig, ExportError, export_model
 
@@ -16,6 +17,16 @@ def _pairs(items: List[str], what: str) -> Dict[str, str]:
     return out
 
 
+def _json_object(text: str, what: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{what} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ExportError(f"{what} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a training checkpoint directory (runs/x/checkpoints/step_N)")
     parser.add_argument("--out", required=True, help="artifact directory to create")
@@ -26,10 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
     parser.add_argument("--sharding", choices=["table_wise", "row_wise", "column_wise"], help="force one sharding type")
     parser.add_argument("--batch-size-hint", type=int, default=512, help="validation batch size (default 512)")
-    parser.add_argument("--id-policy", action="append", metavar="FEATURE=reject|modulo", help="per-feature id policy")
+    parser.add_argument("--id-policy", action="append", metavar="FEATURE=reject|modulo",
+                        help="per-feature id policy, repeatable; *=modulo sets every feature")
     parser.add_argument("--name", default="model", help="model name in the manifest")
     parser.add_argument("--version", type=int, default=1, help="model version in the manifest")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+    parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
+                        help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
+                             "checkpoints of the built-in DLRM need none)")
+    parser.add_argument("--model-args", default="{}", metavar="JSON", help="keyword arguments of --model's factory (a JSON object)")
+    parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.name,
         model_version=args.version,
         overwrite=args.overwrite,
+        model=args.model,
+        model_args=_json_object(args.model_args, "--model-args"),
+        num_dense=args.num_dense,
     )
     export_model(args.checkpoint, config)
     return 0

@@ -13,6 +13,7 @@ its inference shards and its float lookups for the validation batches are comput
 then it is dropped, so peak memory stays near the quantized model plus one table.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -87,6 +88,8 @@ class ExportConfig:
     overwrite: bool = False
     progress: bool = True
     num_dense: Optional[int] = None  # any-model export: the dense width (else the model's num_dense attribute)
+    model: Optional[str] = None  # entry point package.module:factory to rebuild a checkpoint's model (default: what it records)
+    model_args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device not in ("cpu", "cuda"):
@@ -143,6 +146,54 @@ def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module
         raise ExportError(f"{where} lacks dense parameters {missing}")
     model.load_state_dict(dense)
     return model
+
+
+def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[nn.Module, ExportConfig]]:
+    """(the model of a checkpoint written by ``recship train --model`` (or named by ``config.model``) with its
+    weights loaded, the config naming its entry point); None for a checkpoint of the built-in DLRM (exported by
+    its own streaming path)."""
+    from recship.trainer.checkpoint import CheckpointError, CheckpointReader
+    from recship.trainer.entry_point import build_model
+
+    if not path.exists():
+        raise ExportError(f"checkpoint not found: {path}")
+    try:
+        reader = CheckpointReader(path)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from None
+    recorded = (reader.config or {}).get("entry_point")
+    entry = config.model or (recorded or {}).get("model")
+    if entry is None:
+        return None
+    args = config.model_args if config.model else recorded.get("args", {})
+    try:
+        model = build_model(entry, args)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    dense = reader.dense_state_dict()
+    tables = set()
+    with torch.no_grad():
+        for mpath, cfg, weight in reader.tables():
+            try:
+                target = model.get_submodule(mpath).embedding_bags[cfg.name].weight
+            except (AttributeError, KeyError):
+                raise ExportError(f"{path} has table {mpath}/{cfg.name}, which {entry} does not build") from None
+            if target.shape != weight.shape:
+                raise ExportError(f"{path}: table {mpath}/{cfg.name} is {list(weight.shape)}, {entry} builds {list(target.shape)}")
+            target.copy_(weight)
+            tables.add(f"{mpath}.embedding_bags.{cfg.name}.weight" if mpath else f"embedding_bags.{cfg.name}.weight")
+    missing, unexpected = model.load_state_dict(dense, strict=False)
+    missing = sorted(set(missing) - tables)
+    if missing or unexpected:
+        raise ExportError(f"{path} does not match {entry}({args}): missing {missing[:5]}, unexpected {sorted(unexpected)[:5]}")
+    return model, dataclasses.replace(config, model=entry, model_args=dict(args))
+
+
+def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
+    """``{"*": p}`` gives every feature policy ``p``; named features override it."""
+    if "*" not in id_policy:
+        return dict(id_policy)
+    return {**{f: id_policy["*"] for f in features}, **{f: p for f, p in id_policy.items() if f != "*"}}
 
 
 def _is_any_model(src) -> bool:
@@ -241,6 +292,10 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
+        if isinstance(source, (str, Path)):
+            rebuilt = _module_from_checkpoint(Path(source), config)
+            if rebuilt is not None:
+                source, config = rebuilt
         if _is_any_model(source):
             from recship.export.any_model import export_any_model
 
@@ -253,6 +308,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             return manifest
         src = _source(source)
         names = [f for t in src.tables for f in t.feature_names]
+        config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
         unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
         if unknown:
             raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
@@ -607,8 +663,13 @@ def _print_summary(manifest: Dict[str, Any], out: Path, enabled: bool) -> None:
         return
     print(report_text(manifest))
     v = manifest["validation"]
-    extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
-    print(f"validation: error {v['error']:.3g}{extra}")
+    if "relative_diff_vs_float" in v:
+        diffs = ", ".join(f"{k} {d:.3g}" for k, d in v["max_abs_diff_vs_float"].items())
+        print(f"validation ({v['batches']} {v['data']} batches of {v['batch_size']}): outputs differ from the float model's by "
+              f"{v['relative_diff_vs_float']:.3g} relative; max |difference| {diffs}")
+    else:
+        extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
+        print(f"validation: error {v['error']:.3g}{extra}")
     print(f"artifact: {out}")
 
 

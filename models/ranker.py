@@ -16,7 +16,11 @@ class MultiTaskRanker(nn.Module):
     ``purchase`` [B, 1] logits.
 
     Features: clicked_items, followed_tags, candidate (all weighted: send a score per id).
+    ``loss`` sums both heads' binary cross-entropy (one label here: purchases of clicks
+    would be the second in real data); evaluation scores ``click``.
     """
+
+    eval_output = "click"
 
     def __init__(self, num_items: int = 5000, num_tags: int = 300, dim: int = 16, num_dense: int = 8,
                  hidden: int = 32, device: Optional[str] = None) -> None:
@@ -41,3 +45,7 @@ class MultiTaskRanker(nn.Module):
         pooled = self.sparse(features).values()
         x = self.shared(torch.cat([pooled, torch.relu(self.bottom(dense))], dim=1))
         return {"click": self.click(x), "purchase": self.purchase(x)}
+
+    def loss(self, outputs: Dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        bce = nn.functional.binary_cross_entropy_with_logits
+        return bce(outputs["click"].view(-1), labels) + bce(outputs["purchase"].view(-1), labels)

@@ -15,8 +15,11 @@ class TwoTower(nn.Module):
     log1p of the dense counts. Item tower: item id and category. Outputs (all [B, ...]):
     ``score`` [B, 1] (the towers' dot product), ``user_embedding`` and ``item_embedding`` [B, dim].
 
-    Features: user, country, history, item, category.
+    Features: user, country, history, item, category. Trained on click labels: binary
+    cross-entropy of ``score`` (``loss``); evaluated on ``score`` (``eval_output``).
     """
+
+    eval_output = "score"
 
     def __init__(self, num_users: int = 1000, num_items: int = 2000, num_countries: int = 50, num_categories: int = 100,
                  dim: int = 32, num_dense: int = 4, device: Optional[str] = None) -> None:
@@ -53,3 +56,6 @@ class TwoTower(nn.Module):
         item_embedding = self.item_mlp(self.item_tables(features).values())
         score = (user_embedding * item_embedding).sum(dim=1, keepdim=True)
         return {"score": score, "user_embedding": user_embedding, "item_embedding": item_embedding}
+
+    def loss(self, outputs: Dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.binary_cross_entropy_with_logits(outputs["score"].view(-1), labels)

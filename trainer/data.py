@@ -66,6 +66,7 @@ class SyntheticConfig:
     empty_prob: float = 0.05
     zipf_alpha: float = 1.05
     seed: int = 0
+    weighted: bool = False  # give every id a score in [0, 1) (for weighted, id-score features)
 
 
 class SyntheticCriteo:
@@ -105,8 +106,10 @@ class SyntheticCriteo:
             lengths.append(n)
             values.append(ids)
         labels = (torch.rand(b, generator=g) < torch.sigmoid(logit)).float()
+        ids = torch.cat(values)
+        weights = torch.rand(ids.numel(), generator=g) if c.weighted else None
         sparse = KeyedJaggedTensor(
-            keys=self.feature_names, values=torch.cat(values), lengths=torch.cat(lengths).to(torch.int32)
+            keys=self.feature_names, values=ids, lengths=torch.cat(lengths).to(torch.int32), weights=weights
         )
         return Batch(dense=torch.log1p(dense), sparse=sparse, labels=labels)
 

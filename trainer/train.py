@@ -27,6 +27,8 @@ from torch import nn
 from recship.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from recship.trainer.data import CriteoTSV, SyntheticConfig, SyntheticCriteo, prefetch
 from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.entry_point import build_model, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
@@ -58,6 +60,10 @@ class TrainConfig:
     overwrite: bool = False  # delete out/checkpoints and start over (refused without it or --resume)
     keep_last: int = 0  # keep only the newest N checkpoints (0: keep all)
     seed: int = 0
+    # the model: an entry point package.module:factory and its keyword arguments (--model-args JSON);
+    # None trains the built-in DLRM shaped by the fields above
+    model: Optional[str] = None
+    model_args: Dict[str, Any] = field(default_factory=dict)
     nproc_per_node: int = 1
     device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r of its host) or "auto" (cuda when available)
     progress: bool = True
@@ -76,6 +82,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError("steps must be >= 0 and batch_size >= 1")
+        if self.model is not None and (self.data != "synthetic" or self.eval_data is not None):
+            raise ValueError("--model trains on synthetic data sized from the model's tables for now; "
+                             "--data/--eval-data files are read for the built-in DLRM only")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
         if self.keep_last < 0:
@@ -121,12 +130,27 @@ class _Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         torch.manual_seed(config.seed)
-        model_config = config.model_config()
-        model = DLRM(model_config, device="meta")
+        if config.model is None:
+            model_config = config.model_config()
+            model = DLRM(model_config, device="meta")
+            tables = model_config.tables()
+            self.features = [f for t in tables for f in t.feature_names]
+            self.rows = list(config.num_embeddings_per_feature)
+            self.num_dense, self.weighted = model_config.num_dense, False
+            self.saved_model = {"model": asdict(model_config)}
+        else:
+            model = build_model(config.model, config.model_args, device="meta")
+            contract = describe_model(model)
+            tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
+            self.features = [f for f, _, _, _ in contract["features"]]
+            self.rows = [t.num_embeddings for _, _, t, _ in contract["features"]]
+            self.num_dense, self.weighted = contract["num_dense"], contract["weighted"]
+            self.saved_model = {"entry_point": {"model": config.model, "args": config.model_args}}
+        self.user_model = model  # its loss() and eval_output, if it defines them
         constraints = None
         if config.sharding is not None:
             st = ShardingType(config.sharding)
-            constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in model_config.tables()}
+            constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in tables}
         optimizer = FusedOptimizerConfig(EmbOptimType(config.optimizer), learning_rate=config.embedding_lr)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.use_cuda():
@@ -138,7 +162,6 @@ class _Trainer:
         torch.manual_seed(config.seed)  # dense init identical on every rank and for every world size
         self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer, device=self.device)
         self.dense_optimizer = torch.optim.Adagrad(self.model.dense_parameters(), lr=config.dense_lr)
-        self.model_config = model_config
         self.step = 0
         self.next_batch = 0
         self.losses: List[float] = []
@@ -146,11 +169,15 @@ class _Trainer:
 
     # -- data --------------------------------------------------------------
 
+    def _synthetic(self) -> SyntheticCriteo:
+        c = self.config
+        config = SyntheticConfig(self.rows, num_dense=self.num_dense, batch_size=c.batch_size, seed=c.seed, weighted=self.weighted)
+        return SyntheticCriteo(config, self.features)
+
     def _train_batches(self, start: int):
         c = self.config
         if c.data == "synthetic":
-            gen = SyntheticCriteo(SyntheticConfig(c.num_embeddings_per_feature, batch_size=c.batch_size, seed=c.seed))
-            return prefetch(gen.batches(start=start, rank=self.rank))
+            return prefetch(self._synthetic().batches(start=start, rank=self.rank))
         reader = CriteoTSV(c.data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
         return prefetch(_skip(_repeat(reader), start))
 
@@ -161,17 +188,34 @@ class _Trainer:
             return list(reader)[: c.eval_batches]
         if c.data != "synthetic":
             return []
-        gen = SyntheticCriteo(SyntheticConfig(c.num_embeddings_per_feature, batch_size=c.batch_size, seed=c.seed))
+        gen = self._synthetic()
         return [gen.batch(i, EVAL_STREAM + self.rank) for i in range(c.eval_batches)]
 
     # -- loop --------------------------------------------------------------
+
+    def _loss(self, outputs, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own ``loss(outputs, labels)``, else binary cross-entropy on its one output (logits)."""
+        own = getattr(self.user_model, "loss", None)
+        if callable(own):
+            return own(outputs, labels)
+        return nn.functional.binary_cross_entropy_with_logits(self._score(outputs), labels)
+
+    def _score(self, outputs) -> torch.Tensor:
+        """[B] logits to evaluate: the one output, or the one named by the model's ``eval_output``."""
+        if isinstance(outputs, dict):
+            name = getattr(self.user_model, "eval_output", None)
+            if name is None and len(outputs) != 1:
+                raise ValueError(f"{type(self.user_model).__name__} returns {sorted(outputs)}: define eval_output (and loss) "
+                                 "to say which output is trained and evaluated")
+            outputs = outputs[name] if name is not None else next(iter(outputs.values()))
+        return outputs.reshape(-1)
 
     def evaluate(self) -> Dict[str, float]:
         scores, labels = [], []
         with torch.no_grad():
             for b in self._eval_batches():
                 b = b.to(self.device)
-                scores.append(self.model(b.dense, b.sparse).cpu())
+                scores.append(self._score(self.model(b.dense, b.sparse)).cpu())
                 labels.append(b.labels.cpu())
         if not scores:
             return {}
@@ -193,7 +237,7 @@ class _Trainer:
             self.dense_optimizer,
             next_batch=self.next_batch,
             plan=self.plan,
-            config={"model": asdict(self.model_config), "train": asdict(self.config)},
+            config={**self.saved_model, "train": asdict(self.config)},
         )
         if self.config.keep_last and self.rank == 0:  # the save is complete (renamed) on every rank by now
             for old in complete_checkpoints(root)[: -self.config.keep_last]:
@@ -228,8 +272,7 @@ class _Trainer:
             if b is None:
                 break
             b = b.to(self.device, non_blocking=True)
-            logits = self.model(b.dense, b.sparse)
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, b.labels)
+            loss = self._loss(self.model(b.dense, b.sparse), b.labels)
             loss.backward()  # the sharded tables are updated inside backward
             self.dense_optimizer.step()
             self.dense_optimizer.zero_grad(set_to_none=True)
@@ -334,6 +377,8 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
 
     Returns rank 0's summary.
     """
+    if config.model is not None:  # a model that cannot be built fails here, in one line, not inside a spawned rank
+        describe_model(build_model(config.model, config.model_args, device="meta"))
     Path(config.out).mkdir(parents=True, exist_ok=True)
     _check_run_folder(config, delete=os.environ.get("RANK", "0") == "0")  # under torchrun only rank 0 deletes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
@@ -377,6 +422,16 @@ def _check_run_folder(config: TrainConfig, delete: bool) -> None:
         print(f"--overwrite: deleted the checkpoints in {root}", flush=True)
 
 
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON file with TrainConfig fields (flags override it)")
     defaults = TrainConfig()
@@ -385,6 +440,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         value = getattr(defaults, f.name)
         if isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {value})")
+        elif isinstance(value, dict):
+            parser.add_argument(flag, type=_json_object, default=None, help="a JSON object (default {})")
         elif isinstance(value, list):
             parser.add_argument(flag, type=int, nargs="+", default=None, help=f"(default {value[:4]}{'...' if len(value) > 4 else ''})")
         else:

@@ -3,7 +3,7 @@ exported, self-checked, served over gRPC (Predict and KServe) and run from C++, 
 
 import importlib.util
 import json
-import shutil
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from recship.export import ExportConfig, ExportError, export_model
 from recship.export.artifact import load_artifact
-from recship.models import MultiTaskRanker, TwoTower
+from recship.models import TwoTower
 from recship.serving import PredictClient
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
@@ -24,24 +24,32 @@ from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _models():
-    torch.manual_seed(0)
-    two_tower = TwoTower(num_users=300, num_items=500, num_countries=20, num_categories=30, dim=16, num_dense=4)
-    torch.manual_seed(1)
-    ranker = MultiTaskRanker(num_items=400, num_tags=60, dim=8, num_dense=5, hidden=16)
-    return {"two_tower": two_tower, "ranker": ranker}
+EXAMPLES = {
+    "two_tower": ("recship.models:TwoTower", {"num_users": 300, "num_items": 500, "num_countries": 20, "num_categories": 30,
+                                              "dim": 16, "num_dense": 4}, ["--dtype", "int8"]),
+    "ranker": ("recship.models:MultiTaskRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16},
+               ["--dtype", "int4", "--shards", "2", "--sharding", "row_wise", "--table-dtype", "tag_table=int8"]),
+}
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
+    """Each example trained (recship train --model, 2 gloo ranks for the two-tower), then exported from its checkpoint."""
+    from recship.cli import main
+
     root = tmp_path_factory.mktemp("any-model")
-    models = _models()
-    configs = {"two_tower": dict(dtype="int8"), "ranker": dict(dtype="int4", shards=2, sharding="row_wise", table_dtypes={"tag_table": "int8"})}
     manifests = {}
-    for name, model in models.items():
-        manifests[name] = export_model(model, ExportConfig(out=str(root / "repo" / name / "1"), progress=False, validation_batches=2,
-                                                          batch_size_hint=64, model_name=name, **configs[name]))
-    return root, models, manifests
+    for name, (entry, args, export_flags) in EXAMPLES.items():
+        run = root / "runs" / name
+        code = main(["train", "--model", entry, "--model-args", json.dumps(args), "--out", str(run), "--steps", "40",
+                     "--batch-size", "64", "--eval-every", "0", "--eval-batches", "2", "--checkpoint-every", "0", "--no-progress",
+                     "--nproc-per-node", "2" if name == "two_tower" else "1"])
+        assert code == 0
+        checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+        out = root / "repo" / name / "1"
+        assert main(["export", str(checkpoint), "--out", str(out), "--name", name, "--batch-size-hint", "64", *export_flags]) == 0
+        manifests[name] = json.loads((out / "manifest.json").read_text())
+    return root, manifests
 
 
 def _request(manifest, batch, seed):
@@ -62,12 +70,13 @@ def _in_process(model, manifest, sparse, dense, weights):
 
 
 def test_the_manifests_describe_the_models(exported):
-    _, _, manifests = exported
+    _, manifests = exported
     tt = manifests["two_tower"]
     assert [(f["name"], f["pooling"], f["table"]) for f in tt["sparse_features"]] == [
         ("user", "SUM", "user_tables.user_ids"), ("country", "SUM", "user_tables.country_ids"), ("history", "NONE", "history.history_items"),
         ("item", "SUM", "item_tables.item_ids"), ("category", "MEAN", "item_tables.category_ids")]
     assert tt["num_dense"] == 4 and not tt["weighted"] and tt["model"]["kind"] == "module"
+    assert tt["model"]["entry_point"] == {"model": "recship.models:TwoTower", "args": EXAMPLES["two_tower"][1]}
     assert {k: v["shape"] for k, v in tt["outputs"].items()} == {"score": ["B", 1], "user_embedding": ["B", 16], "item_embedding": ["B", 16]}
     ranker = manifests["ranker"]
     assert ranker["weighted"] and {k: v["shape"] for k, v in ranker["outputs"].items()} == {"click": ["B", 1], "purchase": ["B", 1]}
@@ -79,7 +88,7 @@ def test_the_manifests_describe_the_models(exported):
 
 
 def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
-    root, _, manifests = exported
+    root, manifests = exported
     spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
@@ -175,3 +184,27 @@ def test_the_dense_width_must_be_known(tmp_path):
         export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False))
     manifest = export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, num_dense=4, validation_batches=1, batch_size_hint=8))
     assert manifest["num_dense"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "no_such_package.models:Model"], "cannot import no_such_package.models: ModuleNotFoundError"),
+    (["--model", "recship.models:Nope"], "recship.models has no Nope"),
+    (["--model", "recship.models:TwoTower", "--model-args", '{"nope": 1}'], "the factory raised TypeError"),
+    (["--model", "torch.nn:Linear", "--model-args", '{"in_features": 2, "out_features": 2}'], r"forward\(input\): the model contract"),
+    (["--model", "recship.models"], "must look like package.module:factory"),
+])
+def test_train_refuses_a_model_it_cannot_build_in_one_line(tmp_path, capsys, argv, message):
+    from recship.cli import main
+
+    assert main(["train", "--out", str(tmp_path / "x"), "--steps", "1", "--no-progress", *argv]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+    assert not (tmp_path / "x").exists()
+
+
+def test_model_args_must_be_a_json_object(tmp_path, capsys):
+    from recship.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--out", str(tmp_path / "x"), "--model", "recship.models:TwoTower", "--model-args", "[1]"])
+    assert e.value.code == 2 and "a JSON object is needed" in capsys.readouterr().err
