@@ -70,10 +70,12 @@ def _as_dict(out, error) -> Dict[str, torch.Tensor]:
     raise error(f"the model's forward returned {type(out).__name__}; a model to export returns a Tensor or a Dict[str, Tensor]")
 
 
-def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str, Any], Any]:
+def export_any_model(module: nn.Module, config, progress, owned: bool = False) -> Tuple[Any, Dict[str, Any], Any]:
     """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
+    ``owned``: the module was built for this export (from a checkpoint), so its tables are
+    quantized in place instead of in a copy (peak memory: one float model, not two).
     """
     from recship.export.pipeline import ExportError, expand_id_policy
     from recship.export.sharded import shard_quant_model
@@ -81,7 +83,7 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
 
     if config.device != "cpu":
         raise ExportError("exporting a model other than the built-in DLRM runs on CPU only for now (--device cpu)")
-    model = copy.deepcopy(module).eval()
+    model = (module if owned else copy.deepcopy(module)).eval()
     try:
         spec = describe_model(model, config.num_dense)
     except ValueError as e:
@@ -105,8 +107,8 @@ def export_any_model(module: nn.Module, config, progress) -> Tuple[Any, Dict[str
 
     progress("quantize + shard")
     try:
-        quantized, report = quantize_embeddings(
-            model, dtype=config.dtype, per_table=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
+        quantized, report = quantize_embeddings(  # in place: ``model`` is this export's own copy
+            model, inplace=True, dtype=config.dtype, per_table=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
             error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed,
         )
         sharded, plans = quantized, {}

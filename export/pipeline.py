@@ -292,14 +292,15 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
+        owned = False
         if isinstance(source, (str, Path)):
             rebuilt = _module_from_checkpoint(Path(source), config)
             if rebuilt is not None:
-                source, config = rebuilt
+                (source, config), owned = rebuilt, True
         if _is_any_model(source):
             from recship.export.any_model import export_any_model
 
-            scripted, fields, sample = export_any_model(source, config, bar.next)
+            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned)
             bar.next("write")
             manifest = write_artifact(out, scripted, fields, (*sample, None), config)
             bar.finish()

@@ -7,6 +7,8 @@ The built-in DLRM is ``recship.models:dlrm``.
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable, Dict, Optional
 
 from torch import nn
@@ -19,6 +21,8 @@ def load_factory(entry: str) -> Callable[..., nn.Module]:
     module_name, sep, attr = entry.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--model must look like package.module:factory, got {entry!r}")
+    if os.getcwd() not in sys.path:  # as uvicorn does: modules in the current directory are importable
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while importing
