@@ -74,8 +74,14 @@ def main() -> int:
             print(out.stderr[-2000:])
             return 1
         seconds, peak = out.stderr.strip().splitlines()[-1].split()[1:]
+        base = subprocess.run([sys.executable, "-c", "import fbgemm_gpu, torch, recship.export, recship.cli\n"
+                               "print([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0].split()[1])"],
+                              capture_output=True, text=True)
+        baseline = int(base.stdout.strip().splitlines()[-1]) / 1024
         print(f"export to {args.dtype}: {float(seconds):.1f} s in recship's main ({wall:.1f} s with the interpreter and imports); "
-              f"peak RSS {float(peak):,.0f} MB = {float(peak) / float_mb:.2f}x the float tables")
+              f"peak RSS {float(peak):,.0f} MB = {float(peak) / float_mb:.2f}x the float tables; "
+              f"{float(peak) - baseline:,.0f} MB = {(float(peak) - baseline) / float_mb:.2f}x above the {baseline:,.0f} MB "
+              "of a process that only imported torch, fbgemm_gpu and recship")
     return 0
 
 
