@@ -70,12 +70,33 @@ def _as_dict(out, error) -> Dict[str, torch.Tensor]:
     raise error(f"the model's forward returned {type(out).__name__}; a model to export returns a Tensor or a Dict[str, Tensor]")
 
 
-def export_any_model(module: nn.Module, config, progress, owned: bool = False) -> Tuple[Any, Dict[str, Any], Any]:
+def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
+    """([(dense, kjt, labels or None)], what they are): the user's data, else synthetic batches drawn
+    like the training run's (with its labelling model) when the seed is known, else plain random ones."""
+    from recship.export.pipeline import eval_batches
+    from recship.trainer.data import SyntheticConfig, SyntheticCriteo
+
+    names = [f for f, _, _, _ in spec["features"]]
+    rows = [t.num_embeddings for _, _, t, _ in spec["features"]]
+    n, batch = config.validation_batches, config.batch_size_hint
+    if config.eval_data is not None:
+        return eval_batches(config.eval_data, names, rows, spec["num_dense"], spec["weighted"], n, batch), config.eval_data
+    if data_seed is not None:
+        gen = SyntheticCriteo(SyntheticConfig(rows, num_dense=spec["num_dense"], batch_size=batch, seed=data_seed,
+                                              weighted=spec["weighted"]), names)
+        batches = [gen.batch(i, 2_000_000) for i in range(n)]  # a stream training never reads
+        return [(b.dense, b.sparse, b.labels) for b in batches], f"synthetic, as the training run's (seed {data_seed})"
+    return [(*synthetic_batch(spec, batch, config.seed * 7919 + i), None) for i in range(n)], "synthetic (uniform ids, no labels)"
+
+
+def export_any_model(module: nn.Module, config, progress, owned: bool = False,
+                     data_seed: Optional[int] = None) -> Tuple[Any, Dict[str, Any], Any]:
     """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
     ``owned``: the module was built for this export (from a checkpoint), so its tables are
     quantized in place instead of in a copy (peak memory: one float model, not two).
+    ``data_seed``: the training run's seed, for synthetic validation data drawn like its own.
     """
     from recship.export.pipeline import ExportError, expand_id_policy
     from recship.export.sharded import shard_quant_model
@@ -93,17 +114,21 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False) -
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")
-    validation = [synthetic_batch(spec, config.batch_size_hint, config.seed * 7919 + i) for i in range(config.validation_batches)]
+    validation, data = _validation_batches(spec, config, data_seed)
     with torch.no_grad():
         try:
-            raw = [model(dense, kjt) for dense, kjt in validation]
+            raw = [model(dense, kjt) for dense, kjt, _ in validation]
         except Exception as e:
             raise ExportError(f"the float model failed on a synthetic batch: {type(e).__name__}: {e}") from e
     single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
     float_outputs = [_as_dict(r, ExportError) for r in raw]
     for k, v in float_outputs[0].items():
-        if v.dim() == 0 or v.shape[0] != config.batch_size_hint:
+        if v.dim() == 0 or v.shape[0] != validation[0][0].shape[0]:
             raise ExportError(f"output {k!r} has shape {list(v.shape)}: outputs must be batch-first [B, ...]")
+    # the output that AUC and log loss are measured on, if the data has labels: the model's eval_output or its one output
+    score_name = getattr(module, "eval_output", None) or (next(iter(float_outputs[0])) if len(float_outputs[0]) == 1 else None)
+    if score_name is not None and (score_name not in float_outputs[0] or float_outputs[0][score_name][0].numel() != 1):
+        score_name = None
 
     progress("quantize + shard")
     try:
@@ -133,9 +158,12 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False) -
     sums = [0.0, 0.0]
     vs_quantized = 0.0
     with torch.no_grad():
-        for (dense, kjt), want in zip(validation, float_outputs):
+        scored: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for (dense, kjt, labels), want in zip(validation, float_outputs):
             args = (dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
             got, reference = scripted(*args), unsharded(*args)
+            if labels is not None and score_name is not None:
+                scored.append((got[score_name].reshape(-1), want[score_name].reshape(-1), labels))
             for k, w in want.items():
                 max_diff[k] = max(max_diff.get(k, 0.0), float((got[k] - w).abs().max()) if w.numel() else 0.0)
                 sums[0] += float((got[k] - w).double().norm() ** 2)
@@ -150,7 +178,7 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False) -
         raise ExportError(f"validation failed: the outputs' relative difference from the float model is {relative:.3g}, "
                           f"over the error budget {config.error_budget:g} (choose wider types or a larger --error-budget)")
     validation_report = {
-        "data": "synthetic",
+        "data": data,
         "batches": len(validation),
         "batch_size": config.batch_size_hint,
         "max_abs_diff_vs_float": max_diff,
@@ -158,6 +186,13 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False) -
         "max_relative_diff_vs_unsharded_quantized": vs_quantized,
         "error": relative,
     }
+    if scored:  # labels and a [B, 1] logit output: the ranking quality, exported and float
+        from recship.trainer.train import auc
+
+        got, want, labels = (torch.cat(parts) for parts in zip(*scored))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        validation_report.update(output=score_name, auc=auc(got, labels), float_auc=auc(want, labels),
+                                 log_loss=float(bce(got, labels)), float_log_loss=float(bce(want, labels)))
 
     types = {t.table: t.data_type for t in report.tables}
     features = []

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "checkpoints of the built-in DLRM need none)")
     parser.add_argument("--model-args", default="{}", metavar="JSON", help="keyword arguments of --model's factory (a JSON object)")
     parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute")
+    parser.add_argument("--eval-data", metavar="FILE|PACKAGE.MODULE:FUNCTION",
+                        help="validate on this data instead of synthetic batches: a Criteo TSV file (13 dense, 26 sparse "
+                             "features), or a function(batch_size) returning (dense, KeyedJaggedTensor, labels or None) batches")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         model_args=_json_object(args.model_args, "--model-args"),
         num_dense=args.num_dense,
+        eval_data=args.eval_data,
     )
     export_model(args.checkpoint, config)
     return 0

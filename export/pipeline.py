@@ -88,6 +88,7 @@ class ExportConfig:
     overwrite: bool = False
     progress: bool = True
     num_dense: Optional[int] = None  # any-model export: the dense width (else the model's num_dense attribute)
+    eval_data: Optional[str] = None  # validate on this data: a Criteo TSV file, or package.module:function (see docs)
     model: Optional[str] = None  # entry point package.module:factory to rebuild a checkpoint's model (default: what it records)
     model_args: Dict[str, Any] = field(default_factory=dict)
 
@@ -131,6 +132,7 @@ class _Source:
     model_config: Optional[Dict[str, Any]]
     is_weighted: bool
     num_dense: int
+    data_seed: Optional[int] = None  # the training run's seed: synthetic validation data is drawn like its own
 
 
 def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
@@ -148,10 +150,10 @@ def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module
     return model
 
 
-def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[nn.Module, ExportConfig]]:
+def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[nn.Module, ExportConfig, Optional[int]]]:
     """(the model of a checkpoint written by ``recship train --model`` (or named by ``config.model``) with its
-    weights loaded, the config naming its entry point); None for a checkpoint of the built-in DLRM (exported by
-    its own streaming path)."""
+    weights loaded, the config naming its entry point, the training run's seed); None for a checkpoint of the
+    built-in DLRM (exported by its own streaming path)."""
     from recship.trainer.checkpoint import CheckpointError, CheckpointReader
     from recship.trainer.entry_point import build_model
 
@@ -186,7 +188,8 @@ def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[
     missing = sorted(set(missing) - tables)
     if missing or unexpected:
         raise ExportError(f"{path} does not match {entry}({args}): missing {missing[:5]}, unexpected {sorted(unexpected)[:5]}")
-    return model, dataclasses.replace(config, model=entry, model_args=dict(args))
+    seed = ((reader.config or {}).get("train") or {}).get("seed")
+    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed
 
 
 def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
@@ -218,7 +221,9 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
         config = DLRMConfig(**model)
         dense_model = _dense_dlrm(config, reader.dense_state_dict(), str(src))
         tables = [cfg for _, cfg in reader.table_configs()]
-        return _Source("dlrm", tables, lambda: ((cfg, w) for _, cfg, w in reader.tables()), dense_model, model, False, config.num_dense)
+        seed = ((reader.config or {}).get("train") or {}).get("seed")
+        return _Source("dlrm", tables, lambda: ((cfg, w) for _, cfg, w in reader.tables()), dense_model, model, False,
+                       config.num_dense, seed)
     if isinstance(src, DLRM):
         ebc = src.sparse_arch
         dense_model = _dense_dlrm(src.config, {k: v.detach() for k, v in src.state_dict().items()}, "the model")
@@ -248,8 +253,11 @@ def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: 
     rows = [t.num_embeddings for t in source.tables]
     names = [f for t in source.tables for f in t.feature_names]
     out = []
+    if source.kind == "dlrm" and config.eval_data is not None and stream == 0:
+        return eval_batches(config.eval_data, names, rows, source.num_dense, False, n, batch)
     if source.kind == "dlrm":
-        gen = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, batch_size=batch, seed=config.seed), names)
+        seed = source.data_seed if source.data_seed is not None else config.seed
+        gen = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, batch_size=batch, seed=seed), names)
         for i in range(n):
             b = gen.batch(i, 2_000_000 + stream)
             out.append((b.dense, b.sparse, b.labels))
@@ -263,6 +271,48 @@ def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: 
         weights = torch.rand(values.numel(), generator=g) if source.is_weighted else None
         kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths.to(torch.int32), weights=weights)
         out.append((torch.zeros(batch, 0), kjt, None))
+    return out
+
+
+def eval_batches(eval_data: str, names: List[str], rows: List[int], num_dense: int, weighted: bool, n: int, batch: int):
+    """Up to ``n`` batches [(dense, kjt, labels or None)] of the user's data.
+
+    ``eval_data`` is a Criteo TSV file (label, 13 integers, 26 hex ids a line: for models
+    with those 13 dense and 26 sparse features, in order), or ``package.module:function``
+    where ``function(batch_size)`` returns an iterable of (dense [B, num_dense] float,
+    KeyedJaggedTensor of the model's features, labels [B] float or None).
+    """
+    if Path(eval_data).is_file():
+        from recship.trainer.data import CriteoTSV
+
+        if len(names) != CriteoTSV.NUM_SPARSE or num_dense != CriteoTSV.NUM_DENSE:
+            raise ExportError(f"--eval-data {eval_data}: a Criteo TSV file feeds models with 13 dense and 26 sparse features; "
+                              f"this one has {num_dense} and {len(names)} (give a package.module:function instead)")
+        source = ((b.dense, b.sparse, b.labels) for b in CriteoTSV(eval_data, rows, batch, feature_names=names))
+    elif ":" in eval_data:
+        from recship.trainer.entry_point import load_factory
+
+        try:
+            source = iter(load_factory(eval_data)(batch))
+        except ValueError as e:
+            raise ExportError(str(e).replace("--model", "--eval-data")) from None
+        except Exception as e:
+            raise ExportError(f"--eval-data {eval_data} raised {type(e).__name__}: {e}") from None
+    else:
+        raise ExportError(f"--eval-data {eval_data}: no such file (or give package.module:function)")
+    out = []
+    for item in source:
+        if len(out) == n:
+            break
+        dense, kjt, labels = item
+        if list(kjt.keys()) != names:
+            raise ExportError(f"--eval-data {eval_data}: batches must have the features {names}, in order; got {kjt.keys()}")
+        if (kjt.weights_or_none() is not None) != weighted:
+            raise ExportError(f"--eval-data {eval_data}: the model's features are {'weighted' if weighted else 'unweighted'}; "
+                              "the batches' are not")
+        out.append((dense.float(), kjt, None if labels is None else labels.float().reshape(-1)))
+    if not out:
+        raise ExportError(f"--eval-data {eval_data} gave no batches")
     return out
 
 
@@ -292,15 +342,15 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
-        owned = False
+        owned, data_seed = False, None
         if isinstance(source, (str, Path)):
             rebuilt = _module_from_checkpoint(Path(source), config)
             if rebuilt is not None:
-                (source, config), owned = rebuilt, True
+                (source, config, data_seed), owned = rebuilt, True
         if _is_any_model(source):
             from recship.export.any_model import export_any_model
 
-            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned)
+            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed)
             bar.next("write")
             manifest = write_artifact(out, scripted, fields, (*sample, None), config)
             bar.finish()
@@ -514,7 +564,9 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
                 rel_err = max(rel_err, (num / max(den, 1e-30)) ** 0.5)
             for k in want:
                 max_err[k] = max(max_err.get(k, 0.0), float((got[k] - want[k]).abs().max()))
+    seed = src.data_seed if src.data_seed is not None else config.seed
     result: Dict[str, Any] = {
+        "data": config.eval_data if config.eval_data is not None and src.kind == "dlrm" else f"synthetic (seed {seed})",
         "max_abs_error": max_err,
         "max_relative_error_vs_unsharded_quantized": vs_quantized,
         "batches": len(validation),
@@ -666,8 +718,9 @@ def _print_summary(manifest: Dict[str, Any], out: Path, enabled: bool) -> None:
     v = manifest["validation"]
     if "relative_diff_vs_float" in v:
         diffs = ", ".join(f"{k} {d:.3g}" for k, d in v["max_abs_diff_vs_float"].items())
-        print(f"validation ({v['batches']} {v['data']} batches of {v['batch_size']}): outputs differ from the float model's by "
-              f"{v['relative_diff_vs_float']:.3g} relative; max |difference| {diffs}")
+        quality = f"; {v['output']}: AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
+        print(f"validation ({v['batches']} batches of {v['batch_size']}, {v['data']}): outputs differ from the float model's by "
+              f"{v['relative_diff_vs_float']:.3g} relative; max |difference| {diffs}{quality}")
     else:
         extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
         print(f"validation: error {v['error']:.3g}{extra}")

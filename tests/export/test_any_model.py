@@ -208,3 +208,20 @@ def test_model_args_must_be_a_json_object(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--out", str(tmp_path / "x"), "--model", "recship.models:TwoTower", "--model-args", "[1]"])
     assert e.value.code == 2 and "a JSON object is needed" in capsys.readouterr().err
+
+
+def test_validation_is_drawn_like_the_training_data_or_from_eval_data(exported, tmp_path):
+    from recship.cli import main
+
+    root, manifests = exported
+    for name, manifest in manifests.items():  # no --eval-data: synthetic batches with the training run's labelling model
+        v = manifest["validation"]
+        assert v["data"] == "synthetic, as the training run's (seed 0)" and v["output"] == ("score" if name == "two_tower" else "click")
+        assert abs(v["auc"] - v["float_auc"]) < 0.02 and v["float_auc"] > 0.6, v
+    checkpoint = sorted((root / "runs" / "two_tower" / "checkpoints").iterdir())[-1]
+    out = tmp_path / "a"
+    assert main(["export", str(checkpoint), "--out", str(out), "--batch-size-hint", "32", "--eval-data", "eval_data_helper:two_tower_batches"]) == 0
+    v = json.loads((out / "manifest.json").read_text())["validation"]
+    assert v["data"] == "eval_data_helper:two_tower_batches" and v["batches"] == 3 and 0 <= v["auc"] <= 1
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "b"), "--eval-data", "no_such_file.tsv"]) == 2
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "b"), "--eval-data", str(out / "manifest.json")]) == 2  # not Criteo-shaped

@@ -179,3 +179,29 @@ def test_cli_export_inspect_and_bad_inputs(tmp_path, checkpoint, capsys):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith(f"recship {argv[0]}: error:") and message in err
+
+
+def test_synthetic_validation_follows_the_training_runs_seed(tmp_path):
+    """A model trained with --seed 5 is validated on seed 5's data, not seed 0's (AUC near the training eval's)."""
+    summary = launch(TrainConfig(out=str(tmp_path / "run"), steps=60, batch_size=128, num_embeddings_per_feature=ROWS, embedding_dim=8,
+                                 dense_arch=[16], over_arch=[16], eval_every=0, eval_batches=4, checkpoint_every=0, progress=False, seed=5))
+    v = export_model(summary["checkpoint"], _config(tmp_path, "a", batch_size_hint=256, validation_batches=4))["validation"]
+    assert v["data"] == "synthetic (seed 5)"
+    # seed 0's labels would give an AUC near 0.5 (what the manifest said before); the two eval streams differ, so 0.1
+    assert abs(v["float_auc"] - summary["final_eval"]["auc"]) < 0.1 and v["float_auc"] > 0.65, (v, summary["final_eval"])
+
+
+def test_eval_data_from_a_criteo_file(checkpoint, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for _ in range(300):
+        dense = [str(int(torch.randint(0, 1000, (1,), generator=g))) for _ in range(13)]
+        cats = ["%08x" % int(torch.randint(0, 2**31, (1,), generator=g)) for _ in range(26)]
+        lines.append("\t".join([str(int(torch.randint(0, 2, (1,), generator=g)))] + dense + cats))
+    data = tmp_path / "day.tsv"
+    data.write_text("\n".join(lines) + "\n")
+    v = export_model(checkpoint, _config(tmp_path, "a", eval_data=str(data), batch_size_hint=100, validation_batches=5))["validation"]
+    assert v["data"] == str(data) and v["batches"] == 3  # 300 lines in batches of 100
+    assert 0 <= v["auc"] <= 1 and abs(v["auc"] - v["float_auc"]) < 0.05
+    with pytest.raises(ExportError, match="no such file"):
+        export_model(checkpoint, _config(tmp_path, "b", eval_data=str(tmp_path / "missing.tsv")))
