@@ -14,8 +14,7 @@ checked against the float model and the unsharded quantized one on synthetic bat
 and written as the usual artifact, which the server, its KServe fronts and the C++
 loader serve without model-specific code.
 
-Not yet: checkpoints of such models (export takes the module in memory), features that
-mix weighted and unweighted collections (the artifact carries one weighted flag), CUDA.
+Not yet: checkpoints of such models (export takes the module in memory), CUDA.
 """
 
 import copy
@@ -55,10 +54,10 @@ def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.
     g = torch.Generator().manual_seed(seed)
     features = spec["features"]
     lengths = torch.randint(0, 5, (len(features) * batch,), generator=g)
-    rows = torch.tensor([t.num_embeddings for _, _, t, _ in features]).repeat_interleave(batch).repeat_interleave(lengths)
+    rows = torch.tensor([f[2].num_embeddings for f in features]).repeat_interleave(batch).repeat_interleave(lengths)
     values = (torch.rand(int(lengths.sum()), generator=g) * rows).long()
     weights = torch.rand(values.numel(), generator=g) if spec["weighted"] else None
-    kjt = KeyedJaggedTensor(keys=[f for f, _, _, _ in features], values=values, lengths=lengths.to(torch.int32), weights=weights)
+    kjt = KeyedJaggedTensor(keys=[f[0] for f in features], values=values, lengths=lengths.to(torch.int32), weights=weights)
     return torch.rand(batch, spec["num_dense"], generator=g), kjt
 
 
@@ -76,8 +75,8 @@ def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
     from recship.export.pipeline import eval_batches
     from recship.trainer.data import SyntheticConfig, SyntheticCriteo
 
-    names = [f for f, _, _, _ in spec["features"]]
-    rows = [t.num_embeddings for _, _, t, _ in spec["features"]]
+    names = [f[0] for f in spec["features"]]
+    rows = [f[2].num_embeddings for f in spec["features"]]
     n, batch = config.validation_batches, config.batch_size_hint
     if config.eval_data is not None:
         return eval_batches(config.eval_data, names, rows, spec["num_dense"], spec["weighted"], n, batch), config.eval_data
@@ -109,7 +108,7 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
         spec = describe_model(model, config.num_dense)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    names = [f for f, _, _, _ in spec["features"]]
+    names = [f[0] for f in spec["features"]]
     config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
@@ -196,11 +195,11 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
 
     types = {t.table: t.data_type for t in report.tables}
     features = []
-    for f, path, t, pooling in spec["features"]:
+    for f, path, t, pooling, weighted in spec["features"]:
         qualified = f"{path}.{t.name}" if path else t.name
         features.append({
             "name": f, "table": qualified, "pooling": pooling, "dim": t.embedding_dim, "rows": t.num_embeddings,
-            "weight_type": types[qualified], "id_policy": config.id_policy.get(f, "reject"),
+            "weight_type": types[qualified], "id_policy": config.id_policy.get(f, "reject"), "weighted": weighted,
         })
     shards = [{"table": f"{path}.{table}" if path else table, **{k: v for k, v in vars(s).items() if k != "table"}}
               for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]

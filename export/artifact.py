@@ -69,12 +69,16 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
             fail(f"{where}rows and dim must be positive")
         if f.get("id_policy") not in ("reject", "modulo"):
             fail(f"{where}id_policy must be 'reject' or 'modulo'")
+        if not isinstance(f.get("weighted", False), bool):
+            fail(f"{where}weighted must be bool")
         if f["name"] in names:
             fail(f"sparse feature {f['name']!r} appears twice")
         names.add(f["name"])
     if need(manifest, "num_dense", int, "") < 0:
         fail("num_dense must be >= 0")
-    need(manifest, "weighted", bool, "")
+    weighted = need(manifest, "weighted", bool, "")
+    if features and weighted != any(f.get("weighted", weighted) for f in features):
+        fail("weighted must say whether any sparse feature is weighted")
     for name, out in need(manifest, "outputs", dict, "").items():
         shape = need(out, "shape", list, f"outputs[{name!r}].")
         if not shape or shape[0] != "B" or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape[1:]):

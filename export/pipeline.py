@@ -607,7 +607,7 @@ def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validati
             {
                 "name": f, "table": t.name, "pooling": t.pooling.value, "dim": t.embedding_dim,
                 "rows": t.num_embeddings, "weight_type": types[t.name].name,
-                "id_policy": config.id_policy.get(f, "reject"),
+                "id_policy": config.id_policy.get(f, "reject"), "weighted": src.is_weighted,
             }
             for t in src.tables for f in t.feature_names
         ],

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 from torch import nn
 
-from recship.models.ranker import MultiTaskRanker
+from recship.models.ranker import MixedRanker, MultiTaskRanker
 from recship.models.two_tower import TwoTower
 
 
@@ -23,4 +23,4 @@ def dlrm(num_embeddings_per_feature: Optional[List[int]] = None, embedding_dim: 
     return DLRM(config, device=device)
 
 
-__all__ = ["MultiTaskRanker", "TwoTower", "dlrm"]
+__all__ = ["MixedRanker", "MultiTaskRanker", "TwoTower", "dlrm"]

@@ -49,3 +49,28 @@ class MultiTaskRanker(nn.Module):
     def loss(self, outputs: Dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
         bce = nn.functional.binary_cross_entropy_with_logits
         return bce(outputs["click"].view(-1), labels) + bce(outputs["purchase"].view(-1), labels)
+
+
+class MixedRanker(MultiTaskRanker):
+    """MultiTaskRanker plus plain (unweighted) features in an EmbeddingBagCollection of their own:
+    the user's country and device type. Requests send weights for the id-score features only.
+
+    Features: clicked_items, followed_tags, candidate (weighted), country, device_type (unweighted).
+    """
+
+    def __init__(self, num_items: int = 5000, num_tags: int = 300, dim: int = 16, num_dense: int = 8,
+                 hidden: int = 32, num_countries: int = 50, device: Optional[str] = None) -> None:
+        super().__init__(num_items, num_tags, dim, num_dense, hidden, device)
+        self.context = EmbeddingBagCollection([
+            EmbeddingBagConfig(name="country_table", num_embeddings=num_countries, embedding_dim=dim, feature_names=["country"]),
+            EmbeddingBagConfig(name="device_table", num_embeddings=8, embedding_dim=dim, feature_names=["device_type"]),
+        ], device=device)
+        self.shared = nn.Sequential(nn.Linear(6 * dim, hidden), nn.ReLU())
+        if device != "meta":
+            with torch.no_grad():
+                nn.init.normal_(self.shared[0].weight, 0, 0.1)
+
+    def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        pooled = torch.cat([self.sparse(features).values(), self.context(features).values()], dim=1)
+        x = self.shared(torch.cat([pooled, torch.relu(self.bottom(dense))], dim=1))
+        return {"click": self.click(x), "purchase": self.purchase(x)}

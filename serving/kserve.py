@@ -55,7 +55,7 @@ def input_metadata(manifest: dict) -> List[Tuple[str, str, List[int]]]:
     for f in manifest["sparse_features"]:
         inputs.append((f"{f['name']}.lengths", "INT32", [-1]))
         inputs.append((f"{f['name']}.values", "INT64", [-1]))
-        if manifest["weighted"]:
+        if f.get("weighted", manifest["weighted"]):
             inputs.append((f"{f['name']}.weights", "FP32", [-1]))
     if manifest["num_dense"]:
         inputs.append(("dense", "FP32", [-1, int(manifest["num_dense"])]))

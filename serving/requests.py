@@ -44,7 +44,7 @@ class ModelSpec:
     features: List[str]
     rows: Dict[str, int]
     modulo: Dict[str, bool]
-    weighted: bool
+    weighted: Dict[str, bool]  # feature -> takes a weight (score) per id
     num_dense: int
     max_batch_size: int
 
@@ -52,6 +52,8 @@ class ModelSpec:
         self._index = {name: i for i, name in enumerate(self.features)}
         self._rows = np.array([self.rows[f] for f in self.features], dtype=np.int64)
         self._modulo = np.array([self.modulo[f] for f in self.features], dtype=bool)
+        self._weighted = np.array([self.weighted[f] for f in self.features], dtype=bool)
+        self.any_weighted = bool(self._weighted.any())
 
     @staticmethod
     def from_manifest(manifest: dict, max_batch_size: int) -> "ModelSpec":
@@ -60,7 +62,7 @@ class ModelSpec:
             features=[f["name"] for f in feats],
             rows={f["name"]: int(f["rows"]) for f in feats},
             modulo={f["name"]: f["id_policy"] == "modulo" for f in feats},
-            weighted=bool(manifest["weighted"]),
+            weighted={f["name"]: bool(f.get("weighted", manifest["weighted"])) for f in feats},
             num_dense=int(manifest["num_dense"]),
             max_batch_size=max_batch_size,
         )
@@ -143,7 +145,8 @@ class ParsedRequest:
     """A validated request in the model's feature order.
 
     dense: float32 [B, n_dense]; lengths: int32 [F, B]; values: int64 [sum(lengths)],
-    feature-major (ids of modulo features already hashed); weights: float32 like values, or None;
+    feature-major (ids of modulo features already hashed); weights: float32 like values (1 for the
+    ids of unweighted features) when any feature is weighted, else None;
     id_counts: int64 [F], ids per feature (what validation summed; the batcher's merge uses it).
     """
 
@@ -175,10 +178,8 @@ def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
     if ok and ids.size:
         ids, ok = _check_ids(ids, sp.id_counts, spec)
     if ok:
-        if spec.weighted:
-            ok = bool((sp.weight_counts == sp.id_counts).all()) and bool(np.isfinite(weights).all())
-        else:
-            ok = weights.size == 0
+        wanted = np.where(spec._weighted, sp.id_counts, 0)  # a weight per id of weighted features, none for the others
+        ok = bool((sp.weight_counts == wanted).all()) and bool(np.isfinite(weights).all())
     if not ok:  # something is wrong: find the first offending feature and say what
         _raise_first_sparse_error(sp, spec, b)
         raise AssertionError("vectorised and per-feature validation disagree")
@@ -188,9 +189,18 @@ def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
         dense,
         _tensor(lengths, np.int32).view(n_features, b),
         _tensor(ids, np.int64),
-        _tensor(weights, np.float32) if spec.weighted else None,
+        _weights(weights, sp.id_counts, spec) if spec.any_weighted else None,
         sp.id_counts,
     )
+
+
+def _weights(given: np.ndarray, id_counts: np.ndarray, spec: ModelSpec) -> torch.Tensor:
+    """float32 [N]: the given weights of weighted features' ids, 1 for the ids of unweighted ones (which ignore them)."""
+    if spec._weighted.all():
+        return _tensor(given, np.float32)
+    out = np.ones(int(id_counts.sum()), dtype=np.float32)
+    out[np.repeat(spec._weighted, id_counts)] = given
+    return torch.from_numpy(out)
 
 
 def _tensor(a: np.ndarray, dtype) -> torch.Tensor:
@@ -249,13 +259,14 @@ def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None
             if lo < 0 or hi >= rows:
                 bad = lo if lo < 0 else hi
                 raise IdOutOfRange(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
-        if spec.weighted:
+        if spec.weighted[name]:
             if w.shape[0] != ids.shape[0]:
                 raise InvalidRequest(f"sparse feature {name!r}: {w.shape[0]} weights for {ids.shape[0]} ids")
             if w.size and not np.isfinite(w).all():
                 raise InvalidRequest(f"sparse feature {name!r}: weights must be finite")
         elif w.size:
-            raise InvalidRequest(f"sparse feature {name!r}: weights given, but the model's features are unweighted")
+            whose = "this feature is" if spec.any_weighted else "the model's features are"
+            raise InvalidRequest(f"sparse feature {name!r}: weights given, but {whose} unweighted")
 
 
 def _dense(r: RequestArrays, spec: ModelSpec, b: int) -> torch.Tensor:

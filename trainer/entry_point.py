@@ -63,9 +63,9 @@ def _takes(factory: Callable, name: str) -> bool:
 def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[str, Any]:
     """The model contract's facts about ``module``; ValueError naming what breaks the contract.
 
-    Returns {"features": [(feature, collection path, table config, pooling or "NONE")],
-    "weighted": bool, "num_dense": int}: features in the order of their collections
-    (first path in ``named_modules`` order) and tables.
+    Returns {"features": [(feature, collection path, table config, pooling or "NONE", weighted)],
+    "weighted": whether any feature is, "num_dense": int}: features in the order of their
+    collections (first path in ``named_modules`` order) and tables.
     """
     from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -81,23 +81,20 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
             seen.setdefault(id(m), (path, m))
     if not seen:
         raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
-    features, owner, weighted = [], {}, set()
+    features, owner = [], {}
     for path, c in seen.values():
         is_bag = isinstance(c, EmbeddingBagCollection)
-        weighted.add(c.is_weighted() if is_bag else False)
+        weighted = is_bag and c.is_weighted()
         for t in (c.embedding_bag_configs() if is_bag else c.embedding_configs()):
             for f in t.feature_names:
                 if f in owner:
                     raise ValueError(f"feature {f!r} is looked up by two collections ({owner[f]} and {path or 'the model'}): "
                                      "give each collection its own feature name")
                 owner[f] = path or "the model"
-                features.append((f, path, t, t.pooling.value if is_bag else "NONE"))
-    if len(weighted) > 1:
-        raise ValueError("the model mixes weighted and unweighted collections; an artifact takes weights for every "
-                         "feature or for none (not supported yet)")
+                features.append((f, path, t, t.pooling.value if is_bag else "NONE", weighted))
     if num_dense is None:
         num_dense = getattr(module, "num_dense", None)
     if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
         raise ValueError(f"the dense width is unknown: give num_dense (ExportConfig(num_dense=N)) or a num_dense attribute "
                          f"on {type(module).__name__} (0 for a model without dense inputs)")
-    return {"features": features, "weighted": weighted.pop(), "num_dense": num_dense}
+    return {"features": features, "weighted": any(f[4] for f in features), "num_dense": num_dense}

@@ -142,8 +142,8 @@ class _Trainer:
             model = build_model(config.model, config.model_args, device="meta")
             contract = describe_model(model)
             tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
-            self.features = [f for f, _, _, _ in contract["features"]]
-            self.rows = [t.num_embeddings for _, _, t, _ in contract["features"]]
+            self.features = [f[0] for f in contract["features"]]
+            self.rows = [f[2].num_embeddings for f in contract["features"]]
             self.num_dense, self.weighted = contract["num_dense"], contract["weighted"]
             self.saved_model = {"entry_point": {"model": config.model, "args": config.model_args}}
         self.user_model = model  # its loss() and eval_output, if it defines them

@@ -72,7 +72,8 @@ struct Model::Impl {
   std::vector<std::string> features;
   std::map<std::string, int64_t> rows;
   std::map<std::string, bool> modulo;
-  bool weighted = false;
+  bool weighted = false;                      // any feature takes weights: the model gets a weights tensor
+  std::map<std::string, bool> feature_weighted;  // which features take them (ids of the others get weight 1)
   int64_t num_dense = 0;
   int64_t max_batch_size = 512;
 
@@ -131,6 +132,8 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     m.modulo[name] = f["id_policy"].get<std::string>() == "modulo";
   }
   m.weighted = m.manifest["weighted"].get<bool>();
+  for (const auto& f : m.manifest["sparse_features"])
+    m.feature_weighted[f["name"].get<std::string>()] = f.value("weighted", m.weighted);
   m.num_dense = m.manifest["num_dense"].get<int64_t>();
   if (options.self_check) {
     auto got = model->predict(model->sample_request());
@@ -198,7 +201,7 @@ std::vector<torch::jit::IValue> Model::Impl::inputs(const Request& r) const {
         *vp++ = id;
       }
     }
-    if (weighted) {
+    if (feature_weighted.at(name)) {
       if (f.weights.size() != f.ids.size())
         throw InvalidRequest(where + std::to_string(f.weights.size()) + " weights for " + std::to_string(f.ids.size()) + " ids");
       for (float w : f.weights) {
@@ -206,7 +209,9 @@ std::vector<torch::jit::IValue> Model::Impl::inputs(const Request& r) const {
         *wp++ = w;
       }
     } else if (!f.weights.empty()) {
-      throw InvalidRequest(where + "weights given, but the model's features are unweighted");
+      throw InvalidRequest(where + "weights given, but " + (weighted ? "this feature is" : "the model's features are") + " unweighted");
+    } else if (weighted) {
+      wp = std::fill_n(wp, f.ids.size(), 1.0f);  // the model ignores them: this feature's collection is unweighted
     }
     std::copy(f.lengths.begin(), f.lengths.end(), lp);
     lp += b;
@@ -283,7 +288,7 @@ Request Model::sample_request() const {
     int64_t n = 0;
     for (int32_t x : f.lengths) n += x;
     f.ids.assign(values.begin() + v, values.begin() + v + n);
-    if (!weights.empty()) f.weights.assign(weights.begin() + v, weights.begin() + v + n);
+    if (!weights.empty() && impl_->feature_weighted.at(name)) f.weights.assign(weights.begin() + v, weights.begin() + v + n);
     v += n;
     r.sparse[name] = std::move(f);
   }

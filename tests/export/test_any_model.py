@@ -19,7 +19,6 @@ from recship.models import TwoTower
 from recship.serving import PredictClient
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
-from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +28,8 @@ EXAMPLES = {
                                               "dim": 16, "num_dense": 4}, ["--dtype", "int8"]),
     "ranker": ("recship.models:MultiTaskRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16},
                ["--dtype", "int4", "--shards", "2", "--sharding", "row_wise", "--table-dtype", "tag_table=int8"]),
+    "mixed": ("recship.models:MixedRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16, "num_countries": 30},
+              ["--dtype", "int8"]),
 }
 
 
@@ -56,7 +57,8 @@ def _request(manifest, batch, seed):
     g = np.random.default_rng(seed)
     sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"], size=g.integers(0, 4))] for _ in range(batch)]
               for f in manifest["sparse_features"]}
-    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest["weighted"] else None
+    weighted = [f["name"] for f in manifest["sparse_features"] if f["weighted"]]  # weights for those features only
+    weights = {n: [[float(x) for x in g.random(len(r))] for r in sparse[n]] for n in weighted} or None
     return sparse, g.random((batch, manifest["num_dense"]), dtype=np.float32), weights
 
 
@@ -64,7 +66,9 @@ def _in_process(model, manifest, sparse, dense, weights):
     names = [f["name"] for f in manifest["sparse_features"]]
     lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
     values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
+    # the artifact takes a weight per id when any feature is weighted: 1 for unweighted features (ignored)
+    w = torch.tensor([x for n in names for r in (weights[n] if n in weights else [[1.0] * len(r) for r in sparse[n]]) for x in r],
+                     dtype=torch.float32) if weights else None
     with torch.no_grad():
         return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, w).items()}
 
@@ -78,6 +82,9 @@ def test_the_manifests_describe_the_models(exported):
     assert tt["num_dense"] == 4 and not tt["weighted"] and tt["model"]["kind"] == "module"
     assert tt["model"]["entry_point"] == {"model": "recship.models:TwoTower", "args": EXAMPLES["two_tower"][1]}
     assert {k: v["shape"] for k, v in tt["outputs"].items()} == {"score": ["B", 1], "user_embedding": ["B", 16], "item_embedding": ["B", 16]}
+    mixed = manifests["mixed"]
+    assert mixed["weighted"] and {f["name"]: f["weighted"] for f in mixed["sparse_features"]} == {
+        "clicked_items": True, "candidate": True, "followed_tags": True, "country": False, "device_type": False}
     ranker = manifests["ranker"]
     assert ranker["weighted"] and {k: v["shape"] for k, v in ranker["outputs"].items()} == {"click": ["B", 1], "purchase": ["B", 1]}
     assert {f["table"]: f["weight_type"] for f in ranker["sparse_features"]} == {"sparse.item_table": "INT4", "sparse.tag_table": "INT8"}
@@ -118,7 +125,7 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
                             [len(r) for r in rows])
                         ids = [i for r in rows for i in r]
                         request.inputs.add(name=f"{f['name']}.values", datatype="INT64", shape=[len(ids)]).contents.int64_contents.extend(ids)
-                        if weights:
+                        if weights and f["name"] in weights:
                             w = [x for r in weights[f["name"]] for x in r]
                             request.inputs.add(name=f"{f['name']}.weights", datatype="FP32", shape=[len(w)]).contents.fp32_contents.extend(w)
                     answer = kserve(request.SerializeToString(), timeout=30)
@@ -133,6 +140,19 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
                         cpp = json.loads(result.stdout)
                         for k in want:
                             np.testing.assert_array_equal(np.asarray(cpp[k], dtype=np.float32), got[k])
+            # mixed weighting: weights only for weighted features, the same message from the server and from C++
+            manifest = manifests["mixed"]
+            sparse, dense, weights = _request(manifest, 2, 9)
+            for bad, expected in (({**weights, "country": [[0.5] * len(r) for r in sparse["country"]]},
+                                  "sparse feature 'country': weights given, but this feature is unweighted"),
+                                 ({k: v for k, v in weights.items() if k != "candidate"}, "sparse feature 'candidate': 0 weights for")):
+                with pytest.raises(grpc.RpcError) as e:
+                    client.predict("mixed", sparse, dense, bad)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and expected in e.value.details()
+                path = tmp_path / "bad.json"
+                path.write_text(json.dumps({"sparse": sparse, "dense": dense.tolist(), "weights": bad}))
+                result = subprocess.run([str(binary), str(root / "repo" / "mixed" / "1"), "--request", str(path)], capture_output=True, text=True)
+                assert result.returncode != 0 and expected in result.stderr, result.stderr
             channel.close()
     finally:
         server.stop()
@@ -158,18 +178,10 @@ class _Branchy(TwoTower):
         return out
 
 
-class _Mixed(TwoTower):
-    def __init__(self):
-        super().__init__(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8)
-        self.extra = EmbeddingBagCollection([EmbeddingBagConfig(name="w", num_embeddings=5, embedding_dim=4, feature_names=["scored"])],
-                                            is_weighted=True)
-
-
 @pytest.mark.parametrize("model,message", [
     (_NoTables(), "holds no EmbeddingBagCollection or EmbeddingCollection"),
     (_WrongSignature(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), r"forward\(features\): the model contract is forward\(dense, features\)"),
     (_Branchy(num_users=20, num_items=20, num_countries=5, num_categories=5, dim=8), "fx tracing / TorchScript of _Branchy failed"),
-    (_Mixed(), "mixes weighted and unweighted collections"),
 ])
 def test_models_outside_the_contract_are_refused_by_name(model, message, tmp_path):
     with pytest.raises(ExportError, match=message):

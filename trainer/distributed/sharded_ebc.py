@@ -356,8 +356,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
                         self.data_parallel[t.name],
                         jt.offsets().to(ids.dtype),
                         mode="sum",
-                        per_sample_weights=jt.weights_or_none(),
-                        include_last_offset=True,
+                        per_sample_weights=jt.weights_or_none() if self._is_weighted else None,  # a KJT may carry
+                        include_last_offset=True,  # weights for another (weighted) collection's features
                     )
                 else:
                     by_col: Dict[int, torch.Tensor] = {}

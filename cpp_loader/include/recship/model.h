@@ -30,7 +30,7 @@ struct VersionMismatch : Error {  // the artifact was built with another torch /
 struct Feature {
   std::vector<int32_t> lengths;  // [batch_size]
   std::vector<int64_t> ids;      // [sum(lengths)]
-  std::vector<float> weights;    // [sum(lengths)] for weighted models, else empty
+  std::vector<float> weights;    // [sum(lengths)] for weighted features, else empty
 };
 
 struct Request {
