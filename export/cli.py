@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute")
     parser.add_argument("--eval-data", metavar="FILE|PACKAGE.MODULE:FUNCTION",
                         help="validate on this data instead of synthetic batches: a Criteo TSV file (13 dense, 26 sparse "
-                             "features), or a function(batch_size) returning (dense, KeyedJaggedTensor, labels or None) batches")
+                             "features), or a function(batch_size, rank, world_size) returning (dense, KeyedJaggedTensor, labels or None) batches")
 
 
 def run(args: argparse.Namespace) -> int:

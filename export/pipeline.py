@@ -279,8 +279,9 @@ def eval_batches(eval_data: str, names: List[str], rows: List[int], num_dense: i
 
     ``eval_data`` is a Criteo TSV file (label, 13 integers, 26 hex ids a line: for models
     with those 13 dense and 26 sparse features, in order), or ``package.module:function``
-    where ``function(batch_size)`` returns an iterable of (dense [B, num_dense] float,
-    KeyedJaggedTensor of the model's features, labels [B] float or None).
+    where ``function(batch_size=B, rank=0, world_size=1)`` returns an iterable of (dense
+    [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B] float or None):
+    the data functions ``recship train --data`` takes.
     """
     if Path(eval_data).is_file():
         from recship.trainer.data import CriteoTSV
@@ -293,7 +294,7 @@ def eval_batches(eval_data: str, names: List[str], rows: List[int], num_dense: i
         from recship.trainer.entry_point import load_factory
 
         try:
-            source = iter(load_factory(eval_data)(batch))
+            source = iter(load_factory(eval_data)(batch_size=batch, rank=0, world_size=1))
         except ValueError as e:
             raise ExportError(str(e).replace("--model", "--eval-data")) from None
         except Exception as e:

@@ -231,3 +231,32 @@ def prefetch(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
                 raise failure[0]
             return
         yield item
+
+
+def is_entry_point(data: str) -> bool:
+    """``package.module:function`` rather than a file path."""
+    return ":" in data and not Path(data).exists() and "/" not in data.split(":", 1)[0]
+
+
+class DataFunction:
+    """Batches from a user's function: ``function(batch_size=B, rank=r, world_size=W)`` returns an
+    iterable of ``(dense [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B])``
+    (or Batch objects) holding this rank's share of the data. Iterating again calls it again.
+    """
+
+    def __init__(self, entry: str, batch_size: int, rank: int, world_size: int, features: List[str], weighted: bool) -> None:
+        from recship.trainer.entry_point import load_factory
+
+        self.path = entry
+        self._function = load_factory(entry)
+        self._kwargs = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
+        self._features, self._weighted = list(features), weighted
+
+    def __iter__(self) -> Iterator[Batch]:
+        for item in self._function(**self._kwargs):
+            b = item if isinstance(item, Batch) else Batch(*item)
+            if list(b.sparse.keys()) != self._features:
+                raise ValueError(f"{self.path}: batches must have the model's features {self._features}, in order; got {b.sparse.keys()}")
+            if self._weighted and b.sparse.weights_or_none() is None:
+                raise ValueError(f"{self.path}: the model has weighted features; the batches' KeyedJaggedTensor has no weights")
+            yield Batch(b.dense.float(), b.sparse, b.labels.float().reshape(-1))

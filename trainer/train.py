@@ -10,6 +10,7 @@ on held-out data every ``eval_every`` steps, and prints a summary at the end.
 """
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from recship.trainer.data import CriteoTSV, SyntheticConfig, SyntheticCriteo, prefetch
+from recship.trainer.data import CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.dlrm import DLRM, DLRMConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.entry_point import build_model, describe_model
@@ -51,8 +52,8 @@ class TrainConfig:
     embedding_lr: float = 0.05
     dense_lr: float = 0.05
     sharding: Optional[str] = None  # force one sharding type for every table; None: the planner decides
-    data: str = "synthetic"  # or the path of a Criteo TSV file
-    eval_data: Optional[str] = None  # Criteo TSV for evaluation (synthetic data has its own held-out stream)
+    data: str = "synthetic"  # or a Criteo TSV file, or a data function package.module:function (see trainer/data.py)
+    eval_data: Optional[str] = None  # the same kinds, for evaluation (synthetic data has its own held-out stream)
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 100
@@ -82,9 +83,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.steps < 0 or self.batch_size < 1:
             raise ValueError("steps must be >= 0 and batch_size >= 1")
-        if self.model is not None and (self.data != "synthetic" or self.eval_data is not None):
-            raise ValueError("--model trains on synthetic data sized from the model's tables for now; "
-                             "--data/--eval-data files are read for the built-in DLRM only")
+        if self.model is not None and any(d is not None and d != "synthetic" and not is_entry_point(d) for d in (self.data, self.eval_data)):
+            raise ValueError("--model trains on synthetic data sized from the model's tables or on a data function "
+                             "(--data package.module:function); Criteo TSV files feed the built-in DLRM only")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
         if self.keep_last < 0:
@@ -174,18 +175,23 @@ class _Trainer:
         config = SyntheticConfig(self.rows, num_dense=self.num_dense, batch_size=c.batch_size, seed=c.seed, weighted=self.weighted)
         return SyntheticCriteo(config, self.features)
 
+    def _reader(self, data: str):
+        """A re-iterable source of this rank's batches: a Criteo TSV file, or a data function."""
+        c = self.config
+        if is_entry_point(data):
+            return DataFunction(data, c.batch_size, self.rank, self.world_size, self.features, self.weighted)
+        return CriteoTSV(data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
+
     def _train_batches(self, start: int):
         c = self.config
         if c.data == "synthetic":
             return prefetch(self._synthetic().batches(start=start, rank=self.rank))
-        reader = CriteoTSV(c.data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
-        return prefetch(_skip(_repeat(reader), start))
+        return prefetch(_skip(_repeat(self._reader(c.data)), start))
 
     def _eval_batches(self):
         c = self.config
         if c.eval_data is not None:
-            reader = CriteoTSV(c.eval_data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
-            return list(reader)[: c.eval_batches]
+            return list(itertools.islice(iter(self._reader(c.eval_data)), c.eval_batches))
         if c.data != "synthetic":
             return []
         gen = self._synthetic()
@@ -319,7 +325,7 @@ def _repeat(reader):
             yielded = True
             yield b
         if not yielded:
-            raise ValueError(f"{reader.path} holds no valid example")
+            raise ValueError(f"{reader.path} gives no batch")
 
 
 def _skip(it, n: int):

@@ -237,3 +237,22 @@ def test_validation_is_drawn_like_the_training_data_or_from_eval_data(exported, 
     assert v["data"] == "eval_data_helper:two_tower_batches" and v["batches"] == 3 and 0 <= v["auc"] <= 1
     assert main(["export", str(checkpoint), "--out", str(tmp_path / "b"), "--eval-data", "no_such_file.tsv"]) == 2
     assert main(["export", str(checkpoint), "--out", str(tmp_path / "b"), "--eval-data", str(out / "manifest.json")]) == 2  # not Criteo-shaped
+
+
+def test_train_a_model_on_a_data_function(tmp_path, capsys):
+    from recship.cli import main
+
+    entry, args, _ = EXAMPLES["two_tower"]
+    common = ["train", "--model", entry, "--model-args", json.dumps(args), "--steps", "6", "--batch-size", "16",
+              "--eval-every", "0", "--eval-batches", "2", "--checkpoint-every", "0", "--no-progress"]
+    assert main(common + ["--out", str(tmp_path / "a"), "--data", "eval_data_helper:two_tower_batches",
+                          "--eval-data", "eval_data_helper:two_tower_batches"]) == 0
+    out = capsys.readouterr().out
+    assert "trained 6 steps (steps 1-6)" in out and "AUC" in out  # 3 batches a pass: the function is called again
+    # a data function whose batches do not fit the model is one line, exit 2
+    assert main(common + ["--out", str(tmp_path / "b"), "--data", "eval_data_helper:wrong_features"]) == 2
+    assert "batches must have the model's features" in capsys.readouterr().err
+    # a TSV file feeds the built-in DLRM only
+    (tmp_path / "d.tsv").write_text("1\t" * 39 + "1\n")
+    assert main(common + ["--out", str(tmp_path / "c"), "--data", str(tmp_path / "d.tsv")]) == 2
+    assert "Criteo TSV files feed the built-in DLRM only" in capsys.readouterr().err
