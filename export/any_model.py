@@ -118,7 +118,7 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
         try:
             raw = [model(dense, kjt) for dense, kjt, _ in validation]
         except Exception as e:
-            raise ExportError(f"the float model failed on a synthetic batch: {type(e).__name__}: {e}") from e
+            raise ExportError(f"the float model failed on a validation batch ({data}): {type(e).__name__}: {e}") from e
     single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
     float_outputs = [_as_dict(r, ExportError) for r in raw]
     for k, v in float_outputs[0].items():
