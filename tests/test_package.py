@@ -74,11 +74,12 @@ def test_datatype_converts_to_fbgemm_sparse_type():
         DataType.INT8.to_torch_dtype()
 
 
-def test_cli_version_and_demo():
+def test_cli_version_and_demo(tmp_path):
     env = dict(os.environ)
     version = subprocess.run([sys.executable, "-m", "recship", "--version"], capture_output=True, text=True, check=True)
     assert version.stdout.strip().startswith("recship ")
-    demo = subprocess.run([sys.executable, "-m", "recship", "demo"], capture_output=True, text=True, env=env)
+    # into a temporary folder: the suite leaves runs/demo (the README's `make demo` folder) alone
+    demo = subprocess.run([sys.executable, "-m", "recship", "demo", "--out", str(tmp_path / "demo")], capture_output=True, text=True, env=env)
     assert demo.returncode == 0, demo.stderr
     assert "demo finished: every check passed" in demo.stdout
     assert "torch.Size" not in demo.stdout and "(3, 128)" in demo.stdout
