@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from recship.export.model import build_kjt, trace_and_script
-from recship.sparse import KeyedJaggedTensor
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import describe_model
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
@@ -88,14 +89,86 @@ def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
     return [(*synthetic_batch(spec, batch, config.seed * 7919 + i), None) for i in range(n)], "synthetic (uniform ids, no labels)"
 
 
+class _Recorded(nn.Module):
+    """Stands in for a float EmbeddingBagCollection: returns the pooled lookups recorded for batch ``index``."""
+
+    def __init__(self, keys: List[str], dims: List[int], per_batch: List[Dict[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.keys, self.dims, self.per_batch, self.index = keys, dims, per_batch, 0
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        pooled = self.per_batch[self.index]
+        return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=torch.cat([pooled[k] for k in self.keys], dim=1), key_dim=1)
+
+
+def _swap(model: nn.Module, paths: List[str], module: nn.Module) -> None:
+    for path in paths:
+        parent, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent), name, module)
+
+
+def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
+    """Quantizes ``model`` (its EBC tables on meta, loaded one at a time by ``load_table(path, table)``)
+    and returns (float outputs per validation batch, quantized model, report).
+
+    The float model never exists whole: while each float table is loaded, its pooled
+    lookups for the validation batches are recorded; the float outputs then come from the
+    model with recorded stand-ins for its EBCs and its float EmbeddingCollections.
+    """
+    from recship.export.pipeline import _float_pool
+
+    paths: Dict[int, List[str]] = {}
+    modules: Dict[int, nn.Module] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        if type(m) in (EmbeddingBagCollection, EmbeddingCollection):
+            paths.setdefault(id(m), []).append(path)
+            modules[id(m)] = m
+    first = {key: ps[0] for key, ps in paths.items()}
+    recorded: Dict[str, List[Dict[str, torch.Tensor]]] = {}
+    weighted = {first[key]: m.is_weighted() for key, m in modules.items() if isinstance(m, EmbeddingBagCollection)}
+
+    def record(path: str, table, weight: torch.Tensor) -> None:
+        per_batch = recorded.setdefault(path, [{} for _ in validation])
+        for i, (_, kjt, _) in enumerate(validation):
+            for f in table.feature_names:
+                per_batch[i][f] = _float_pool(weight, kjt[f], table, weighted[path])
+
+    quantized, report = quantize(model, load_table, record)
+    stand_ins = {}
+    for key, m in modules.items():
+        if isinstance(m, EmbeddingBagCollection):
+            configs = m.embedding_bag_configs()
+            keys = [f for t in configs for f in t.feature_names]
+            stand_ins[key] = _Recorded(keys, [t.embedding_dim for t in configs for _ in t.feature_names], recorded.get(first[key], []))
+        else:
+            stand_ins[key] = m  # the float EmbeddingCollection (its weights were loaded with the dense part)
+    done = {key: quantized.get_submodule(ps[0]) for key, ps in paths.items()}
+    outputs = []
+    try:
+        for key, stand_in in stand_ins.items():
+            _swap(quantized, paths[key], stand_in)
+        with torch.no_grad():
+            for i, (dense, kjt, _) in enumerate(validation):
+                for stand_in in stand_ins.values():
+                    if isinstance(stand_in, _Recorded):
+                        stand_in.index = i
+                outputs.append(quantized(dense, kjt))
+    finally:
+        for key, q in done.items():
+            _swap(quantized, paths[key], q)
+    return outputs, quantized, report
+
+
 def export_any_model(module: nn.Module, config, progress, owned: bool = False,
-                     data_seed: Optional[int] = None) -> Tuple[Any, Dict[str, Any], Any]:
+                     data_seed: Optional[int] = None, load_table=None) -> Tuple[Any, Dict[str, Any], Any]:
     """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
     ``owned``: the module was built for this export (from a checkpoint), so its tables are
     quantized in place instead of in a copy (peak memory: one float model, not two).
     ``data_seed``: the training run's seed, for synthetic validation data drawn like its own.
+    ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
+    from a checkpoint one at a time (peak memory: one float table plus the quantized model).
     """
     from recship.export.pipeline import ExportError, expand_id_policy
     from recship.export.sharded import shard_quant_model
@@ -114,11 +187,25 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")
     validation, data = _validation_batches(spec, config, data_seed)
-    with torch.no_grad():
-        try:
-            raw = [model(dense, kjt) for dense, kjt, _ in validation]
-        except Exception as e:
-            raise ExportError(f"the float model failed on a validation batch ({data}): {type(e).__name__}: {e}") from e
+
+    def quantize(target: nn.Module, weights=None, on_table=None):
+        return quantize_embeddings(  # in place: ``target`` is this export's own model
+            target, inplace=True, weights=weights, on_table=on_table, dtype=config.dtype, per_table=dict(config.table_dtypes),
+            error_budget=config.error_budget or 0.01, error_minimizing=config.error_minimizing,
+            id_policy=dict(config.id_policy), seed=config.seed,
+        )
+
+    try:
+        if load_table is None:
+            with torch.no_grad():
+                raw = [model(dense, kjt) for dense, kjt, _ in validation]
+        else:
+            progress("quantize + shard")
+            raw, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    except Exception as e:
+        raise ExportError(f"the float model failed on a validation batch ({data}): {type(e).__name__}: {e}") from e
     single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
     float_outputs = [_as_dict(r, ExportError) for r in raw]
     for k, v in float_outputs[0].items():
@@ -129,12 +216,10 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
     if score_name is not None and (score_name not in float_outputs[0] or float_outputs[0][score_name][0].numel() != 1):
         score_name = None
 
-    progress("quantize + shard")
     try:
-        quantized, report = quantize_embeddings(  # in place: ``model`` is this export's own copy
-            model, inplace=True, dtype=config.dtype, per_table=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
-            error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed,
-        )
+        if load_table is None:
+            progress("quantize + shard")
+            quantized, report = quantize(model)
         sharded, plans = quantized, {}
         if config.shards > 1 or config.sharding:
             sharded, plans = shard_quant_model(quantized, shards=config.shards, sharding=config.sharding or "table_wise")

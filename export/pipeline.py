@@ -150,10 +150,11 @@ def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module
     return model
 
 
-def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[nn.Module, ExportConfig, Optional[int]]]:
-    """(the model of a checkpoint written by ``recship train --model`` (or named by ``config.model``) with its
-    weights loaded, the config naming its entry point, the training run's seed); None for a checkpoint of the
-    built-in DLRM (exported by its own streaming path)."""
+def _module_from_checkpoint(path: Path, config: ExportConfig):
+    """For a checkpoint written by ``recship train --model`` (or a model named by ``config.model``):
+    (the model, its dense part loaded and its EmbeddingBagCollection tables not, the config naming
+    its entry point, the training run's seed, ``load_table(path, table)`` reading one float table).
+    None for a checkpoint of the built-in DLRM (exported by its own streaming path)."""
     from recship.trainer.checkpoint import CheckpointError, CheckpointReader
     from recship.trainer.entry_point import build_model
 
@@ -169,27 +170,39 @@ def _module_from_checkpoint(path: Path, config: ExportConfig) -> Optional[Tuple[
         return None
     args = config.model_args if config.model else recorded.get("args", {})
     try:
-        model = build_model(entry, args)
+        model = build_model(entry, args, device="meta")
     except ValueError as e:
         raise ExportError(str(e)) from None
-    dense = reader.dense_state_dict()
-    tables = set()
-    with torch.no_grad():
-        for mpath, cfg, weight in reader.tables():
-            try:
-                target = model.get_submodule(mpath).embedding_bags[cfg.name].weight
-            except (AttributeError, KeyError):
-                raise ExportError(f"{path} has table {mpath}/{cfg.name}, which {entry} does not build") from None
-            if target.shape != weight.shape:
-                raise ExportError(f"{path}: table {mpath}/{cfg.name} is {list(weight.shape)}, {entry} builds {list(target.shape)}")
-            target.copy_(weight)
-            tables.add(f"{mpath}.embedding_bags.{cfg.name}.weight" if mpath else f"embedding_bags.{cfg.name}.weight")
-    missing, unexpected = model.load_state_dict(dense, strict=False)
-    missing = sorted(set(missing) - tables)
+    every_path = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if type(m) is EmbeddingBagCollection]
+    bags = [(p, m) for p, m in model.named_modules() if type(m) is EmbeddingBagCollection]  # each once, first path
+    saved = {(mpath, cfg.name): cfg for mpath, cfg in reader.table_configs()}
+    built = {(mpath, t.name): t for mpath, m in bags for t in m.embedding_bag_configs()}
+    for key, t in built.items():
+        cfg = saved.get(key)
+        if cfg is None:
+            raise ExportError(f"{path} has no table {key[0]}/{key[1]}, which {entry} builds")
+        if (cfg.num_embeddings, cfg.embedding_dim) != (t.num_embeddings, t.embedding_dim):
+            raise ExportError(f"{path}: table {key[0]}/{key[1]} is {cfg.num_embeddings} x {cfg.embedding_dim}, "
+                              f"{entry} builds {t.num_embeddings} x {t.embedding_dim}")
+    extra = sorted(f"{mpath}/{name}" for mpath, name in saved if (mpath, name) not in built)
+    if extra:
+        raise ExportError(f"{path} has tables {entry} does not build: {extra[:5]}")
+    # the dense part (EmbeddingCollections included) is allocated and loaded; the EBC tables stay
+    # where the factory put them (meta, given a device argument) and stream from the checkpoint
+    for mpath, _ in every_path:
+        _replace(model, mpath, nn.Module())
+    try:
+        from recship.trainer.embedding_modules import materialize
+
+        materialize(model, "cpu")
+        missing, unexpected = model.load_state_dict(reader.dense_state_dict(), strict=False)
+    finally:
+        for mpath, m in every_path:
+            _replace(model, mpath, m)
     if missing or unexpected:
-        raise ExportError(f"{path} does not match {entry}({args}): missing {missing[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ExportError(f"{path} does not match {entry}({args}): missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     seed = ((reader.config or {}).get("train") or {}).get("seed")
-    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed
+    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed, reader.table
 
 
 def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
@@ -197,6 +210,11 @@ def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str
     if "*" not in id_policy:
         return dict(id_policy)
     return {**{f: id_policy["*"] for f in features}, **{f: p for f, p in id_policy.items() if f != "*"}}
+
+
+def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)
 
 
 def _is_any_model(src) -> bool:
@@ -343,15 +361,15 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
-        owned, data_seed = False, None
+        owned, data_seed, load_table = False, None, None
         if isinstance(source, (str, Path)):
             rebuilt = _module_from_checkpoint(Path(source), config)
             if rebuilt is not None:
-                (source, config, data_seed), owned = rebuilt, True
+                (source, config, data_seed, load_table), owned = rebuilt, True
         if _is_any_model(source):
             from recship.export.any_model import export_any_model
 
-            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed)
+            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table)
             bar.next("write")
             manifest = write_artifact(out, scripted, fields, (*sample, None), config)
             bar.finish()

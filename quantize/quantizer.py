@@ -196,21 +196,48 @@ def _aligned(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
+TableLoader = Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim]
+TableHook = Callable[[BaseEmbeddingConfig, torch.Tensor], None]
+
+
 def quantize_embedding_bag_collection(
-    ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None
+    ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None,
+    weights: Optional[TableLoader] = None, on_table: Optional[TableHook] = None,
 ) -> Tuple[QuantEmbeddingBagCollection, QuantizationReport]:
-    """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report."""
+    """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report.
+
+    ``weights``: loads a table's float weight by name, one table in memory at a time (the
+    module's own parameters may then be on ``meta``); ``on_table(config, weight)`` sees each
+    float table while it is loaded.
+    """
     config = config or QuantConfig()
-    weights = {t.name: ebc.embedding_bags[t.name].weight for t in ebc.embedding_bag_configs()}
+    tables = ebc.embedding_bag_configs()
+    source = _OneAtATime(weights) if weights is not None else {t.name: ebc.embedding_bags[t.name].weight for t in tables}
     return _quantize(
-        ebc.embedding_bag_configs(),
-        weights,
+        tables,
+        source,
         lambda types: QuantEmbeddingBagCollection(
-            ebc.embedding_bag_configs(), types, is_weighted=ebc.is_weighted(), device=config.device,
+            tables, types, is_weighted=ebc.is_weighted(), device=config.device,
             row_alignment=config.alignment, id_policy=config.id_policy,
         ),
         config,
+        on_table,
     )
+
+
+class _OneAtATime:
+    """A mapping table name -> weight that loads on access and keeps only the last table."""
+
+    def __init__(self, load: TableLoader) -> None:
+        self._load = load
+        self._name: Optional[str] = None
+        self._weight: Optional[torch.Tensor] = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name != self._name:
+            self._weight = None  # drop the previous table before loading the next
+            self._weight, self._name = self._load(name), name
+        return self._weight
 
 
 def quantize_embedding_collection(
@@ -231,9 +258,10 @@ def quantize_embedding_collection(
 
 def _quantize(
     tables: List[BaseEmbeddingConfig],
-    weights: Dict[str, torch.Tensor],
+    weights,  # table name -> float weight: a dict, or _OneAtATime
     build: Callable[[Dict[str, DataType]], _QuantTables],
     config: QuantConfig,
+    on_table: Optional[TableHook] = None,
 ):
     unknown = sorted(set(config.per_table) - {t.name for t in tables})
     if unknown:
@@ -255,6 +283,8 @@ def _quantize(
         dt = chosen[t.name]
         data, scale_bias = views[t.name]
         max_err, sum_err = fill_quantized(weights[t.name], dt, config, data, scale_bias)
+        if on_table is not None:
+            on_table(t, weights[t.name])
         ids = _sample_ids(t.num_embeddings, config, salt)
         reports.append(
             TableReport(
@@ -301,6 +331,8 @@ def quantize_embeddings(
     dtype: Union[str, DataType] = "int8",
     per_table: Optional[Dict[str, Union[str, DataType]]] = None,
     inplace: bool = False,
+    weights: Optional[Callable[[str, str], torch.Tensor]] = None,
+    on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
     **options,
 ) -> Tuple[nn.Module, QuantizationReport]:
     """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
@@ -313,6 +345,11 @@ def quantize_embeddings(
         per_table: table -> type, overriding ``dtype``. A key is a table name, or
             "<collection path>.<table>" where two collections have a table of that name.
         inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
+        weights: ``weights(collection path, table)`` loads an EmbeddingBagCollection table's
+            float weight (e.g. from a checkpoint), one table in memory at a time: the
+            collections' own parameters may then be on ``meta``.
+        on_table: ``on_table(collection path, table config, weight)`` sees each
+            EmbeddingBagCollection table while its float weight is loaded.
         options: the other QuantConfig fields (error_budget, error_minimizing, device,
             chunk_rows, id_policy, ...); id_policy's features may belong to any collection.
 
@@ -336,8 +373,12 @@ def quantize_embeddings(
     config = QuantConfig(data_type=dtype, **options)
     for key, (path, m) in collections.items():
         sub = dataclasses.replace(config, per_table=assigned[key], id_policy=policies[key])
-        quantize = quantize_embedding_bag_collection if isinstance(m, EmbeddingBagCollection) else quantize_embedding_collection
-        swapped[key], report = quantize(m, sub)
+        if isinstance(m, EmbeddingBagCollection):
+            load = None if weights is None else (lambda name, path=path: weights(path, name))
+            hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
+            swapped[key], report = quantize_embedding_bag_collection(m, sub, load, hook)
+        else:
+            swapped[key], report = quantize_embedding_collection(m, sub)
         reports += [dataclasses.replace(r, table=f"{path}.{r.table}" if path else r.table) for r in report.tables]
     for path, m in found:
         if not path:

@@ -472,13 +472,23 @@ class CheckpointReader:
 
     def tables(self) -> Iterator[Tuple[str, EmbeddingBagConfig, torch.Tensor]]:
         for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
-            if t["data_parallel"]:
-                name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
-            else:
-                name = f"tables/{key}/weight"
-            weight = torch.empty(cfg.num_embeddings, cfg.embedding_dim)
-            _dcp_load({name: weight}, self.path, no_dist=True)
-            yield mpath, cfg, weight
+            yield mpath, cfg, self._load_table(mpath, cfg, key, t)
+
+    def table(self, mpath: str, name: str) -> torch.Tensor:
+        """One table's full float weight: table ``name`` of the collection at module path ``mpath``."""
+        for (path, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+            if path == mpath and cfg.name == name:
+                return self._load_table(mpath, cfg, key, t)
+        raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
+
+    def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any]) -> torch.Tensor:
+        if t["data_parallel"]:
+            name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
+        else:
+            name = f"tables/{key}/weight"
+        weight = torch.empty(cfg.num_embeddings, cfg.embedding_dim)
+        _dcp_load({name: weight}, self.path, no_dist=True)
+        return weight
 
     def dense_state_dict(self) -> Dict[str, torch.Tensor]:
         keys = [k for k in self.meta["dense_keys"] if ".data_parallel." not in f".{k}"]
