@@ -87,6 +87,8 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   std::unique_ptr<Model> model(new Model());
   Impl& m = *model->impl_;
   m.dir = artifact_dir;
+  if (options.max_batch_size < 1) throw Error("LoadOptions::max_batch_size must be >= 1");
+  m.max_batch_size = options.max_batch_size;
   try {
     m.manifest = json::parse(read_file(artifact_dir + "/manifest.json", "manifest.json"));
   } catch (const json::exception& e) {

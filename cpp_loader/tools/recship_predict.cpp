@@ -88,17 +88,19 @@ static double percentile(std::vector<double> v, double p) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR]\n";
+    std::cerr << "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR] [--max-batch-size B]\n";
     return 2;
   }
   std::string artifact = argv[1], request_file, fbgemm_dir;
   int bench = 0, threads = 0;
+  int64_t max_batch_size = 512;
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--request" && i + 1 < argc) request_file = argv[++i];
     else if (a == "--bench" && i + 1 < argc) bench = std::stoi(argv[++i]);
     else if (a == "--fbgemm-dir" && i + 1 < argc) fbgemm_dir = argv[++i];
     else if (a == "--threads" && i + 1 < argc) threads = std::stoi(argv[++i]);
+    else if (a == "--max-batch-size" && i + 1 < argc) max_batch_size = std::stoll(argv[++i]);
     else {
       std::cerr << "recship_predict: error: unknown argument " << a << "\n";
       return 2;
@@ -107,6 +109,7 @@ int main(int argc, char** argv) {
   try {
     recship::LoadOptions options;
     options.fbgemm_dir = fbgemm_dir;
+    options.max_batch_size = max_batch_size;
     auto model = recship::Model::load(artifact, options);
     recship::Request request = model->sample_request();
     if (!request_file.empty()) {

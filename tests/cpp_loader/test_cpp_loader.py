@@ -161,3 +161,18 @@ def test_version_mismatch_is_refused(binary, artifacts, tmp_path):
     (art / "manifest.json").write_text(json.dumps(manifest))
     result = _run(binary, art)
     assert result.returncode == 1 and "artifact built with torch 9.9.9, this binary runs torch" in result.stderr
+
+
+def test_max_batch_size_is_an_option(binary, artifacts, tmp_path):
+    art = artifacts[("emb", "int8")]
+    sparse = {n: [[1]] * 600 for n in ("x", "y", "z")}
+    weights = {n: [[0.5]] * 600 for n in sparse}
+    request = _request_json(tmp_path / "big.json", sparse, None, weights)
+    refused = _run(binary, art, "--request", request)
+    assert refused.returncode != 0 and "batch_size 600 exceeds the model's limit of 512" in refused.stderr
+    allowed = _run(binary, art, "--request", request, "--max-batch-size", "1024")
+    assert allowed.returncode == 0, allowed.stderr
+    want = _python_outputs(art, sparse, None, weights)
+    got = json.loads(allowed.stdout)
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k])

@@ -131,15 +131,16 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
                     answer = kserve(request.SerializeToString(), timeout=30)
                     for out in answer.outputs:
                         np.testing.assert_array_equal(np.array(out.contents.fp32_contents, dtype=np.float32).reshape(list(out.shape)), want[out.name])
-                    if batch == 7:  # C++: the same request through recship_predict
-                        body = {"sparse": sparse, "dense": dense.tolist(), **({"weights": weights} if weights else {})}
-                        path = tmp_path / f"{name}.json"
-                        path.write_text(json.dumps(body))
-                        result = subprocess.run([str(binary), str(root / "repo" / name / "1"), "--request", str(path)], capture_output=True, text=True)
-                        assert result.returncode == 0, result.stderr
-                        cpp = json.loads(result.stdout)
-                        for k in want:
-                            np.testing.assert_array_equal(np.asarray(cpp[k], dtype=np.float32), got[k])
+                    # C++: the same request through recship_predict (its limit raised like the server's)
+                    body = {"sparse": sparse, "dense": dense.tolist(), **({"weights": weights} if weights else {})}
+                    path = tmp_path / f"{name}.json"
+                    path.write_text(json.dumps(body))
+                    result = subprocess.run([str(binary), str(root / "repo" / name / "1"), "--request", str(path),
+                                             "--max-batch-size", "1024"], capture_output=True, text=True)
+                    assert result.returncode == 0, result.stderr
+                    cpp = json.loads(result.stdout)
+                    for k in want:
+                        np.testing.assert_array_equal(np.asarray(cpp[k], dtype=np.float32).reshape(got[k].shape), got[k])
             # mixed weighting: weights only for weighted features, the same message from the server and from C++
             manifest = manifests["mixed"]
             sparse, dense, weights = _request(manifest, 2, 9)

@@ -50,6 +50,7 @@ struct LoadOptions {
   std::string fbgemm_dir;      // folder of fbgemm_gpu's .so files; empty: the one recorded at build time
   bool check_versions = true;  // refuse an artifact built with another torch / fbgemm_gpu version
   bool self_check = true;      // run the artifact's sample and compare with its recorded outputs
+  int64_t max_batch_size = 512;  // larger requests are refused with InvalidRequest (the server's --max-batch-size)
 };
 
 class Model {
