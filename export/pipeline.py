@@ -366,7 +366,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             rebuilt = _module_from_checkpoint(Path(source), config)
             if rebuilt is not None:
                 (source, config, data_seed, load_table), owned = rebuilt, True
-        if _is_any_model(source):
+        if load_table is not None or _is_any_model(source):  # (a DLRM rebuilt from its entry point too)
             from recship.export.any_model import export_any_model
 
             scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table)

@@ -84,6 +84,7 @@ class DLRM(nn.Module):
     def __init__(self, config: DLRMConfig, device: Optional[Union[str, torch.device]] = None) -> None:
         super().__init__()
         self.config = config
+        self.num_dense = config.num_dense  # the model contract's dense width (recship.export.any_model)
         d = config.embedding_dim
         f = len(config.num_embeddings_per_feature)
         self.dense_arch = _mlp([config.num_dense] + config.dense_arch + [d], device, final_activation=True)

@@ -28,6 +28,8 @@ EXAMPLES = {
                                               "dim": 16, "num_dense": 4}, ["--dtype", "int8"]),
     "ranker": ("recship.models:MultiTaskRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16},
                ["--dtype", "int4", "--shards", "2", "--sharding", "row_wise", "--table-dtype", "tag_table=int8"]),
+    "dlrm": ("recship.models:dlrm", {"num_embeddings_per_feature": [40 + i for i in range(26)], "embedding_dim": 8,
+                                     "dense_arch": [16], "over_arch": [16]}, ["--dtype", "int4"]),
     "mixed": ("recship.models:MixedRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16, "num_countries": 30},
               ["--dtype", "int8"]),
 }
@@ -35,14 +37,15 @@ EXAMPLES = {
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """Each example trained (recship train --model, 2 gloo ranks for the two-tower), then exported from its checkpoint."""
+    """Each example (the built-in DLRM through its entry point too) trained by recship train --model for 200 steps
+    (the two-tower on 2 gloo ranks), then exported from its checkpoint."""
     from recship.cli import main
 
     root = tmp_path_factory.mktemp("any-model")
     manifests = {}
     for name, (entry, args, export_flags) in EXAMPLES.items():
         run = root / "runs" / name
-        code = main(["train", "--model", entry, "--model-args", json.dumps(args), "--out", str(run), "--steps", "40",
+        code = main(["train", "--model", entry, "--model-args", json.dumps(args), "--out", str(run), "--steps", "200",
                      "--batch-size", "64", "--eval-every", "0", "--eval-batches", "2", "--checkpoint-every", "0", "--no-progress",
                      "--nproc-per-node", "2" if name == "two_tower" else "1"])
         assert code == 0
@@ -229,7 +232,8 @@ def test_validation_is_drawn_like_the_training_data_or_from_eval_data(exported, 
     root, manifests = exported
     for name, manifest in manifests.items():  # no --eval-data: synthetic batches with the training run's labelling model
         v = manifest["validation"]
-        assert v["data"] == "synthetic, as the training run's (seed 0)" and v["output"] == ("score" if name == "two_tower" else "click")
+        assert v["data"] == "synthetic, as the training run's (seed 0)"
+        assert v["output"] == {"two_tower": "score", "dlrm": "output"}.get(name, "click")
         assert abs(v["auc"] - v["float_auc"]) < 0.02 and v["float_auc"] > 0.6, v
     checkpoint = sorted((root / "runs" / "two_tower" / "checkpoints").iterdir())[-1]
     out = tmp_path / "a"
