@@ -38,6 +38,17 @@ def _request(batch, rows, seed):
     return sparse, g.random((batch, 13), dtype=np.float32)
 
 
+async def _status_of(call) -> str:
+    """The gRPC status name a call ends with."""
+    import grpc
+
+    try:
+        await call
+        return "OK"
+    except grpc.RpcError as e:
+        return e.code().name
+
+
 async def _load(port: int, http_port: int, rows, seconds: float):
     import grpc
 
@@ -51,11 +62,7 @@ async def _load(port: int, http_port: int, rows, seconds: float):
         stub = channel.unary_unary("/recship.serving.v1.Predictor/Predict", request_serializer=None, response_deserializer=None)
         data = PredictClient.request("dlrm", *_request(64 if k % 8 == 0 else 1, rows, k)).SerializeToString()
         while time.monotonic() < stop_at:
-            try:
-                await stub(data, timeout=30)
-                code = "OK"
-            except grpc.RpcError as e:
-                code = e.code().name
+            code = await _status_of(stub(data, timeout=30))
             counts[code] = counts.get(code, 0) + 1
 
     def rest_call(k):
@@ -98,11 +105,7 @@ async def _huge(port: int, mb: float, clients: int):
         stub = channel.unary_unary("/recship.serving.v1.Predictor/Predict", request_serializer=None, response_deserializer=None)
 
         async def one():
-            try:
-                await stub(data, timeout=120)
-                code = "OK"
-            except grpc.RpcError as e:
-                code = e.code().name
+            code = await _status_of(stub(data, timeout=120))
             codes[code] = codes.get(code, 0) + 1
 
         await asyncio.gather(*(one() for _ in range(clients)))
