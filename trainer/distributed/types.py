@@ -1,0 +1,131 @@
+"""The distributed vocabulary TorchRec users know: ShardingEnv, LazyAwaitable, ModuleSharder.
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    sharded = EmbeddingBagCollectionSharder().shard(ebc, plan.plan[""], env, torch.device("cpu"))
+    kt = sharded(kjt).wait()          # or use the awaitable directly: sharded(kjt).values()
+
+recship runs the three sharded stages (input_dist, lookups, output_dist) inside
+forward, so the awaitable it returns is already complete: ``wait()`` never blocks
+and never issues a collective. It exists so TorchRec code that waits (or doesn't)
+runs unchanged.
+"""
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Dict, Generic, List, Optional, Type, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+W = TypeVar("W")
+M = TypeVar("M", bound=nn.Module)
+
+
+@dataclass
+class ShardingEnv:
+    """Where a sharded module lives: ``world_size`` ranks, this one ``rank``, their process group.
+
+    ``pg`` is None for a local environment (inference sharding over the devices of one process).
+    """
+
+    world_size: int
+    rank: int
+    pg: Optional[dist.ProcessGroup] = None
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"ShardingEnv needs 0 <= rank < world_size, got rank {self.rank} of {self.world_size}")
+
+    @classmethod
+    def from_process_group(cls, pg: Optional[dist.ProcessGroup]) -> "ShardingEnv":
+        """The environment of an initialised process group (None: the default group)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("ShardingEnv.from_process_group needs torch.distributed.init_process_group first")
+        return cls(dist.get_world_size(pg), dist.get_rank(pg), pg)
+
+    @classmethod
+    def from_local(cls, world_size: int, rank: int) -> "ShardingEnv":
+        """A process-group-free environment of ``world_size`` local devices (inference sharding)."""
+        return cls(world_size, rank, None)
+
+
+class Awaitable(abc.ABC, Generic[W]):
+    """A result that may not be ready yet; ``wait()`` returns it (computed once)."""
+
+    def __init__(self) -> None:
+        self._done = False
+        self._result: Any = None
+
+    @abc.abstractmethod
+    def _wait_impl(self) -> W:
+        """Computes the result (called once, by the first ``wait``)."""
+
+    def wait(self) -> W:
+        if not self._done:
+            self._result = self._wait_impl()
+            self._done = True
+        return self._result
+
+
+class LazyAwaitable(Awaitable[W]):
+    """An Awaitable that can also be used as its result: attribute access, calls on it
+    and torch functions taking it wait first (TorchRec's LazyAwaitable semantics).
+
+    Subclass it and implement ``_wait_impl``; ``awaitable.values()`` is then
+    ``awaitable.wait().values()``.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names the awaitable itself does not have
+        if name.startswith("__") or name in ("_done", "_result"):
+            raise AttributeError(name)
+        return getattr(self.wait(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        args = torch.utils._pytree.tree_map_only(LazyAwaitable, lambda a: a.wait(), args)
+        kwargs = torch.utils._pytree.tree_map_only(LazyAwaitable, lambda a: a.wait(), kwargs or {})
+        return func(*args, **kwargs)
+
+
+class NoWait(LazyAwaitable[W]):
+    """A LazyAwaitable holding a result that is already computed."""
+
+    def __init__(self, result: W) -> None:
+        super().__init__()
+        self._result = result
+        self._done = True
+
+    def _wait_impl(self) -> W:
+        return self._result
+
+
+def wait_all(value: Any) -> Any:
+    """``value`` with every Awaitable in it (nested in lists, tuples, dicts) waited for."""
+    if isinstance(value, Awaitable):
+        return value.wait()
+    return torch.utils._pytree.tree_map_only(Awaitable, lambda a: a.wait(), value)
+
+
+class ModuleSharder(abc.ABC, Generic[M]):
+    """Turns one kind of module into its sharded form (TorchRec's sharder interface)."""
+
+    @property
+    @abc.abstractmethod
+    def module_type(self) -> Type[M]:
+        """The unsharded module class this sharder handles."""
+
+    @abc.abstractmethod
+    def shard(self, module: M, params: Dict[str, Any], env: ShardingEnv, device: Optional[torch.device] = None) -> nn.Module:
+        """The sharded module for ``module`` under ``params`` (table name -> ParameterSharding)."""
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        """Names of the sharding types this sharder can produce on ``compute_device_type``."""
+        from recship.trainer.planner.types import ShardingType
+
+        return [st.value for st in ShardingType]
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        """Names of the compute kernels usable for ``sharding_type``."""
+        return ["dense"] if sharding_type == "data_parallel" else ["fused"]
