@@ -5,6 +5,7 @@ fbgemm_gpu only. fbgemm_gpu is imported lazily by the parts that need it, so
 ``import recship`` stays fast.
 """
 
+from recship.quantize.quantizer import QuantConfig
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer import (
     DataType,
@@ -23,6 +24,8 @@ from recship.trainer import (
     Topology,
     materialize,
 )
+
+from recship import distributed  # noqa: E402  (torchrec.distributed's counterpart, as recship.distributed)
 
 __version__ = "0.1.0"
 
@@ -44,6 +47,7 @@ __all__ = [
     "KeyedJaggedTensor",
     "KeyedTensor",
     "PoolingType",
+    "QuantConfig",
     "materialize",
     "__version__",
 ]

@@ -136,7 +136,7 @@ def _strip_wrappers(name: str) -> str:
 
 def _dense_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every state-dict entry outside the fused TBEs, by unwrapped name (data-parallel tables included)."""
-    tbe_prefixes = [f"{path}.tbe." if path else "tbe." for path, m in _sharded_modules(model) if m.tbe is not None]
+    tbe_prefixes = [f"{path}.{m.TBE_PATH}." if path else f"{m.TBE_PATH}." for path, m in _sharded_modules(model) if m.tbe is not None]
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         name = _strip_wrappers(name)

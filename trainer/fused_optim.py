@@ -1,12 +1,26 @@
-"""Optimizers fused into the embedding backward (fbgemm TBE): their names and settings.
+"""Optimizers fused into the embedding backward (fbgemm TBE): their names, settings and handles.
 
 The update happens inside ``backward()``; no embedding gradient is materialised.
 On CPU fbgemm implements only EXACT_SGD, EXACT_ADAGRAD and EXACT_ROWWISE_ADAGRAD;
 the others need CUDA and are refused at construction on CPU.
+
+Settings come in three ways, as in TorchRec: a ``FusedOptimizerConfig``, a sharder's
+``fused_params`` dict (``fused_config``), or torch's ``_apply_optimizer_in_backward``
+on the unsharded tables (``fused_config_from_torch``: SGD, Adagrad, Adam and
+``RowWiseAdagrad`` map to their fbgemm kernels; a setting fbgemm cannot honour, such
+as SGD momentum, is an error, never ignored). After sharding, ``fused_optimizer`` is a
+``CombinedOptimizer`` of one ``EmbeddingFusedOptimizer`` per sharded module; changing a
+param group's ``lr`` and calling ``step()`` (what an LR scheduler does) sets the rate
+used from the next backward on.
 """
 
-from dataclasses import dataclass
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 from enum import Enum, unique
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
 
 
 @unique
@@ -49,7 +63,7 @@ class FusedOptimizerConfig:
     Args:
         optimizer: which update rule.
         learning_rate: step size; change it between steps with
-            ``FusedOptimizer.set_learning_rate``.
+            ``fused_optimizer.set_learning_rate`` (or a param group's "lr" and ``step()``).
         eps: added to the denominator (adagrad, adam, lamb).
         weight_decay: L2 weight decay (CUDA only: fbgemm's CPU kernels ignore it, so
             it is refused on CPU).
@@ -86,3 +100,213 @@ class FusedOptimizerConfig:
                 f"weight_decay={self.weight_decay} is not applied by fbgemm's CPU kernels; "
                 "use weight_decay=0 on CPU (it is honoured on CUDA)"
             )
+
+
+# -- the three ways to give the settings ---------------------------------------
+
+
+def fused_config(fused_params: Optional[Mapping[str, Any]]) -> FusedOptimizerConfig:
+    """A sharder's ``fused_params`` (TorchRec's keys) as a FusedOptimizerConfig.
+
+    ``optimizer`` may be recship's EmbOptimType, fbgemm's (matched by name) or a name;
+    the other keys are FusedOptimizerConfig's fields. Unknown keys are an error.
+    """
+    params = dict(fused_params or {})
+    known = {f.name for f in fields(FusedOptimizerConfig)}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"fused_params {unknown} are not supported by recship; it takes {sorted(known)}")
+    if "optimizer" in params:
+        params["optimizer"] = _optim_type(params["optimizer"])
+    return FusedOptimizerConfig(**params)
+
+
+def _optim_type(value: Any) -> EmbOptimType:
+    """recship's EmbOptimType for itself, fbgemm's enum member of the same name, or a name."""
+    if isinstance(value, EmbOptimType):
+        return value
+    name = value.name if isinstance(value, Enum) else str(value).upper()
+    try:
+        return EmbOptimType[name]
+    except KeyError:
+        raise ValueError(f"fused optimizer {value!r} is not supported; recship has {[o.name for o in EmbOptimType]}") from None
+
+
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Adagrad with one accumulator per row: G[r] += mean(g[r]^2); w[r] -= lr * g[r] / (sqrt(G[r]) + eps).
+
+    The dense form of fbgemm's EXACT_ROWWISE_ADAGRAD (TorchRec's ``torchrec.optim.RowWiseAdagrad``):
+    use it on unsharded tables, or hand it to ``_apply_optimizer_in_backward`` before
+    sharding to get the fused kernel.
+    """
+
+    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10) -> None:
+        if lr < 0 or eps <= 0:
+            raise ValueError(f"RowWiseAdagrad needs lr >= 0 and eps > 0, got lr={lr}, eps={eps}")
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("RowWiseAdagrad takes dense gradients")
+                g = p.grad.reshape(p.shape[0], -1)
+                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0], dtype=p.dtype, device=p.device))
+                acc.add_(g.pow(2).mean(dim=1))
+                p.reshape(p.shape[0], -1).sub_(group["lr"] * g / (acc.sqrt() + group["eps"]).unsqueeze(1))
+        return loss
+
+
+_FROM_TORCH = {
+    torch.optim.SGD: EmbOptimType.EXACT_SGD,
+    torch.optim.Adagrad: EmbOptimType.EXACT_ADAGRAD,
+    RowWiseAdagrad: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    torch.optim.Adam: EmbOptimType.ADAM,
+}
+# torch optimizer arguments that only choose an implementation, not the update
+_IMPLEMENTATION_ONLY = {"foreach", "fused", "differentiable", "capturable"}
+
+
+def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) -> FusedOptimizerConfig:
+    """The fused optimizer that performs ``optimizer_class(params, **kwargs)``'s update.
+
+    Unset arguments take the torch class's defaults (torch.optim.Adagrad's eps is 1e-10).
+    An argument fbgemm's kernel has no equivalent for, set to anything but its default,
+    raises ValueError naming it.
+    """
+    if optimizer_class not in _FROM_TORCH:
+        supported = ", ".join(c.__name__ for c in _FROM_TORCH)
+        raise ValueError(f"no fused embedding optimizer for {optimizer_class.__name__}; recship fuses {supported}")
+    optim = _FROM_TORCH[optimizer_class]
+    defaults = {
+        name: p.default
+        for name, p in inspect.signature(optimizer_class.__init__).parameters.items()
+        if name not in ("self", "params") and p.default is not inspect.Parameter.empty
+    }
+    unknown = sorted(set(kwargs) - set(defaults))
+    if unknown:
+        raise ValueError(f"{optimizer_class.__name__} has no arguments {unknown}")
+    args = {**defaults, **kwargs}
+    settings: Dict[str, Any] = {"optimizer": optim, "learning_rate": float(args["lr"])}
+    if "eps" in args:
+        settings["eps"] = float(args["eps"])
+    if "weight_decay" in args:
+        settings["weight_decay"] = float(args["weight_decay"])
+    if "betas" in args:
+        settings["beta1"], settings["beta2"] = (float(b) for b in args["betas"])
+    for name, value in args.items():
+        if name in ("lr", "eps", "weight_decay", "betas") or name in _IMPLEMENTATION_ONLY:
+            continue
+        if value != defaults[name]:
+            raise ValueError(
+                f"{optimizer_class.__name__}({name}={value!r}) cannot be fused: fbgemm's {optim.name} "
+                f"kernel has no {name!r} (only its default {defaults[name]!r} is supported)"
+            )
+    return FusedOptimizerConfig(**settings)
+
+
+# -- optimizer handles ---------------------------------------------------------
+
+
+class KeyedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose parameters have names (TorchRec's KeyedOptimizer).
+
+    Args:
+        params: name -> parameter.
+        state: parameter -> its state.
+        param_groups: torch's param groups (dicts with "params" and hyper-parameters).
+    """
+
+    def __init__(
+        self, params: Mapping[str, torch.Tensor], state: Mapping[Any, Any], param_groups: List[Dict[str, Any]]
+    ) -> None:
+        # torch.optim.Optimizer.__init__ would re-add the groups (and refuses an empty
+        # list, which a rank without shards has): set what its methods use instead.
+        self._optimizer_step_pre_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = OrderedDict()
+        self.defaults: Dict[str, Any] = {}
+        self.params = dict(params)
+        self.state = state  # type: ignore[assignment]
+        self.param_groups = param_groups
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has a fixed set of parameters")
+
+
+class EmbeddingFusedOptimizer(KeyedOptimizer):
+    """The optimizer fused into one sharded module's TBE: one param group whose "lr" is the kernel's.
+
+    ``params`` are this rank's table shards (``embedding_bags.<table>.weight``); ``state``
+    holds the kernel's optimizer state per shard. ``step()`` applies a changed "lr".
+    """
+
+    def __init__(self, module: Any, config: FusedOptimizerConfig) -> None:
+        self._module = module
+        params: Dict[str, torch.Tensor] = {}
+        state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        states = module.local_optimizer_states()
+        for (table, shard), weight in module.local_shards().items():
+            key = f"embedding_bags.{table}.weight" + ("" if f"embedding_bags.{table}.weight" not in params else f".{shard}")
+            params[key] = weight
+            state[weight] = {f"{table}.state{i}": t for i, t in enumerate(states.get((table, shard), []))}
+        super().__init__(params, state, [{"params": list(params.values()), "lr": config.learning_rate}])
+        self._applied_lr = config.learning_rate
+
+    def step(self, closure: Any = None) -> None:
+        """No update (it happened in backward); applies a changed learning rate."""
+        lr = self.param_groups[0]["lr"]
+        if lr != self._applied_lr:
+            self._module.set_learning_rate(lr)
+            self._applied_lr = lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: fused tables keep no gradients."""
+
+
+class CombinedOptimizer(KeyedOptimizer):
+    """Several keyed optimizers driven as one (TorchRec's CombinedOptimizer).
+
+    Args:
+        optims: [(key, optimizer)] or [optimizer]; parameter names get ``key.`` prefixed.
+    """
+
+    def __init__(self, optims: List[Any]) -> None:
+        self._optims: List[Tuple[str, KeyedOptimizer]] = [o if isinstance(o, tuple) else ("", o) for o in optims]
+        params: Dict[str, torch.Tensor] = {}
+        state: Dict[Any, Any] = {}
+        groups: List[Dict[str, Any]] = []
+        for key, opt in self._optims:
+            for name, p in getattr(opt, "params", {}).items():
+                params[f"{key}.{name}" if key else name] = p
+            state.update(opt.state)
+            groups.extend(opt.param_groups)
+        super().__init__(params, state, groups)
+
+    @property
+    def optimizers(self) -> List[Tuple[str, KeyedOptimizer]]:
+        return list(self._optims)
+
+    def step(self, closure: Any = None) -> None:
+        for _, opt in self._optims:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, opt in self._optims:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Sets every group's learning rate, effective from the next backward on."""
+        for group in self.param_groups:
+            group["lr"] = lr
+        self.step()
+
+    def __repr__(self) -> str:
+        return ",".join(f"{key}: {opt!r}" for key, opt in self._optims)

@@ -2,6 +2,8 @@
 
     model = DistributedModelParallel(model, device=torch.device("cpu"),
                                      optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05))
+    # or TorchRec's way: sharders=[EmbeddingBagCollectionSharder(fused_params={...})], or
+    # torch's _apply_optimizer_in_backward on the unsharded tables
     dense_opt = torch.optim.SGD(model.dense_parameters(), lr=0.05)
     loss = loss_fn(model(dense, kjt)); loss.backward()   # sharded tables update here
     dense_opt.step(); dense_opt.zero_grad()
@@ -10,6 +12,7 @@ The fused optimizer updates the sharded tables inside backward; only the dense
 parameters (and data-parallel tables) go to a torch optimizer.
 """
 
+from dataclasses import asdict
 from typing import Iterator, List, Optional, Tuple
 
 import torch
@@ -18,73 +21,68 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
+from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
+from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.fused_optim import FusedOptimizerConfig
+from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, Topology
-
-
-class FusedOptimizer:
-    """Handle on the optimizers fused into every sharded table of a model."""
-
-    def __init__(self, modules: List[ShardedEmbeddingBagCollection], config: FusedOptimizerConfig) -> None:
-        self._modules = modules
-        self.config = config
-
-    def set_learning_rate(self, lr: float) -> None:
-        """Changes the learning rate from the next backward on."""
-        for m in self._modules:
-            m.set_learning_rate(lr)
-        self.config.learning_rate = lr
-
-    def step(self) -> None:
-        """No-op: the update already happened in backward (kept for optimizer-loop symmetry)."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """No-op: fused tables keep no gradients."""
 
 
 class DistributedModelParallel(nn.Module):
     """Wraps ``module``: EmbeddingBagCollections sharded per ``plan``, the rest under DDP.
 
+    TorchRec's signature; recship adds ``optimizer`` (shorthand for sharders with
+    that ``fused_params``).
+
     Args:
         module: any model; every EmbeddingBagCollection inside it is sharded.
             Build it on "meta" to allocate only the shards each rank owns.
-        pg: process group (default: the world, which must be initialised).
+        env: the ShardingEnv (default: the initialised default process group).
+        device: this rank's device (default cpu).
         plan: a ShardingPlan; planned with EmbeddingShardingPlanner (on rank 0,
             broadcast) when None.
-        device: this rank's device.
-        optimizer: settings of the fused embedding optimizer.
+        sharders: the sharders to use (default ``get_default_sharders()``).
+        optimizer: settings of the fused embedding optimizer (not with ``sharders``).
     """
 
     def __init__(
         self,
         module: nn.Module,
-        pg: Optional[dist.ProcessGroup] = None,
-        plan: Optional[ShardingPlan] = None,
+        env: Optional[ShardingEnv] = None,
         device: Optional[torch.device] = None,
+        plan: Optional[ShardingPlan] = None,
+        sharders: Optional[List[ModuleSharder]] = None,
         optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         super().__init__()
-        if not dist.is_initialized():
-            raise ValueError("DistributedModelParallel needs torch.distributed.init_process_group first")
+        if env is None:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError("DistributedModelParallel needs torch.distributed.init_process_group first (or env=)")
+            env = ShardingEnv.from_process_group(None)
+        if env.pg is None and not dist.is_initialized():
+            raise ValueError("DistributedModelParallel trains over a process group: ShardingEnv.from_local is for inference")
         device = torch.device(device or "cpu")
-        optimizer = optimizer or FusedOptimizerConfig()
-        optimizer.check_device(device.type)
-        world_size = dist.get_world_size(pg)
+        if optimizer is not None and sharders is not None:
+            raise ValueError("give the fused optimizer either as optimizer= or in the sharders' fused_params, not both")
+        if sharders is None:
+            sharders = [EmbeddingBagCollectionSharder(asdict(optimizer))] if optimizer else get_default_sharders()
+        sharder = next((s for s in sharders if s.module_type is EmbeddingBagCollection), None)
+        if sharder is None:
+            raise ValueError(f"none of the sharders {sharders} shards EmbeddingBagCollection")
         if plan is None:
-            local = _local_world_size(world_size)
-            topology = Topology(world_size=world_size, compute_device=device.type, local_world_size=local)
-            plan = EmbeddingShardingPlanner(topology, optimizer=optimizer).collective_plan(module, pg)
+            local = _local_world_size(env.world_size)
+            topology = Topology(world_size=env.world_size, compute_device=device.type, local_world_size=local)
+            plan = EmbeddingShardingPlanner(topology).collective_plan(module, sharders, env.pg)
         self.plan = plan
-        sharded: List[ShardedEmbeddingBagCollection] = []
+        sharded: List[Tuple[str, ShardedEmbeddingBagCollection]] = []
         for path, sub in list(module.named_modules()):
             if not isinstance(sub, EmbeddingBagCollection):
                 continue
             tables = plan.get_plan_for_module(path)
             if tables is None:
                 raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
-            replacement = ShardedEmbeddingBagCollection(sub, tables, optimizer, pg=pg, device=device)
-            sharded.append(replacement)
+            replacement = sharder.shard(sub, tables, env, device)
+            sharded.append((path, replacement))
             if path == "":
                 module = replacement
             else:
@@ -92,14 +90,15 @@ class DistributedModelParallel(nn.Module):
                 setattr(module.get_submodule(parent) if parent else module, name, replacement)
         if not sharded:
             raise ValueError("DistributedModelParallel found no EmbeddingBagCollection in the model")
-        _materialize_dense(module, device, sharded)
-        self._sharded = sharded
-        self.fused_optimizer = FusedOptimizer(sharded, optimizer)
-        if world_size > 1 and any(True for _ in self._dense_params(module)):
+        _materialize_dense(module, device, [m for _, m in sharded])
+        self._sharded = [m for _, m in sharded]
+        self.fused_optimizer = CombinedOptimizer([(path, m.fused_optimizer) for path, m in sharded])
+        if env.world_size > 1 and any(True for _ in self._dense_params(module)):
             # DDP must neither all-reduce nor broadcast from rank 0 what differs per rank:
             # the fused tables and the TBE's per-rank metadata buffers.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module))
-            self.module = DistributedDataParallel(module, process_group=pg, device_ids=None if device.type == "cpu" else [device])
+            device_ids = None if device.type == "cpu" else [device]
+            self.module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
         else:
             self.module = module
 
@@ -144,7 +143,7 @@ def _per_rank_state(module: nn.Module) -> List[str]:
     names = []
     for path, sub in module.named_modules():
         if isinstance(sub, ShardedEmbeddingBagCollection) and sub.tbe is not None:
-            prefix = f"{path}.tbe." if path else "tbe."
+            prefix = f"{path}.{sub.TBE_PATH}." if path else f"{sub.TBE_PATH}."
             names += [prefix + n for n, _ in sub.tbe.named_parameters()]
             names += [prefix + n for n, _ in sub.tbe.named_buffers()]
     return names

@@ -70,6 +70,22 @@ class DataType(Enum):
         raise ValueError(f"no DataType for torch dtype {dtype}")
 
     @staticmethod
+    def from_quant_dtype(dtype: torch.dtype) -> "DataType":
+        """The type a quantization observer's dtype asks for (TorchRec's ``QuantConfig(weight=...)``).
+
+        torch.int8 / qint8 / quint8 -> INT8, quint4x2 -> INT4, quint2x4 -> INT2, and the
+        float dtypes as ``from_torch_dtype``; anything else is a ValueError naming it.
+        """
+        quantized = _QUANT_TORCH.get(dtype)
+        if quantized is not None:
+            return quantized
+        try:
+            return DataType.from_torch_dtype(dtype)
+        except ValueError:
+            valid = ", ".join(str(d) for d in (*_QUANT_TORCH, *(d for d in _TORCH.values() if d is not None)))
+            raise ValueError(f"no embedding weight type for observer dtype {dtype}; expected one of {valid}") from None
+
+    @staticmethod
     def parse(name: str) -> "DataType":
         """'int8' / 'INT8' -> DataType.INT8, with the valid names in the error."""
         try:
@@ -93,4 +109,13 @@ _TORCH: dict[DataType, Optional[torch.dtype]] = {
     DataType.FP32: torch.float32,
     DataType.FP16: torch.float16,
     DataType.BF16: torch.bfloat16,
+}
+
+# dtypes of torch's quantization observers, as TorchRec's QuantConfig uses them
+_QUANT_TORCH: dict[torch.dtype, DataType] = {
+    torch.int8: DataType.INT8,
+    torch.qint8: DataType.INT8,
+    torch.quint8: DataType.INT8,
+    torch.quint4x2: DataType.INT4,
+    torch.quint2x4: DataType.INT2,
 }

@@ -1,12 +1,14 @@
 """ShardedEmbeddingBagCollection: an EmbeddingBagCollection split across ranks by a plan.
 
-Each rank runs three stages, as in TorchRec:
+Each rank runs three stages, as in TorchRec (the modules ``_input_dists``,
+``_lookups`` and ``_output_dists``, one each: recship sends the units of every
+sharding type in the same collectives):
 
 1. input_dist: every rank sends each "lookup unit" (one feature on one shard) the
    ids it needs: all ids of the feature for table-wise and column-wise shards;
    for row-wise shards only the ids inside the shard's row block, rebased to it.
    One all-to-all of counts, then one each for lengths, ids and weights. The
-   receiver concatenates what it got along the batch (KeyedJaggedTensor.concat),
+   receiver concatenates what it got along the batch (KeyedJaggedTensor.concat_batch),
    so each unit sees the global batch.
 2. lookups: one fbgemm SplitTableBatchedEmbeddingBagsCodegen per rank holding all
    of the rank's shards, with the optimizer fused into backward. Lookups always
@@ -30,10 +32,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer.distributed.types import LazyAwaitable
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner.types import ParameterSharding, ShardingType
 from recship.trainer.types import PoolingType
 
@@ -145,8 +148,157 @@ def _make_tbe(
     )
 
 
+class SparseFeaturesAllToAll(nn.Module):
+    """Stage 1, input_dist: sends every lookup unit the ids it needs, from every rank.
+
+    Returns this rank's units over the global batch (one KJT, sources concatenated
+    along the batch) and the batch size each source rank sent.
+    """
+
+    def __init__(
+        self,
+        units_by_rank: List[List[LookupUnit]],
+        rank: int,
+        pg: Optional[dist.ProcessGroup],
+        comm_device: torch.device,
+        device: torch.device,
+        weighted: bool,
+    ) -> None:
+        super().__init__()
+        self._units_by_rank = units_by_rank
+        self._rank = rank
+        self._pg = pg
+        self._comm_device = comm_device
+        self._device = device
+        self._weighted = weighted
+
+    def forward(self, per_feature: Dict[str, JaggedTensor], batch: int) -> Tuple[KeyedJaggedTensor, List[int]]:
+        lengths, ids, weights, counts = [], [], [], []
+        for units in self._units_by_rank:
+            n_ids = 0
+            for u in units:
+                l, i, w = _unit_input(u, per_feature[u.feature])
+                lengths.append(l)
+                ids.append(i)
+                if w is not None:
+                    weights.append(w)
+                n_ids += i.numel()
+            counts.append(torch.tensor([n_ids, batch], device=self._comm_device))
+        send_counts = torch.stack(counts)  # [world, 2]: ids and batch size for each destination
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self._pg)
+        mine = self._units_by_rank[self._rank]
+        send_lengths = [len(units) * batch for units in self._units_by_rank]
+        recv_batches = [int(b) for b in recv_counts[:, 1]]
+        recv_lengths = [len(mine) * b for b in recv_batches]
+        recv_ids = [int(n) for n in recv_counts[:, 0]]
+        send_ids = send_counts[:, 0].tolist()
+        lengths_in = self._exchange(lengths, torch.int64, send_lengths, recv_lengths)
+        ids_in = self._exchange(ids, torch.int64, send_ids, recv_ids)
+        weights_in = self._exchange(weights, torch.float32, send_ids, recv_ids) if self._weighted else None
+        # Source-major blocks -> one KJT per source -> concatenated along the batch.
+        keys = [f"u{i}" for i in range(len(mine))]
+        l_parts = torch.split(lengths_in, recv_lengths)
+        i_parts = torch.split(ids_in, recv_ids)
+        w_parts = torch.split(weights_in, recv_ids) if weights_in is not None else None
+        per_source = [
+            KeyedJaggedTensor(
+                keys=keys,
+                values=i_parts[s],
+                weights=None if w_parts is None else w_parts[s],
+                lengths=l_parts[s],
+                stride=recv_batches[s],
+            )
+            for s in range(len(self._units_by_rank))
+        ]
+        return KeyedJaggedTensor.concat_batch(per_source), recv_batches
+
+    def _exchange(self, parts: List[torch.Tensor], dtype: torch.dtype, send: List[int], recv: List[int]) -> torch.Tensor:
+        """All-to-all of the concatenated ``parts`` (send[d] elements to rank d) onto this rank's device."""
+        tensor = torch.cat(parts).to(self._comm_device, dtype) if parts else torch.empty(0, dtype=dtype, device=self._comm_device)
+        out = tensor.new_empty(sum(recv))
+        dist.all_to_all_single(out, tensor, recv, send, group=self._pg)
+        return out.to(self._device)
+
+
+def _unit_input(u: LookupUnit, jt: JaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(lengths [B], ids, weights) of feature jt that unit u looks up."""
+    ids, lengths, weights = jt.values(), jt.lengths().to(torch.int64), jt.weights_or_none()
+    if not u.row_bucketed:
+        return lengths, ids.to(torch.int64), weights
+    inside = (ids >= u.row_offset) & (ids < u.row_offset + u.rows)
+    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
+    return counts, ids[inside].to(torch.int64) - u.row_offset, None if weights is None else weights[inside]
+
+
+class GroupedPooledEmbeddingsLookup(nn.Module):
+    """Stage 2, lookups: this rank's shards in one fbgemm training TBE (``tbe``, None without shards).
+
+    Returns [global batch, sum of this rank's unit widths] pooled sums.
+    """
+
+    def __init__(self, tbe: Optional[nn.Module], device: torch.device) -> None:
+        super().__init__()
+        self.tbe = tbe
+        self._device = device
+
+    def forward(self, received: KeyedJaggedTensor, global_batch: int) -> torch.Tensor:
+        if self.tbe is None:
+            return torch.zeros(global_batch, 0, device=self._device, requires_grad=True)
+        return self.tbe(
+            received.values().to(self._device),
+            received.offsets().to(self._device, torch.int64),
+            per_sample_weights=received.weights_or_none(),
+        )
+
+
+class PooledEmbeddingsAllToAll(nn.Module):
+    """Stage 3, output_dist: sends each source rank its rows of every unit's output (differentiable).
+
+    Returns, per rank d, [batch, width of d's units] for this rank's own examples.
+    """
+
+    def __init__(
+        self, units_by_rank: List[List[LookupUnit]], rank: int, pg: Optional[dist.ProcessGroup], comm_device: torch.device, device: torch.device
+    ) -> None:
+        super().__init__()
+        self._widths = [sum(u.cols for u in units) for units in units_by_rank]
+        self._rank = rank
+        self._pg = pg
+        self._comm_device = comm_device
+        self._device = device
+
+    def forward(self, local_out: torch.Tensor, batch: int, recv_batches: List[int]) -> List[torch.Tensor]:
+        my_width = self._widths[self._rank]
+        send = [b * my_width for b in recv_batches]
+        recv = [batch * w for w in self._widths]
+        scale = 1.0 / len(self._widths)
+        flat = _PooledAllToAll.apply(local_out.to(self._comm_device).reshape(-1), send, recv, self._pg, scale)
+        return [part.view(batch, w).to(self._device) for part, w in zip(torch.split(flat, recv), self._widths)]
+
+
+class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
+    """The output of a sharded EmbeddingBagCollection: its KeyedTensor, already computed.
+
+    recship runs all three stages in forward, so ``wait()`` returns at once; the result
+    can also be used directly (``out.values()``), as TorchRec's LazyAwaitable allows.
+    """
+
+    def __init__(self, result: KeyedTensor) -> None:
+        super().__init__()
+        self._result = result
+        self._done = True
+
+    def _wait_impl(self) -> KeyedTensor:
+        return self._result
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """The shard of an EmbeddingBagCollection that this rank owns, plus the collectives.
+
+    Its three stages are the modules ``_input_dists[0]``, ``_lookups[0]`` (holding the
+    TBE) and ``_output_dists[0]``; forward returns an EmbeddingBagCollectionAwaitable.
 
     Args:
         module: the unsharded EmbeddingBagCollection (on "meta" or a real device);
@@ -156,6 +308,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         pg: the process group (default: the world).
         device: where this rank's shards live.
     """
+
+    TBE_PATH = "_lookups.0.tbe"  # where the TBE's parameters and buffers sit in state_dict()
 
     def __init__(
         self,
@@ -183,12 +337,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._rows = {f: t.num_embeddings for t in self._configs for f in t.feature_names}
         self._units = _lookup_units(self._configs, self._plan)
         self._units_by_rank = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
-        self._build_local_lookup(module)
+        args = (self._units_by_rank, self._rank, pg, self._comm_device)
+        weighted = self._is_weighted
+        self._input_dists = nn.ModuleList([SparseFeaturesAllToAll(*args, self._device, weighted)])
+        self._lookups = nn.ModuleList([GroupedPooledEmbeddingsLookup(self._build_tbe(module), self._device)])
+        self._output_dists = nn.ModuleList([PooledEmbeddingsAllToAll(*args, self._device)])
         self._build_data_parallel(module)
+        self.fused_optimizer = CombinedOptimizer([("", EmbeddingFusedOptimizer(self, optimizer))])
+
+    @property
+    def tbe(self) -> Optional[nn.Module]:
+        """This rank's fbgemm training TBE (None on a rank without shards)."""
+        return self._lookups[0].tbe
 
     # -- construction ------------------------------------------------------
 
-    def _build_local_lookup(self, module: EmbeddingBagCollection) -> None:
+    def _build_tbe(self, module: EmbeddingBagCollection) -> Optional[nn.Module]:
         mine = self._units_by_rank[self._rank]
         self._local_shards: List[Tuple[str, int, int, int]] = []
         index: Dict[Tuple[str, int], int] = {}
@@ -199,16 +363,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 index[key] = len(self._local_shards)
                 self._local_shards.append((u.table, u.shard, u.rows, u.cols))
             unit_shard_index.append(index[key])
-        self.tbe: Optional[nn.Module] = None
         if not self._local_shards:
-            return
-        self.tbe = _make_tbe(self._local_shards, unit_shard_index, self._optimizer_config, self._device)
-        for p in self.tbe.parameters():
+            return None
+        tbe = _make_tbe(self._local_shards, unit_shard_index, self._optimizer_config, self._device)
+        for p in tbe.parameters():
             setattr(p, FUSED_PARAMETER_MARK, True)
-        weights = self.tbe.split_embedding_weights()
         configs = {t.name: t for t in self._configs}
         with torch.no_grad():
-            for (table, shard, rows, cols), w in zip(self._local_shards, weights):
+            for (table, shard, rows, cols), w in zip(self._local_shards, tbe.split_embedding_weights()):
                 s = self._plan[table].shards[shard]
                 full = module.embedding_bags[table].weight
                 if full.is_meta:
@@ -217,6 +379,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 else:
                     r0, c0 = s.shard_offsets
                     w.copy_(full[r0 : r0 + rows, c0 : c0 + cols])
+        return tbe
 
     def _build_data_parallel(self, module: EmbeddingBagCollection) -> None:
         self.data_parallel = nn.ParameterDict()
@@ -234,12 +397,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # -- forward -----------------------------------------------------------
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+    def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
         self._check_input(features)
         per_feature = features.to_dict()
-        received = self._input_dist(per_feature, features.stride())
-        pooled_parts = self._output_dist(self._lookup(received), features.stride())
-        return self._assemble(per_feature, pooled_parts)
+        batch = features.stride()
+        received, recv_batches = self._input_dists[0](per_feature, batch)
+        local_out = self._lookups[0](received, sum(recv_batches))
+        parts = self._output_dists[0](local_out, batch, recv_batches)
+        return EmbeddingBagCollectionAwaitable(self._assemble(per_feature, parts))
 
     def _check_input(self, features: KeyedJaggedTensor) -> None:
         keys = features.keys()
@@ -254,88 +419,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
             lo, hi = int(ids.min()), int(ids.max())
             if lo < 0 or hi >= rows:
                 raise ValueError(f"feature {name!r}: id {lo if lo < 0 else hi} is outside its table's rows [0, {rows})")
-
-    def _unit_input(self, u: LookupUnit, jt) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-        """(lengths [B], ids, weights) of feature jt that unit u looks up."""
-        ids, lengths, weights = jt.values(), jt.lengths().to(torch.int64), jt.weights_or_none()
-        if not u.row_bucketed:
-            return lengths, ids.to(torch.int64), weights
-        inside = (ids >= u.row_offset) & (ids < u.row_offset + u.rows)
-        example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-        counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
-        return counts, ids[inside].to(torch.int64) - u.row_offset, None if weights is None else weights[inside]
-
-    def _input_dist(self, per_feature, batch: int) -> KeyedJaggedTensor:
-        """Sends every unit its ids; returns this rank's units over the global batch."""
-        lengths, ids, weights, counts = [], [], [], []
-        for units in self._units_by_rank:
-            n_ids = 0
-            for u in units:
-                l, i, w = self._unit_input(u, per_feature[u.feature])
-                lengths.append(l)
-                ids.append(i)
-                if w is not None:
-                    weights.append(w)
-                n_ids += i.numel()
-            counts.append(torch.tensor([n_ids, batch], device=self._comm_device))
-        send_counts = torch.stack(counts)  # [world, 2]: ids and batch size for each destination
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self._pg)
-        mine = self._units_by_rank[self._rank]
-        send_lengths = [len(units) * batch for units in self._units_by_rank]
-        recv_lengths = [len(mine) * int(b) for b in recv_counts[:, 1]]
-        recv_ids = [int(n) for n in recv_counts[:, 0]]
-        send_ids = send_counts[:, 0].tolist()
-        lengths_in = self._exchange(lengths, torch.int64, send_lengths, recv_lengths)
-        ids_in = self._exchange(ids, torch.int64, send_ids, recv_ids)
-        weights_in = None
-        if self._is_weighted:
-            weights_in = self._exchange(weights, torch.float32, send_ids, recv_ids)
-        # Source-major blocks -> one KJT per source -> concatenated along the batch.
-        keys = [f"u{i}" for i in range(len(mine))]
-        per_source = []
-        l_parts = torch.split(lengths_in, recv_lengths)
-        i_parts = torch.split(ids_in, recv_ids)
-        w_parts = torch.split(weights_in, recv_ids) if weights_in is not None else None
-        for s in range(self._world_size):
-            per_source.append(
-                KeyedJaggedTensor(
-                    keys=keys,
-                    values=i_parts[s],
-                    weights=None if w_parts is None else w_parts[s],
-                    lengths=l_parts[s],
-                    stride=int(recv_counts[s, 1]),
-                )
-            )
-        self._recv_batches = [int(b) for b in recv_counts[:, 1]]
-        return KeyedJaggedTensor.concat(per_source)
-
-    def _exchange(self, parts: List[torch.Tensor], dtype: torch.dtype, send: List[int], recv: List[int]) -> torch.Tensor:
-        """All-to-all of the concatenated ``parts`` (send[d] elements to rank d) onto this rank's device."""
-        tensor = torch.cat(parts).to(self._comm_device, dtype) if parts else torch.empty(0, dtype=dtype, device=self._comm_device)
-        out = tensor.new_empty(sum(recv))
-        dist.all_to_all_single(out, tensor, recv, send, group=self._pg)
-        return out.to(self._device)
-
-    def _lookup(self, received: KeyedJaggedTensor) -> torch.Tensor:
-        """[global batch, sum of this rank's unit widths] pooled sums."""
-        if self.tbe is None:
-            total = sum(self._recv_batches)
-            return torch.zeros(total, 0, device=self._device, requires_grad=True)
-        return self.tbe(
-            received.values().to(self._device),
-            received.offsets().to(self._device, torch.int64),
-            per_sample_weights=received.weights_or_none(),
-        )
-
-    def _output_dist(self, local_out: torch.Tensor, batch: int) -> List[torch.Tensor]:
-        """Sends each source its rows; returns, per rank d, [batch, width of d's units]."""
-        widths = [sum(u.cols for u in units) for units in self._units_by_rank]
-        my_width = widths[self._rank]
-        send = [b * my_width for b in self._recv_batches]
-        recv = [batch * w for w in widths]
-        flat = _PooledAllToAll.apply(local_out.to(self._comm_device).reshape(-1), send, recv, self._pg, 1.0 / self._world_size)
-        return [part.view(batch, w).to(self._device) for part, w in zip(torch.split(flat, recv), widths)]
 
     def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:
         """Per feature: concatenate column blocks, sum row blocks, divide for MEAN."""

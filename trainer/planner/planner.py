@@ -143,6 +143,14 @@ def shard_cost(
     return lookups + global_batch * num_features * shard_cols
 
 
+def _default_topology() -> Topology:
+    """TorchRec's default: the process group's world, on CUDA when there is one."""
+    import torch
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return Topology(world_size=world, compute_device="cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
     if sharding_type == ShardingType.DATA_PARALLEL:
         return EmbeddingComputeKernel.DENSE
@@ -156,33 +164,50 @@ class EmbeddingShardingPlanner:
     """Plans every EmbeddingBagCollection of a module for ``topology``.
 
     Args:
-        topology: ranks, device and memory per rank.
+        topology: ranks, device and memory per rank (default: the initialised process
+            group's world on CUDA if available, else one CPU rank).
         constraints: table name -> ParameterConstraints (applies to every collection
             holding a table of that name).
-        optimizer: the fused optimizer; its state counts against memory
-            (default EXACT_ROWWISE_ADAGRAD).
+        optimizer: the fused optimizer; its state counts against memory (default: the
+            sharders' ``fused_params`` optimizer, else EXACT_ROWWISE_ADAGRAD).
         batch_size: examples per rank per step, for the cost estimate.
     """
 
     def __init__(
         self,
-        topology: Topology,
+        topology: Optional[Topology] = None,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         optimizer: Optional[FusedOptimizerConfig] = None,
         batch_size: int = 512,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.topology = topology
+        self.topology = topology or _default_topology()
         self.constraints = dict(constraints or {})
-        self.optimizer = optimizer or FusedOptimizerConfig()
+        self._optimizer = optimizer
         self.batch_size = batch_size
 
-    def plan(self, module: nn.Module) -> ShardingPlan:
+    @property
+    def optimizer(self) -> FusedOptimizerConfig:
+        return self._optimizer or FusedOptimizerConfig()
+
+    def plan(self, module: nn.Module, sharders: Optional[List[object]] = None) -> ShardingPlan:
         """A plan for every EmbeddingBagCollection in ``module`` (path "" for the module itself).
+
+        ``sharders`` (TorchRec's argument): the EmbeddingBagCollectionSharders that will
+        shard the module; their ``fused_params`` optimizer is the one whose state the plan
+        makes room for, unless the planner was given one. Without an EmbeddingBagCollection
+        sharder among them nothing is planned.
 
         Raises ValueError naming the table for bad constraints or a table that fits nowhere.
         """
+        optim = self.optimizer.optimizer
+        if sharders is not None:
+            ebc_sharders = [s for s in sharders if getattr(s, "module_type", None) is EmbeddingBagCollection]
+            if not ebc_sharders:
+                return ShardingPlan({})
+            if self._optimizer is None and getattr(ebc_sharders[0], "fused_params", None):
+                optim = ebc_sharders[0].optimizer_config().optimizer
         collections = [(p, m) for p, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)]
         tables = [(p, t) for p, m in collections for t in m.embedding_bag_configs()]
         unknown = sorted(set(self.constraints) - {t.name for _, t in tables})
@@ -196,24 +221,29 @@ class EmbeddingShardingPlanner:
         sizes = [t.num_embeddings * t.embedding_dim for _, t in tables]
         for i in sorted(range(len(tables)), key=lambda i: (-sizes[i], i)):  # largest first, then model order
             path, t = tables[i]
-            chosen[(path, t.name)], memory, cost = self._place(t, allowed[i], memory, cost)
+            chosen[(path, t.name)], memory, cost = self._place(t, allowed[i], optim, memory, cost)
+        for sharding in chosen.values():
+            for shard in sharding.shards:
+                shard.device = self._device_of(shard.rank)
         return ShardingPlan(
             {p: {t.name: chosen[(p, t.name)] for t in m.embedding_bag_configs()} for p, m in collections}
         )
 
-    def collective_plan(self, module: nn.Module, pg: Optional[dist.ProcessGroup] = None) -> ShardingPlan:
+    def collective_plan(
+        self, module: nn.Module, sharders: Optional[List[object]] = None, pg: Optional[dist.ProcessGroup] = None
+    ) -> ShardingPlan:
         """Plans on the group's first rank and broadcasts, so every rank holds the same plan.
 
         Without an initialised process group it just plans. A planning error on the
         first rank is broadcast too and raised on every rank (no rank waits forever).
         """
         if not (dist.is_available() and dist.is_initialized()):
-            return self.plan(module)
+            return self.plan(module, sharders)
         src = dist.get_global_rank(pg, 0) if pg is not None else 0
         box: List[object] = [None]
         if dist.get_rank() == src:
             try:
-                box[0] = self.plan(module)
+                box[0] = self.plan(module, sharders)
             except Exception as e:  # re-raised below after the other ranks have it
                 box[0] = e
         dist.broadcast_object_list(box, src=src, group=pg)
@@ -229,10 +259,6 @@ class EmbeddingShardingPlanner:
         types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else c.sharding_types)
         if not types:
             raise ValueError(f"table {t.name!r}: constraints allow no sharding type")
-        bad = [x for x in types if not isinstance(x, ShardingType)]
-        bad += [x for x in c.compute_kernels or [] if not isinstance(x, EmbeddingComputeKernel)]
-        if bad:
-            raise TypeError(f"table {t.name!r}: constraints need ShardingType / EmbeddingComputeKernel, got {bad}")
         if c.pooling_factor <= 0:
             raise ValueError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}")
         if c.min_partition is not None and c.min_partition < 1:
@@ -255,14 +281,19 @@ class EmbeddingShardingPlanner:
 
     # -- placement -----------------------------------------------------------
 
+    def _device_of(self, rank: int) -> str:
+        if self.topology.compute_device == "cuda":
+            return f"cuda:{rank % self.topology.local_world_size}"
+        return "cpu"
+
     def _place(
-        self, t: EmbeddingBagConfig, types: List[ShardingType], memory: List[int], cost: List[float]
+        self, t: EmbeddingBagConfig, types: List[ShardingType], optim: EmbOptimType, memory: List[int], cost: List[float]
     ) -> Tuple[ParameterSharding, List[int], List[float]]:
         """The best feasible option for ``t`` and the per-rank memory and cost after it."""
         best = None
         for st in types:
-            for shards in self._options(t, st, memory, cost):
-                new_memory, new_cost = self._add(t, st, shards, memory, cost)
+            for shards in self._options(t, st, optim, memory, cost):
+                new_memory, new_cost = self._add(t, st, shards, optim, memory, cost)
                 if max(new_memory) > self.topology.capacity:
                     continue
                 key = (max(new_cost), sum(new_cost), max(new_memory), _TYPE_ORDER.index(st))
@@ -270,7 +301,6 @@ class EmbeddingShardingPlanner:
                     sharding = ParameterSharding(st, _kernel(st), [s.rank for s in shards], shards)
                     best = (key, sharding, new_memory, new_cost)
         if best is None:
-            optim = self.optimizer.optimizer
             need = min(shard_bytes(t.num_embeddings, t.embedding_dim, st, optim) for st in types)
             raise ValueError(
                 f"table {t.name!r} ({need} bytes with its {optim.name} state) fits on no rank under sharding "
@@ -280,7 +310,7 @@ class EmbeddingShardingPlanner:
         return best[1], best[2], best[3]
 
     def _options(
-        self, t: EmbeddingBagConfig, st: ShardingType, memory: List[int], cost: List[float]
+        self, t: EmbeddingBagConfig, st: ShardingType, optim: EmbOptimType, memory: List[int], cost: List[float]
     ) -> Iterator[List[ShardMetadata]]:
         """Every placement the planner tries for ``t`` as ``st`` (shard lists, fixed order)."""
         rows, dim, world = t.num_embeddings, t.embedding_dim, self.topology.world_size
@@ -294,7 +324,7 @@ class EmbeddingShardingPlanner:
                 ranks = host_ranks(h, self.topology.local_world_size)
                 yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, ranks)]
         elif st == ShardingType.COLUMN_WISE:
-            shards = self._column_shards(t, memory, cost)
+            shards = self._column_shards(t, optim, memory, cost)
             if shards is not None:
                 yield shards
         elif st == ShardingType.DATA_PARALLEL:
@@ -303,7 +333,7 @@ class EmbeddingShardingPlanner:
             raise AssertionError(f"unhandled sharding type {st}")
 
     def _column_shards(
-        self, t: EmbeddingBagConfig, memory: List[int], cost: List[float]
+        self, t: EmbeddingBagConfig, optim: EmbOptimType, memory: List[int], cost: List[float]
     ) -> Optional[List[ShardMetadata]]:
         """Column blocks on distinct ranks, widest block on the least busy rank that can hold it.
 
@@ -315,7 +345,7 @@ class EmbeddingShardingPlanner:
         free = sorted(range(self.topology.world_size), key=lambda r: (cost[r], memory[r], r))
         shards = []
         for offset, width in blocks:
-            need = shard_bytes(rows, width, ShardingType.COLUMN_WISE, self.optimizer.optimizer)
+            need = shard_bytes(rows, width, ShardingType.COLUMN_WISE, optim)
             fits = [r for r in free if memory[r] + need <= self.topology.capacity]
             if not fits:
                 return None
@@ -324,7 +354,13 @@ class EmbeddingShardingPlanner:
         return shards
 
     def _add(
-        self, t: EmbeddingBagConfig, st: ShardingType, shards: List[ShardMetadata], memory: List[int], cost: List[float]
+        self,
+        t: EmbeddingBagConfig,
+        st: ShardingType,
+        shards: List[ShardMetadata],
+        optim: EmbOptimType,
+        memory: List[int],
+        cost: List[float],
     ) -> Tuple[List[int], List[float]]:
         """Per-rank memory and cost after adding ``shards`` (the inputs are not changed)."""
         c = self.constraints.get(t.name) or ParameterConstraints()
@@ -332,7 +368,7 @@ class EmbeddingShardingPlanner:
         world = self.topology.world_size
         for s in shards:
             rows, cols = s.shard_sizes
-            memory[s.rank] += shard_bytes(rows, cols, st, self.optimizer.optimizer)
+            memory[s.rank] += shard_bytes(rows, cols, st, optim)
             cost[s.rank] += shard_cost(
                 rows, cols, t.num_embeddings, st, self.batch_size, world, c.pooling_factor, t.num_features
             )

@@ -35,15 +35,16 @@ class EmbeddingComputeKernel(Enum):
 
 @dataclass
 class ShardMetadata:
-    """One shard: rows [r, r + rows) and columns [c, c + cols) of the table, on ``rank``."""
+    """One shard: rows [r, r + rows) and columns [c, c + cols) of the table, on ``rank``'s ``device``."""
 
     shard_offsets: List[int]  # [row offset, column offset]
     shard_sizes: List[int]  # [rows, columns]
     rank: int
+    device: str = "cpu"  # "cpu" or "cuda:<local rank>"
 
     @property
     def placement(self) -> str:
-        return f"rank:{self.rank}"
+        return f"rank:{self.rank}/{self.device}"
 
 
 @dataclass
@@ -68,10 +69,27 @@ class ParameterConstraints:
         min_partition: smallest column-block width for column-wise sharding.
     """
 
-    sharding_types: Optional[List[ShardingType]] = None
-    compute_kernels: Optional[List[EmbeddingComputeKernel]] = None
+    sharding_types: Optional[List[Union[ShardingType, str]]] = None
+    compute_kernels: Optional[List[Union[EmbeddingComputeKernel, str]]] = None
     pooling_factor: float = 1.0
     min_partition: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        # TorchRec's tutorials pass the enums' values: ParameterConstraints(sharding_types=["table_wise"])
+        if self.sharding_types is not None:
+            self.sharding_types = [_member(ShardingType, x, "sharding type") for x in self.sharding_types]
+        if self.compute_kernels is not None:
+            self.compute_kernels = [_member(EmbeddingComputeKernel, x, "compute kernel") for x in self.compute_kernels]
+
+
+def _member(enum: type, value: object, what: str):
+    """``value`` as a member of ``enum``: the member itself or its value string."""
+    if isinstance(value, enum):
+        return value
+    names = [m.value for m in enum]
+    if isinstance(value, str) and value in names:
+        return enum(value)
+    raise ValueError(f"unknown {what} {value!r}: recship has {names}")
 
 
 @dataclass
@@ -148,7 +166,7 @@ class ShardingPlan:
                     sharding_type=ShardingType(d["sharding_type"]),
                     compute_kernel=EmbeddingComputeKernel(d["compute_kernel"]),
                     ranks=list(d["ranks"]),
-                    shards=[ShardMetadata(**s) for s in d["shards"]],
+                    shards=[ShardMetadata(**s) for s in d["shards"]],  # plans saved before "device" read as cpu
                 )
                 for name, d in tables.items()
             }
@@ -164,23 +182,24 @@ class ShardingPlan:
     # -- printing ----------------------------------------------------------
 
     def __str__(self) -> str:
-        lines: List[str] = []
+        """TorchRec's layout: per module, a table of shardings, then one of shards."""
+        out = []
         for path, tables in self.plan.items():
-            lines.append(f"module: {path or '<root>'}")
-            rows = [("param", "sharding type", "compute kernel", "ranks")]
-            rows += [
-                (name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks))
-                for name, ps in tables.items()
+            params = [[name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks)] for name, ps in tables.items()]
+            shards = [
+                [name, str(s.shard_offsets), str(s.shard_sizes), s.placement] for name, ps in tables.items() for s in ps.shards
             ]
-            lines += _table(rows)
-            rows = [("param", "shard offsets", "shard sizes", "placement")]
-            for name, ps in tables.items():
-                rows += [(name, str(s.shard_offsets), str(s.shard_sizes), s.placement) for s in ps.shards]
-            lines += _table(rows)
-        return "\n".join(lines)
+            out.append(
+                f"module: {path}\n\n"
+                + _table(params, ["param", "sharding type", "compute kernel", "ranks"])
+                + "\n\n"
+                + _table(shards, ["param", "shard offsets", "shard sizes", "placement"])
+            )
+        return "\n\n".join(out)
 
 
-def _table(rows: List[tuple]) -> List[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    fmt = lambda r: " | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
-    return [fmt(rows[0]), "-+-".join("-" * w for w in widths)] + [fmt(r) for r in rows[1:]]
+def _table(rows: List[List[str]], headers: List[str]) -> str:
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = [" | ".join(h.center(w) for h, w in zip(headers, widths)), " | ".join("-" * w for w in widths)]
+    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)

@@ -315,8 +315,22 @@ def test_bad_constraints_name_the_table():
     dense_row_wise = ParameterConstraints([ShardingType.ROW_WISE], [EmbeddingComputeKernel.DENSE])
     with pytest.raises(ValueError, match="'odd'.*compute kernels \\['dense'\\]"):
         EmbeddingShardingPlanner(Topology(2), {"odd": dense_row_wise}).plan(ebc)
-    with pytest.raises(TypeError, match="'odd'"):
-        EmbeddingShardingPlanner(Topology(2), {"odd": ParameterConstraints(["row_wise"])}).plan(ebc)
+
+
+def test_constraints_take_the_enum_values_as_strings_as_torchrec_tutorials_write_them():
+    ebc = ebc_of({"a": 40, "b": 20})
+    for st in ShardingType:
+        by_enum = EmbeddingShardingPlanner(Topology(2), forced(st, ["a", "b"])).plan(ebc)
+        by_value = {t: ParameterConstraints(sharding_types=[st.value]) for t in ["a", "b"]}
+        assert EmbeddingShardingPlanner(Topology(2), by_value).plan(ebc) == by_enum
+    kernels = ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])
+    assert kernels.compute_kernels == [EmbeddingComputeKernel.DENSE]
+    with pytest.raises(ValueError, match="unknown sharding type 'tablewise'.*'table_wise'"):
+        ParameterConstraints(sharding_types=["tablewise"])
+    with pytest.raises(ValueError, match="unknown compute kernel 'fused_uvm'.*'fused'"):
+        ParameterConstraints(compute_kernels=["fused_uvm"])
+    with pytest.raises(ValueError, match="unknown sharding type 3"):
+        ParameterConstraints(sharding_types=[3])
 
 
 def test_column_wise_is_skipped_for_an_odd_dim_when_other_types_are_allowed():
@@ -336,12 +350,19 @@ def test_json_round_trip_and_printed_table(tmp_path):
     assert ShardingPlan.load(tmp_path / "plan.json") == plan
     assert ShardingPlan.from_json(plan.to_json()).to_json() == plan.to_json()
 
-    lines = [re.sub(r" +\|", " |", line) for line in str(plan).splitlines()]
+    # TorchRec's layout: "module: <path>", then a table of shardings and one of shards
+    lines = [re.sub(r" +", " ", line).strip() for line in str(plan).splitlines()]
+    assert lines[0] == "module:"
     assert "param | sharding type | compute kernel | ranks" in lines
+    assert "param | shard offsets | shard sizes | placement" in lines
+    for name, ps in plan.get_plan_for_module("").items():
+        assert f"{name} | {ps.sharding_type.value} | {ps.compute_kernel.value} | {ps.ranks}" in lines
     shards = [(n, s) for n, ps in plan.get_plan_for_module("").items() for s in ps.shards]
     assert len([line for line in lines if "rank:" in line]) == len(shards)
     for name, s in shards:
-        assert f"{name} | {s.shard_offsets} | {s.shard_sizes} | rank:{s.rank}" in lines
+        assert f"{name} | {s.shard_offsets} | {s.shard_sizes} | rank:{s.rank}/cpu" in lines
+    cuda = EmbeddingShardingPlanner(Topology(4, "cuda", local_world_size=2)).plan(ebc)
+    assert {s.placement for ps in cuda.plan[""].values() for s in ps.shards} <= {f"rank:{r}/cuda:{r % 2}" for r in range(4)}
 
 
 def test_collective_plan_without_process_group_equals_plan():

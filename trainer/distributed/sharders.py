@@ -1,0 +1,87 @@
+"""EmbeddingBagCollectionSharder: shards an EmbeddingBagCollection under a plan (TorchRec's sharder).
+
+    sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    sharded = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(pg), torch.device("cpu"))
+
+The fused optimizer comes from, in order of precedence: torch's
+``_apply_optimizer_in_backward(optimizer_class, params, kwargs)`` called on the
+unsharded tables, the sharder's ``fused_params``, or the default (row-wise adagrad,
+lr 0.01). recship fuses one optimizer per sharded module (one TBE per rank), so
+tables of one collection that ask for different optimizers are an error.
+"""
+
+from typing import Any, Dict, List, Mapping, Optional, Type
+
+import torch
+
+from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
+from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config, fused_config_from_torch
+from recship.trainer.planner.types import ParameterSharding
+
+
+class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
+    """Shards EmbeddingBagCollections; ``fused_params`` sets their fused optimizer.
+
+    Args:
+        fused_params: TorchRec's dict: "optimizer" (an EmbOptimType, recship's or
+            fbgemm's), "learning_rate", "eps", "weight_decay", "beta1", "beta2".
+            Unknown keys are an error.
+    """
+
+    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None) -> None:
+        self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
+        fused_config(self.fused_params)  # bad keys or values fail here, not at shard time
+
+    @property
+    def module_type(self) -> Type[EmbeddingBagCollection]:
+        return EmbeddingBagCollection
+
+    def optimizer_config(self, module: Optional[EmbeddingBagCollection] = None) -> FusedOptimizerConfig:
+        """The fused optimizer ``module``'s tables get (see the module docstring for precedence)."""
+        default = fused_config(self.fused_params)
+        if module is None:
+            return default
+        per_table = {name: _in_backward_config(name, p) for name, p in module.named_parameters()}
+        asked = {name: c for name, c in per_table.items() if c is not None}
+        if not asked:
+            return default
+        if len(asked) < len(per_table) or len({repr(c) for c in asked.values()}) > 1:
+            settings = {name: (repr(c) if c is not None else "the sharder's fused_params") for name, c in per_table.items()}
+            raise ValueError(
+                "recship fuses one optimizer per EmbeddingBagCollection, but its tables ask for different ones "
+                f"(apply_optimizer_in_backward on some or with different settings): {settings}"
+            )
+        return next(iter(asked.values()))
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> ShardedEmbeddingBagCollection:
+        """The ShardedEmbeddingBagCollection for this rank of ``env`` (which needs a process group)."""
+        if not isinstance(module, EmbeddingBagCollection):
+            raise TypeError(f"EmbeddingBagCollectionSharder shards EmbeddingBagCollection, got {type(module).__name__}")
+        return ShardedEmbeddingBagCollection(module, params, self.optimizer_config(module), pg=env.pg, device=device)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingBagCollectionSharder(fused_params={self.fused_params})"
+
+
+def _in_backward_config(name: str, param: torch.Tensor) -> Optional[FusedOptimizerConfig]:
+    """The fused optimizer ``_apply_optimizer_in_backward`` asked for on ``param``, if any."""
+    classes = getattr(param, "_optimizer_classes", None)
+    if not classes:
+        return None
+    kwargs = getattr(param, "_optimizer_kwargs", [{}])
+    if len(classes) != 1:
+        raise ValueError(f"{name}: apply_optimizer_in_backward was called {len(classes)} times; a fused table takes one optimizer")
+    return fused_config_from_torch(classes[0], kwargs[0])
+
+
+def get_default_sharders() -> List[ModuleSharder]:
+    """The sharders DistributedModelParallel uses when given none."""
+    return [EmbeddingBagCollectionSharder()]
