@@ -69,7 +69,7 @@ def _gathered_after_load(rank, world_size, checkpoint, sharding):
 
 @pytest.mark.parametrize("world_size, sharding", [(1, "table_wise"), (3, "column_wise"), (2, "table_wise")])
 def test_checkpoint_reshards_on_load(tmp_path, world_size, sharding):
-    from multiprocess import run_ranks
+    from gloo_ranks import run_ranks
 
     saved = launch(small(tmp_path, steps=4, nproc_per_node=2, sharding="row_wise"))
     want_tables, want_dense = _tables(saved["checkpoint"])

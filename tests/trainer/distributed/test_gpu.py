@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from multiprocess import run_ranks
+from gloo_ranks import run_ranks
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig

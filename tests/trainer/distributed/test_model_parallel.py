@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from multiprocess import run_ranks
+from gloo_ranks import run_ranks
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from multiprocess import run_ranks
+from gloo_ranks import run_ranks
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
