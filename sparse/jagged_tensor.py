@@ -144,6 +144,64 @@ class JaggedTensor:
         self._lengths = lengths
         self._offsets = offsets
 
+    @staticmethod
+    def from_dense(
+        values: List[torch.Tensor], weights: Optional[List[torch.Tensor]] = None
+    ) -> "JaggedTensor":
+        """One row per tensor: row i is values[i] ([n_i, ...]); lengths are int32 [B].
+
+        weights (Optional[List[Tensor]]): [n_i] float per row, matching values.
+        An empty list has no dtype or device to take; use ``JaggedTensor.empty``.
+        """
+        if len(values) == 0:
+            raise ValueError(
+                "JaggedTensor.from_dense: values is an empty list, so its dtype and device "
+                "are unknown; use JaggedTensor.empty() for zero rows"
+            )
+        lengths: List[int] = []
+        for i, v in enumerate(values):
+            if v.dim() < 1:
+                raise ValueError(f"JaggedTensor.from_dense: values[{i}] is 0-d; rows are [n, ...]")
+            lengths.append(v.shape[0])
+        if weights is not None:
+            if len(weights) != len(values):
+                raise ValueError(
+                    f"JaggedTensor.from_dense: {len(weights)} weight rows for {len(values)} value rows"
+                )
+            for i, w in enumerate(weights):
+                if w.dim() != 1 or w.shape[0] != lengths[i]:
+                    raise ValueError(
+                        f"JaggedTensor.from_dense: weights[{i}] has shape {w.shape}, "
+                        f"values[{i}] has {lengths[i]} rows"
+                    )
+        flat = torch.cat(values)
+        return JaggedTensor(
+            values=flat,
+            weights=None if weights is None else torch.cat(weights),
+            lengths=torch.tensor(lengths, dtype=torch.int32, device=flat.device),
+            offsets=None,
+        )
+
+    @staticmethod
+    def empty(
+        is_weighted: bool = False,
+        device: Optional[torch.device] = None,
+        values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
+        lengths_dtype: torch.dtype = torch.int32,
+    ) -> "JaggedTensor":
+        """A JaggedTensor with no rows; dtypes left as None take torch's default.
+
+        Unlike TorchRec's, its offsets are [0], not []: offsets always have
+        len(lengths) + 1 entries.
+        """
+        return JaggedTensor(
+            values=torch.empty(0, dtype=values_dtype, device=device),
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
+            lengths=torch.empty(0, dtype=lengths_dtype, device=device),
+            offsets=None,
+        )
+
     def values(self) -> torch.Tensor:
         return self._values
 
@@ -245,11 +303,6 @@ def _check_kjt(
     if values.dim() != 1:
         raise ValueError(f"{owner}: values must be 1-D, got shape {values.shape}")
     _check_index_dtype(values, owner + ": values")
-    seen: Dict[str, int] = {}
-    for k in keys:
-        if k in seen:
-            raise ValueError(f"{owner}: duplicate key '{k}'")
-        seen[k] = 1
     num_keys = len(keys)
     if num_keys == 0:
         if lengths.numel() != 0:
@@ -277,7 +330,9 @@ class KeyedJaggedTensor:
     """A batch of several sparse features (keys), stored feature-major.
 
     Args:
-        keys (List[str]): F feature names, unique.
+        keys (List[str]): F feature names. A name may repeat (``permute`` and
+            ``concat`` duplicate features that way, as in TorchRec); looking a
+            repeated name up finds its last occurrence.
         values (Tensor): [N] int64/int32 ids of all keys, key-major.
         weights (Optional[Tensor]): [N] float, one per id.
         lengths (Optional[Tensor]): [F * B] integer ids per (key, example).
@@ -402,14 +457,16 @@ class KeyedJaggedTensor:
         is_weighted: bool = False,
         device: Optional[torch.device] = None,
         values_dtype: Optional[torch.dtype] = None,
+        weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> "KeyedJaggedTensor":
+        """A KJT with no keys and batch size 0. Values default to int64 (ids)."""
         keys: List[str] = []
         values_dtype = values_dtype if values_dtype is not None else torch.int64
         return KeyedJaggedTensor(
             keys=keys,
             values=torch.empty(0, dtype=values_dtype, device=device),
-            weights=torch.empty(0, device=device) if is_weighted else None,
+            weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
             stride=0,
             offsets=None,
@@ -430,6 +487,14 @@ class KeyedJaggedTensor:
     def offsets(self) -> torch.Tensor:
         return self._offsets
 
+    def lengths_or_none(self) -> Optional[torch.Tensor]:
+        """Always the lengths: recship derives them at construction (TorchRec may return None)."""
+        return self._lengths
+
+    def offsets_or_none(self) -> Optional[torch.Tensor]:
+        """Always the offsets: recship derives them at construction (TorchRec may return None)."""
+        return self._offsets
+
     def weights(self) -> torch.Tensor:
         w = self._weights
         if w is None:
@@ -443,8 +508,33 @@ class KeyedJaggedTensor:
         """Batch size B = len(lengths) // len(keys)."""
         return self._stride
 
+    def stride_per_key(self) -> List[int]:
+        """[F] batch size of each key: B for every key (recship has no variable stride)."""
+        return [self._stride] * len(self._keys)
+
     def device(self) -> torch.device:
         return self._values.device
+
+    def size_in_bytes(self) -> int:
+        """Bytes held by values, weights, lengths and offsets."""
+        size = self._values.element_size() * self._values.numel()
+        w = self._weights
+        if w is not None:
+            size += w.element_size() * w.numel()
+        size += self._lengths.element_size() * self._lengths.numel()
+        size += self._offsets.element_size() * self._offsets.numel()
+        return size
+
+    def sync(self) -> "KeyedJaggedTensor":
+        """Computes and caches length_per_key and offset_per_key now; returns self."""
+        self.offset_per_key()
+        return self
+
+    def unsync(self) -> "KeyedJaggedTensor":
+        """Drops the cached length_per_key and offset_per_key; returns self."""
+        self._length_per_key = None
+        self._offset_per_key = None
+        return self
 
     def length_per_key(self) -> List[int]:
         """Number of ids of each key (cached; one synchronisation the first time)."""
@@ -470,11 +560,18 @@ class KeyedJaggedTensor:
             self._offset_per_key = cached
         return cached
 
-    def _key_index(self, key: str) -> int:
+    def index_per_key(self) -> Dict[str, int]:
+        """{key: its position in keys()}; a repeated key maps to its last position."""
+        out: Dict[str, int] = {}
         for i, k in enumerate(self._keys):
-            if k == key:
-                return i
-        raise ValueError(f"KeyedJaggedTensor has no key '{key}'; keys are {self._keys}")
+            out[k] = i
+        return out
+
+    def _key_index(self, key: str) -> int:
+        index = self.index_per_key()
+        if key not in index:
+            raise ValueError(f"KeyedJaggedTensor has no key '{key}'; keys are {self._keys}")
+        return index[key]
 
     def _key_lengths(self) -> torch.Tensor:
         """[F, B] view of lengths."""
@@ -511,16 +608,19 @@ class KeyedJaggedTensor:
 
     # -- reshaping ---------------------------------------------------------
 
-    def permute(self, indices: List[int]) -> "KeyedJaggedTensor":
-        """A KJT whose key j is this KJT's key indices[j] (keys may be dropped, not repeated)."""
+    def permute(
+        self, indices: List[int], indices_tensor: Optional[torch.Tensor] = None
+    ) -> "KeyedJaggedTensor":
+        """A KJT whose key j is this KJT's key indices[j].
+
+        Keys may be dropped or repeated: permute([0, 0, 1]) gives keys [a, a, b].
+        indices_tensor (Optional[Tensor]): [len(indices)] int, the same indices
+        already on this KJT's device (saves a copy).
+        """
         num_keys = len(self._keys)
-        seen: Dict[int, int] = {}
         for i in indices:
             if i < 0 or i >= num_keys:
                 raise ValueError(f"permute: index {i} out of range for {num_keys} keys")
-            if i in seen:
-                raise ValueError(f"permute: index {i} repeats; a KJT's keys are unique")
-            seen[i] = 1
         lpk = self.length_per_key()
         opk = self.offset_per_key()
         values: List[torch.Tensor] = []
@@ -530,7 +630,9 @@ class KeyedJaggedTensor:
             values.append(self._values[opk[i] : opk[i + 1]])
             if w is not None:
                 weights.append(w[opk[i] : opk[i + 1]])
-        index = torch.tensor(indices, dtype=torch.int64, device=self._lengths.device)
+        index = indices_tensor if indices_tensor is not None else torch.tensor(
+            indices, dtype=torch.int64, device=self._lengths.device
+        )
         return KeyedJaggedTensor(
             keys=[self._keys[i] for i in indices],
             values=torch.cat(values) if len(values) > 0 else self._values[:0],
@@ -539,6 +641,18 @@ class KeyedJaggedTensor:
             stride=self._stride,
             length_per_key=[lpk[i] for i in indices],
             offsets=None,
+        )
+
+    def flatten_lengths(self) -> "KeyedJaggedTensor":
+        """This KJT with lengths as one [F * B] vector, which recship's lengths always are."""
+        return KeyedJaggedTensor(
+            keys=self._keys,
+            values=self._values,
+            weights=self._weights,
+            lengths=self._lengths.view(-1),
+            offsets=self._offsets,
+            stride=self._stride,
+            length_per_key=self._length_per_key,
         )
 
     def split(self, segments: List[int]) -> List["KeyedJaggedTensor"]:
@@ -575,20 +689,67 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def concat(kjts: List["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
-        """Joins KJTs with the same keys along the batch: examples of kjts[0], then kjts[1], ...
+        """Joins KJTs of the same batch size key-wise: keys of kjts[0], then kjts[1], ...
 
-        This is how requests are batched. (TorchRec's ``concat`` joins keys instead.)
+        As TorchRec's ``concat``; a key in several inputs appears several times.
+        ``concat_batch`` joins along the batch instead.
         """
         if len(kjts) == 0:
             raise ValueError("concat: no KeyedJaggedTensors given")
+        stride = kjts[0].stride()
+        weighted = kjts[0].weights_or_none() is not None
+        keys: List[str] = []
+        values: List[torch.Tensor] = []
+        weights: List[torch.Tensor] = []
+        lengths: List[torch.Tensor] = []
+        # Passed on only if every input has it cached, so concat never synchronises.
+        length_per_key: List[int] = []
+        all_cached = True
+        for kjt in kjts:
+            if kjt.stride() != stride:
+                raise ValueError(
+                    f"concat: batch sizes differ ({stride} vs {kjt.stride()}); "
+                    "concat joins keys, concat_batch joins batches"
+                )
+            w = kjt.weights_or_none()
+            if (w is not None) != weighted:
+                raise ValueError("concat: either all KJTs have weights or none")
+            keys.extend(kjt.keys())
+            values.append(kjt.values())
+            lengths.append(kjt.lengths())
+            if w is not None:
+                weights.append(w)
+            cached = kjt._length_per_key
+            if cached is None:
+                all_cached = False
+            else:
+                length_per_key.extend(cached)
+        return KeyedJaggedTensor(
+            keys=keys,
+            values=torch.cat(values),
+            weights=torch.cat(weights) if weighted else None,
+            lengths=torch.cat(lengths),
+            stride=stride,
+            length_per_key=length_per_key if all_cached else None,
+            offsets=None,
+        )
+
+    @staticmethod
+    def concat_batch(kjts: List["KeyedJaggedTensor"]) -> "KeyedJaggedTensor":
+        """Joins KJTs with the same keys along the batch: examples of kjts[0], then kjts[1], ...
+
+        This is how requests are batched. (``concat`` joins keys, as in TorchRec.)
+        """
+        if len(kjts) == 0:
+            raise ValueError("concat_batch: no KeyedJaggedTensors given")
         first = kjts[0]
         keys = first.keys()
         weighted = first.weights_or_none() is not None
         for other in kjts[1:]:
             if other.keys() != keys:
-                raise ValueError(f"concat: keys differ: {keys} vs {other.keys()}")
+                raise ValueError(f"concat_batch: keys differ: {keys} vs {other.keys()}")
             if (other.weights_or_none() is not None) != weighted:
-                raise ValueError("concat: either all KJTs have weights or none")
+                raise ValueError("concat_batch: either all KJTs have weights or none")
         num_keys = len(keys)
         # Per input: its ids split by key; the output takes key 0 of every input, then key 1, ...
         value_parts: List[List[torch.Tensor]] = []
@@ -748,6 +909,9 @@ class KeyedTensor:
     def key_dim(self) -> int:
         return self._key_dim
 
+    def device(self) -> torch.device:
+        return self._values.device
+
     def length_per_key(self) -> List[int]:
         return self._length_per_key
 
@@ -794,6 +958,16 @@ class KeyedTensor:
                 tensors.append(parts[key])
             out.append(torch.cat(tensors, dim=key_dim))
         return out
+
+    @staticmethod
+    def regroup_as_dict(
+        keyed_tensors: List["KeyedTensor"], groups: List[List[str]], keys: List[str]
+    ) -> Dict[str, torch.Tensor]:
+        """``regroup`` with the i-th group's tensor returned under keys[i]."""
+        if len(groups) != len(keys):
+            raise ValueError(f"regroup_as_dict: {len(groups)} groups but {len(keys)} keys")
+        tensors = KeyedTensor.regroup(keyed_tensors, groups)
+        return {key: tensors[i] for i, key in enumerate(keys)}
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
         return KeyedTensor(

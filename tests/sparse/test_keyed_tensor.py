@@ -1,3 +1,5 @@
+from typing import List
+
 import pytest
 import torch
 
@@ -43,9 +45,30 @@ def test_inconsistent_keyed_tensor_raises():
 
 def test_scripted_keyed_tensor():
     @torch.jit.script
-    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def f(x: torch.Tensor, y: torch.Tensor) -> List[torch.Tensor]:
         kt = KeyedTensor.from_tensor_list(["x", "y"], [x, y], 1)
-        return KeyedTensor.regroup([kt], [["y", "x"]])[0]
+        return [KeyedTensor.regroup([kt], [["y", "x"]])[0], KeyedTensor.regroup_as_dict([kt], [["x"]], ["g"])["g"]]
 
     x, y = torch.randn(3, 2), torch.randn(3, 5)
-    assert torch.equal(f(x, y), torch.cat([y, x], dim=1))
+    regrouped, as_dict = f(x, y)
+    assert torch.equal(regrouped, torch.cat([y, x], dim=1))
+    assert torch.equal(as_dict, x)
+
+
+def test_regroup_as_dict_matches_cat():
+    kt1, p1 = _kt(3, ["a", "b"], [3, 5])
+    kt2, p2 = _kt(4, ["c"], [2])
+    by_name = {"a": p1[0], "b": p1[1], "c": p2[0]}
+    groups = [["b"], ["c", "a"]]
+    out = KeyedTensor.regroup_as_dict([kt1, kt2], groups, ["first", "second"])
+    assert list(out) == ["first", "second"]
+    for name, group in zip(["first", "second"], groups):
+        assert torch.equal(out[name], torch.cat([by_name[k] for k in group], dim=1))
+    with pytest.raises(ValueError, match="2 groups but 1 keys"):
+        KeyedTensor.regroup_as_dict([kt1, kt2], groups, ["only"])
+
+
+def test_device():
+    kt, _ = _kt(5, ["a"], [2])
+    assert kt.device() == torch.device("cpu")
+    assert kt.to(torch.device("cpu")).device() == kt.values().device

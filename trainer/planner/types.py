@@ -186,8 +186,12 @@ class ShardingPlan:
         out = []
         for path, tables in self.plan.items():
             params = [[name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks)] for name, ps in tables.items()]
+            # data-parallel replicas are not shards (TorchRec gives them no sharding spec)
             shards = [
-                [name, str(s.shard_offsets), str(s.shard_sizes), s.placement] for name, ps in tables.items() for s in ps.shards
+                [name, str(s.shard_offsets), str(s.shard_sizes), s.placement]
+                for name, ps in tables.items()
+                if ps.sharding_type != ShardingType.DATA_PARALLEL
+                for s in ps.shards
             ]
             out.append(
                 f"module: {path}\n\n"
