@@ -15,7 +15,7 @@ column-wise model differs from the unsharded one by (at most) quantization error
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,8 +24,11 @@ from recship.quantize.modules import QuantEmbeddingBagCollection, _check_ids
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.planner.planner import column_blocks, row_blocks
-from recship.trainer.planner.types import ShardingType
+from recship.trainer.planner.types import ParameterSharding, ShardingPlan, ShardingType
 from recship.trainer.types import DataType, PoolingType
+
+if TYPE_CHECKING:
+    from recship.trainer.distributed.types import ShardingEnv
 
 torch.fx.wrap(_check_ids)  # a single fx node here too (fx.wrap patches per importing module)
 
@@ -351,11 +354,15 @@ def shard_quant_model(
     return module, plans
 
 
-def _shard_one(qebc, devices: List[torch.device], kinds: Dict[str, ShardingType]):
+def _shard_one(
+    qebc, devices: List[torch.device], kinds: Dict[str, ShardingType], plan: Optional[Dict[str, List[InferenceShard]]] = None
+):
+    """(the sharded module, its shards): ``plan`` places the blocks, or else ``kinds`` and the least-loaded device."""
     tables = qebc.tables()
     types = qebc.weight_types()
     for t in tables:
-        if kinds[t.name] == ShardingType.COLUMN_WISE and types[t.name] not in (DataType.FP16, DataType.FP32):
+        split_columns = any((s.col_offset, s.cols) != (0, t.embedding_dim) for s in plan[t.name]) if plan else False
+        if (split_columns or kinds[t.name] == ShardingType.COLUMN_WISE) and types[t.name] not in (DataType.FP16, DataType.FP32):
             raise ValueError(
                 f"table {t.name!r} is {types[t.name].name}: its rows cannot be split by columns after quantization "
                 "(one scale per row); shard it table_wise or row_wise, or column_wise at export from the float weights"
@@ -363,7 +370,8 @@ def _shard_one(qebc, devices: List[torch.device], kinds: Dict[str, ShardingType]
     source = qebc.table_weights()
     dims = {t.name: t.embedding_dim for t in tables}
     stored = {name: int(data.numel()) + (0 if sb is None else int(sb.numel())) for name, (data, sb) in source.items()}
-    plan = plan_inference_shards(tables, len(devices), kinds, bytes_per_table=stored)
+    if plan is None:
+        plan = plan_inference_shards(tables, len(devices), kinds, bytes_per_table=stored)
 
     def fill(s: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
         src_data, src_scale_bias = source[s.table]
@@ -378,3 +386,112 @@ def _shard_one(qebc, devices: List[torch.device], kinds: Dict[str, ShardingType]
 
     sharded = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), fill, qebc.id_policy)
     return sharded, plan
+
+
+def _shard_modules(
+    module: nn.Module,
+    env: Optional["ShardingEnv"] = None,
+    device: Union[None, str, torch.device] = None,
+    plan: Optional[ShardingPlan] = None,
+    sharders: Optional[list] = None,
+) -> nn.Module:
+    """TorchRec's ``torchrec.distributed.shard._shard_modules`` for quantized models (inference sharding).
+
+    Replaces every QuantEmbeddingBagCollection in ``module`` (in place) by a
+    ShardedQuantEmbeddingBagCollection over ``env.world_size`` local devices and returns
+    ``module`` (the sharded collection itself when ``module`` is one). The stored rows are
+    copied, so the sharded module answers what the quantized one does.
+
+    Args:
+        module: a quantized model (``quantize_dynamic`` / ``quantize_embeddings``).
+        env: ``ShardingEnv.from_local(world_size, rank)``; None: the default process
+            group's world size (it must be initialised). One process drives all devices,
+            so ``rank`` does not change the result.
+        device: the device type to shard onto: CPU (``world_size`` shards in host memory)
+            or CUDA (``cuda:0`` .. ``cuda:<world_size - 1>``, outputs merged on ``cuda:0``).
+            None: CUDA if torch sees one, else CPU.
+        plan: a ShardingPlan ({module path: {table: ParameterSharding}}): each table's
+            sharding type and ranks (its ``shards`` when given; the compute kernel is
+            always the quantized TBE). A collection the plan does not name stays unsharded,
+            as in TorchRec. None: table-wise, tables on the least-loaded device.
+        sharders: only None: recship shards its quantized collections itself.
+    """
+    from recship.trainer.distributed.types import ShardingEnv
+
+    if sharders is not None:
+        raise ValueError(f"sharders must be None: recship shards QuantEmbeddingBagCollections itself, got {sharders!r}")
+    if env is None:
+        env = ShardingEnv.from_process_group(None)
+    world_size = int(env.world_size)
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cpu":
+        devices = [torch.device("cpu")] * world_size
+    elif device.type == "cuda":
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"world_size {world_size} on cuda needs {world_size} CUDA devices, torch sees {torch.cuda.device_count()}")
+        devices = [torch.device("cuda", r) for r in range(world_size)]
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    done: Dict[int, nn.Module] = {}
+
+    def sharded(path: str, qebc: QuantEmbeddingBagCollection) -> Optional[nn.Module]:
+        if id(qebc) not in done:
+            table_plan = None if plan is None else plan.get_plan_for_module(path)
+            if plan is not None and table_plan is None:
+                return None
+            kinds = {t.name: ShardingType.TABLE_WISE for t in qebc.tables()}
+            shards = None if table_plan is None else _shards_from_plan(path, qebc.tables(), table_plan, world_size)
+            done[id(qebc)] = _shard_one(qebc, devices, kinds, shards)[0]
+        return done[id(qebc)]
+
+    def replace(parent: nn.Module, prefix: str) -> None:
+        for name, child in parent.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, QuantEmbeddingBagCollection):
+                new = sharded(path, child)
+                if new is not None:
+                    setattr(parent, name, new)
+            elif not isinstance(child, ShardedQuantEmbeddingBagCollection):  # its shards are sharded already
+                replace(child, path)
+
+    if isinstance(module, QuantEmbeddingBagCollection):  # TorchRec returns the sharded module itself then
+        whole = sharded("", module)
+        return module if whole is None else whole
+    replace(module, "")
+    return module
+
+
+def _shards_from_plan(
+    path: str, tables: List[EmbeddingBagConfig], table_plan: Dict[str, ParameterSharding], world_size: int
+) -> Dict[str, List[InferenceShard]]:
+    """InferenceShards of a ShardingPlan's entries for one collection; ValueError names what does not fit."""
+    where = f"plan for {path or 'the root module'!r}"
+    unknown = sorted(set(table_plan) - {t.name for t in tables})
+    missing = sorted({t.name for t in tables} - set(table_plan))
+    if unknown or missing:
+        raise ValueError(f"{where}: names tables the collection lacks {unknown}, or lacks its tables {missing}")
+    out: Dict[str, List[InferenceShard]] = {}
+    for t in tables:
+        ps = table_plan[t.name]
+        kind = ShardingType(ps.sharding_type)
+        if ps.shards:
+            blocks = [(m.rank, m.shard_offsets[0], m.shard_sizes[0], m.shard_offsets[1], m.shard_sizes[1]) for m in ps.shards]
+        elif kind == ShardingType.TABLE_WISE and len(ps.ranks) == 1:
+            blocks = [(ps.ranks[0], 0, t.num_embeddings, 0, t.embedding_dim)]
+        elif kind == ShardingType.ROW_WISE and ps.ranks:
+            blocks = [(r, off, n, 0, t.embedding_dim) for r, off, n in row_blocks(t.num_embeddings, list(ps.ranks))]
+        elif kind == ShardingType.COLUMN_WISE and ps.ranks:
+            blocks = [(r, 0, t.num_embeddings, off, w) for r, (off, w) in zip(ps.ranks, column_blocks(t.embedding_dim, len(ps.ranks)))]
+        else:
+            raise ValueError(f"{where}: table {t.name!r}: {kind.value} on ranks {ps.ranks} cannot be served by inference sharding")
+        inside = all(0 <= r0 and n > 0 and r0 + n <= t.num_embeddings and 0 <= c0 and w > 0 and c0 + w <= t.embedding_dim
+                     for _, r0, n, c0, w in blocks)
+        if not inside or sum(n * w for _, _, n, _, w in blocks) != t.num_embeddings * t.embedding_dim:
+            raise ValueError(f"{where}: the shards of table {t.name!r} do not tile its {t.num_embeddings} x {t.embedding_dim} weight")
+        bad = [r for r, *_ in blocks if not 0 <= r < world_size]
+        if bad:
+            raise ValueError(f"{where}: table {t.name!r} is placed on ranks {bad}, outside world_size {world_size}")
+        out[t.name] = [InferenceShard(t.name, i, r, r0, n, c0, w) for i, (r, r0, n, c0, w) in enumerate(blocks)]
+    return out

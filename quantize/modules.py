@@ -11,8 +11,12 @@ it to row 0), unless that feature's id policy is "modulo", which hashes ids into
 the table. The kernel's own check runs in FATAL mode as a second line.
 
 fbgemm keeps the quantized rows in ``weights_host``, a plain attribute that
-``state_dict()`` does not see; this module registers the same tensor as a buffer
-(``weights_<group>``), so state_dict / load_state_dict round trips keep the weights.
+``state_dict()`` does not see. Each table's stored rows are registered as a buffer
+under TorchRec's names, ``embedding_bags.<table>.weight`` (``embeddings.<table>.weight``
+for the unpooled module): a [rows, row bytes] uint8 view of the TBE's storage, full
+rows as the kernel reads them (fp16 scale | fp16 bias | packed data | alignment
+padding for the integer types). The views are the only copy of the rows: state_dict,
+load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
 """
 
 from typing import Dict, List, Optional, Tuple, Union
@@ -133,8 +137,13 @@ class _QuantTables(nn.Module):
         device: torch.device,
         row_alignment: Optional[int],
         id_policy: Optional[Dict[str, str]],
+        rows_container: str,
     ) -> None:
-        """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced."""
+        """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced.
+
+        rows_container: the ModuleDict (``embedding_bags`` / ``embeddings``) whose
+        ``<table>.weight`` buffers expose each table's stored rows.
+        """
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
@@ -157,6 +166,8 @@ class _QuantTables(nn.Module):
         self._weight_types = {t.name: weight_types[t.name] for t in tables}
         self.id_policy = {f: id_policy.get(f, "reject") for f in all_features}
         location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+        rows = nn.ModuleDict({t.name: nn.Module() for t in tables})  # in table order, as the float module's
+        setattr(self, rows_container, rows)
         self.tbes = nn.ModuleList()
         self._group_features = []
         self._group_rows = []
@@ -178,8 +189,10 @@ class _QuantTables(nn.Module):
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
             tbe.initialize_weights()
-            # weights_host is a plain attribute of the TBE: a buffer alias puts it in state_dict
-            self.register_buffer(f"weights_{len(self.tbes)}", tbe.weights_host if device.type == "cpu" else tbe.weights_dev)
+            # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
+            # rows in state_dict (mode 0: whole padded rows, scale/bias included)
+            for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+                rows[t.name].register_buffer("weight", stored)
             self.tbes.append(tbe)
             self._group_features.append([f for t in group for f in t.feature_names])
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
@@ -211,7 +224,7 @@ class _QuantTables(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of every TBE's stored rows, alignment padding included."""
-        return sum(int(getattr(self, f"weights_{i}").numel()) for i in range(len(self.tbes)))
+        return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self.tbes)
 
 
 class QuantEmbeddingBagCollection(_QuantTables):
@@ -243,7 +256,7 @@ class QuantEmbeddingBagCollection(_QuantTables):
 
         modes = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
         groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
-        self._build(tables, [g for g in groups if g[1]], weight_types, torch.device(device), row_alignment, id_policy)
+        self._build(tables, [g for g in groups if g[1]], weight_types, torch.device(device), row_alignment, id_policy, "embedding_bags")
         self._is_weighted = is_weighted
         # output columns: the groups' outputs reordered into table order
         self._names = [f for t in tables for f in t.feature_names]
@@ -269,6 +282,24 @@ class QuantEmbeddingBagCollection(_QuantTables):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return list(self._tables)
+
+    @classmethod
+    def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingBagCollection":
+        """The quantized twin of a float EmbeddingBagCollection that carries a ``qconfig``.
+
+        What torch's ``quantize_dynamic`` / ``convert`` call with
+        ``mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection}``; the qconfig is a
+        QuantConfig (or torch's QConfig, read as ``QuantConfig(activation=, weight=)``).
+        Rows are padded to TorchRec's 16 bytes unless ``qconfig.row_alignment`` says
+        otherwise. ``use_precomputed_fake_quant`` is accepted for torch's signature and
+        unused (no fake-quant observers are involved).
+        """
+        from recship.quantize.quantizer import quantize_from_float
+
+        return quantize_from_float(cls, module)
+
 
 class QuantEmbeddingCollection(_QuantTables):
     """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] float32 rows} out.
@@ -292,7 +323,7 @@ class QuantEmbeddingCollection(_QuantTables):
 
         dims = sorted({t.embedding_dim for t in tables})
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
-        self._build(tables, groups, weight_types, torch.device(device), row_alignment, id_policy)
+        self._build(tables, groups, weight_types, torch.device(device), row_alignment, id_policy, "embeddings")
         self._names = [f for t in tables for f in t.feature_names]
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
@@ -310,6 +341,17 @@ class QuantEmbeddingCollection(_QuantTables):
         for name in self._names:
             out[name] = found[name]
         return out
+
+    def embedding_configs(self) -> List[EmbeddingConfig]:
+        return list(self._tables)
+
+    @classmethod
+    def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingCollection":
+        """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
+        see ``QuantEmbeddingBagCollection.from_float``."""
+        from recship.quantize.quantizer import quantize_from_float
+
+        return quantize_from_float(cls, module)
 
 
 def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:

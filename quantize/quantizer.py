@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -50,7 +50,7 @@ class QuantConfig:
     """How to quantize.
 
     Args:
-        data_type: the default for every table: a DataType, its name, or "auto".
+        data_type: the default for every table: a DataType, its name, or "auto" (default INT8).
         per_table: table name -> type (or "auto"), overriding the default.
         error_budget: for "auto", the largest acceptable relative error.
         error_minimizing: for INT4/INT2, search clipping ranges per row (never worse
@@ -61,9 +61,19 @@ class QuantConfig:
         id_policy: feature -> "reject" (default) or "modulo".
         sample_batches, sample_batch_size, sample_pooling, seed: the sample lookups
             the pooled error is measured on.
+        activation, weight, per_table_weight_dtype: TorchRec's way to say the same
+            (``QuantConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
+            weight=PlaceholderObserver.with_args(dtype=torch.int8))``): observer factories
+            whose dtypes give the output type (float32 only) and ``data_type``, and
+            table -> torch dtype entries for ``per_table`` (``DataType.from_quant_dtype``).
+            Pass them by keyword; a type they give must agree with one given directly.
     """
 
-    data_type: Union[str, DataType] = DataType.INT8
+    # torch's quantize_dynamic treats a qconfig with ``_fields == ("activation", "weight")``
+    # as its own QConfig namedtuple and rebuilds it; anything else is passed through untouched
+    _fields: ClassVar[Tuple[str, ...]] = ()  # set below to the field names, as a namedtuple's
+
+    data_type: Union[str, DataType, None] = None
     per_table: Dict[str, Union[str, DataType]] = field(default_factory=dict)
     error_budget: float = 0.01
     error_minimizing: bool = True
@@ -75,10 +85,36 @@ class QuantConfig:
     sample_batch_size: int = 128
     sample_pooling: int = 20
     seed: int = 0
+    activation: Optional[Callable[[], Any]] = None
+    weight: Optional[Callable[[], Any]] = None
+    per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
 
     def __post_init__(self) -> None:
-        self.data_type = _parse_type(self.data_type, "data_type")
+        if callable(self.data_type) and not isinstance(self.data_type, (str, DataType)):
+            raise TypeError(
+                "QuantConfig's first argument is data_type; pass TorchRec's observers by keyword: "
+                "QuantConfig(activation=..., weight=...)"
+            )
+        data_type = None if self.data_type is None else _parse_type(self.data_type, "data_type")
+        if self.weight is not None:
+            from_weight = _observed_type(_observer_dtype(self.weight, "weight"), "weight")
+            if data_type is not None and data_type != from_weight:
+                raise ValueError(f"data_type {_name(data_type)} disagrees with the weight observer's {_name(from_weight)}")
+            data_type = from_weight
+        self.data_type = DataType.INT8 if data_type is None else data_type
+        if self.activation is not None:
+            out = _observer_dtype(self.activation, "activation")
+            if out != torch.float32:
+                raise ValueError(
+                    f"activation dtype {out}: recship's quantized collections output float32 only; "
+                    "use PlaceholderObserver.with_args(dtype=torch.float)"
+                )
         self.per_table = {t: _parse_type(v, f"table {t!r}") for t, v in self.per_table.items()}
+        for t, dtype in (self.per_table_weight_dtype or {}).items():
+            dt = _observed_type(dtype, f"per_table_weight_dtype[{t!r}]")
+            if self.per_table.get(t, dt) != dt:
+                raise ValueError(f"table {t!r}: per_table says {_name(self.per_table[t])}, per_table_weight_dtype {_name(dt)}")
+            self.per_table[t] = dt
         if self.error_budget <= 0:
             raise ValueError(f"error_budget must be > 0, got {self.error_budget}")
         if self.chunk_rows < 1:
@@ -89,6 +125,33 @@ class QuantConfig:
         if self.row_alignment is not None:
             return self.row_alignment
         return 16 if self.device.startswith("cuda") else 1
+
+
+# what torch's quantize_dynamic reads to tell a namedtuple QConfig (see the comment above)
+QuantConfig._fields = tuple(f.name for f in dataclasses.fields(QuantConfig))
+
+
+def _observer_dtype(factory: Any, what: str) -> torch.dtype:
+    """The dtype of the observer ``factory()`` builds (e.g. ``PlaceholderObserver.with_args(dtype=...)``)."""
+    if not callable(factory):
+        raise TypeError(f"{what} must be an observer factory such as PlaceholderObserver.with_args(dtype=...), got {factory!r}")
+    dtype = getattr(factory(), "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what}: the observer {factory!r} builds has no torch dtype (got {dtype!r})")
+    return dtype
+
+
+def _observed_type(dtype: torch.dtype, what: str) -> DataType:
+    """The inference weight type an observer dtype asks for; ValueError naming ``what`` and the dtype."""
+    try:
+        data_type = DataType.from_quant_dtype(dtype)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return _parse_type(data_type, what)
+
+
+def _name(data_type: Union[str, DataType]) -> str:
+    return data_type.name if isinstance(data_type, DataType) else str(data_type)
 
 
 @dataclass
@@ -328,7 +391,7 @@ def fill_quantized(
 
 def quantize_embeddings(
     module: nn.Module,
-    dtype: Union[str, DataType] = "int8",
+    dtype: Union[str, DataType, None] = None,
     per_table: Optional[Dict[str, Union[str, DataType]]] = None,
     inplace: bool = False,
     weights: Optional[Callable[[str, str], torch.Tensor]] = None,
@@ -341,7 +404,7 @@ def quantize_embeddings(
         module: any nn.Module; collections may be nested anywhere (in ModuleLists and
             ModuleDicts too), several, weighted or not. A collection reached by two paths
             (shared between towers) is quantized once and both paths get the same module.
-        dtype: every table's type (a DataType, its name, or "auto").
+        dtype: every table's type (a DataType, its name, or "auto"); default INT8.
         per_table: table -> type, overriding ``dtype``. A key is a table name, or
             "<collection path>.<table>" where two collections have a table of that name.
         inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
@@ -365,14 +428,15 @@ def quantize_embeddings(
     for path, m in found:
         collections.setdefault(id(m), (path, m))
     tables = {key: _configs(m) for key, (_, m) in collections.items()}
-    assigned = _assign(per_table or {}, "per_table", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
     id_policy = options.pop("id_policy", None) or {}
+    config = QuantConfig(data_type=dtype, per_table=dict(per_table or {}), **options)
+    assigned = _assign(config.per_table, "per_table", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
     policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
     reports: List[TableReport] = []
     swapped: Dict[int, nn.Module] = {}
-    config = QuantConfig(data_type=dtype, **options)
     for key, (path, m) in collections.items():
-        sub = dataclasses.replace(config, per_table=assigned[key], id_policy=policies[key])
+        # per_table_weight_dtype is already in config.per_table, and split among the collections
+        sub = dataclasses.replace(config, per_table=assigned[key], per_table_weight_dtype=None, id_policy=policies[key])
         if isinstance(m, EmbeddingBagCollection):
             load = None if weights is None else (lambda name, path=path: weights(path, name))
             hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
@@ -387,6 +451,49 @@ def quantize_embeddings(
         parent, _, name = path.rpartition(".")
         setattr(module.get_submodule(parent), name, swapped[id(m)])
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
+
+
+# TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
+# tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
+TORCHREC_ROW_ALIGNMENT = 16
+
+
+def quantize_from_float(cls: type, module: nn.Module) -> _QuantTables:
+    """``cls.from_float(module)``: ``module``'s tables quantized as its ``qconfig`` says.
+
+    With torch's quantize_dynamic one qconfig serves every collection of the model, so
+    ``per_table_weight_dtype`` may name tables of other collections; those entries are
+    skipped here (an unknown name in ``per_table`` is still an error).
+    """
+    from torch.ao.quantization import QConfig
+
+    pooled = issubclass(cls, QuantEmbeddingBagCollection)
+    float_type = EmbeddingBagCollection if pooled else EmbeddingCollection
+    if not isinstance(module, float_type):
+        raise TypeError(f"{cls.__name__}.from_float takes a float {float_type.__name__}, got {type(module).__name__}")
+    qconfig = getattr(module, "qconfig", None)
+    if isinstance(qconfig, QConfig):
+        qconfig = QuantConfig(activation=qconfig.activation, weight=qconfig.weight)
+    if not isinstance(qconfig, QuantConfig):
+        raise TypeError(
+            f"{type(module).__name__}.qconfig must be a recship.QuantConfig (e.g. quantize_dynamic(model, "
+            f"qconfig_spec={{{type(module).__name__}: QuantConfig(activation=..., weight=...)}})), got {type(qconfig).__name__}"
+        )
+    devices = {p.device for p in module.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        raise ValueError(f"{type(module).__name__}.from_float needs its tables materialized on one device, found {sorted(map(str, devices))}")
+    names = {t.name for t in _configs(module)}
+    shared = set(qconfig.per_table_weight_dtype or {})
+    config = dataclasses.replace(
+        qconfig,
+        device=str(next(iter(devices))),
+        row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
+        per_table={t: v for t, v in qconfig.per_table.items() if t in names or t not in shared},
+        per_table_weight_dtype=None,
+    )
+    if pooled:
+        return quantize_embedding_bag_collection(module, config)[0]
+    return quantize_embedding_collection(module, config)[0]
 
 
 def _configs(m: nn.Module) -> List[BaseEmbeddingConfig]:

@@ -10,11 +10,7 @@ here (README: "Coming from TorchRec"). The implementations live in
 ``recship.trainer`` (training) and ``recship.export`` (inference sharding).
 """
 
-from typing import Any, List, Optional
-
-import torch
-from torch import nn
-
+from recship.export.sharded import _shard_modules
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
@@ -64,4 +60,5 @@ __all__ = [
     "Topology",
     "get_default_sharders",
     "in_backward_optimizer_filter",
+    "_shard_modules",
 ]
