@@ -1,4 +1,10 @@
-"""Reading an exported artifact: manifest, checksum, sample self-check (torch + fbgemm_gpu only).
+"""The artifact contract: its manifest (typed), sample, checksum, and loading with a self-check.
+
+An artifact is a folder: ``model.pt`` (TorchScript: forward(dense, lengths, values, weights)
+-> Dict[str, Tensor]), ``manifest.json`` (``Manifest``; its JSON Schema is
+protos/recship/artifact/v1/manifest.schema.json, which the C++ loader's checks follow too)
+and ``sample/`` (one request and the outputs the exported model gave for it, as raw
+little-endian tensors). Only torch is needed here (fbgemm_gpu when a model is loaded).
 
 Loading an artifact runs its TorchScript, which is code: only load artifacts from
 people you trust. The sha256 in the manifest sits beside the model in the same folder,
@@ -11,12 +17,19 @@ import io
 import json
 import math
 import re
+import sys
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Collection, Dict, Optional, Tuple, Union
+from typing import Any, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
 FORMAT = "recship.artifact/1"
+# What a C++ process must dlopen (from fbgemm_gpu's folder) before torch::jit::load.
+OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
+ID_POLICIES = ("reject", "modulo")
+DEVICES = ("cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -24,8 +37,262 @@ class ArtifactError(ValueError):
     """A missing, tampered or inconsistent artifact; the message names the problem."""
 
 
+@dataclass
+class ModelInfo:
+    """Which model this is. ``details``: the other keys as the exporter wrote them (``config``
+    of a DLRM; ``class``, ``entry_point`` and ``config`` of any other module), kept verbatim."""
+
+    name: str
+    version: int
+    kind: str  # "dlrm", "embeddings" or "module"
+    details: Dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "version": self.version, "kind": self.kind, **self.details}
+
+
+@dataclass
+class SparseFeature:
+    """One input feature: its table (``rows`` x ``dim``, stored as ``weight_type``) and its id policy."""
+
+    name: str
+    table: str
+    pooling: str  # "SUM" or "MEAN"
+    dim: int
+    rows: int
+    weight_type: str  # INT8, INT4, INT2, FP8, FP16, FP32
+    id_policy: str  # "reject": ids outside [0, rows) are refused; "modulo": id % rows
+    weighted: bool  # whether its ids carry per-id weights
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "table": self.table, "pooling": self.pooling, "dim": self.dim, "rows": self.rows,
+                "weight_type": self.weight_type, "id_policy": self.id_policy, "weighted": self.weighted}
+
+
+@dataclass
+class OutputSpec:
+    """One output: float32 [B, *dims]."""
+
+    dims: List[int]
+    dtype: str = "float32"
+
+    @property
+    def shape(self) -> List[Union[str, int]]:
+        return ["B", *self.dims]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"dtype": self.dtype, "shape": self.shape}
+
+
+@dataclass
+class Shard:
+    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
+
+    table: str
+    index: int
+    device: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(vars(self))
+
+
+@dataclass
+class Sharding:
+    device: str  # "cpu" or "cuda"
+    num_devices: int
+    row_alignment: int
+    shards: List[Shard]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"device": self.device, "num_devices": self.num_devices, "row_alignment": self.row_alignment,
+                "shards": [s.to_dict() for s in self.shards]}
+
+
+@dataclass
+class Versions:
+    """The releases the artifact was built with (a loader refuses another torch)."""
+
+    torch: str
+    fbgemm_gpu: str
+    python: str
+
+    @staticmethod
+    def current() -> "Versions":
+        import fbgemm_gpu
+
+        return Versions(torch.__version__, getattr(fbgemm_gpu, "__version__", "unknown"), sys.version.split()[0])
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"torch": self.torch, "fbgemm_gpu": self.fbgemm_gpu, "python": self.python}
+
+
+@dataclass
+class SampleTensor:
+    """A raw little-endian tensor file inside the artifact."""
+
+    file: str  # relative to the artifact folder
+    dtype: str  # float32, int32 or int64
+    shape: List[int]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"file": self.file, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass
+class Sample:
+    """One request (inputs dense [B, num_dense] float32, lengths [F * B] int32, values [N] int64,
+    weights [N] float32 if weighted) and the outputs the exported model gave for it."""
+
+    batch_size: int
+    inputs: Dict[str, SampleTensor]
+    outputs: Dict[str, SampleTensor]
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"batch_size": self.batch_size, "inputs": {k: v.to_dict() for k, v in self.inputs.items()},
+                "outputs": {k: v.to_dict() for k, v in self.outputs.items()}}
+
+
+@dataclass
+class Manifest:
+    """manifest.json, typed. ``quantization`` and ``validation`` are the exporter's reports, kept as written.
+
+    ``Manifest.read(dir)`` / ``.write(dir)`` / ``.validate()``; ``from_dict`` / ``to_dict`` convert
+    the JSON object exactly (``Manifest.from_dict(d).to_dict() == d`` for every valid manifest).
+    """
+
+    model: ModelInfo
+    num_dense: int
+    weighted: bool  # any feature is weighted: the model takes a weights tensor
+    sparse_features: List[SparseFeature]
+    outputs: Dict[str, OutputSpec]
+    sharding: Sharding
+    versions: Versions
+    op_libraries: List[str]
+    quantization: Dict[str, Any]
+    validation: Dict[str, Any]
+    sample: Sample
+    model_sha256: str
+    format: str = FORMAT
+
+    @property
+    def feature_names(self) -> List[str]:
+        return [f.name for f in self.sparse_features]
+
+    def inputs(self) -> Dict[str, Any]:
+        """The model's input signature, as the manifest spells it (derived from num_dense and weighted)."""
+        return _inputs(self.num_dense, self.weighted)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "format": self.format,
+            "model": self.model.to_dict(),
+            "inputs": self.inputs(),
+            "num_dense": self.num_dense,
+            "sparse_features": [f.to_dict() for f in self.sparse_features],
+            "weighted": self.weighted,
+            "outputs": {k: v.to_dict() for k, v in self.outputs.items()},
+            "sharding": self.sharding.to_dict(),
+            "versions": self.versions.to_dict(),
+            "op_libraries": list(self.op_libraries),
+            "quantization": self.quantization,
+            "validation": self.validation,
+            "sample": self.sample.to_dict(),
+            "model_sha256": self.model_sha256,
+        }
+
+    @staticmethod
+    def from_dict(manifest: Any, path: Union[str, Path] = "artifact") -> "Manifest":
+        """The typed manifest of a parsed manifest.json; ArtifactError names the first bad field."""
+        check_manifest(manifest, path)
+        m = manifest
+        model = m["model"]
+        details = {k: v for k, v in model.items() if k not in ("name", "version", "kind")}
+
+        def tensors(group: Dict[str, Any]) -> Dict[str, SampleTensor]:
+            return {k: SampleTensor(v["file"], v["dtype"], list(v["shape"])) for k, v in group.items()}
+
+        out = Manifest(
+            model=ModelInfo(model["name"], model["version"], model["kind"], details),
+            num_dense=m["num_dense"],
+            weighted=m["weighted"],
+            # a feature without "weighted" (artifacts before it was written per feature) takes the manifest's
+            sparse_features=[
+                SparseFeature(f["name"], f["table"], f["pooling"], f["dim"], f["rows"], f["weight_type"], f["id_policy"],
+                              f.get("weighted", m["weighted"]))
+                for f in m["sparse_features"]
+            ],
+            outputs={k: OutputSpec(list(v["shape"][1:]), v["dtype"]) for k, v in m["outputs"].items()},
+            sharding=Sharding(m["sharding"]["device"], m["sharding"]["num_devices"], m["sharding"]["row_alignment"],
+                              [Shard(*(s[f.name] for f in dataclasses.fields(Shard))) for s in m["sharding"]["shards"]]),
+            versions=Versions(m["versions"]["torch"], m["versions"]["fbgemm_gpu"], m["versions"]["python"]),
+            op_libraries=list(m["op_libraries"]),
+            quantization=m["quantization"],
+            validation=m["validation"],
+            sample=Sample(m["sample"]["batch_size"], tensors(m["sample"]["inputs"]), tensors(m["sample"]["outputs"])),
+            model_sha256=m["model_sha256"],
+            format=m["format"],
+        )
+        if m["inputs"] != out.inputs():
+            raise ArtifactError(f"{path}/manifest.json: inputs must be {out.inputs()} (from num_dense and weighted), "
+                                f"got {str(m['inputs'])[:200]}")
+        return out
+
+    @staticmethod
+    def from_fields(fields: Dict[str, Any], output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
+                    versions: Optional[Versions] = None) -> "Manifest":
+        """The manifest an exporter writes. ``fields``: model, num_dense, weighted, sparse_features,
+        sharding, quantization and validation as JSON objects; ``output_dims``: output -> its shape
+        after the batch dimension; ``versions``: default the running torch / fbgemm_gpu / python."""
+        versions = versions or Versions.current()
+        weighted = fields["weighted"]
+        manifest = {
+            "format": FORMAT,
+            "model": fields["model"],
+            "inputs": _inputs(fields["num_dense"], weighted),
+            "num_dense": fields["num_dense"],
+            "sparse_features": fields["sparse_features"],
+            "weighted": weighted,
+            "outputs": {k: OutputSpec(list(d)).to_dict() for k, d in output_dims.items()},
+            "sharding": fields["sharding"],
+            "versions": versions.to_dict(),
+            "op_libraries": list(OP_LIBRARIES),
+            "quantization": fields["quantization"],
+            "validation": fields["validation"],
+            "sample": sample.to_dict(),
+            "model_sha256": model_sha256,
+        }
+        return Manifest.from_dict(manifest, "the exported artifact")
+
+    @staticmethod
+    def read(path: Union[str, Path]) -> "Manifest":
+        """The manifest of the artifact folder ``path``, checked; ArtifactError names the problem."""
+        return Manifest.from_dict(read_manifest(path), path)
+
+    def write(self, path: Union[str, Path]) -> None:
+        """Writes ``path``/manifest.json (after ``validate``)."""
+        self.validate(path)
+        (Path(path) / "manifest.json").write_text(json.dumps(self.to_dict(), indent=2))
+
+    def validate(self, path: Union[str, Path] = "artifact") -> None:
+        """Raises ArtifactError naming the first field that breaks the contract (the rules of ``check_manifest``)."""
+        check_manifest(self.to_dict(), path)
+
+
+def _inputs(num_dense: Any, weighted: Any) -> Dict[str, Any]:
+    return {
+        "dense": {"dtype": "float32", "shape": ["B", num_dense]},
+        "lengths": {"dtype": "int32", "shape": ["F*B"], "order": "feature-major, features in the order below"},
+        "values": {"dtype": "int64", "shape": ["N"]},
+        "weights": {"dtype": "float32", "shape": ["N"], "required": weighted},
+    }
+
+
 def read_manifest(path: Union[str, Path]) -> Dict[str, Any]:
-    """The artifact's manifest, its structure checked (``check_manifest``); ArtifactError names the problem."""
+    """The artifact's manifest as parsed JSON, its structure checked (``check_manifest``); prefer ``Manifest.read``."""
     path = Path(path)
     if not (path / "manifest.json").is_file():
         raise ArtifactError(f"{path}: not an artifact (manifest.json is missing)")
@@ -38,7 +305,11 @@ def read_manifest(path: Union[str, Path]) -> Dict[str, Any]:
 
 
 def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
-    """Raises ArtifactError unless every field a reader of the artifact relies on has the right type."""
+    """Raises ArtifactError, naming the field, unless the manifest has every field of the contract with its type.
+
+    The rules are those of protos/recship/artifact/v1/manifest.schema.json (tests/export/test_manifest.py
+    holds the two together); the C++ loader checks the same required fields.
+    """
 
     def fail(what: str) -> None:
         raise ArtifactError(f"{path}/manifest.json: {what}")
@@ -50,6 +321,9 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
             name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
             fail(f"{where}{key} must be {name}, got {type(value).__name__}")
         return value
+
+    def sizes(shape: Any) -> bool:
+        return all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
 
     if not isinstance(manifest, dict):
         fail(f"must be a JSON object, got {type(manifest).__name__}")
@@ -67,7 +341,7 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
             need(f, key, str, where)
         if need(f, "rows", int, where) <= 0 or need(f, "dim", int, where) <= 0:
             fail(f"{where}rows and dim must be positive")
-        if f.get("id_policy") not in ("reject", "modulo"):
+        if f.get("id_policy") not in ID_POLICIES:
             fail(f"{where}id_policy must be 'reject' or 'modulo'")
         if not isinstance(f.get("weighted", False), bool):
             fail(f"{where}weighted must be bool")
@@ -81,11 +355,23 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
         fail("weighted must say whether any sparse feature is weighted")
     for name, out in need(manifest, "outputs", dict, "").items():
         shape = need(out, "shape", list, f"outputs[{name!r}].")
-        if not shape or shape[0] != "B" or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape[1:]):
+        if not shape or shape[0] != "B" or not sizes(shape[1:]):
             fail(f"outputs[{name!r}].shape must be ['B', n, ...], got {str(shape)[:80]}")
-    if need(manifest, "sharding", dict, "").get("device") not in ("cpu", "cuda"):
+        if out.get("dtype") != "float32":
+            fail(f"outputs[{name!r}].dtype must be 'float32'")
+    sharding = need(manifest, "sharding", dict, "")
+    if sharding.get("device") not in DEVICES:
         fail("sharding.device must be 'cpu' or 'cuda'")
+    if need(sharding, "num_devices", int, "sharding.") < 1 or need(sharding, "row_alignment", int, "sharding.") < 1:
+        fail("sharding.num_devices and sharding.row_alignment must be >= 1")
+    for i, s in enumerate(need(sharding, "shards", list, "sharding.")):
+        need(s, "table", str, f"sharding.shards[{i}].")
+        for key in ("index", "device", "row_offset", "rows", "col_offset", "cols"):
+            if need(s, key, int, f"sharding.shards[{i}].") < 0:
+                fail(f"sharding.shards[{i}].{key} must be >= 0")
     sample = need(manifest, "sample", dict, "")
+    if need(sample, "batch_size", int, "sample.") < 1:
+        fail("sample.batch_size must be >= 1")
     for group in ("inputs", "outputs"):
         for name, spec in need(sample, group, dict, "sample.").items():
             where = f"sample.{group}[{name!r}]."
@@ -95,9 +381,25 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
                 fail(f"{where}file must be a relative path inside the artifact, got {file[:80]!r}")
             if spec.get("dtype") not in _DTYPES:
                 fail(f"{where}dtype must be one of {sorted(_DTYPES)}")
-            shape = need(spec, "shape", list, where)
-            if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            if not sizes(need(spec, "shape", list, where)):
                 fail(f"{where}shape must be a list of sizes")
+    for name in ("dense", "lengths", "values"):
+        if name not in sample["inputs"]:
+            fail(f"sample.inputs[{name!r}] is missing")
+    model = need(manifest, "model", dict, "")
+    need(model, "name", str, "model.")
+    need(model, "version", int, "model.")
+    need(model, "kind", str, "model.")
+    inputs = need(manifest, "inputs", dict, "")
+    for key in ("dense", "lengths", "values", "weights"):
+        need(inputs, key, dict, "inputs.")
+    versions = need(manifest, "versions", dict, "")
+    for key in ("torch", "fbgemm_gpu", "python"):
+        need(versions, key, str, "versions.")
+    if not all(isinstance(lib, str) for lib in need(manifest, "op_libraries", list, "")):
+        fail("op_libraries must be a list of file names")
+    need(manifest, "quantization", dict, "")
+    need(manifest, "validation", dict, "")
 
 
 def file_sha256(path: Union[str, Path]) -> str:
@@ -108,38 +410,55 @@ def file_sha256(path: Union[str, Path]) -> str:
     return h.hexdigest()
 
 
-def read_sample(path: Union[str, Path], manifest: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+def write_sample(path: Union[str, Path], batch_size: int, inputs: Dict[str, torch.Tensor], outputs: Dict[str, torch.Tensor]) -> Sample:
+    """Writes the sample request and its outputs under ``path``/sample/ as raw little-endian tensors.
+
+    inputs: dense [B, num_dense] float32, lengths [F * B] int32, values [N] int64, weights [N] float32
+    (weighted models only); outputs: name -> [B, ...] tensor. Returns the manifest's ``sample``.
+    """
+    (Path(path) / "sample").mkdir()
+    sample = Sample(batch_size, {}, {})
+    for group, tensors in (("inputs", inputs), ("outputs", outputs)):
+        for name, t in tensors.items():
+            file = f"sample/{group}.{name}.bin"
+            array = t.detach().cpu().contiguous().numpy()
+            (Path(path) / file).write_bytes(array.astype(array.dtype.newbyteorder("<")).tobytes())
+            getattr(sample, group)[name] = SampleTensor(file, str(t.dtype).replace("torch.", ""), list(t.shape))
+    return sample
+
+
+def read_sample(path: Union[str, Path], manifest: Manifest) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """(inputs, expected outputs) of the artifact's sample request."""
     out = []
-    for group in ("inputs", "outputs"):
+    for group in (manifest.sample.inputs, manifest.sample.outputs):
         tensors = {}
-        for name, spec in manifest["sample"][group].items():
+        for name, spec in group.items():
             try:
-                raw = (Path(path) / spec["file"]).read_bytes()
+                raw = (Path(path) / spec.file).read_bytes()
             except OSError as e:
-                raise ArtifactError(f"{path}: sample file {spec['file']!r} cannot be read: {e.strerror}") from None
-            dtype = _DTYPES[spec["dtype"]]
-            size = torch.empty((), dtype=dtype).element_size() * math.prod(spec["shape"])
+                raise ArtifactError(f"{path}: sample file {spec.file!r} cannot be read: {e.strerror}") from None
+            dtype = _DTYPES[spec.dtype]
+            size = torch.empty((), dtype=dtype).element_size() * math.prod(spec.shape)
             if len(raw) != size:
-                raise ArtifactError(f"{path}: sample file {spec['file']!r} has {len(raw)} bytes, its shape {spec['shape']} needs {size}")
+                raise ArtifactError(f"{path}: sample file {spec.file!r} has {len(raw)} bytes, its shape {spec.shape} needs {size}")
             if not raw:  # e.g. dense [B, 0] of an embedding-only model
-                t = torch.empty(spec["shape"], dtype=dtype)
+                t = torch.empty(spec.shape, dtype=dtype)
             else:
-                t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(spec["shape"])
+                t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(spec.shape)
             tensors[name] = t
         out.append(tensors)
     return out[0], out[1]
 
 
-def load_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None):
-    """(TorchScript module, manifest); with ``check``, verifies the checksum and runs the sample.
+def open_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None) -> Tuple[Any, Manifest]:
+    """(TorchScript module, Manifest); with ``check``, verifies the checksum and runs the sample.
 
     The model is loaded from the very bytes that were hashed, so a file swapped after the
     check cannot slip in. ``trusted``: sha256s of model.pt files allowed to load (None: any).
     """
     import fbgemm_gpu  # noqa: F401  (registers the TBE ops the module calls)
 
-    manifest = read_manifest(path)
+    manifest = Manifest.read(path)
     model_file = Path(path) / "model.pt"
     if not model_file.is_file():
         raise ArtifactError(f"{path}: model.pt is missing")
@@ -147,10 +466,10 @@ def load_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[
     digest = hashlib.sha256(data).hexdigest()
     if trusted is not None and digest not in trusted:
         raise ArtifactError(f"{model_file}: sha256 {digest} is not in the trusted list")
-    if digest != manifest["model_sha256"]:
-        raise ArtifactError(f"{model_file}: sha256 {digest} does not match the manifest's {manifest['model_sha256']}")
+    if digest != manifest.model_sha256:
+        raise ArtifactError(f"{model_file}: sha256 {digest} does not match the manifest's {manifest.model_sha256}")
     # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
-    on_cuda = manifest["sharding"]["device"] == "cuda"
+    on_cuda = manifest.sharding.device == "cuda"
     model = torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu")
     del data
     if check:
@@ -158,7 +477,13 @@ def load_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[
     return model, manifest
 
 
-def self_check(model, path: Union[str, Path], manifest: Dict[str, Any]) -> float:
+def load_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None):
+    """``open_artifact`` with the manifest as its JSON object, for the readers not yet on ``Manifest``."""
+    model, manifest = open_artifact(path, check, trusted)
+    return model, manifest.to_dict()
+
+
+def self_check(model, path: Union[str, Path], manifest: Manifest) -> float:
     """Runs the sample; raises ArtifactError unless every output matches; returns the max abs difference."""
     inputs, expected = read_sample(path, manifest)
     with torch.no_grad():

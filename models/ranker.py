@@ -68,7 +68,9 @@ class MixedRanker(MultiTaskRanker):
         self.shared = nn.Sequential(nn.Linear(6 * dim, hidden), nn.ReLU())
         if device != "meta":
             with torch.no_grad():
-                nn.init.normal_(self.shared[0].weight, 0, 0.1)
+                first = self.shared[0]
+                assert isinstance(first, nn.Linear)
+                nn.init.normal_(first.weight, 0, 0.1)
 
     def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
         pooled = torch.cat([self.sparse(features).values(), self.context(features).values()], dim=1)

@@ -25,7 +25,7 @@ from recship.trainer import (
     materialize,
 )
 
-from recship import distributed  # noqa: E402  (torchrec.distributed's counterpart, as recship.distributed)
+from recship import distributed  # noqa: E402,F401  (torchrec.distributed's counterpart, as recship.distributed)
 
 __version__ = "0.1.0"
 

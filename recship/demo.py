@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     sharding_walkthrough.run()
 
     _step("Train the default DLRM on synthetic Criteo-like data: 2 gloo ranks, checkpoint at the end")
-    from recship.trainer.checkpoint import CheckpointReader
+    from recship.trainer.checkpoint_reader import CheckpointReader
     from recship.trainer.train import TrainConfig, launch
 
     summary = launch(TrainConfig(out=args.out, steps=200, nproc_per_node=2, eval_every=100, checkpoint_every=100, seed=args.seed,
@@ -172,16 +172,16 @@ def run(args: argparse.Namespace) -> int:
 
     _step("Export the trained DLRM: INT8 and INT4 artifacts (2 shards), then load and self-check each")
     from recship.export import ExportConfig, export_model
-    from recship.export.artifact import load_artifact
+    from recship.export.artifact import open_artifact
 
     for dtype in ("int8", "int4"):
         out = f"{args.out}/artifacts/dlrm_{dtype}"
-        manifest = export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False))
-        v = manifest["validation"]
-        _, loaded = load_artifact(out)  # checksum + sample self-check
+        export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False))
+        _, manifest = open_artifact(out)  # checksum + sample self-check
+        v = manifest.validation
         _expect(
             abs(v["auc"] - v["float_auc"]) < 0.01,
-            f"{out}: {manifest['quantization']['quantized_bytes']:,} bytes of tables, AUC {v['auc']:.4f} vs float {v['float_auc']:.4f}, "
+            f"{out}: {manifest.quantization['quantized_bytes']:,} bytes of tables, AUC {v['auc']:.4f} vs float {v['float_auc']:.4f}, "
             f"max |prob diff| {v['error']:.2g}; reloaded and self-checked",
         )
 
@@ -199,13 +199,13 @@ def run(args: argparse.Namespace) -> int:
     shutil.copytree(f"{args.out}/artifacts/dlrm_int8", repo / "dlrm" / "1")
     server = Server(ServerConfig(model_repo=str(repo), port=0))
     try:
-        scripted, _ = load_artifact(repo / "dlrm" / "1")
+        scripted, _ = open_artifact(repo / "dlrm" / "1")
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             g = np.random.default_rng(args.seed)
-            rows = [t["rows"] for t in manifest["sparse_features"]]
-            names = [t["name"] for t in manifest["sparse_features"]]
+            rows = [f.rows for f in manifest.sparse_features]
+            names = manifest.feature_names
             sparse = {n: [list(g.integers(0, r, size=2)) for _ in range(3)] for n, r in zip(names, rows)}
-            dense = g.random((3, manifest["num_dense"]), dtype=np.float32)
+            dense = g.random((3, manifest.num_dense), dtype=np.float32)
             out = client.predict("dlrm", sparse, dense)
             print("   predictions (prob) for 3 examples:", [round(float(p), 4) for p in out["prob"][:, 0]])
             lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
@@ -260,7 +260,7 @@ def two_tower(args: argparse.Namespace) -> None:
     import numpy as np
 
     from recship.cli import main as recship
-    from recship.export.artifact import load_artifact
+    from recship.export.artifact import open_artifact
     from recship.serving import PredictClient
     from recship.serving.server import Server, ServerConfig
 
@@ -275,14 +275,14 @@ def two_tower(args: argparse.Namespace) -> None:
     artifact = repo / "two_tower" / "1"
     _expect(recship(["export", str(checkpoint), "--out", str(artifact), "--name", "two_tower", "--overwrite"]) == 0,
             "exported from the checkpoint alone (it records the entry point and its arguments)")
-    model, manifest = load_artifact(artifact)
-    print("   features:", [(f["name"], f["pooling"].lower()) for f in manifest["sparse_features"]],
-          "outputs:", {k: v["shape"] for k, v in manifest["outputs"].items()})
+    model, manifest = open_artifact(artifact)
+    print("   features:", [(f.name, f.pooling.lower()) for f in manifest.sparse_features],
+          "outputs:", {k: v.shape for k, v in manifest.outputs.items()})
     g = np.random.default_rng(args.seed)
-    sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"], size=g.integers(1, 4))] for _ in range(3)]
-              for f in manifest["sparse_features"]}
-    dense = g.integers(0, 20, size=(3, manifest["num_dense"])).astype(np.float32)
-    names = [f["name"] for f in manifest["sparse_features"]]
+    sparse = {f.name: [[int(i) for i in g.integers(0, f.rows, size=g.integers(1, 4))] for _ in range(3)]
+              for f in manifest.sparse_features}
+    dense = g.integers(0, 20, size=(3, manifest.num_dense)).astype(np.float32)
+    names = manifest.feature_names
     with torch.no_grad():
         want = model(torch.from_numpy(dense), torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32),
                      torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64), None)

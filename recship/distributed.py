@@ -10,55 +10,38 @@ here (README: "Coming from TorchRec"). The implementations live in
 ``recship.trainer`` (training) and ``recship.export`` (inference sharding).
 """
 
-from recship.export.sharded import _shard_modules
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
-from recship.trainer.fused_optim import (
-    CombinedOptimizer,
-    EmbeddingFusedOptimizer,
-    EmbOptimType,
-    FusedOptimizerConfig,
-    KeyedOptimizer,
-    RowWiseAdagrad,
-)
+from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
+from recship.trainer.fused_optim import KeyedOptimizer, RowWiseAdagrad
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
-from recship.trainer.planner import (
-    EmbeddingComputeKernel,
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-    ShardMetadata,
-    Topology,
-)
+from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
+from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
 
-__all__ = [
-    "Awaitable",
-    "CombinedOptimizer",
-    "DistributedModelParallel",
-    "EmbOptimType",
-    "EmbeddingBagCollectionAwaitable",
-    "EmbeddingBagCollectionSharder",
-    "EmbeddingComputeKernel",
-    "EmbeddingFusedOptimizer",
-    "EmbeddingShardingPlanner",
-    "FusedOptimizerConfig",
-    "KeyedOptimizer",
-    "LazyAwaitable",
-    "ModuleSharder",
-    "NoWait",
-    "ParameterConstraints",
-    "ParameterSharding",
-    "RowWiseAdagrad",
-    "ShardMetadata",
-    "ShardedEmbeddingBagCollection",
-    "ShardingEnv",
-    "ShardingPlan",
-    "ShardingType",
-    "Topology",
-    "get_default_sharders",
-    "in_backward_optimizer_filter",
-    "_shard_modules",
-]
+
+def _shard_modules(
+    module: nn.Module,
+    env: Optional[ShardingEnv] = None,
+    device: Union[None, str, torch.device] = None,
+    plan: Optional[ShardingPlan] = None,
+    sharders: Optional[list] = None,
+) -> nn.Module:
+    """TorchRec's ``torchrec.distributed.shard._shard_modules``: inference sharding of a quantized model.
+
+    See ``recship.export.sharded.shard_modules`` (imported here when called, so that
+    ``import recship`` does not load the export pipeline).
+    """
+    from recship.export.sharded import shard_modules
+
+    return shard_modules(module, env=env, device=device, plan=plan, sharders=sharders)
+
+
+# every recship class and function imported above, and TorchRec's private-named _shard_modules
+__all__ = sorted(n for n, v in list(globals().items()) if getattr(v, "__module__", "").startswith("recship.") and not n.startswith("_"))
+__all__.append("_shard_modules")

@@ -32,19 +32,19 @@ log = logging.getLogger(__name__)
 
 
 class QueueFull(RuntimeError):
-    """The model's queue is full (gRPC RESOURCE_EXHAUSTED)."""
+    """The model's queue is full (ErrorKind.OVERLOADED)."""
 
 
 class Unloaded(RuntimeError):
-    """The batcher stopped taking requests (its model version is being replaced or unloaded)."""
+    """The batcher stopped taking requests: its model version is being replaced or unloaded (ErrorKind.UNAVAILABLE)."""
 
 
 class DeadlineExpired(RuntimeError):
-    """The request's deadline passed before it ran (gRPC DEADLINE_EXCEEDED)."""
+    """The request's deadline passed before it ran (ErrorKind.DEADLINE)."""
 
 
 class WorkerDied(RuntimeError):
-    """The model's worker thread ended unexpectedly (gRPC UNAVAILABLE until it is restarted)."""
+    """The model's worker thread ended unexpectedly (ErrorKind.UNAVAILABLE until it is restarted)."""
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Batcher:
         max_batch_size: examples per forward (a single larger request runs alone).
         max_delay_s: how long the first request of a batch waits for company; 0 disables batching.
         max_queue: requests waiting at most; more are refused with QueueFull.
-        observe: callback(batch_examples, n_requests, queue_seconds_list, compute_seconds) for metrics.
+        observe: callback(batch_examples, queue_seconds_list, compute_seconds) for metrics.
         device: where the model's inputs go ("cpu", or "cuda:N" for a CUDA artifact).
         device_lock: held around each forward; batchers of one device share it, so the
             device runs one forward at a time (a worker per device) however many models it serves.
@@ -89,7 +89,7 @@ class Batcher:
         max_batch_size: int = 512,
         max_delay_s: float = 0.002,
         max_queue: int = 1024,
-        observe: Optional[Callable[[int, int, List[float], float], None]] = None,
+        observe: Optional[Callable[[int, List[float], float], None]] = None,
         name: str = "model",
         device: str = "cpu",
         device_lock: Optional[threading.Lock] = None,
@@ -231,7 +231,7 @@ class Batcher:
             item.future.set_result(outs)
         if self._observe is not None:
             try:
-                self._observe(sum(i.request.batch_size for i in live), len(live), [started - i.enqueued for i in live], compute)
+                self._observe(sum(i.request.batch_size for i in live), [started - i.enqueued for i in live], compute)
             except Exception:  # metrics must never cost a request or the worker
                 log.exception("recording metrics of %s failed", self.name)
 
@@ -257,6 +257,7 @@ class Batcher:
             for name, t in outputs.items():
                 host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host[name].copy_(t, non_blocking=True)
+        assert self._stream is not None  # a CUDA runner always has its stream
         self._stream.synchronize()
         return host
 
@@ -268,13 +269,13 @@ def merge(requests: List[ParsedRequest]) -> ParsedRequest:
     merged ids are ordered by feature with a stable sort (within a feature, by request).
     """
     lengths = torch.cat([r.lengths for r in requests], dim=1)
-    counts = np.stack([r.id_counts for r in requests])  # [R, F] ids per request and feature
+    counts = np.stack([np.asarray(r.id_counts) for r in requests])  # [R, F] ids per request and feature (set by __post_init__)
     # int16 feature numbers where they fit: numpy's stable sort of 16-bit keys is a radix sort, O(ids)
     key = np.int16 if lengths.shape[0] < 2**15 else np.int32
     feature_of_id = np.repeat(np.tile(np.arange(lengths.shape[0], dtype=key), len(requests)), counts.reshape(-1))
     order = torch.from_numpy(np.argsort(feature_of_id, kind="stable"))
     values = torch.cat([r.values for r in requests])[order]
-    weights = None if requests[0].weights is None else torch.cat([r.weights for r in requests])[order]
+    weights = None if requests[0].weights is None else torch.cat([r.weights for r in requests if r.weights is not None])[order]
     return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, values, weights, counts.sum(0))
 
 

@@ -6,7 +6,7 @@
 
 import argparse
 import json
-from typing import Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Union
 
 import grpc
 import numpy as np
@@ -14,7 +14,10 @@ import numpy as np
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
 
-Sparse = Union[Mapping[str, Sequence[Sequence[int]]], "KeyedJaggedTensor"]  # noqa: F821
+if TYPE_CHECKING:  # the client itself does not need torch
+    from recship.sparse import KeyedJaggedTensor
+
+Sparse = Union[Mapping[str, Sequence[Sequence[int]]], "KeyedJaggedTensor"]
 
 
 class PredictClient:

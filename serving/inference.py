@@ -1,14 +1,15 @@
 """The request path every front shares (recship's Predictor, KServe v2 over gRPC and over HTTP).
 
-``Inference.call`` runs one request's work and counts it once; ``Inference.infer`` routes a
+``Inference.call`` runs one request's work and counts it once; ``Inference.run`` routes a
 request to its model version, validates it, queues it on the version's batcher and waits
-for its rows. ``status_of`` is the one mapping from what can go wrong to a gRPC status
-(the HTTP front maps those on to HTTP codes).
+for its rows. What can go wrong is an ``ErrorKind`` (``error_of``), in no protocol's
+terms: each front maps the kinds to its own status codes in one place
+(``serving/grpc_status.py`` for both gRPC fronts, ``serving/rest.py`` for HTTP).
 
 Bounds that protect the process whatever clients do: request bytes in flight across all
-fronts (``max_inflight_bytes``; past it RESOURCE_EXHAUSTED), metric labels only for
-served models and versions (everything else is counted under ``-``), and client strings
-cut short wherever a message echoes them.
+fronts (``max_inflight_bytes``; past it OVERLOADED), metric labels only for served
+models and versions (everything else is counted under ``-``), and client strings cut
+short wherever a message echoes them.
 """
 
 import asyncio
@@ -17,55 +18,90 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum, unique
 from typing import Awaitable, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
-import grpc
 import torch
-from google.protobuf.message import DecodeError
 
 from recship.serving.batcher import DeadlineExpired, QueueFull, Unloaded, WorkerDied
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ModelNotFound, ModelRepository, ServedVersion
-from recship.serving.requests import IdOutOfRange, InvalidRequest, RequestArrays, validate
+from recship.serving.requests import IdOutOfRange, InvalidRequest, RequestArrays, RequestTooLarge, validate
 
 log = logging.getLogger("recship.serving")
 
 UNROUTED = "-"  # the model/version label of requests that reached no served version
-MAX_MESSAGE_CHARS = 1000  # a status message is cut here (gRPC sends it in a header)
+MAX_MESSAGE_CHARS = 1000  # an error message is cut here (gRPC sends it in a header)
 T = TypeVar("T")
 
 
+@unique
+class ErrorKind(Enum):
+    """What went wrong with a request, whichever front it came through."""
+
+    INVALID = "invalid"  # the request is malformed (InvalidRequest)
+    TOO_LARGE = "too large"  # the request is over --max-message-mb (RequestTooLarge)
+    NOT_FOUND = "not found"  # no such model or version is served (ModelNotFound)
+    OVERLOADED = "overloaded"  # the model's queue is full, or too many bytes are in flight: retry later
+    UNAVAILABLE = "unavailable"  # the version's worker died or the version is being unloaded
+    DEADLINE = "deadline"  # the request's deadline passed before its answer
+    CLIENT_TIMEOUT = "client timeout"  # the client did not send its request in time (ClientTimeout)
+    CANCELLED = "cancelled"  # the client went away
+    INTERNAL = "internal"  # anything else: a bug of ours, logged with its trace
+
+    @property
+    def label(self) -> str:
+        """The request's ``status`` in the metrics and logs (canonical status names, the same for every front)."""
+        return _STATUS_LABELS[self]
+
+
+_STATUS_LABELS = {
+    ErrorKind.INVALID: "INVALID_ARGUMENT",
+    ErrorKind.TOO_LARGE: "INVALID_ARGUMENT",
+    ErrorKind.NOT_FOUND: "NOT_FOUND",
+    ErrorKind.OVERLOADED: "RESOURCE_EXHAUSTED",
+    ErrorKind.UNAVAILABLE: "UNAVAILABLE",
+    ErrorKind.DEADLINE: "DEADLINE_EXCEEDED",
+    ErrorKind.CLIENT_TIMEOUT: "DEADLINE_EXCEEDED",
+    ErrorKind.CANCELLED: "CANCELLED",
+    ErrorKind.INTERNAL: "INTERNAL",
+}
+
+
 class Overloaded(RuntimeError):
-    """Too many request bytes are in flight (gRPC RESOURCE_EXHAUSTED)."""
+    """Too many request bytes are in flight (ErrorKind.OVERLOADED)."""
 
 
-def status_of(e: BaseException) -> Tuple[grpc.StatusCode, str]:
-    """The one place that maps an exception to a gRPC status: bad input -> INVALID_ARGUMENT, ..., our bugs -> INTERNAL."""
-    if isinstance(e, InvalidRequest):
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    elif isinstance(e, ModelNotFound):
-        code, message = grpc.StatusCode.NOT_FOUND, str(e)
-    elif isinstance(e, (QueueFull, Overloaded)):
-        code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-    elif isinstance(e, (DeadlineExpired, asyncio.TimeoutError)):
-        code, message = grpc.StatusCode.DEADLINE_EXCEEDED, str(e) or "deadline exceeded"
-    elif isinstance(e, (WorkerDied, Unloaded)):
-        code, message = grpc.StatusCode.UNAVAILABLE, str(e)
-    elif isinstance(e, asyncio.CancelledError):
-        code, message = grpc.StatusCode.CANCELLED, "cancelled by the client"
+class ClientTimeout(RuntimeError):
+    """A front gave up waiting for the request itself, e.g. an HTTP body (ErrorKind.CLIENT_TIMEOUT)."""
+
+
+_KINDS = (  # the first match counts: subclasses before their bases
+    (RequestTooLarge, ErrorKind.TOO_LARGE),
+    (InvalidRequest, ErrorKind.INVALID),
+    (ModelNotFound, ErrorKind.NOT_FOUND),
+    ((QueueFull, Overloaded), ErrorKind.OVERLOADED),
+    ((WorkerDied, Unloaded), ErrorKind.UNAVAILABLE),
+    ((DeadlineExpired, asyncio.TimeoutError), ErrorKind.DEADLINE),
+    (ClientTimeout, ErrorKind.CLIENT_TIMEOUT),
+    (asyncio.CancelledError, ErrorKind.CANCELLED),
+)
+
+
+def error_of(e: BaseException) -> Tuple[ErrorKind, str]:
+    """The one place that classifies an exception: (its kind, the message a client is shown)."""
+    kind = next((k for types, k in _KINDS if isinstance(e, types)), ErrorKind.INTERNAL)
+    if kind is ErrorKind.INTERNAL:
+        message = f"{type(e).__name__}: {e}"
+    elif kind is ErrorKind.CANCELLED:
+        message = "cancelled by the client"
+    elif kind is ErrorKind.DEADLINE:
+        message = str(e) or "deadline exceeded"  # asyncio's TimeoutError says nothing
     else:
-        code, message = grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}"
+        message = str(e)
     if len(message) > MAX_MESSAGE_CHARS:
         message = message[:MAX_MESSAGE_CHARS] + "..."
-    return code, message
-
-
-def decode(message_class, data: bytes):
-    """Parses a request message; bytes that do not decode are INVALID_ARGUMENT, not gRPC's UNKNOWN."""
-    try:
-        return message_class.FromString(data)
-    except (DecodeError, RecursionError) as e:
-        raise InvalidRequest(f"the request is not a valid {message_class.DESCRIPTOR.full_name}: {e}") from None
+    return kind, message
 
 
 @dataclass
@@ -87,8 +123,22 @@ class Inference:
         self.repo = repo
         self.metrics = metrics
         self.max_inflight_bytes = max_inflight_bytes
+        self.accepting = True  # False once the server begins stopping: readiness answers say so
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Request bytes admitted and not yet answered."""
+        return self._inflight
+
+    def server_ready(self) -> bool:
+        """Taking requests, with at least one model serving (KServe's ServerReady)."""
+        return self.accepting and bool(self.repo.models())
+
+    def model_ready(self, served: ServedVersion) -> bool:
+        """Taking requests, and ``served``'s worker is alive (KServe's ModelReady)."""
+        return self.accepting and served.batcher.alive
 
     @contextmanager
     def admit(self, nbytes: int) -> Iterator[None]:
@@ -111,19 +161,22 @@ class Inference:
         outcome.routed(served)
         return served
 
-    async def infer(
+    async def run(
         self, request: RequestArrays, remaining: Optional[float], outcome: Outcome, served: Optional[ServedVersion] = None
     ) -> Tuple[ServedVersion, Dict[str, torch.Tensor]]:
-        """(the version that answered, its outputs); raises the exceptions ``status_of`` maps.
+        """(the version that answered, its outputs); raises the exceptions ``error_of`` classifies.
+
+        ``remaining``: seconds until the request's deadline (None: no deadline).
 
         ``served``: the version a front has already routed this request to, if any.
         """
         started = time.monotonic()
         # A hot swap can retire the version between routing and submit(): then the
-        # request goes to the version that replaced it (or NOT_FOUND if it asked for the old one).
+        # request goes to the version that replaced it (or not found if it asked for the old one).
         for attempt in range(3):
             if served is None or attempt:
                 served = self.route(request.model_name, request.model_version, outcome)
+            assert served is not None  # route() raises rather than return None
             parsed = validate(request, served.spec)
             try:
                 future = served.batcher.submit(parsed, started + remaining if remaining is not None else None)
@@ -131,6 +184,7 @@ class Inference:
             except Unloaded:
                 if attempt == 2:
                     raise
+        assert served is not None
         outputs = await asyncio.wait_for(asyncio.wrap_future(future), timeout=remaining)
         self.metrics.ids.labels(served.name).inc(int(parsed.values.numel()))
         return served, outputs
@@ -146,25 +200,15 @@ class Inference:
         finally:
             self.record(outcome, error, started)
 
-    async def answer(self, context, method: str, work: Callable[[Outcome], Awaitable[T]]) -> T:
-        """``call`` for a gRPC front: the response, or an abort with the mapped status."""
-        try:
-            return await self.call(method, work)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            error = e
-        await context.abort(*status_of(error))
-
     def record(self, outcome: Outcome, e: Optional[BaseException], started: float) -> None:
-        """Counts the request; logs one line for a failure (with the trace for INTERNAL)."""
+        """Counts the request; logs one line for a failure (with the trace for an internal error)."""
         status = "OK"
         if e is not None:
-            code, message = status_of(e)
-            status = code.name
+            kind, message = error_of(e)
+            status = kind.label
             if isinstance(e, IdOutOfRange) and outcome.model != UNROUTED:
                 self.metrics.rejected_ids.labels(outcome.model).inc()
-            internal = code == grpc.StatusCode.INTERNAL
+            internal = kind is ErrorKind.INTERNAL
             log.log(
                 logging.ERROR if internal else logging.WARNING, "%s", message, exc_info=e if internal else None,
                 extra={"method": outcome.method, "model": outcome.model, "version": outcome.version, "status": status},

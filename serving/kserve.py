@@ -18,26 +18,28 @@ descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 
 from typing import Dict, List, Optional, Tuple
 
-import grpc
 import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 
-from recship.serving.inference import Inference, Outcome, decode
-from recship.serving.repository import VERSION_NAME, ModelNotFound
+from recship.export.artifact import Manifest
+from recship.serving import grpc_status
+from recship.serving.grpc_status import decode
+from recship.serving.inference import Inference, Outcome
+from recship.serving.repository import VERSION_NAME, ModelNotFound, ServedVersion
 from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes, shown
 from recship.serving.v1 import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
 PLATFORM = "recship_torchscript"
 
-_pool = descriptor_pool.DescriptorPool()
-_pool.Add(descriptor_pb2.FileDescriptorProto.FromString(kserve_descriptor.SERIALIZED))
+POOL = descriptor_pool.DescriptorPool()  # recship's own, apart from the default pool tritonclient fills
+POOL.Add(descriptor_pb2.FileDescriptorProto.FromString(kserve_descriptor.SERIALIZED))
 
 
 def message(name: str):
     """The message class ``inference.<name>`` (from recship's private pool)."""
-    return message_factory.GetMessageClass(_pool.FindMessageTypeByName(f"inference.{name}"))
+    return message_factory.GetMessageClass(POOL.FindMessageTypeByName(f"inference.{name}"))
 
 
 # KServe datatype -> (numpy little-endian dtype, InferTensorContents field)
@@ -49,16 +51,16 @@ DTYPES = {
 _SUFFIXES = {"lengths": "INT32", "values": "INT64", "weights": "FP32"}
 
 
-def input_metadata(manifest: dict) -> List[Tuple[str, str, List[int]]]:
+def input_metadata(manifest: Manifest) -> List[Tuple[str, str, List[int]]]:
     """(name, datatype, shape) of every input the model takes; -1 marks the batch / id count."""
     inputs = []
-    for f in manifest["sparse_features"]:
-        inputs.append((f"{f['name']}.lengths", "INT32", [-1]))
-        inputs.append((f"{f['name']}.values", "INT64", [-1]))
-        if f.get("weighted", manifest["weighted"]):
-            inputs.append((f"{f['name']}.weights", "FP32", [-1]))
-    if manifest["num_dense"]:
-        inputs.append(("dense", "FP32", [-1, int(manifest["num_dense"])]))
+    for f in manifest.sparse_features:
+        inputs.append((f"{f.name}.lengths", "INT32", [-1]))
+        inputs.append((f"{f.name}.values", "INT64", [-1]))
+        if f.weighted:
+            inputs.append((f"{f.name}.weights", "FP32", [-1]))
+    if manifest.num_dense:
+        inputs.append(("dense", "FP32", [-1, manifest.num_dense]))
     return inputs
 
 
@@ -151,10 +153,13 @@ def server_metadata() -> dict:
     return {"name": "recship", "version": __version__, "extensions": ["model_repository"]}
 
 
-async def infer(inference: Inference, request, remaining: Optional[float], outcome: Outcome) -> Tuple[object, Dict[str, torch.Tensor]]:
-    """A ModelInferRequest through recship's inference path -> (the version that answered, the requested outputs)."""
+async def model_infer(
+    inference: Inference, request, remaining: Optional[float], outcome: Outcome
+) -> Tuple[ServedVersion, Dict[str, torch.Tensor]]:
+    """KServe's ModelInfer (over gRPC or HTTP): a ModelInferRequest through the request path ->
+    (the version that answered, the requested outputs)."""
     served = inference.route(request.model_name, parse_version(request.model_version), outcome)
-    arrays = to_request_arrays(request, int(served.manifest["num_dense"]))
+    arrays = to_request_arrays(request, served.manifest.num_dense)
     given = list(output_shapes(served.manifest))
     wanted = [o.name for o in request.outputs] or given
     unknown = [o for o in wanted if o not in given]
@@ -162,7 +167,7 @@ async def infer(inference: Inference, request, remaining: Optional[float], outco
         raise InvalidRequest(f"unknown outputs {shown(unknown)}; the model gives {given}")
     if len(set(wanted)) != len(wanted):
         raise InvalidRequest(f"outputs {shown(wanted)} name one twice")
-    served, outputs = await inference.infer(arrays, remaining, outcome, served)
+    served, outputs = await inference.run(arrays, remaining, outcome, served)
     return served, {k: outputs[k] for k in wanted}
 
 
@@ -170,10 +175,9 @@ class KServeServicer:
     """inference.GRPCInferenceService over recship's inference path. Every method takes its request's
     bytes (see ``add_to_server``), so bytes that do not decode get INVALID_ARGUMENT and are counted."""
 
-    def __init__(self, inference: Inference, server) -> None:
+    def __init__(self, inference: Inference) -> None:
         self.inference = inference
         self.repo = inference.repo
-        self.server = server  # for ``accepting`` (False while stopping)
 
     async def _answer(self, method: str, data: bytes, context, respond):
         """Decodes ``data`` as ``<method>Request``, answers ``<method>Response`` from ``respond(request, outcome)``."""
@@ -182,7 +186,7 @@ class KServeServicer:
         async def work(outcome: Outcome):
             return await respond(decode(request_class, data), outcome, response_class)
 
-        return await self.inference.answer(context, method, work)
+        return await grpc_status.answer(self.inference, context, method, work)
 
     async def ServerLive(self, data, context):
         async def respond(request, outcome, R):
@@ -192,7 +196,7 @@ class KServeServicer:
 
     async def ServerReady(self, data, context):
         async def respond(request, outcome, R):
-            return R(ready=self.server.accepting and bool(self.repo.models()))
+            return R(ready=self.inference.server_ready())
 
         return await self._answer("ServerReady", data, context, respond)
 
@@ -202,7 +206,7 @@ class KServeServicer:
                 served = self.inference.route(request.name, parse_version(request.version), outcome)
             except ModelNotFound:
                 return R(ready=False)
-            return R(ready=self.server.accepting and served.batcher.alive)
+            return R(ready=self.inference.model_ready(served))
 
         return await self._answer("ModelReady", data, context, respond)
 
@@ -230,10 +234,10 @@ class KServeServicer:
         async def work(outcome: Outcome):
             with self.inference.admit(len(data)):
                 request = decode(message("ModelInferRequest"), data)
-                served, outputs = await infer(self.inference, request, context.time_remaining(), outcome)
+                served, outputs = await model_infer(self.inference, request, context.time_remaining(), outcome)
                 return _response(request, served, outputs)
 
-        return await self.inference.answer(context, "ModelInfer", work)
+        return await grpc_status.answer(self.inference, context, "ModelInfer", work)
 
 
 def repository_index(repo) -> List[dict]:
@@ -262,9 +266,5 @@ _METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelM
 
 
 def add_to_server(servicer: KServeServicer, server) -> None:
-    """Registers inference.GRPCInferenceService on a grpc.aio server (requests arrive as bytes)."""
-    handlers = {
-        method: grpc.unary_unary_rpc_method_handler(getattr(servicer, method), response_serializer=message(f"{method}Response").SerializeToString)
-        for method in _METHODS
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    """Registers inference.GRPCInferenceService on a grpc.aio server."""
+    grpc_status.register(server, SERVICE, servicer, {method: message(f"{method}Response") for method in _METHODS})

@@ -5,7 +5,7 @@ models and versions, or ``-`` for requests that reached none (an unknown model n
 becomes a label), and ``method`` is one of the fronts' method names.
 """
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 
@@ -26,16 +26,17 @@ class Metrics:
         self.ids = Counter("recship_ids_total", "ids looked up", ["model"], registry=r)
         self.rejected_ids = Counter("recship_rejected_id_requests_total", "requests refused for out-of-range ids", ["model"], registry=r)
         self.port: Optional[int] = None
-        self._http = None
+        self._http: Optional[Any] = None  # prometheus_client's WSGI server
 
     def serve(self, port: Optional[int], host: str, certfile: Optional[str] = None, keyfile: Optional[str] = None,
               client_cafile: Optional[str] = None) -> None:
         """Starts the /metrics endpoint on ``host:port`` (None: no endpoint), on TLS when a certificate is given."""
         if port is None:
             return
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile, keyfile=keyfile,
-                                          client_cafile=client_cafile, client_auth_required=client_cafile is not None)
-        self.port = self._http.server_port
+        http, _ = start_http_server(port, addr=host, registry=self.registry, certfile=certfile, keyfile=keyfile,
+                                    client_cafile=client_cafile, client_auth_required=client_cafile is not None)
+        self._http = http
+        self.port = http.server_port
 
     def close(self) -> None:
         """Stops the metrics endpoint."""
@@ -44,7 +45,8 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
-    def observe_batch(self, model: str, version: int, examples: int, requests: int, queue_s: List[float], compute_s: float) -> None:
+    def observe_batch(self, model: str, examples: int, queue_s: List[float], compute_s: float) -> None:
+        """One forward of ``model``: its examples, each request's wait in the queue, the forward's time."""
         self.batch.labels(model).observe(examples)
         self.compute.labels(model).observe(compute_s)
         for q in queue_s:

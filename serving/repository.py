@@ -12,6 +12,7 @@ refused with one logged line and listed as UNAVAILABLE with its reason; it is re
 when its files (or the trusted list) change.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from recship.export.artifact import ArtifactError, load_artifact, read_manifest
+from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
@@ -35,7 +36,7 @@ VERSION_NAME = re.compile(r"[0-9]{1,18}")
 
 
 class ModelNotFound(LookupError):
-    """No such model or version is served (gRPC NOT_FOUND)."""
+    """No such model or version is served (ErrorKind.NOT_FOUND)."""
 
 
 @dataclass
@@ -49,15 +50,15 @@ class Unavailable:
 
 
 class ServedVersion:
-    """One loaded version: its TorchScript model, manifest, validation spec and batcher."""
+    """One loaded version: its TorchScript model, Manifest, validation spec and batcher."""
 
     def __init__(self, name: str, version: int, path: Path, repo: "ModelRepository", trusted: Optional[FrozenSet[str]]) -> None:
         config = repo.config
         self.name, self.version, self.path = name, version, path
-        built_for = read_manifest(path)["sharding"]["device"]
+        built_for = Manifest.read(path).sharding.device
         if built_for != config.device:
             raise ArtifactError(f"{path}: exported for {built_for}, but this server runs on {config.device} (--device)")
-        self.model, self.manifest = load_artifact(path, check=True, trusted=trusted)  # checksum + sample self-check
+        self.model, self.manifest = open_artifact(path, check=True, trusted=trusted)  # checksum + sample self-check
         self.spec = ModelSpec.from_manifest(self.manifest, config.max_batch_size)
         self._repo = repo
         self.batcher = self.start_batcher()
@@ -66,7 +67,7 @@ class ServedVersion:
         config, metrics, name, version = self._repo.config, self._repo.metrics, self.name, self.version
         return Batcher(
             self.model, config.max_batch_size, config.max_delay_ms / 1000.0, config.max_queue,
-            observe=lambda ex, n, q, c: metrics.observe_batch(name, version, ex, n, q, c), name=f"{name}-{version}",
+            observe=functools.partial(metrics.observe_batch, name), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
             device_lock=self._repo.device_lock, threads=config.torch_threads or default_torch_threads(),
             on_death=lambda e: self._repo.worker_died(self),
@@ -183,7 +184,7 @@ class ModelRepository:
         versions.sort(reverse=True)
         current = self._serving.get(name)
         removed = current is not None and current.version not in {v for v, _ in versions}
-        if removed:
+        if current is not None and removed:
             log.warning("%s version %d was removed from the repository; falling back to the newest remaining version",
                         name, current.version, extra={"model": name, "version": current.version})
             current = None

@@ -8,18 +8,20 @@ model or a batch shared with other requests.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from recship.export.artifact import Manifest
+
 
 class InvalidRequest(ValueError):
-    """The request is malformed; the message names the offending field (gRPC INVALID_ARGUMENT)."""
+    """The request is malformed; the message names the offending field (ErrorKind.INVALID)."""
 
 
 class RequestTooLarge(InvalidRequest):
-    """The request is over the server's size limit (gRPC INVALID_ARGUMENT, HTTP 413)."""
+    """The request is over the server's size limit (ErrorKind.TOO_LARGE)."""
 
 
 class IdOutOfRange(InvalidRequest):
@@ -56,21 +58,24 @@ class ModelSpec:
         self.any_weighted = bool(self._weighted.any())
 
     @staticmethod
-    def from_manifest(manifest: dict, max_batch_size: int) -> "ModelSpec":
-        feats = manifest["sparse_features"]
+    def from_manifest(manifest: Union[Manifest, Dict[str, Any]], max_batch_size: int) -> "ModelSpec":
+        """``manifest``: the artifact's Manifest, or its manifest.json as parsed JSON (checked and converted)."""
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest.from_dict(manifest)
+        feats = manifest.sparse_features
         return ModelSpec(
-            features=[f["name"] for f in feats],
-            rows={f["name"]: int(f["rows"]) for f in feats},
-            modulo={f["name"]: f["id_policy"] == "modulo" for f in feats},
-            weighted={f["name"]: bool(f.get("weighted", manifest["weighted"])) for f in feats},
-            num_dense=int(manifest["num_dense"]),
+            features=[f.name for f in feats],
+            rows={f.name: f.rows for f in feats},
+            modulo={f.name: f.id_policy == "modulo" for f in feats},
+            weighted={f.name: f.weighted for f in feats},
+            num_dense=manifest.num_dense,
             max_batch_size=max_batch_size,
         )
 
 
-def output_shapes(manifest: dict) -> Dict[str, List[int]]:
+def output_shapes(manifest: Manifest) -> Dict[str, List[int]]:
     """Each output's shape from the manifest, -1 for the batch dimension."""
-    return {k: [-1 if d == "B" else int(d) for d in v["shape"]] for k, v in manifest["outputs"].items()}
+    return {k: [-1, *v.dims] for k, v in manifest.outputs.items()}
 
 
 def _empty(dtype) -> np.ndarray:

@@ -8,10 +8,12 @@
     POST /v2/models/M[/versions/V]/infer          {"inputs": [{"name", "shape", "datatype", "data"}], ...}
     POST /v2/repository/index                     every version, READY or UNAVAILABLE with its reason
 
-Requests go through the same validation, batcher and metrics as gRPC. Errors are
-``{"error": message}`` with 400 (invalid), 404 (unknown model or route), 405, 408 (body
-too slow), 413 (body over --max-message-mb), 503 (queue full, overloaded, unavailable),
-504 (deadline) or 500. JSON only: Triton's binary-data extension is not supported.
+Requests go through the same request path (``serving/inference.py``: validation, batcher,
+metrics) as gRPC. Errors are ``{"error": message}`` with the HTTP status of the core's
+error kind (``HTTP_STATUS``): 400 (invalid), 404 (unknown model), 408 (body too slow),
+413 (body over --max-message-mb), 503 (queue full, overloaded, unavailable), 504
+(deadline) or 500; routes that do not exist get 404 or 405 before reaching the core.
+JSON only: Triton's binary-data extension is not supported.
 
 Why aiohttp: on this project's 2-core machine a minimal JSON handler answered 8,100
 POSTs/s on aiohttp, 3,600 on uvicorn + starlette and 510 on the standard library's
@@ -27,24 +29,26 @@ import re
 import ssl
 from typing import Any, List, Optional, Tuple
 
-import grpc
 import numpy as np
 from aiohttp import web
 from aiohttp import web_response as aiohttp_response
 
 from recship.serving import kserve
-from recship.serving.batcher import DeadlineExpired
-from recship.serving.inference import Inference, Outcome, status_of
+from recship.serving.inference import ClientTimeout, ErrorKind, Inference, Outcome, error_of
 from recship.serving.requests import InvalidRequest, RequestTooLarge, shown
 
 log = logging.getLogger("recship.serving")
 
-_HTTP = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+HTTP_STATUS = {
+    ErrorKind.INVALID: 400,
+    ErrorKind.TOO_LARGE: 413,
+    ErrorKind.NOT_FOUND: 404,
+    ErrorKind.OVERLOADED: 503,
+    ErrorKind.UNAVAILABLE: 503,
+    ErrorKind.DEADLINE: 504,
+    ErrorKind.CLIENT_TIMEOUT: 408,
+    ErrorKind.CANCELLED: 500,  # never sent: the client is gone
+    ErrorKind.INTERNAL: 500,
 }
 _MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/infer)?$")
 _TIMEOUT_S = 30.0  # an HTTP request has no gRPC deadline: this bounds the wait for its batch
@@ -61,10 +65,6 @@ class RouteError(Exception):
         self.status = status
 
 
-class SlowBody(DeadlineExpired):
-    """The request body did not arrive in time (HTTP 408; counted as DEADLINE_EXCEEDED)."""
-
-
 class _ClientErrors(logging.LoggerAdapter):
     """aiohttp's protocol logger: a malformed request is the client's error, one warning line, no trace."""
 
@@ -77,10 +77,9 @@ class _ClientErrors(logging.LoggerAdapter):
 class RestFront:
     """The HTTP listener: aiohttp on the server's event loop, answering from its inference path."""
 
-    def __init__(self, inference: Inference, server) -> None:
+    def __init__(self, inference: Inference) -> None:
         self.inference = inference
         self.repo = inference.repo
-        self.server = server  # for ``accepting`` (False while stopping)
         config = self.repo.config
         self.max_body = config.max_message_bytes
         self.idle_timeout = config.http_idle_timeout_s
@@ -111,15 +110,14 @@ class RestFront:
         try:
             method, route, name, version = _route(request.method, request.path)
             if route == "infer":
-                status, doc = await self.inference.call(method, lambda o: self._infer(request, name, version, o))
+                status, doc = await self.inference.call(method, lambda o: self._http_infer(request, name, version, o))
             else:
                 status, doc = await self.inference.call(method, lambda o: self._get(route, name, version, o))
         except RouteError as e:
             status, doc = e.status, {"error": str(e)}
         except Exception as e:
-            code, message = status_of(e)
-            status = 408 if isinstance(e, SlowBody) else 413 if isinstance(e, RequestTooLarge) else _HTTP.get(code, 500)
-            doc = {"error": message}
+            kind, message = error_of(e)
+            status, doc = HTTP_STATUS[kind], {"error": message}
         return web.Response(status=status, body=json.dumps(doc).encode(), content_type="application/json")
 
     # -- the routes, each returning (HTTP status, JSON body) -----------------
@@ -128,7 +126,7 @@ class RestFront:
         if route == "live":
             return 200, {"live": True}
         if route == "ready":
-            ready = self.server.accepting and bool(self.repo.models())
+            ready = self.inference.server_ready()
             return (200 if ready else 503), {"ready": ready}
         if route == "server_metadata":
             return 200, kserve.server_metadata()
@@ -136,11 +134,11 @@ class RestFront:
             return 200, kserve.repository_index(self.repo)
         served = self.inference.route(name, kserve.parse_version(version), outcome)
         if route == "model_ready":
-            ready = self.server.accepting and served.batcher.alive
+            ready = self.inference.model_ready(served)
             return (200 if ready else 503), {"name": served.name, "ready": ready}
         return 200, kserve.model_metadata(served)
 
-    async def _infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, dict]:
+    async def _http_infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, dict]:
         declared = request.content_length
         if declared is not None and declared > self.max_body:
             raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes (--max-message-mb)")
@@ -148,7 +146,7 @@ class RestFront:
             body = await self._read_body(request)
             with self.inference.admit(0 if declared is not None else len(body)):
                 infer_request = _infer_request(name, version, body)
-                served, outputs = await kserve.infer(self.inference, infer_request, _TIMEOUT_S, outcome)
+                served, outputs = await kserve.model_infer(self.inference, infer_request, _TIMEOUT_S, outcome)
         return 200, {
             "model_name": served.name,
             "model_version": str(served.version),
@@ -165,7 +163,7 @@ class RestFront:
         except web.HTTPRequestEntityTooLarge:
             raise RequestTooLarge(f"request body exceeds the limit of {self.max_body} bytes (--max-message-mb)") from None
         except asyncio.TimeoutError:
-            raise SlowBody(f"the request body did not arrive within {self.idle_timeout:g} s") from None
+            raise ClientTimeout(f"the request body did not arrive within {self.idle_timeout:g} s") from None
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:

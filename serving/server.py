@@ -2,15 +2,18 @@
 
     recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port 9100] [--http-port 8000]
 
-One gRPC port answers recship's Predictor (below), KServe v2 (``serving/kserve.py``),
+One gRPC port answers recship's Predictor (``serving/predictor.py``), KServe v2 (``serving/kserve.py``),
 ``grpc.health.v1`` and, unless ``--no-reflection``, server reflection; ``--http-port``
 adds KServe v2 over HTTP (``serving/rest.py``, aiohttp on the same event loop) and
 ``--metrics-port`` Prometheus metrics. ``--tls-cert/--tls-key`` put every listener on TLS,
 ``--tls-client-ca`` requires client certificates (mTLS).
 
+Every front is handed the request path (``serving/inference.py``), which holds the model
+repository (``serving/repository.py``); this module only wires them into a process.
+
 Threads: gRPC and HTTP run on asyncio in one event-loop thread, which reads, validates
-and answers every request (``serving/inference.py``); each served model version has one
-batcher thread that runs the forwards; the repository's watcher thread loads versions.
+and answers every request; each served model version has one batcher thread that runs
+the forwards; the repository's watcher thread loads versions.
 """
 
 import argparse
@@ -28,13 +31,10 @@ from typing import Optional
 import grpc
 import torch
 
-from recship.serving import wire
-from recship.serving.inference import Inference, Outcome, decode
+from recship.serving import kserve, predictor
+from recship.serving.inference import Inference
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ModelRepository
-from recship.serving.requests import InvalidRequest, RequestArrays, RequestTooLarge, output_shapes
-from recship.serving.v1 import predictor_pb2 as pb
-from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
 
 log = logging.getLogger("recship.serving")
 
@@ -84,82 +84,6 @@ class ServerConfig:
         return context
 
 
-class PredictorServicer(pb_grpc.PredictorServicer):
-    """recship.serving.v1.Predictor. Every method takes its request's bytes (see ``add_to_server``)."""
-
-    def __init__(self, inference: Inference) -> None:
-        self.inference = inference
-        self.repo = inference.repo
-
-    async def Predict(self, data: bytes, context):
-        async def work(outcome: Outcome):
-            with self.inference.admit(len(data)):
-                limit = self.repo.config.max_message_bytes
-                if len(data) > limit:
-                    raise RequestTooLarge(f"request of {len(data)} bytes exceeds the limit of {limit} bytes")
-                request = _read_predict(data)
-                served, outputs = await self.inference.infer(request, context.time_remaining(), outcome)
-                return pb.PredictResponse(
-                    model_name=served.name,
-                    model_version=served.version,
-                    request_id=request.request_id,
-                    outputs=[pb.Tensor(name=k, shape=list(v.shape), values=v.float().reshape(-1).tolist()) for k, v in outputs.items()],
-                )
-
-        return await self.inference.answer(context, "Predict", work)
-
-    async def GetModelMetadata(self, data: bytes, context):
-        async def work(outcome: Outcome):
-            request = decode(pb.ModelMetadataRequest, data)
-            served = self.inference.route(request.model_name, request.model_version, outcome)
-            m = served.manifest
-            return pb.ModelMetadataResponse(
-                model_name=served.name,
-                model_version=served.version,
-                sparse_features=[
-                    pb.FeatureSpec(name=f["name"], table=f["table"], pooling=f["pooling"], dim=f["dim"], rows=f["rows"],
-                                   weight_type=f["weight_type"], id_policy=f["id_policy"])
-                    for f in m["sparse_features"]
-                ],
-                num_dense=m["num_dense"],
-                weighted=m["weighted"],
-                outputs=[pb.OutputSpec(name=k, shape=shape) for k, shape in output_shapes(m).items()],
-                max_batch_size=served.spec.max_batch_size,
-                device=self.repo.config.device,
-            )
-
-        return await self.inference.answer(context, "GetModelMetadata", work)
-
-    async def ListModels(self, data: bytes, context):
-        async def work(outcome: Outcome):
-            decode(pb.ListModelsRequest, data)
-            return pb.ListModelsResponse(
-                models=[pb.ModelStatus(name=s.name, versions=[s.version], serving_version=s.version) for s in self.repo.models()]
-            )
-
-        return await self.inference.answer(context, "ListModels", work)
-
-
-def _read_predict(data: bytes) -> RequestArrays:
-    try:
-        return wire.read_request(data)
-    except wire.Malformed as e:
-        raise InvalidRequest(f"the request is not a valid recship.serving.v1.PredictRequest: {e}") from None
-
-
-def add_to_server(servicer: PredictorServicer, server) -> None:
-    """Registers the Predictor service. Its methods take the request's bytes: Predict reads them
-    with the wire reader, and every method answers bytes that do not decode with INVALID_ARGUMENT."""
-    handlers = {
-        name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), response_serializer=response.SerializeToString)
-        for name, response in (
-            ("Predict", pb.PredictResponse), ("GetModelMetadata", pb.ModelMetadataResponse), ("ListModels", pb.ListModelsResponse),
-        )
-    }
-    service = pb.DESCRIPTOR.services_by_name["Predictor"].full_name
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
-
-
 class Server:
     """A running server (its asyncio loop on a thread of its own); ``stop()`` drains in-flight requests."""
 
@@ -167,7 +91,6 @@ class Server:
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device")
         self.config = config
-        self.accepting = True  # False once stop() begins (KServe's ServerReady / ModelReady say so)
         self.rest = None
         self.metrics = Metrics()
         self._loop = asyncio.new_event_loop()
@@ -193,8 +116,6 @@ class Server:
         from grpc_health.v1.health import aio as health_aio
         from grpc_reflection.v1alpha import reflection
 
-        from recship.serving import kserve
-
         config = self.config
         self.health = health_aio.HealthServicer()
         loop = self._loop
@@ -214,14 +135,15 @@ class Server:
         ]
         self.grpc = grpc.aio.server(options=options)
         self.inference = Inference(self.repo, self.metrics, config.max_inflight_bytes)
-        add_to_server(PredictorServicer(self.inference), self.grpc)
+        predictor.add_to_server(predictor.PredictorServicer(self.inference), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        kserve.add_to_server(kserve.KServeServicer(self.inference, self), self.grpc)
+        kserve.add_to_server(kserve.KServeServicer(self.inference), self.grpc)
         if config.reflection:  # (KServe is not listed: its messages live in a private pool)
-            names = [pb.DESCRIPTOR.services_by_name["Predictor"].full_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+            names = [predictor.SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
         address = f"{config.host}:{config.port}"
         if config.tls_cert is not None:
+            assert config.tls_key is not None  # ServerConfig checks that cert and key come together
             ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
@@ -236,7 +158,7 @@ class Server:
         if config.http_port is not None:
             from recship.serving.rest import RestFront
 
-            self.rest = RestFront(self.inference, self)
+            self.rest = RestFront(self.inference)
             await self.rest.start(config.host, config.http_port, config.ssl_context())
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.repo.start_watching()
@@ -245,7 +167,7 @@ class Server:
         """Stops taking requests, lets those in flight finish (up to ``grace`` seconds), then unloads."""
 
         async def stop():
-            self.accepting = False
+            self.inference.accepting = False
             await self.health.enter_graceful_shutdown()
             fronts = [self.grpc.stop(grace)] + ([self.rest.stop()] if self.rest is not None else [])
             await asyncio.gather(*fronts)

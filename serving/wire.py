@@ -14,7 +14,7 @@ be merged) makes ``decode`` return None, and ``read_request`` parses with protob
 instead: the same result, only slower. Bytes that are not a message raise ``Malformed``.
 """
 
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from google.protobuf.message import DecodeError
@@ -126,8 +126,21 @@ def _int64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def _text(buf: bytes, bounds: Tuple[int, int]) -> str:
+    return buf[bounds[0]:bounds[1]].decode("utf-8")
+
+
+# PredictRequest's scalar fields: number -> (name, wire type, reader of the value ``_fields`` yields)
+_SCALARS: Dict[int, Tuple[str, int, Callable[[bytes, Any], Any]]] = {
+    1: ("model_name", _LEN, _text),
+    2: ("model_version", _VARINT, lambda buf, v: _int64(v)),
+    3: ("request_id", _LEN, _text),
+    4: ("batch_size", _VARINT, lambda buf, v: _int32(v)),
+}
+
+
 def _request(buf: bytes) -> RequestArrays:
-    out = {"model_name": "", "model_version": 0, "request_id": "", "batch_size": 0, "dense_rows": 0, "dense_cols": 0}
+    out: Dict[str, Any] = {"model_name": "", "model_version": 0, "request_id": "", "batch_size": 0, "dense_rows": 0, "dense_cols": 0}
     dense = np.empty(0, dtype=np.float32)
     names: List[str] = []
     runs: Tuple[List[bytes], List[bytes], List[bytes]] = ([], [], [])  # lengths, ids, weights: one per feature
@@ -136,18 +149,10 @@ def _request(buf: bytes) -> RequestArrays:
         if field == 5:
             _expect(wire, _LEN)
             names.append(_feature(buf, v[0], v[1], runs))
-        elif field == 1:
-            _expect(wire, _LEN)
-            out["model_name"] = buf[v[0]:v[1]].decode("utf-8")
-        elif field == 2:
-            _expect(wire, _VARINT)
-            out["model_version"] = _int64(v)
-        elif field == 3:
-            _expect(wire, _LEN)
-            out["request_id"] = buf[v[0]:v[1]].decode("utf-8")
-        elif field == 4:
-            _expect(wire, _VARINT)
-            out["batch_size"] = _int32(v)
+        elif field in _SCALARS:
+            name, want, read = _SCALARS[field]
+            _expect(wire, want)
+            out[name] = read(buf, v)
         elif field == 6:
             _expect(wire, _LEN)
             if dense_seen:

@@ -28,42 +28,23 @@ import uuid
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from recship.trainer.checkpoint_reader import FORMAT, META_FILE, CheckpointError, load_tensors, quiet_dcp, read_metadata
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.fused_optim import EmbOptimType
 from recship.trainer.planner.types import ShardingPlan
 
-FORMAT = "recship.checkpoint/1"
-META_FILE = "recship.json"
-
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # ShardedTensor import warns about its future
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
     from torch.distributed._shard.sharded_tensor import ShardMetadata as _TorchShardMetadata
-
-
-# ShardedTensor (arbitrary shard offsets, which DTensor cannot express for our column
-# blocks and single-rank table-wise shards) is marked for deprecation; DCP warns on every use.
-_SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
-
-
-def _quiet_dcp(fn, *args, **kwargs):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
-        # single-process reads pass no_dist=True on purpose; DCP still warns about it
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        return fn(*args, **kwargs)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, partial or corrupt; the message names the missing piece."""
 
 
 # ---------------------------------------------------------------------------
@@ -83,7 +64,7 @@ def _sharded(local: List[Tuple[List[int], torch.Tensor]], global_size: List[int]
 
 def _column_blocks(module: ShardedEmbeddingBagCollection, table: str) -> List[int]:
     """Sorted column offsets of the table's shards under the module's plan."""
-    return sorted({s.shard_offsets[1] for s in module._plan[table].shards})
+    return sorted({s.shard_offsets[1] for s in module.module_sharding_plan[table].shards})
 
 
 def _table_state(path: str, module: ShardedEmbeddingBagCollection, rank: int, pg) -> Dict[str, Any]:
@@ -92,12 +73,12 @@ def _table_state(path: str, module: ShardedEmbeddingBagCollection, rank: int, pg
     shards = module.local_shards()
     states = module.local_optimizer_states()
     rowwise = module.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    for t in module._configs:
+    for t in module.embedding_bag_configs():
         if t.name in module.data_parallel:
             continue
         key = f"tables/{path}/{t.name}"
         mine = [(ts, w) for ts, w in shards.items() if ts[0] == t.name]
-        offsets = {ts: module._plan[t.name].shards[ts[1]].shard_offsets for ts, _ in mine}
+        offsets = {ts: module.module_sharding_plan[t.name].shards[ts[1]].shard_offsets for ts, _ in mine}
         out[f"{key}/weight"] = _sharded(
             [(offsets[ts], w) for ts, w in mine], [t.num_embeddings, t.embedding_dim], rank, pg
         )
@@ -183,8 +164,8 @@ def save_checkpoint(
     tables_meta: Dict[str, Any] = {}
     for path, module in _sharded_modules(model):
         state.update(_table_state(path, module, rank, None))
-        for t in module._configs:
-            ps = module._plan[t.name]
+        for t in module.embedding_bag_configs():
+            ps = module.module_sharding_plan[t.name]
             tables_meta[f"{path}/{t.name}"] = {
                 "config": _table_json(t),
                 "sharding_type": ps.sharding_type.value,
@@ -192,15 +173,15 @@ def save_checkpoint(
                 "optimizer": module.optimizer.value,
                 "data_parallel": t.name in module.data_parallel,
             }
-    for name, t in _dense_state(model).items():
-        state[f"dense/{name}"] = t.detach()
+    for name, tensor in _dense_state(model).items():
+        state[f"dense/{name}"] = tensor.detach()
     optimizer_meta = None
     if dense_optimizer is not None:
         tensors, optimizer_meta = _split_optimizer_state(dense_optimizer.state_dict())
         state.update(tensors)
     state["progress/step"] = torch.tensor(step)
     state["progress/next_batch"] = torch.tensor(next_batch)
-    _quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))
+    quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))
     _barrier()
     if rank == 0:
         meta = {
@@ -240,59 +221,6 @@ def _barrier() -> None:
 # ---------------------------------------------------------------------------
 
 
-def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
-    """The newest complete checkpoint under ``root`` (temporary directories are ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
-
-
-def complete_checkpoints(root: Union[str, Path]) -> List[Path]:
-    """The complete checkpoints under ``root``, oldest first (saves in progress and killed ones excluded)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / META_FILE).is_file()),
-                  key=lambda p: p.name)
-
-
-def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
-    path = Path(path)
-    if not path.is_dir():
-        raise CheckpointError(f"checkpoint directory not found: {path}")
-    meta_file = path / META_FILE
-    if not meta_file.is_file():
-        raise CheckpointError(f"{path} is not a complete recship checkpoint: {META_FILE} is missing")
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: DCP's .metadata file is missing")
-    try:
-        meta = json.loads(meta_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{meta_file} is corrupt: {e}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
-
-
-def _dcp_load(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
-    missing = _missing_data_files(path)
-    if missing:
-        raise CheckpointError(f"{path} is incomplete: data file {missing[0]} is missing")
-    try:
-        _quiet_dcp(dcp.load, state, checkpoint_id=str(path), no_dist=no_dist)
-    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-
-
-def _missing_data_files(path: Path) -> List[str]:
-    """Data files DCP's metadata refers to that are not on disk."""
-    md = dcp.FileSystemReader(str(path)).read_metadata()
-    names = {item.relative_path for item in (md.storage_data or {}).values()}
-    return sorted(n for n in names if not (path / n).is_file())
-
-
 def load_checkpoint(
     path: Union[str, Path],
     model: nn.Module,
@@ -312,7 +240,7 @@ def load_checkpoint(
     rowwise_templates: Dict[str, torch.Tensor] = {}
     for mpath, module in sharded:
         template = _table_state(mpath, module, rank, None)
-        for t in module._configs:
+        for t in module.embedding_bag_configs():
             key = f"tables/{mpath}/{t.name}"
             saved = meta["tables"].get(f"{mpath}/{t.name}")
             if saved is None:
@@ -339,8 +267,8 @@ def load_checkpoint(
     missing = sorted(set(dense) - set(meta["dense_keys"]))
     if missing:
         raise CheckpointError(f"{path} lacks dense parameters {missing}")
-    for name, t in dense.items():
-        state[f"dense/{name}"] = t.detach()
+    for name, tensor in dense.items():
+        state[f"dense/{name}"] = tensor.detach()
     optimizer_tensors: Dict[str, torch.Tensor] = {}
     if dense_optimizer is not None:
         if meta.get("dense_optimizer") is None:
@@ -348,7 +276,7 @@ def load_checkpoint(
         _init_optimizer_state(dense_optimizer)
         optimizer_tensors, _ = _split_optimizer_state(dense_optimizer.state_dict())
         state.update(optimizer_tensors)
-    _dcp_load(state, path)
+    load_tensors(state, path)
     if dense_optimizer is not None:
         dense_optimizer.load_state_dict(_join_optimizer_state(optimizer_tensors, meta["dense_optimizer"], path))
     for mpath, module in sharded:
@@ -360,7 +288,7 @@ def _copy_into_tbe(mpath: str, module: ShardedEmbeddingBagCollection, state: Dic
     shards = module.local_shards()
     states = module.local_optimizer_states()
     with torch.no_grad():
-        for t in module._configs:
+        for t in module.embedding_bag_configs():
             if t.name in module.data_parallel:
                 continue
             key = f"tables/{mpath}/{t.name}"
@@ -375,7 +303,7 @@ def _copy_into_tbe(mpath: str, module: ShardedEmbeddingBagCollection, state: Dic
             for (table, idx), w in shards.items():
                 if table != t.name:
                     continue
-                offsets = tuple(module._plan[table].shards[idx].shard_offsets)
+                offsets = tuple(module.module_sharding_plan[table].shards[idx].shard_offsets)
                 w.copy_(by_offset[offsets])
                 if state_shards is not None:
                     states[(table, idx)][0].copy_(state_shards[offsets])
@@ -439,76 +367,3 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         g["lr"] = lr
 
 
-# ---------------------------------------------------------------------------
-# single-process reader for export
-# ---------------------------------------------------------------------------
-
-
-class CheckpointReader:
-    """Reads a checkpoint in one process without a process group, one table at a time.
-
-    ``tables()`` yields (module path, EmbeddingBagConfig, full float weight) so that
-    peak memory stays near the largest table; ``dense_state_dict()`` returns the
-    dense parameters; ``config`` and ``plan`` are what training stored.
-    """
-
-    def __init__(self, path: Union[str, Path]) -> None:
-        self.path = Path(path)
-        self.meta = read_metadata(self.path)
-        self.config = self.meta.get("config")
-        self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None
-        self.step = self.meta["step"]
-
-    def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
-        from recship.trainer.types import DataType, PoolingType
-
-        out = []
-        for key, t in self.meta["tables"].items():
-            c = dict(t["config"])
-            c["data_type"] = DataType(c["data_type"])
-            c["pooling"] = PoolingType(c["pooling"])
-            out.append((key.rpartition("/")[0], EmbeddingBagConfig(**c)))
-        return out
-
-    def tables(self) -> Iterator[Tuple[str, EmbeddingBagConfig, torch.Tensor]]:
-        for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
-            yield mpath, cfg, self._load_table(mpath, cfg, key, t)
-
-    def table(self, mpath: str, name: str) -> torch.Tensor:
-        """One table's full float weight: table ``name`` of the collection at module path ``mpath``."""
-        for (path, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
-            if path == mpath and cfg.name == name:
-                return self._load_table(mpath, cfg, key, t)
-        raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
-
-    def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any]) -> torch.Tensor:
-        if t["data_parallel"]:
-            name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
-        else:
-            name = f"tables/{key}/weight"
-        weight = torch.empty(cfg.num_embeddings, cfg.embedding_dim)
-        _dcp_load({name: weight}, self.path, no_dist=True)
-        return weight
-
-    def dense_state_dict(self) -> Dict[str, torch.Tensor]:
-        keys = [k for k in self.meta["dense_keys"] if ".data_parallel." not in f".{k}"]
-        shapes = _dcp_shapes(self.path)
-        state = {f"dense/{k}": torch.empty(shapes[f"dense/{k}"][0], dtype=shapes[f"dense/{k}"][1]) for k in keys}
-        _dcp_load(state, self.path, no_dist=True)
-        return {k[len("dense/") :]: v for k, v in state.items()}
-
-
-def _dcp_shapes(path: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
-    reader = dcp.FileSystemReader(str(path))
-    md = reader.read_metadata()
-    out = {}
-    for key, item in md.state_dict_metadata.items():
-        props = getattr(item, "properties", None)
-        if hasattr(item, "size") and props is not None:
-            out[key] = (item.size, props.dtype)
-    return out
-
-
-def load_for_export(path: Union[str, Path]) -> CheckpointReader:
-    """The export pipeline's entry point: a CheckpointReader on ``path``."""
-    return CheckpointReader(path)

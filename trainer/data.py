@@ -17,7 +17,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, Union
 
 import torch
 
@@ -248,7 +248,7 @@ class DataFunction:
         from recship.trainer.entry_point import load_factory
 
         self.path = entry
-        self._function = load_factory(entry)
+        self._function: Callable[..., Any] = load_factory(entry)
         self._kwargs = {"batch_size": batch_size, "rank": rank, "world_size": world_size}
         self._features, self._weighted = list(features), weighted
 

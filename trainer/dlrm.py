@@ -65,7 +65,7 @@ class DLRMConfig:
                 feature_names=[name],
                 pooling=PoolingType.SUM,
             )
-            for name, rows in zip(self.sparse_feature_names, self.num_embeddings_per_feature)
+            for name, rows in zip(self.sparse_feature_names or [], self.num_embeddings_per_feature)
         ]
 
 

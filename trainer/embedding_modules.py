@@ -1,3 +1,5 @@
+# mypy: disable-error-code="arg-type"
+# (forward is TorchScript: it reads "# type:" comments, so the ModuleDict values cannot be narrowed per line)
 """Float, unsharded embedding modules: EmbeddingBagCollection and EmbeddingCollection.
 
 They are the reference semantics for every other implementation in recship

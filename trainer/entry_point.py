@@ -9,7 +9,7 @@ import importlib
 import inspect
 import os
 import sys
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
@@ -27,7 +27,7 @@ def load_factory(entry: str) -> Callable[..., nn.Module]:
         module = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or whatever the module raises while importing
         raise ValueError(f"--model {entry}: cannot import {module_name}: {type(e).__name__}: {e}") from None
-    factory = module
+    factory: Any = module
     for part in attr.split("."):
         factory = getattr(factory, part, None)
         if factory is None:
@@ -81,7 +81,8 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
             seen.setdefault(id(m), (path, m))
     if not seen:
         raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
-    features, owner = [], {}
+    features: List[Tuple[str, str, Any, str, bool]] = []  # (feature, path, table config, pooling, weighted)
+    owner: Dict[str, str] = {}
     for path, c in seen.values():
         is_bag = isinstance(c, EmbeddingBagCollection)
         weighted = is_bag and c.is_weighted()

@@ -184,8 +184,8 @@ def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) ->
     optim = _FROM_TORCH[optimizer_class]
     defaults = {
         name: p.default
-        for name, p in inspect.signature(optimizer_class.__init__).parameters.items()
-        if name not in ("self", "params") and p.default is not inspect.Parameter.empty
+        for name, p in inspect.signature(optimizer_class).parameters.items()
+        if name != "params" and p.default is not inspect.Parameter.empty
     }
     unknown = sorted(set(kwargs) - set(defaults))
     if unknown:
@@ -226,12 +226,12 @@ class KeyedOptimizer(torch.optim.Optimizer):
     ) -> None:
         # torch.optim.Optimizer.__init__ would re-add the groups (and refuses an empty
         # list, which a rank without shards has): set what its methods use instead.
-        self._optimizer_step_pre_hooks: Dict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: Dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: Dict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: Dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: Dict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: Dict[int, Any] = OrderedDict()
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.defaults: Dict[str, Any] = {}
         self.params = dict(params)
         self.state = state  # type: ignore[assignment]
@@ -260,7 +260,7 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
         super().__init__(params, state, [{"params": list(params.values()), "lr": config.learning_rate}])
         self._applied_lr = config.learning_rate
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """No update (it happened in backward); applies a changed learning rate."""
         lr = self.param_groups[0]["lr"]
         if lr != self._applied_lr:
@@ -294,7 +294,7 @@ class CombinedOptimizer(KeyedOptimizer):
     def optimizers(self) -> List[Tuple[str, KeyedOptimizer]]:
         return list(self._optims)
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for _, opt in self._optims:
             opt.step()
 

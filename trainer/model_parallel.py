@@ -13,7 +13,7 @@ parameters (and data-parallel tables) go to a torch optimizer.
 """
 
 from dataclasses import asdict
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,7 @@ class DistributedModelParallel(nn.Module):
         env: Optional[ShardingEnv] = None,
         device: Optional[torch.device] = None,
         plan: Optional[ShardingPlan] = None,
-        sharders: Optional[List[ModuleSharder]] = None,
+        sharders: Optional[Sequence[ModuleSharder]] = None,
         optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         super().__init__()
@@ -82,6 +82,7 @@ class DistributedModelParallel(nn.Module):
             if tables is None:
                 raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
             replacement = sharder.shard(sub, tables, env, device)
+            assert isinstance(replacement, ShardedEmbeddingBagCollection)
             sharded.append((path, replacement))
             if path == "":
                 module = replacement
@@ -98,7 +99,7 @@ class DistributedModelParallel(nn.Module):
             # the fused tables and the TBE's per-rank metadata buffers.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module))
             device_ids = None if device.type == "cpu" else [device]
-            self.module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
+            self.module: nn.Module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
         else:
             self.module = module
 
@@ -158,8 +159,9 @@ def _materialize_dense(module: nn.Module, device: torch.device, sharded: List[nn
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
         if any(t.is_meta for t in own):
             sub.to_empty(device=device, recurse=False)
-            if hasattr(sub, "reset_parameters"):
-                sub.reset_parameters()
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
 
 
 def _local_world_size(world_size: int) -> int:

@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recship.trainer.checkpoint import complete_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
+from recship.trainer.metrics import auc
+from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.data import CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.dlrm import DLRM, DLRMConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
@@ -107,24 +109,6 @@ class TrainConfig:
                 raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {valid}") from None
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Area under the ROC curve (Mann-Whitney U, ties counted half)."""
-    pos = int(labels.sum())
-    neg = labels.numel() - pos
-    if pos == 0 or neg == 0:
-        return float("nan")
-    order = torch.argsort(scores)
-    sorted_scores = scores[order]
-    ranks = torch.empty_like(scores, dtype=torch.float64)
-    ranks[order] = torch.arange(1, scores.numel() + 1, dtype=torch.float64)
-    # average the ranks of tied scores
-    unique, inverse, counts = torch.unique(sorted_scores, return_inverse=True, return_counts=True)
-    if unique.numel() < scores.numel():
-        rank_sum = torch.zeros(unique.numel(), dtype=torch.float64).index_add_(0, inverse, ranks[order])
-        ranks[order] = (rank_sum / counts)[inverse]
-    return float((ranks[labels > 0.5].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
-
 class _Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
@@ -133,7 +117,7 @@ class _Trainer:
         torch.manual_seed(config.seed)
         if config.model is None:
             model_config = config.model_config()
-            model = DLRM(model_config, device="meta")
+            model: nn.Module = DLRM(model_config, device="meta")
             tables = model_config.tables()
             self.features = [f for t in tables for f in t.feature_names]
             self.rows = list(config.num_embeddings_per_feature)
@@ -227,7 +211,7 @@ class _Trainer:
             return {}
         s, l = torch.cat(scores), torch.cat(labels)
         # gather every rank's predictions so rank 0 reports the global metrics
-        gathered = [None] * self.world_size
+        gathered: List[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (s, l))
         s = torch.cat([g[0] for g in gathered])
         l = torch.cat([g[1] for g in gathered])

@@ -63,6 +63,83 @@ std::vector<T> read_raw(const std::string& path) {
   return out;
 }
 
+// The fields of protos/recship/artifact/v1/manifest.schema.json's "required" lists, with their JSON
+// types, so that a manifest missing one is refused naming it (not a json::type_error later on).
+// tests/cpp_loader checks this against the schema: each required field, removed, must be named here.
+void check_manifest(const json& m, const std::string& file) {
+  enum class Kind { Object, Array, String, Integer, Boolean };
+  auto need = [&file](const json& obj, const std::string& key, Kind kind, const std::string& where) -> const json& {
+    static const char* names[] = {"an object", "an array", "a string", "an integer", "a boolean"};
+    auto it = obj.find(key);
+    if (it == obj.end()) throw ArtifactError(file + ": " + where + key + " is missing");
+    bool ok = kind == Kind::Object    ? it->is_object()
+              : kind == Kind::Array   ? it->is_array()
+              : kind == Kind::String  ? it->is_string()
+              : kind == Kind::Integer ? it->is_number_integer()
+                                      : it->is_boolean();
+    if (!ok) throw ArtifactError(file + ": " + where + key + " must be " + names[static_cast<int>(kind)]);
+    return *it;
+  };
+  if (!m.is_object()) throw ArtifactError(file + ": must be a JSON object");
+  if (need(m, "format", Kind::String, "") != "recship.artifact/1")
+    throw ArtifactError(file + ": unknown artifact format '" + m["format"].get<std::string>() + "'");
+  need(m, "model_sha256", Kind::String, "");
+  const json& model = need(m, "model", Kind::Object, "");
+  need(model, "name", Kind::String, "model.");
+  need(model, "version", Kind::Integer, "model.");
+  need(model, "kind", Kind::String, "model.");
+  const json& inputs = need(m, "inputs", Kind::Object, "");
+  for (const char* key : {"dense", "lengths", "values", "weights"}) need(inputs, key, Kind::Object, "inputs.");
+  need(m, "num_dense", Kind::Integer, "");
+  need(m, "weighted", Kind::Boolean, "");
+  const json& features = need(m, "sparse_features", Kind::Array, "");
+  for (size_t i = 0; i < features.size(); ++i) {
+    const std::string where = "sparse_features[" + std::to_string(i) + "].";
+    if (!features[i].is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
+    for (const char* key : {"name", "table", "pooling", "weight_type", "id_policy"}) need(features[i], key, Kind::String, where);
+    for (const char* key : {"dim", "rows"}) need(features[i], key, Kind::Integer, where);
+    if (features[i].contains("weighted")) need(features[i], "weighted", Kind::Boolean, where);
+  }
+  for (const auto& [name, out] : need(m, "outputs", Kind::Object, "").items()) {
+    const std::string where = "outputs['" + name + "'].";
+    if (!out.is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
+    need(out, "dtype", Kind::String, where);
+    need(out, "shape", Kind::Array, where);
+  }
+  const json& sharding = need(m, "sharding", Kind::Object, "");
+  need(sharding, "device", Kind::String, "sharding.");
+  need(sharding, "num_devices", Kind::Integer, "sharding.");
+  need(sharding, "row_alignment", Kind::Integer, "sharding.");
+  const json& shards = need(sharding, "shards", Kind::Array, "sharding.");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string where = "sharding.shards[" + std::to_string(i) + "].";
+    if (!shards[i].is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
+    need(shards[i], "table", Kind::String, where);
+    for (const char* key : {"index", "device", "row_offset", "rows", "col_offset", "cols"}) need(shards[i], key, Kind::Integer, where);
+  }
+  const json& versions = need(m, "versions", Kind::Object, "");
+  for (const char* key : {"torch", "fbgemm_gpu", "python"}) need(versions, key, Kind::String, "versions.");
+  for (const auto& lib : need(m, "op_libraries", Kind::Array, ""))
+    if (!lib.is_string()) throw ArtifactError(file + ": op_libraries must hold file names");
+  need(m, "quantization", Kind::Object, "");
+  need(m, "validation", Kind::Object, "");
+  const json& sample = need(m, "sample", Kind::Object, "");
+  need(sample, "batch_size", Kind::Integer, "sample.");
+  for (const char* group : {"inputs", "outputs"}) {
+    const json& tensors = need(sample, group, Kind::Object, "sample.");
+    for (const auto& [name, spec] : tensors.items()) {
+      const std::string where = std::string("sample.") + group + "['" + name + "'].";
+      if (!spec.is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
+      need(spec, "file", Kind::String, where);
+      need(spec, "dtype", Kind::String, where);
+      need(spec, "shape", Kind::Array, where);
+    }
+    if (std::string(group) == "inputs")
+      for (const char* key : {"dense", "lengths", "values"})
+        if (!tensors.contains(key)) throw ArtifactError(file + ": sample.inputs['" + key + "'] is missing");
+  }
+}
+
 }  // namespace
 
 struct Model::Impl {
@@ -94,8 +171,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   } catch (const json::exception& e) {
     throw ArtifactError(artifact_dir + "/manifest.json is not valid JSON: " + e.what());
   }
-  if (m.manifest.value("format", "") != "recship.artifact/1")
-    throw ArtifactError(artifact_dir + ": unknown artifact format '" + m.manifest.value("format", "") + "'");
+  check_manifest(m.manifest, artifact_dir + "/manifest.json");
   std::string model_bytes = read_file(artifact_dir + "/model.pt", "model.pt");
   std::string digest = sha256_hex(model_bytes);
   if (digest != m.manifest["model_sha256"].get<std::string>())

@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from recship.export import ExportConfig, export_model
-from recship.export.artifact import load_artifact
+from recship.export.artifact import Manifest, open_artifact
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
 from recship.serving import PredictClient
-from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from recship.trainer.dlrm import DLRM, DLRMConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = [20 + i for i in range(26)]
 
 
 @pytest.fixture(scope="module")
@@ -30,24 +26,9 @@ def binary():
 
 
 @pytest.fixture(scope="module")
-def artifacts(tmp_path_factory):
-    root = tmp_path_factory.mktemp("artifacts")
-    torch.manual_seed(0)
-    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
-    ebc = EmbeddingBagCollection(
-        [
-            EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=16, feature_names=["x", "y"], pooling=PoolingType.MEAN),
-            EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["z"]),
-        ],
-        is_weighted=True,
-    )
-    out = {}
-    for dtype in ("int8", "int4"):
-        for name, model, extra in (("dlrm", dlrm, {}), ("emb", ebc, {"id_policy": {"z": "modulo"}})):
-            path = root / f"{name}_{dtype}"
-            export_model(model, ExportConfig(out=str(path), dtype=dtype, progress=False, validation_batches=1, batch_size_hint=32, **extra))
-            out[(name, dtype)] = path
-    return out
+def artifacts(small_artifacts):
+    """(model, dtype) -> artifact path: the session's small DLRM and weighted EmbeddingBagCollection (tests/conftest.py)."""
+    return {(name, dtype): small_artifacts(name, dtype) for dtype in ("int8", "int4") for name in ("dlrm", "emb")}
 
 
 def _run(binary, *args):
@@ -65,8 +46,8 @@ def _request_json(path, sparse, dense=None, weights=None):
 
 
 def _python_outputs(art, sparse, dense, weights):
-    model, manifest = load_artifact(art)
-    names = [f["name"] for f in manifest["sparse_features"]]
+    model, manifest = open_artifact(art)
+    names = manifest.feature_names
     lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
     values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
     w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
@@ -80,16 +61,16 @@ def _python_outputs(art, sparse, dense, weights):
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dtype):
     art = artifacts[(name, dtype)]
-    manifest = json.loads((art / "manifest.json").read_text())
+    manifest = Manifest.read(art)
     g = np.random.default_rng(3)
-    feats = manifest["sparse_features"]
-    sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"] * (3 if f["id_policy"] == "modulo" else 1), size=g.integers(0, 5))] for _ in range(6)] for f in feats}
-    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest["weighted"] else None
-    dense = g.random((6, manifest["num_dense"])).tolist() if manifest["num_dense"] else None
+    feats = manifest.sparse_features
+    sparse = {f.name: [[int(i) for i in g.integers(0, f.rows * (3 if f.id_policy == "modulo" else 1), size=g.integers(0, 5))] for _ in range(6)] for f in feats}
+    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest.weighted else None
+    dense = g.random((6, manifest.num_dense)).tolist() if manifest.num_dense else None
     result = _run(binary, art, "--request", _request_json(tmp_path / "r.json", sparse, dense, weights))
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
-    hashed = {f["name"]: [[i % f["rows"] for i in r] for r in sparse[f["name"]]] for f in feats}
+    hashed = {f.name: [[i % f.rows for i in r] for r in sparse[f.name]] for f in feats}
     want = _python_outputs(art, hashed, dense, weights)
     assert set(got) == set(want)
     for k in want:
@@ -100,12 +81,13 @@ def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dty
 
 def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
     art = artifacts[("dlrm", "int8")]
-    manifest = json.loads((art / "manifest.json").read_text())
+    manifest = Manifest.read(art)
     spec = ModelSpec.from_manifest(manifest, 512)
+    rows = [f.rows for f in manifest.sparse_features]
     good = {f"cat_{i}": [[1], [2]] for i in range(26)}
     dense = [[0.5] * 13, [0.25] * 13]
     cases = [
-        ({**good, "cat_3": [[1], [ROWS[3]]]}, dense, None),  # id out of range
+        ({**good, "cat_3": [[1], [rows[3]]]}, dense, None),  # id out of range
         ({k: v for k, v in good.items() if k != "cat_25"}, dense, None),  # missing feature
         ({**good, "nope": [[1], [1]]}, dense, None),  # unknown feature
         (good, [[0.5] * 12, [0.5] * 12], None),  # dense shape
@@ -148,8 +130,7 @@ def test_example_program_links_the_library_with_add_subdirectory(binary, artifac
     art = artifacts[("dlrm", "int8")]
     result = subprocess.run([str(build / "recship_example"), str(art)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    _, manifest = load_artifact(art)
-    want = np.fromfile(art / manifest["sample"]["outputs"]["prob"]["file"], dtype="<f4")[0]
+    want = np.fromfile(art / Manifest.read(art).sample.outputs["prob"].file, dtype="<f4")[0]
     assert f"prob[0] = {want:.6g}" in result.stdout
 
 
@@ -176,3 +157,24 @@ def test_max_batch_size_is_an_option(binary, artifacts, tmp_path):
     got = json.loads(allowed.stdout)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k])
+
+
+def test_the_loader_refuses_a_manifest_missing_any_field_the_schema_requires(binary, artifacts, manifest_schema, tmp_path):
+    """The C++ parser's required fields are the schema's (protos/recship/artifact/v1/manifest.schema.json):
+    each one removed is refused naming it, and an optional one removed still loads."""
+    for name in ("dlrm", "emb"):
+        art = tmp_path / name
+        shutil.copytree(artifacts[(name, "int8")], art)
+        raw = json.loads((art / "manifest.json").read_text())
+        fields = manifest_schema.required_fields(raw)
+        assert len(fields) > 40
+        for field, keys in fields:
+            (art / "manifest.json").write_text(json.dumps(manifest_schema.without(raw, keys)))
+            result = _run(binary, art)
+            assert result.returncode == 1 and f"manifest.json: {field} is missing" in result.stderr, (field, result.stderr)
+        optional = json.loads(json.dumps(raw))
+        for f in optional["sparse_features"]:
+            del f["weighted"]  # not required: the manifest's weighted applies
+        (art / "manifest.json").write_text(json.dumps(optional))
+        result = _run(binary, art)
+        assert result.returncode == 0, result.stderr

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from recship.export import ExportConfig, ExportError, export_model
-from recship.export.artifact import ArtifactError, load_artifact, read_manifest
+from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.quantize import dequantize_rows, quantize_rows
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
@@ -62,8 +62,8 @@ def _run(model, batch):
 def test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size(tmp_path, shards, sharding):
     model = _dlrm()
     export_model(model, _config(tmp_path, "a", dtype="int8", shards=shards, sharding=sharding))
-    scripted, manifest = load_artifact(tmp_path / "a")
-    assert manifest["sharding"]["num_devices"] == shards
+    scripted, manifest = open_artifact(tmp_path / "a")
+    assert manifest.sharding.num_devices == shards
     ref = _reference(model, DataType.INT8)
     gen = SyntheticCriteo(SyntheticConfig(ROWS, batch_size=1, seed=5))
     for batch_size in (1, 7, 512):
@@ -78,25 +78,26 @@ def test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size(tmp_pat
 
 def test_column_wise_artifact_stays_within_quantization_error(tmp_path):
     model = _dlrm()
-    manifest = export_model(model, _config(tmp_path, "cw", dtype="int8", shards=2, sharding="column_wise"))
+    export_model(model, _config(tmp_path, "cw", dtype="int8", shards=2, sharding="column_wise"))
+    scripted, manifest = open_artifact(tmp_path / "cw")
     # the unsharded reference quantizes the same column blocks, so they agree to rounding
-    assert manifest["validation"]["max_relative_error_vs_unsharded_quantized"] < 1e-5
-    scripted, manifest = load_artifact(tmp_path / "cw")
-    assert {s["cols"] for s in manifest["sharding"]["shards"]} == {4}
+    assert manifest.validation["max_relative_error_vs_unsharded_quantized"] < 1e-5
+    assert {s.cols for s in manifest.sharding.shards} == {4}
     b = SyntheticCriteo(SyntheticConfig(ROWS, batch_size=64, seed=5)).batch(0)
     got = _run(scripted, b)["prob"][:, 0]
     assert float((got - torch.sigmoid(model(b.dense, b.sparse))).abs().max()) < 0.02
 
 
 def test_artifact_from_checkpoint_loads_without_recship(tmp_path, checkpoint):
-    manifest = export_model(checkpoint, _config(tmp_path, "art", dtype="int4", table_dtypes={"t_cat_0": "fp16"}))
+    export_model(checkpoint, _config(tmp_path, "art", dtype="int4", table_dtypes={"t_cat_0": "fp16"}))
     art = tmp_path / "art"
     assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample"]
-    assert [f["name"] for f in manifest["sparse_features"]] == [f"cat_{i}" for i in range(26)]
-    assert [f["weight_type"] for f in manifest["sparse_features"]][:2] == ["FP16", "INT4"]
-    assert manifest["num_dense"] == 13 and set(manifest["outputs"]) == {"logit", "prob"}
-    assert manifest["validation"]["auc"] == pytest.approx(manifest["validation"]["float_auc"], abs=0.05)
-    assert manifest["validation"]["max_relative_error_vs_unsharded_quantized"] < 1e-5
+    manifest = Manifest.read(art)
+    assert manifest.feature_names == [f"cat_{i}" for i in range(26)]
+    assert [f.weight_type for f in manifest.sparse_features][:2] == ["FP16", "INT4"]
+    assert manifest.num_dense == 13 and set(manifest.outputs) == {"logit", "prob"}
+    assert manifest.validation["auc"] == pytest.approx(manifest.validation["float_auc"], abs=0.05)
+    assert manifest.validation["max_relative_error_vs_unsharded_quantized"] < 1e-5
     assert not any(p.name.startswith(".art.tmp") for p in tmp_path.iterdir())
     code = textwrap.dedent(
         f"""
@@ -126,10 +127,10 @@ def test_embedding_only_weighted_mean_model(tmp_path):
         EmbeddingBagConfig(name="b", num_embeddings=20, embedding_dim=8, feature_names=["z"]),
     ]
     ebc = EmbeddingBagCollection(tables, is_weighted=True)
-    manifest = export_model(ebc, _config(tmp_path, "emb", dtype="fp16", shards=2, sharding="row_wise", id_policy={"z": "modulo"}))
-    scripted, _ = load_artifact(tmp_path / "emb")
-    assert set(manifest["outputs"]) == {"x", "y", "z"} and manifest["weighted"]
-    assert [f["id_policy"] for f in manifest["sparse_features"]] == ["reject", "reject", "modulo"]
+    export_model(ebc, _config(tmp_path, "emb", dtype="fp16", shards=2, sharding="row_wise", id_policy={"z": "modulo"}))
+    scripted, manifest = open_artifact(tmp_path / "emb")
+    assert set(manifest.outputs) == {"x", "y", "z"} and manifest.weighted
+    assert [f.id_policy for f in manifest.sparse_features] == ["reject", "reject", "modulo"]
     kjt = KeyedJaggedTensor(keys=["x", "y", "z"], values=torch.tensor([1, 49, 7, 0, 3, 25]), lengths=torch.tensor([2, 0, 1, 1, 1, 1]), weights=torch.rand(6))
     got = scripted(torch.zeros(2, 0), kjt.lengths().to(torch.int32), kjt.values(), kjt.weights())
     hashed = KeyedJaggedTensor(keys=["x", "y", "z"], values=torch.tensor([1, 49, 7, 0, 3, 5]), lengths=kjt.lengths(), weights=kjt.weights())
@@ -154,9 +155,9 @@ def test_tampered_or_missing_artifact_is_reported(tmp_path):
     model = tmp_path / "t" / "model.pt"
     model.write_bytes(model.read_bytes() + b"x")
     with pytest.raises(ArtifactError, match="sha256 .* does not match"):
-        load_artifact(tmp_path / "t")
+        open_artifact(tmp_path / "t")
     with pytest.raises(ArtifactError, match="manifest.json is missing"):
-        read_manifest(tmp_path / "nothing")
+        Manifest.read(tmp_path / "nothing")
 
 
 def test_cli_export_inspect_and_bad_inputs(tmp_path, checkpoint, capsys):
@@ -185,7 +186,8 @@ def test_synthetic_validation_follows_the_training_runs_seed(tmp_path):
     """A model trained with --seed 5 is validated on seed 5's data, not seed 0's (AUC near the training eval's)."""
     summary = launch(TrainConfig(out=str(tmp_path / "run"), steps=60, batch_size=128, num_embeddings_per_feature=ROWS, embedding_dim=8,
                                  dense_arch=[16], over_arch=[16], eval_every=0, eval_batches=4, checkpoint_every=0, progress=False, seed=5))
-    v = export_model(summary["checkpoint"], _config(tmp_path, "a", batch_size_hint=256, validation_batches=4))["validation"]
+    export_model(summary["checkpoint"], _config(tmp_path, "a", batch_size_hint=256, validation_batches=4))
+    v = Manifest.read(tmp_path / "a").validation
     assert v["data"] == "synthetic (seed 5)"
     # seed 0's labels would give an AUC near 0.5 (what the manifest said before); the two eval streams differ, so 0.1
     assert abs(v["float_auc"] - summary["final_eval"]["auc"]) < 0.1 and v["float_auc"] > 0.65, (v, summary["final_eval"])
@@ -200,7 +202,8 @@ def test_eval_data_from_a_criteo_file(checkpoint, tmp_path):
         lines.append("\t".join([str(int(torch.randint(0, 2, (1,), generator=g)))] + dense + cats))
     data = tmp_path / "day.tsv"
     data.write_text("\n".join(lines) + "\n")
-    v = export_model(checkpoint, _config(tmp_path, "a", eval_data=str(data), batch_size_hint=100, validation_batches=5))["validation"]
+    export_model(checkpoint, _config(tmp_path, "a", eval_data=str(data), batch_size_hint=100, validation_batches=5))
+    v = Manifest.read(tmp_path / "a").validation
     assert v["data"] == str(data) and v["batches"] == 3  # 300 lines in batches of 100
     assert 0 <= v["auc"] <= 1 and abs(v["auc"] - v["float_auc"]) < 0.05
     with pytest.raises(ExportError, match="no such file"):

@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recship.export.artifact import load_artifact
+from recship.export.artifact import open_artifact
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
@@ -39,7 +39,7 @@ def served(small_artifact, tmp_path_factory):
     repo = tmp_path_factory.mktemp("fuzz-repo")
     shutil.copytree(small_artifact, repo / "dlrm" / "1")
     server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1))
-    model, _ = load_artifact(repo / "dlrm" / "1")
+    model, _ = open_artifact(repo / "dlrm" / "1")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield server, model, channel
     channel.close()

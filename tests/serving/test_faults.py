@@ -402,7 +402,7 @@ def test_request_bytes_in_flight_are_bounded(small_artifact, tmp_path):
             futures = [stub.future(data, timeout=30) for _ in range(24)]
             codes = [f.exception().code() if f.exception() else grpc.StatusCode.OK for f in futures]
         assert set(codes) == {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert server.inference._inflight == 0
+        assert server.inference.inflight_bytes == 0
         refused = [f.exception().details() for f in futures if f.exception()]
         assert "--max-inflight-mb" in refused[0]
     finally:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from recship.export import ExportConfig, export_model
-from recship.export.artifact import load_artifact
+from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
@@ -45,7 +45,7 @@ def _in_process(model, sparse, dense):
 
 
 def test_gpu_server_equals_the_cuda_artifact_in_process_and_keeps_rows_apart(cuda_repo):
-    model, _ = load_artifact(cuda_repo / "dlrm" / "1")
+    model, _ = open_artifact(cuda_repo / "dlrm" / "1")
     server = Server(ServerConfig(model_repo=str(cuda_repo), port=0, device="cuda", max_delay_ms=5))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -11,27 +12,22 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import torch
 
 tg = pytest.importorskip("tritonclient.grpc")
 from tritonclient.grpc import service_pb2 as triton_pb2  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as triton_grpc  # noqa: E402
 
-from recship.export import ExportConfig, export_model  # noqa: E402
 from recship.serving import PredictClient  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
-from recship.trainer.dlrm import DLRM, DLRMConfig  # noqa: E402
+from serving_helpers import ROWS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-ROWS = [20 + i for i in range(26)]
 
 
 @pytest.fixture(scope="module")
-def repo(tmp_path_factory):
+def repo(tmp_path_factory, small_artifact):
     root = tmp_path_factory.mktemp("repo")
-    torch.manual_seed(0)
-    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
-    export_model(dlrm, ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    shutil.copytree(small_artifact, root / "dlrm" / "1")
     return root
 
 
@@ -79,7 +75,7 @@ def test_the_proto_matches_tritonclients_copy():
     """Field numbers, types and cardinality of every message recship declares equal Triton's."""
     from recship.serving import kserve
 
-    ours = kserve._pool.FindFileByName("inference/grpc_service.proto")
+    ours = kserve.POOL.FindFileByName("inference/grpc_service.proto")
 
     def fields(d):
         return {f.name: (f.number, f.type, f.is_repeated, f.message_type.full_name if f.message_type else None) for f in d.fields}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from recship.export import ExportConfig, export_model
-from recship.export.artifact import load_artifact
+from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
@@ -54,7 +54,7 @@ def _in_process(model, sparse, dense):
 
 
 def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
-    model, _ = load_artifact(repo / "dlrm" / "1")
+    model, _ = open_artifact(repo / "dlrm" / "1")
     with PredictClient(f"127.0.0.1:{server.port}") as client:
         for seed, batch in [(1, 1), (2, 5), (3, 64)]:
             sparse, dense = _request(seed, batch)
@@ -67,7 +67,7 @@ def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
 
 
 def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
-    model, _ = load_artifact(repo / "dlrm" / "1")
+    model, _ = open_artifact(repo / "dlrm" / "1")
     requests = [_request(100 + i, 1 + i % 7) for i in range(64)]
     before = server.metrics.batch.labels("dlrm")._sum.get()
     count_before = _histogram_count(server, "recship_batch_examples")

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from recship.trainer.checkpoint import CheckpointError, CheckpointReader, latest_checkpoint, load_checkpoint, read_metadata
-from recship.trainer.train import TrainConfig, auc, launch
+from recship.trainer.checkpoint import load_checkpoint
+from recship.trainer.checkpoint_reader import CheckpointError, CheckpointReader, latest_checkpoint, read_metadata
+from recship.trainer.metrics import auc
+from recship.trainer.train import TrainConfig, launch
 
 
 def small(out, **kw):

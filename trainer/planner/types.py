@@ -11,7 +11,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum, unique
 from pathlib import Path
-from typing import Dict, List, Optional, Union
+from typing import Dict, List, Optional, Type, TypeVar, Union
+
+
+E = TypeVar("E", bound=Enum)
 
 
 @unique
@@ -82,7 +85,7 @@ class ParameterConstraints:
             self.compute_kernels = [_member(EmbeddingComputeKernel, x, "compute kernel") for x in self.compute_kernels]
 
 
-def _member(enum: type, value: object, what: str):
+def _member(enum: Type[E], value: object, what: str) -> E:
     """``value`` as a member of ``enum``: the member itself or its value string."""
     if isinstance(value, enum):
         return value
@@ -125,6 +128,7 @@ class Topology:
 
     @property
     def num_hosts(self) -> int:
+        assert self.local_world_size is not None  # set in __post_init__
         return self.world_size // self.local_world_size
 
     @property

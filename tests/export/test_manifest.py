@@ -1,0 +1,153 @@
+"""The typed Manifest against real exported manifests and the shared JSON Schema (protos/recship/artifact/v1)."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from recship.export.artifact import ArtifactError, Manifest, open_artifact, read_sample, write_sample
+
+KINDS = [("dlrm", "int8"), ("emb", "int4")]  # unweighted with dense inputs; weighted, no dense, a modulo feature
+
+
+@pytest.fixture(params=KINDS, ids=["_".join(k) for k in KINDS])
+def artifact(request, small_artifacts):
+    return small_artifacts(*request.param)
+
+
+def _raw(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_exported_manifests_satisfy_the_schema(artifact, manifest_schema):
+    assert manifest_schema.errors(_raw(artifact)) == []
+
+
+def test_manifest_reads_and_writes_todays_json_exactly(artifact, tmp_path):
+    text = (artifact / "manifest.json").read_text()
+    manifest = Manifest.read(artifact)
+    assert json.dumps(manifest.to_dict(), indent=2) == text
+    manifest.write(tmp_path)
+    assert (tmp_path / "manifest.json").read_text() == text
+    raw = json.loads(text)
+    assert manifest.feature_names == [f["name"] for f in raw["sparse_features"]]
+    assert [(f.rows, f.dim, f.id_policy, f.weighted) for f in manifest.sparse_features] == [
+        (f["rows"], f["dim"], f["id_policy"], f["weighted"]) for f in raw["sparse_features"]]
+    assert {k: o.dims for k, o in manifest.outputs.items()} == {k: v["shape"][1:] for k, v in raw["outputs"].items()}
+    assert (manifest.num_dense, manifest.weighted, manifest.sharding.device) == (raw["num_dense"], raw["weighted"], raw["sharding"]["device"])
+    assert manifest.sample.inputs["lengths"].shape == raw["sample"]["inputs"]["lengths"]["shape"]
+
+
+def test_manifest_writes_exactly_the_fields_the_schema_lists(artifact, manifest_schema):
+    """Where the schema closes an object (properties without additionalProperties), the keys are the same."""
+    written = Manifest.read(artifact).to_dict()
+    checked = []
+
+    def walk(node, value, where):
+        node = manifest_schema.resolve(node)
+        if isinstance(value, dict):
+            props = node.get("properties")
+            if props is not None and "additionalProperties" not in node:
+                assert set(value) == set(props), where
+                checked.append(where)
+            for key, sub in (props or {}).items():
+                walk(sub, value.get(key), f"{where}.{key}")
+            if isinstance(node.get("additionalProperties"), dict):
+                for key, v in value.items():
+                    if key not in (props or {}):
+                        walk(node["additionalProperties"], v, f"{where}[{key!r}]")
+        elif isinstance(value, list) and isinstance(node.get("items"), dict):
+            for i, v in enumerate(value):
+                walk(node["items"], v, f"{where}[{i}]")
+
+    walk(manifest_schema.schema, written, "manifest")
+    assert {"manifest", "manifest.inputs", "manifest.sharding", "manifest.versions", "manifest.sample",
+            "manifest.sparse_features[0]", "manifest.sharding.shards[0]", "manifest.sample.inputs['dense']"} <= set(checked)
+
+
+def test_each_required_field_missing_is_refused_naming_it(artifact, manifest_schema):
+    raw = _raw(artifact)
+    fields = manifest_schema.required_fields(raw)
+    assert len(fields) > 40 and ("sparse_features[0].id_policy", ("sparse_features", 0, "id_policy")) in fields
+    for name, keys in fields:
+        broken = manifest_schema.without(raw, keys)
+        assert manifest_schema.errors(broken), name
+        with pytest.raises(ArtifactError) as e:
+            Manifest.from_dict(broken)
+        assert name in str(e.value), (name, str(e.value))
+
+
+def test_an_optional_field_missing_is_accepted(artifact, manifest_schema):
+    """A feature without ``weighted`` (not required) takes the manifest's."""
+    raw = _raw(artifact)
+    for f in raw["sparse_features"]:
+        del f["weighted"]
+    assert manifest_schema.errors(raw) == []
+    assert [f.weighted for f in Manifest.from_dict(raw).sparse_features] == [raw["weighted"]] * len(raw["sparse_features"])
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m["sparse_features"][0].update(id_policy="hash"), "sparse_features[0].id_policy"),
+    (lambda m: m["sparse_features"][0].update(rows=0), "sparse_features[0].rows"),
+    (lambda m: m["sparse_features"][0].update(dim=True), "sparse_features[0].dim"),
+    (lambda m: m["sharding"].update(device="tpu"), "sharding.device"),
+    (lambda m: m["sharding"]["shards"][0].update(rows="7"), "sharding.shards[0].rows"),
+    (lambda m: m.update(num_dense=-1), "num_dense"),
+    (lambda m: m.update(model_sha256="ABC"), "model_sha256"),
+    (lambda m: m.update(format="recship.artifact/2"), "format"),
+    (lambda m: m["outputs"]["logit"].update(shape=[4, 1]), "outputs['logit'].shape"),
+    (lambda m: m["sample"]["inputs"]["values"].update(file="../../etc/passwd"), "sample.inputs['values'].file"),
+    (lambda m: m["sample"]["inputs"]["values"].update(file="/etc/passwd"), "sample.inputs['values'].file"),
+    (lambda m: m["sample"]["outputs"]["logit"].update(dtype="float64"), "sample.outputs['logit'].dtype"),
+    (lambda m: m["sample"].update(batch_size=0), "sample.batch_size"),
+    (lambda m: m["versions"].update(torch=2), "versions.torch"),
+    (lambda m: m.update(op_libraries="fbgemm_gpu_py.so"), "op_libraries"),
+])
+def test_schema_and_manifest_refuse_the_same_bad_values(small_artifact, manifest_schema, edit, field):
+    raw = _raw(small_artifact)
+    edit(raw)
+    assert any(e.startswith(field) for e in manifest_schema.errors(raw)), manifest_schema.errors(raw)
+    with pytest.raises(ArtifactError, match="manifest.json: .*" + re.escape(field)):
+        Manifest.from_dict(raw)
+
+
+def test_validate_and_write_name_the_bad_field(small_artifact, tmp_path):
+    manifest = Manifest.read(small_artifact)
+    manifest.sparse_features[3].rows = 0
+    with pytest.raises(ArtifactError, match=r"sparse_features\[3\]\.rows and dim must be positive"):
+        manifest.validate()
+    with pytest.raises(ArtifactError, match=r"sparse_features\[3\]"):
+        manifest.write(tmp_path)
+    assert not (tmp_path / "manifest.json").exists()
+
+
+def test_inputs_must_agree_with_num_dense_and_weighted(small_artifact):
+    raw = _raw(small_artifact)
+    raw["inputs"]["dense"]["shape"] = ["B", 12]
+    with pytest.raises(ArtifactError, match="inputs must be"):
+        Manifest.from_dict(raw)
+
+
+def test_open_artifact_gives_the_typed_manifest_and_self_checks(small_artifact, tmp_path):
+    model, manifest = open_artifact(small_artifact)
+    assert isinstance(manifest, Manifest) and manifest.model.kind == "dlrm" and manifest.model.details["config"]["embedding_dim"] == 8
+    art = tmp_path / "a"
+    shutil.copytree(small_artifact, art)
+    prob = art / manifest.sample.outputs["prob"].file
+    prob.write_bytes(bytes(len(prob.read_bytes())))  # recorded outputs all 0
+    with pytest.raises(ArtifactError, match="sample self-check failed"):
+        open_artifact(art)
+    open_artifact(art, check=False)
+
+
+def test_from_fields_and_write_sample_rebuild_the_exported_manifest_and_sample(artifact, tmp_path):
+    """What the exporter writes, rebuilt through the contract's writers: the same JSON text and sample bytes."""
+    raw = _raw(artifact)
+    inputs, outputs = read_sample(artifact, Manifest.read(artifact))
+    sample = write_sample(tmp_path, raw["sample"]["batch_size"], inputs, outputs)
+    for spec in [*raw["sample"]["inputs"].values(), *raw["sample"]["outputs"].values()]:
+        assert (tmp_path / spec["file"]).read_bytes() == (artifact / spec["file"]).read_bytes()
+    fields = {k: raw[k] for k in ("model", "num_dense", "weighted", "sparse_features", "sharding", "quantization", "validation")}
+    built = Manifest.from_fields(fields, {k: list(v.shape[1:]) for k, v in outputs.items()}, sample, raw["model_sha256"])
+    assert json.dumps(built.to_dict(), indent=2) == (artifact / "manifest.json").read_text()

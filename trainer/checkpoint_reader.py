@@ -1,0 +1,162 @@
+"""Reading recship checkpoints: their on-disk format and the single-process reader export uses.
+
+``read_metadata`` checks a checkpoint folder (``recship.json`` + DCP's files) and
+``CheckpointReader`` reads it back in one process without a process group, one
+table at a time, so peak memory stays near the largest table. The collective
+save and load of a running job are in ``recship.trainer.checkpoint``.
+"""
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.planner.types import ShardingPlan
+
+FORMAT = "recship.checkpoint/1"
+META_FILE = "recship.json"
+
+# ShardedTensor (arbitrary shard offsets, which DTensor cannot express for our column
+# blocks and single-rank table-wise shards) is marked for deprecation; DCP warns on every use.
+_SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
+
+
+def quiet_dcp(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a DCP call) without DCP's deprecation and no-process-group warnings."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)
+        # single-process reads pass no_dist=True on purpose; DCP still warns about it
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        return fn(*args, **kwargs)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, partial or corrupt; the message names the missing piece."""
+
+
+def latest_checkpoint(root: Union[str, Path]) -> Optional[Path]:
+    """The newest complete checkpoint under ``root`` (temporary directories are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def complete_checkpoints(root: Union[str, Path]) -> List[Path]:
+    """The complete checkpoints under ``root``, oldest first (saves in progress and killed ones excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob("step_*") if p.is_dir() and ".tmp-" not in p.name and (p / META_FILE).is_file()),
+                  key=lambda p: p.name)
+
+
+def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    meta_file = path / META_FILE
+    if not meta_file.is_file():
+        raise CheckpointError(f"{path} is not a complete recship checkpoint: {META_FILE} is missing")
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint: DCP's .metadata file is missing")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{meta_file} is corrupt: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+def load_tensors(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
+    """Fills ``state`` (DCP key -> tensor) from the checkpoint at ``path``; CheckpointError if it cannot."""
+    missing = _missing_data_files(path)
+    if missing:
+        raise CheckpointError(f"{path} is incomplete: data file {missing[0]} is missing")
+    try:
+        quiet_dcp(dcp.load, state, checkpoint_id=str(path), no_dist=no_dist)
+    except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+
+
+def _missing_data_files(path: Path) -> List[str]:
+    """Data files DCP's metadata refers to that are not on disk."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    names = {item.relative_path for item in (md.storage_data or {}).values()}
+    return sorted(n for n in names if not (path / n).is_file())
+
+
+class CheckpointReader:
+    """Reads a checkpoint in one process without a process group, one table at a time.
+
+    ``tables()`` yields (module path, EmbeddingBagConfig, full float weight) so that
+    peak memory stays near the largest table; ``dense_state_dict()`` returns the
+    dense parameters; ``config`` and ``plan`` are what training stored.
+    """
+
+    def __init__(self, path: Union[str, Path]) -> None:
+        self.path = Path(path)
+        self.meta = read_metadata(self.path)
+        self.config = self.meta.get("config")
+        self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None
+        self.step = self.meta["step"]
+
+    def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
+        from recship.trainer.types import DataType, PoolingType
+
+        out = []
+        for key, t in self.meta["tables"].items():
+            c = dict(t["config"])
+            c["data_type"] = DataType(c["data_type"])
+            c["pooling"] = PoolingType(c["pooling"])
+            out.append((key.rpartition("/")[0], EmbeddingBagConfig(**c)))
+        return out
+
+    def tables(self) -> Iterator[Tuple[str, EmbeddingBagConfig, torch.Tensor]]:
+        for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+            yield mpath, cfg, self._load_table(mpath, cfg, key, t)
+
+    def table(self, mpath: str, name: str) -> torch.Tensor:
+        """One table's full float weight: table ``name`` of the collection at module path ``mpath``."""
+        for (path, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+            if path == mpath and cfg.name == name:
+                return self._load_table(mpath, cfg, key, t)
+        raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
+
+    def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any]) -> torch.Tensor:
+        if t["data_parallel"]:
+            name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
+        else:
+            name = f"tables/{key}/weight"
+        weight = torch.empty(cfg.num_embeddings, cfg.embedding_dim)
+        load_tensors({name: weight}, self.path, no_dist=True)
+        return weight
+
+    def dense_state_dict(self) -> Dict[str, torch.Tensor]:
+        keys = [k for k in self.meta["dense_keys"] if ".data_parallel." not in f".{k}"]
+        shapes = _dcp_shapes(self.path)
+        state = {f"dense/{k}": torch.empty(shapes[f"dense/{k}"][0], dtype=shapes[f"dense/{k}"][1]) for k in keys}
+        load_tensors(state, self.path, no_dist=True)
+        return {k[len("dense/") :]: v for k, v in state.items()}
+
+
+def _dcp_shapes(path: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
+    reader = dcp.FileSystemReader(str(path))
+    md = reader.read_metadata()
+    out = {}
+    for key, item in md.state_dict_metadata.items():
+        props = getattr(item, "properties", None)
+        if hasattr(item, "size") and props is not None:
+            out[key] = (item.size, props.dtype)
+    return out
+
+
+def load_for_export(path: Union[str, Path]) -> CheckpointReader:
+    """The export pipeline's entry point: a CheckpointReader on ``path``."""
+    return CheckpointReader(path)
