@@ -115,7 +115,7 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     lookups for the validation batches are recorded; the float outputs then come from the
     model with recorded stand-ins for its EBCs and its float EmbeddingCollections.
     """
-    from recship.export.pipeline import _float_pool
+    from recship.export.pipeline import pooled_lookup
 
     paths: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
@@ -131,7 +131,7 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
         per_batch = recorded.setdefault(path, [{} for _ in validation])
         for i, (_, kjt, _) in enumerate(validation):
             for f in table.feature_names:
-                per_batch[i][f] = _float_pool(weight, kjt[f], table, weighted[path])
+                per_batch[i][f] = pooled_lookup(weight, kjt[f], table, weighted[path])
 
     quantized, report = quantize(model, load_table, record)
     stand_ins = {}
@@ -271,7 +271,7 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
         "error": relative,
     }
     if scored:  # labels and a [B, 1] logit output: the ranking quality, exported and float
-        from recship.trainer.train import auc
+        from recship.trainer.metrics import auc
 
         got, want, labels = (torch.cat(parts) for parts in zip(*scored))
         bce = nn.functional.binary_cross_entropy_with_logits

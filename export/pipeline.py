@@ -21,26 +21,16 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 from torch import nn
 
 from recship.export.artifact import FORMAT, file_sha256
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
-from recship.export.sharded import InferenceShard, plan_inference_shards, shard_quantized
+from recship.export.sharded import plan_inference_shards, shard_quantized
 from recship.quantize.modules import ID_POLICIES
-from recship.quantize.quantizer import (
-    AUTO,
-    QuantConfig,
-    QuantizationReport,
-    TableReport,
-    _aligned,
-    _choose_auto,
-    _pooled_error,
-    _sample_ids,
-    fill_quantized,
-)
+from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
@@ -48,7 +38,8 @@ from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.planner.types import ShardingType
 from recship.trainer.types import DataType
 
-# What a C++ process must dlopen before torch::jit::load (see ../shared/STACK.md).
+# What a C++ process must dlopen (RTLD_NOW | RTLD_GLOBAL) before torch::jit::load: TorchScript
+# resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
 
 
@@ -127,7 +118,7 @@ class ExportConfig:
 class _Source:
     kind: str  # "dlrm" or "embeddings"
     tables: List[EmbeddingBagConfig]
-    stream: Callable[[], Iterator[Tuple[EmbeddingBagConfig, torch.Tensor]]]  # float tables, one at a time
+    load: Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim] (read when called)
     dense_model: Optional[nn.Module]  # the DLRM with its dense weights (sparse arch on meta)
     model_config: Optional[Dict[str, Any]]
     is_weighted: bool
@@ -155,7 +146,7 @@ def _module_from_checkpoint(path: Path, config: ExportConfig):
     (the model, its dense part loaded and its EmbeddingBagCollection tables not, the config naming
     its entry point, the training run's seed, ``load_table(path, table)`` reading one float table).
     None for a checkpoint of the built-in DLRM (exported by its own streaming path)."""
-    from recship.trainer.checkpoint import CheckpointError, CheckpointReader
+    from recship.trainer.checkpoint_reader import CheckpointError, CheckpointReader
     from recship.trainer.entry_point import build_model
 
     if not path.exists():
@@ -228,7 +219,7 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     if isinstance(src, (str, Path)):
-        from recship.trainer.checkpoint import CheckpointReader
+        from recship.trainer.checkpoint_reader import CheckpointReader
 
         if not Path(src).exists():
             raise ExportError(f"checkpoint not found: {src}")
@@ -238,22 +229,21 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
             raise ExportError(f"{src}: the checkpoint does not record its model config")
         config = DLRMConfig(**model)
         dense_model = _dense_dlrm(config, reader.dense_state_dict(), str(src))
+        paths = {cfg.name: mpath for mpath, cfg in reader.table_configs()}
         tables = [cfg for _, cfg in reader.table_configs()]
         seed = ((reader.config or {}).get("train") or {}).get("seed")
-        return _Source("dlrm", tables, lambda: ((cfg, w) for _, cfg, w in reader.tables()), dense_model, model, False,
+        return _Source("dlrm", tables, lambda name: reader.table(paths[name], name), dense_model, model, False,
                        config.num_dense, seed)
     if isinstance(src, DLRM):
         ebc = src.sparse_arch
         dense_model = _dense_dlrm(src.config, {k: v.detach() for k, v in src.state_dict().items()}, "the model")
         return _Source(
-            "dlrm", ebc.embedding_bag_configs(),
-            lambda: ((t, ebc.embedding_bags[t.name].weight.detach()) for t in ebc.embedding_bag_configs()),
+            "dlrm", ebc.embedding_bag_configs(), lambda name: ebc.embedding_bags[name].weight.detach(),
             dense_model, asdict(src.config), ebc.is_weighted(), src.config.num_dense,
         )
     if isinstance(src, EmbeddingBagCollection):
         return _Source(
-            "embeddings", src.embedding_bag_configs(),
-            lambda: ((t, src.embedding_bags[t.name].weight.detach()) for t in src.embedding_bag_configs()),
+            "embeddings", src.embedding_bag_configs(), lambda name: src.embedding_bags[name].weight.detach(),
             None, None, src.is_weighted(), 0,
         )
     raise ExportError(f"cannot export a {type(src).__name__}: give a checkpoint path, a DLRM or an EmbeddingBagCollection")
@@ -389,8 +379,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         qconfig = config.quant_config()
 
         bar.next("quantize + shard")
-        types, chosen_by, trials = _choose_types(src, qconfig)
-        sizes = {t.name: t.num_embeddings * _aligned(row_bytes(types[t.name], t.embedding_dim), qconfig.alignment) for t in src.tables}
+        choices = choose_types(src.tables, src.load, qconfig)  # a first streaming pass if a type is "auto"
+        types = {name: c.data_type for name, c in choices.items()}
+        sizes = {t.name: t.num_embeddings * row_bytes(types[t.name], t.embedding_dim, qconfig.alignment) for t in src.tables}
         forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
         capacity = _device_capacity(config)
         try:
@@ -398,43 +389,25 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         except ValueError as e:
             raise ExportError(str(e)) from None
         devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
+        sparse, views = shard_quantized(src.tables, types, plan, devices, src.is_weighted, config.id_policy, qconfig.alignment)
         float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
         quant_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
-        reports: Dict[str, TableReport] = {}
-        pending: Dict[str, torch.Tensor] = {}
-
-        def fill(shard: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
-            weight = pending[shard.table]
-            block = weight[shard.row_offset : shard.row_offset + shard.rows, shard.col_offset : shard.col_offset + shard.cols]
-            err = fill_quantized(block, types[shard.table], qconfig, data, scale_bias)
-            r = reports[shard.table]
-            r.max_abs_error = max(r.max_abs_error, err[0])
-            r.mean_abs_error += err[1] / (r.rows * r.dim)
-
+        reports: List[TableReport] = []
         # Stream: each float table is quantized into its shards, its float lookups for the
         # validation batches are kept (small), and then it is dropped.
-        modules_by_table = _ShardBuilder(src.tables, types, plan, devices, src.is_weighted, fill, config.id_policy, qconfig.alignment)
-        for salt, (t, weight) in enumerate(src.stream()):
-            pending[t.name] = weight
-            reports[t.name] = TableReport(
-                table=t.name, data_type=types[t.name].name, chosen_by=chosen_by[t.name], rows=t.num_embeddings,
-                dim=t.embedding_dim, float_bytes=t.num_embeddings * t.embedding_dim * 4, quantized_bytes=sizes[t.name],
-                max_abs_error=0.0, mean_abs_error=0.0,
-                pooled_relative_error=_pooled_error(weight, _sample_ids(t.num_embeddings, qconfig, salt), types[t.name], qconfig.error_minimizing),
-                auto_trials=trials.get(t.name, {}),
-            )
-            modules_by_table.fill_table(t.name)
+        for index, t in enumerate(src.tables):
+            weight = src.load(t.name)
+            reports.append(quantize_into(index, t, weight, choices[t.name], views[t.name], qconfig))
             blocks = sorted({(s.col_offset, s.cols) for s in plan[t.name]})
             for i, (_, kjt, _) in enumerate(validation):
                 for f in t.feature_names:
                     jt = kjt[f]
-                    float_pooled[i][f] = _float_pool(weight, jt, t, src.is_weighted)
+                    float_pooled[i][f] = pooled_lookup(weight, jt, t, src.is_weighted)
                     quant_pooled[i][f] = _quantized_pool(
                         weight, jt, t, src.is_weighted, types[t.name], qconfig.error_minimizing, blocks
                     )
-            del pending[t.name]
-        sparse = modules_by_table.build()
-        report = QuantizationReport([reports[t.name] for t in src.tables], qconfig.alignment, qconfig.error_minimizing)
+            del weight
+        report = QuantizationReport(reports, qconfig.alignment, qconfig.error_minimizing)
 
         bar.next("trace + script")
         if src.kind == "dlrm":
@@ -464,53 +437,16 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     return manifest
 
 
-def _choose_types(src: _Source, qconfig: QuantConfig):
-    types: Dict[str, DataType] = {}
-    chosen_by: Dict[str, str] = {}
-    trials: Dict[str, Dict[str, float]] = {}
-    needs_auto = [t.name for t in src.tables if qconfig.per_table.get(t.name, qconfig.data_type) == AUTO]
-    if needs_auto:  # a first streaming pass measures the candidate types
-        for salt, (t, w) in enumerate(src.stream()):
-            if t.name in needs_auto:
-                types[t.name], trials[t.name] = _choose_auto(t, w, qconfig, salt)
-                chosen_by[t.name] = "auto"
-    for t in src.tables:
-        if t.name not in types:
-            types[t.name] = qconfig.per_table.get(t.name, qconfig.data_type)
-            chosen_by[t.name] = "per_table" if t.name in qconfig.per_table else "default"
-    return types, chosen_by, trials
-
-
 def _device_capacity(config: ExportConfig) -> Optional[int]:
     if config.device == "cuda":
         return min(torch.cuda.get_device_properties(i).total_memory for i in range(config.shards)) * 9 // 10
     return None  # host memory: the OS decides
 
 
-class _ShardBuilder:
-    """Creates the per-device quantized modules up front and fills them table by table."""
-
-    def __init__(self, tables, types, plan, devices, is_weighted, fill, id_policy, alignment) -> None:
-        self._fill = fill
-        self._plan = plan
-        self._filled: Dict[str, Tuple[InferenceShard, torch.Tensor, Optional[torch.Tensor]]] = {}
-        views: Dict[str, List] = {}
-
-        def record(shard, data, scale_bias):
-            views.setdefault(shard.table, []).append((shard, data, scale_bias))
-
-        self._module = shard_quantized(tables, types, plan, devices, is_weighted, record, id_policy, alignment)
-        self._views = views
-
-    def fill_table(self, table: str) -> None:
-        for shard, data, scale_bias in self._views[table]:
-            self._fill(shard, data, scale_bias)
-
-    def build(self):
-        return self._module
-
-
-def _float_pool(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
+def pooled_lookup(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
+    """The float reference of one feature's pooled lookup: ``weight`` [rows, dim] of table ``t``,
+    ``jt`` the feature's JaggedTensor (B bags) -> [B, dim] float32, pooled as ``t`` says
+    (``weighted``: scaled by the JaggedTensor's per-id weights first)."""
     ids = jt.values().to(torch.int64)
     mode = "mean" if t.pooling.value == "MEAN" and not weighted else "sum"
     out = nn.functional.embedding_bag(
@@ -531,7 +467,7 @@ def _quantized_pool(weight, jt, t: EmbeddingBagConfig, weighted: bool, dt: DataT
         [dequantize_rows(quantize_rows(rows[:, c : c + w], dt, error_minimizing), dt, w) for c, w in blocks], dim=1
     )
     fake = type(jt)(values=inverse, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
-    return _float_pool(deq, fake, t, weighted)
+    return pooled_lookup(deq, fake, t, weighted)
 
 
 def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], names, dims) -> Dict[str, torch.Tensor]:
@@ -556,7 +492,7 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
     Raises ExportError when the exported model disagrees with the unsharded quantized
     one beyond float rounding (a sharding bug), or exceeds the error budget vs float.
     """
-    from recship.trainer.train import auc
+    from recship.trainer.metrics import auc
 
     names = [f for t in src.tables for f in t.feature_names]
     dims = [t.embedding_dim for t in src.tables for _ in t.feature_names]

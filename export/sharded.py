@@ -20,17 +20,18 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from recship.quantize.modules import QuantEmbeddingBagCollection, _check_ids
+from recship.quantize.modules import QuantEmbeddingBagCollection, check_ids
+from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.planner.planner import column_blocks, row_blocks
+from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
 from recship.trainer.planner.types import ParameterSharding, ShardingPlan, ShardingType
 from recship.trainer.types import DataType, PoolingType
 
 if TYPE_CHECKING:
     from recship.trainer.distributed.types import ShardingEnv
 
-torch.fx.wrap(_check_ids)  # a single fx node here too (fx.wrap patches per importing module)
+torch.fx.wrap(check_ids)  # a single fx node here too (fx.wrap patches per importing module)
 
 
 @dataclass
@@ -80,10 +81,9 @@ def plan_inference_shards(
                 for i, (d, off, n) in enumerate(row_blocks(t.num_embeddings, list(range(num_devices))))
             ]
         elif st == ShardingType.COLUMN_WISE:
-            n = max(1, min(num_devices, t.embedding_dim // 4))
             shards = [
                 InferenceShard(t.name, i, i, 0, t.num_embeddings, off, w)
-                for i, (off, w) in enumerate(column_blocks(t.embedding_dim, n))
+                for i, (off, w) in enumerate(column_blocks(t.embedding_dim, column_block_count(t.embedding_dim, num_devices)))
             ]
         else:
             raise ValueError(f"table {t.name!r}: inference sharding must be table_wise, row_wise or column_wise, got {st.value}")
@@ -101,7 +101,8 @@ def plan_inference_shards(
 class ShardedQuantEmbeddingBagCollection(nn.Module):
     """Quantized tables spread over devices; KJT in (on the first device), KeyedTensor out there.
 
-    Built by ``shard_quantized`` from float weights; see the module docstring.
+    Built by ``shard_quantized`` (rows quantized from float weights at export, or copied
+    from a quantized module by ``shard_quant_model``); see the module docstring.
     """
 
     _features: List[str]
@@ -173,12 +174,12 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         per_feature: Dict[str, JaggedTensor] = {}
         for i, f in enumerate(self._features):
             jt = given[f]
-            ids = _check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
+            ids = check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
             weights = jt.weights() if self._is_weighted else None
             per_feature[f] = JaggedTensor(values=ids, weights=weights, lengths=jt.lengths(), offsets=jt.offsets())
         first = torch.device(self._device_names[0])
-        # per feature: column offset -> accumulated block
-        blocks: Dict[str, Dict[int, torch.Tensor]] = {}
+        # per feature: (column offset, output) of each of its units, in device order
+        blocks: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
         k = 0
         for module in self.shards:
             device = torch.device(self._device_names[k])
@@ -207,21 +208,14 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
             col = 0
             for u in range(len(self._unit_name[k])):
                 f = self._unit_feature[k][u]
-                c0 = self._unit_col_offset[k][u]
-                part = out[:, col : col + self._unit_cols[k][u]]
-                col += self._unit_cols[k][u]
                 if f not in blocks:
-                    blocks[f] = torch.jit.annotate(Dict[int, torch.Tensor], {})
-                if c0 in blocks[f]:
-                    blocks[f][c0] = blocks[f][c0] + part
-                else:
-                    blocks[f][c0] = part
+                    blocks[f] = torch.jit.annotate(List[Tuple[int, torch.Tensor]], [])
+                blocks[f].append((self._unit_col_offset[k][u], out[:, col : col + self._unit_cols[k][u]]))
+                col += self._unit_cols[k][u]
             k += 1
         pooled: List[torch.Tensor] = []
         for i, f in enumerate(self._features):
-            parts = blocks[f]
-            offsets = sorted(parts.keys())
-            value = torch.cat([parts[c] for c in offsets], dim=1) if len(offsets) > 1 else parts[offsets[0]]
+            value = merge_blocks(blocks[f])
             if self._mean[i]:
                 value = value / per_feature[f].lengths().to(first).clamp(min=1).unsqueeze(1).to(value.dtype)
             pooled.append(value)
@@ -237,11 +231,7 @@ def _unit_input(
     weights = jt.weights() if weighted else None
     if not bucketed:
         return ids, lengths, weights
-    inside = (ids >= row_offset) & (ids < row_offset + rows)
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-    counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
-    kept = ids[inside] - row_offset
-    return kept, counts, None if weights is None else weights[inside]
+    return bucketize_rows(ids, lengths, weights, row_offset, rows)
 
 
 def shard_quantized(
@@ -250,16 +240,17 @@ def shard_quantized(
     shards: Dict[str, List[InferenceShard]],
     devices: List[torch.device],
     is_weighted: bool,
-    fill,
     id_policy: Optional[Dict[str, str]] = None,
     row_alignment: Optional[int] = None,
-) -> ShardedQuantEmbeddingBagCollection:
-    """Builds the per-device quantized modules; ``fill(shard, data_view, scale_bias_view)`` writes each block.
+) -> Tuple[ShardedQuantEmbeddingBagCollection, Dict[str, List[BlockView]]]:
+    """The sharded module, its rows still empty, and per table the views of its shards to fill.
 
-    Ids are validated (or hashed, per ``id_policy``) against whole tables before any
-    block sees them.
+    Every table's BlockViews tile its [rows, dim] weight, one per shard, in device order
+    (``recship.quantize.quantize_into`` fills them from float weights). Ids are validated
+    (or hashed, per ``id_policy``) against whole tables before any block sees them.
     """
     modules: List[Optional[QuantEmbeddingBagCollection]] = []
+    views: Dict[str, List[BlockView]] = {t.name: [] for t in tables}
     by_table = {t.name: t for t in tables}
     for d, device in enumerate(devices):
         configs, types, placed = [], {}, []
@@ -282,12 +273,12 @@ def shard_quantized(
             modules.append(None)
             continue
         module = QuantEmbeddingBagCollection(configs, types, is_weighted=is_weighted, device=device, row_alignment=row_alignment)
-        views = module.table_weights()
+        stored = module.table_weights()
         for s in placed:
-            data, scale_bias = views[s.name]
-            fill(s, data, scale_bias)
+            rows, cols = slice(s.row_offset, s.row_offset + s.rows), slice(s.col_offset, s.col_offset + s.cols)
+            views[s.table].append(BlockView(rows, cols, *stored[s.name]))
         modules.append(module)
-    return ShardedQuantEmbeddingBagCollection(tables, shards, modules, devices, is_weighted, id_policy)
+    return ShardedQuantEmbeddingBagCollection(tables, shards, modules, devices, is_weighted, id_policy), views
 
 
 def shard_quant_model(
@@ -368,27 +359,24 @@ def _shard_one(
                 "(one scale per row); shard it table_wise or row_wise, or column_wise at export from the float weights"
             )
     source = qebc.table_weights()
-    dims = {t.name: t.embedding_dim for t in tables}
     stored = {name: int(data.numel()) + (0 if sb is None else int(sb.numel())) for name, (data, sb) in source.items()}
     if plan is None:
         plan = plan_inference_shards(tables, len(devices), kinds, bytes_per_table=stored)
-
-    def fill(s: InferenceShard, data: torch.Tensor, scale_bias: Optional[torch.Tensor]) -> None:
-        src_data, src_scale_bias = source[s.table]
-        rows = slice(s.row_offset, s.row_offset + s.rows)
-        cols = slice(None)
-        if (s.col_offset, s.cols) != (0, dims[s.table]):  # a column block of an FP16/FP32 table: its bytes
-            width = torch.empty((), dtype=types[s.table].to_torch_dtype()).element_size()
-            cols = slice(s.col_offset * width, (s.col_offset + s.cols) * width)
-        data.copy_(src_data[rows, cols])
-        if scale_bias is not None:
-            scale_bias.copy_(src_scale_bias[rows])
-
-    sharded = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), fill, qebc.id_policy)
+    sharded, views = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), qebc.id_policy)
+    for t in tables:
+        src_data, src_scale_bias = source[t.name]
+        for v in views[t.name]:
+            cols = slice(None)
+            if (v.cols.start, v.cols.stop) != (0, t.embedding_dim):  # a column block of an FP16/FP32 table: its bytes
+                width = torch.empty((), dtype=types[t.name].to_torch_dtype()).element_size()
+                cols = slice(v.cols.start * width, v.cols.stop * width)
+            v.data.copy_(src_data[v.rows, cols])
+            if v.scale_bias is not None:
+                v.scale_bias.copy_(src_scale_bias[v.rows])
     return sharded, plan
 
 
-def _shard_modules(
+def shard_modules(
     module: nn.Module,
     env: Optional["ShardingEnv"] = None,
     device: Union[None, str, torch.device] = None,

@@ -2,25 +2,33 @@
 
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.quantizer import (
+    BlockView,
     QuantConfig,
     QuantizationReport,
     TableReport,
+    TypeChoice,
+    choose_types,
     quantize_embedding_bag_collection,
     quantize_embedding_collection,
     quantize_embeddings,
+    quantize_into,
 )
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 
 __all__ = [
+    "BlockView",
     "QuantConfig",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",
     "QuantizationReport",
     "TableReport",
+    "TypeChoice",
+    "choose_types",
     "dequantize_rows",
     "quantize_embedding_bag_collection",
     "quantize_embedding_collection",
     "quantize_embeddings",
+    "quantize_into",
     "quantize_rows",
     "row_bytes",
 ]

@@ -33,7 +33,7 @@ ID_POLICIES = ("reject", "modulo")
 
 
 @torch.fx.wrap
-def _check_ids(
+def check_ids(
     ids: torch.Tensor,
     counts: List[int],
     rows: List[int],
@@ -41,7 +41,9 @@ def _check_ids(
     features: List[str],
     tables: List[str],
 ) -> torch.Tensor:
-    """ids of consecutive features (counts[i] ids each) checked against rows[i]; modulo features hashed.
+    """ids [N] (any integer dtype) of consecutive features, counts[i] ids each, checked against
+    rows[i] -> [N] int64; ids of modulo features are hashed into their table, any other id
+    outside its table raises ValueError naming feature, table, id and size.
 
     One min and one max per feature (no per-id temporaries); ids are copied only when a
     modulo feature has ids to hash.
@@ -117,7 +119,7 @@ def _prepare(
         lengths = torch.cat(length_parts).to(torch.int64)
         offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
         per_sample_weights = torch.cat(weight_parts).float() if weighted else None
-    ids = _check_ids(ids, counts, rows, modulo, names, tables)
+    ids = check_ids(ids, counts, rows, modulo, names, tables)
     return ids, offsets, per_sample_weights, counts
 
 

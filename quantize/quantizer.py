@@ -9,6 +9,14 @@
 sample of the table's rows and on sample pooled lookups) stays within
 ``error_budget``. Rows are processed ``chunk_rows`` at a time, so tables of any
 size quantize with bounded extra memory.
+
+The same steps stream tables held elsewhere (export reads them from a checkpoint
+and quantizes them straight into inference shards):
+
+    choices = choose_types(tables, load, config)          # reads only "auto" tables
+    ...build storage for {name: c.data_type}, get BlockViews of it...
+    for i, t in enumerate(tables):
+        report = quantize_into(i, t, load(t.name), choices[t.name], blocks[t.name], config)
 """
 
 import copy
@@ -20,7 +28,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection, _QuantTables
+from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -217,9 +225,9 @@ class QuantizationReport:
 # ---------------------------------------------------------------------------
 
 
-def _sample_ids(rows: int, config: QuantConfig, salt: int) -> torch.Tensor:
+def _sample_ids(rows: int, config: QuantConfig, index: int) -> torch.Tensor:
     """[batches * batch_size, pooling] sample ids of one table (fixed seed)."""
-    g = torch.Generator().manual_seed(config.seed * 1_000_003 + salt)
+    g = torch.Generator().manual_seed(config.seed * 1_000_003 + index)
     n = config.sample_batches * config.sample_batch_size
     return torch.randint(0, rows, (n, config.sample_pooling), generator=g)
 
@@ -241,9 +249,9 @@ def _row_error(weight: torch.Tensor, data_type: DataType, error_minimizing: bool
     return float((deq - rows).norm() / rows.norm().clamp(min=1e-30))
 
 
-def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConfig, salt: int) -> Tuple[DataType, Dict[str, float]]:
-    ids = _sample_ids(t.num_embeddings, config, salt)
-    g = torch.Generator().manual_seed(config.seed + salt)
+def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConfig, index: int) -> Tuple[DataType, Dict[str, float]]:
+    ids = _sample_ids(t.num_embeddings, config, index)
+    g = torch.Generator().manual_seed(config.seed + index)
     sample = torch.randperm(t.num_embeddings, generator=g)[:4096]
     trials: Dict[str, float] = {}
     for dt in AUTO_CANDIDATES:
@@ -255,12 +263,118 @@ def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConf
     return DataType.FP32, trials
 
 
-def _aligned(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
+# -- the streaming API: choose every table's type, then quantize tables one at a time --
 
 TableLoader = Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim]
 TableHook = Callable[[BaseEmbeddingConfig, torch.Tensor], None]
+QuantModule = Union[QuantEmbeddingBagCollection, QuantEmbeddingCollection]
+
+
+@dataclass
+class TypeChoice:
+    """The stored type of one table, and why."""
+
+    data_type: DataType
+    chosen_by: str  # "default", "per_table" or "auto"
+    auto_trials: Dict[str, float] = field(default_factory=dict)  # for auto: type name -> measured error
+
+
+@dataclass
+class BlockView:
+    """One block of a float table and the storage it is quantized into.
+
+    ``weight[rows, cols]`` of the float table [num_embeddings, dim] goes into ``data``
+    [block rows, row bytes] uint8 and ``scale_bias`` [block rows, 4] uint8 (None for
+    FP types): writable views of a TBE's rows (``table_weights()``). An unsharded table is
+    one block of ``slice(None)`` rows and columns; inference shards are one block each.
+    """
+
+    rows: slice
+    cols: slice
+    data: torch.Tensor
+    scale_bias: Optional[torch.Tensor]
+
+
+def choose_types(tables: List[BaseEmbeddingConfig], weight: TableLoader, config: QuantConfig) -> Dict[str, TypeChoice]:
+    """Every table's stored type: ``config.per_table``, else ``config.data_type``.
+
+    For "auto", the smallest of AUTO_CANDIDATES whose relative error on sample rows and
+    sample pooled lookups of the float table stays within ``config.error_budget`` (else
+    FP32). ``weight(name)`` returns a table's float weight [rows, dim]; it is called only
+    for auto tables, in ``tables`` order, so a streaming reader loads one table at a time.
+    The sample of table ``tables[i]`` is seeded by ``config.seed`` and ``i``.
+
+    Raises ValueError when ``config.per_table`` names a table not in ``tables``.
+    """
+    unknown = sorted(set(config.per_table) - {t.name for t in tables})
+    if unknown:
+        raise ValueError(f"per_table names tables the module does not have: {unknown}")
+    choices: Dict[str, TypeChoice] = {}
+    for index, t in enumerate(tables):
+        choice = config.per_table.get(t.name, config.data_type)
+        if choice == AUTO:
+            data_type, trials = _choose_auto(t, weight(t.name), config, index)
+            choices[t.name] = TypeChoice(data_type, "auto", trials)
+        else:
+            choices[t.name] = TypeChoice(choice, "per_table" if t.name in config.per_table else "default")
+    return choices
+
+
+def quantize_into(
+    index: int, table: BaseEmbeddingConfig, weight: torch.Tensor, choice: TypeChoice, blocks: List[BlockView], config: QuantConfig
+) -> TableReport:
+    """Quantizes one float table into its storage blocks and reports what that cost.
+
+    Args:
+        index: the table's position in ``choose_types``' list (seeds its sample lookups).
+        table: its config; ``weight`` its float values [num_embeddings, dim] (any device).
+        choice: its type (``choose_types``).
+        blocks: the views that together hold the table (see BlockView).
+        config: its ``chunk_rows`` rows are quantized at a time (bounded extra memory);
+            ``error_minimizing`` picks the clipping, ``alignment`` the reported bytes.
+
+    Returns the table's TableReport: bytes, max and mean |error| over all blocks, and the
+    relative error of sample pooled lookups.
+    """
+    dt = choice.data_type
+    values = table.num_embeddings * table.embedding_dim
+    max_err, mean_err = 0.0, 0.0
+    with torch.no_grad():
+        for b in blocks:
+            block_max, block_sum = _fill(weight[b.rows, b.cols], dt, b.data, b.scale_bias, config)
+            max_err = max(max_err, block_max)
+            mean_err += block_sum / values
+    ids = _sample_ids(table.num_embeddings, config, index)
+    return TableReport(
+        table=table.name,
+        data_type=dt.name,
+        chosen_by=choice.chosen_by,
+        rows=table.num_embeddings,
+        dim=table.embedding_dim,
+        float_bytes=values * 4,
+        quantized_bytes=table.num_embeddings * row_bytes(dt, table.embedding_dim, config.alignment),
+        max_abs_error=max_err,
+        mean_abs_error=mean_err,
+        pooled_relative_error=_pooled_error(weight, ids, dt, config.error_minimizing),
+        auto_trials=choice.auto_trials,
+    )
+
+
+def _fill(
+    weight: torch.Tensor, dt: DataType, data: torch.Tensor, scale_bias: Optional[torch.Tensor], config: QuantConfig
+) -> Tuple[float, float]:
+    """Quantizes ``weight`` [rows, cols] chunk by chunk into TBE row views; returns (max, sum) of |error|."""
+    max_err, sum_err = 0.0, 0.0
+    for start, end in row_chunks(weight.shape[0], config.chunk_rows):
+        rows = weight[start:end].detach().float().cpu()
+        q = quantize_rows(rows, dt, config.error_minimizing)
+        data[start:end].copy_(q.data)
+        if scale_bias is not None:
+            scale_bias[start:end].copy_(q.scale_bias)
+        err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
+        max_err = max(max_err, float(err.max()))
+        sum_err += float(err.double().sum())
+    return max_err, sum_err
 
 
 def quantize_embedding_bag_collection(
@@ -322,71 +436,21 @@ def quantize_embedding_collection(
 def _quantize(
     tables: List[BaseEmbeddingConfig],
     weights,  # table name -> float weight: a dict, or _OneAtATime
-    build: Callable[[Dict[str, DataType]], _QuantTables],
+    build: Callable[[Dict[str, DataType]], QuantModule],
     config: QuantConfig,
     on_table: Optional[TableHook] = None,
 ):
-    unknown = sorted(set(config.per_table) - {t.name for t in tables})
-    if unknown:
-        raise ValueError(f"per_table names tables the module does not have: {unknown}")
-    chosen: Dict[str, DataType] = {}
-    chosen_by: Dict[str, str] = {}
-    trials: Dict[str, Dict[str, float]] = {}
-    for salt, t in enumerate(tables):
-        choice = config.per_table.get(t.name, config.data_type)
-        chosen_by[t.name] = "per_table" if t.name in config.per_table else "default"
-        if choice == AUTO:
-            choice, trials[t.name] = _choose_auto(t, weights[t.name], config, salt)
-            chosen_by[t.name] = "auto"
-        chosen[t.name] = choice
-    module = build(chosen)
+    choices = choose_types(tables, weights.__getitem__, config)
+    module = build({name: c.data_type for name, c in choices.items()})
     views = module.table_weights()
     reports = []
-    for salt, t in enumerate(tables):
-        dt = chosen[t.name]
+    for index, t in enumerate(tables):
         data, scale_bias = views[t.name]
-        max_err, sum_err = fill_quantized(weights[t.name], dt, config, data, scale_bias)
+        whole = BlockView(slice(None), slice(None), data, scale_bias)
+        reports.append(quantize_into(index, t, weights[t.name], choices[t.name], [whole], config))
         if on_table is not None:
             on_table(t, weights[t.name])
-        ids = _sample_ids(t.num_embeddings, config, salt)
-        reports.append(
-            TableReport(
-                table=t.name,
-                data_type=dt.name,
-                chosen_by=chosen_by[t.name],
-                rows=t.num_embeddings,
-                dim=t.embedding_dim,
-                float_bytes=t.num_embeddings * t.embedding_dim * 4,
-                quantized_bytes=t.num_embeddings * _aligned(row_bytes(dt, t.embedding_dim), config.alignment),
-                max_abs_error=max_err,
-                mean_abs_error=sum_err / (t.num_embeddings * t.embedding_dim),
-                pooled_relative_error=_pooled_error(weights[t.name], ids, dt, config.error_minimizing),
-                auto_trials=trials.get(t.name, {}),
-            )
-        )
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
-
-
-def fill_quantized(
-    weight: torch.Tensor,
-    dt: DataType,
-    config: QuantConfig,
-    data: torch.Tensor,
-    scale_bias: Optional[torch.Tensor],
-) -> Tuple[float, float]:
-    """Quantizes ``weight`` [rows, cols] chunk by chunk into TBE row views; returns (max, sum) of |error|."""
-    max_err, sum_err = 0.0, 0.0
-    with torch.no_grad():
-        for start, end in row_chunks(weight.shape[0], config.chunk_rows):
-            rows = weight[start:end].detach().float().cpu()
-            q = quantize_rows(rows, dt, config.error_minimizing)
-            data[start:end].copy_(q.data)
-            if scale_bias is not None:
-                scale_bias[start:end].copy_(q.scale_bias)
-            err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
-            max_err = max(max_err, float(err.max()))
-            sum_err += float(err.double().sum())
-    return max_err, sum_err
 
 
 def quantize_embeddings(
@@ -458,7 +522,7 @@ def quantize_embeddings(
 TORCHREC_ROW_ALIGNMENT = 16
 
 
-def quantize_from_float(cls: type, module: nn.Module) -> _QuantTables:
+def quantize_from_float(cls: type, module: nn.Module) -> QuantModule:
     """``cls.from_float(module)``: ``module``'s tables quantized as its ``qconfig`` says.
 
     With torch's quantize_dynamic one qconfig serves every collection of the model, so

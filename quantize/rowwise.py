@@ -30,23 +30,19 @@ FP8_EXPONENT_BITS = 4
 FP8_EXPONENT_BIAS = 7
 
 
-def bits_of(data_type: DataType) -> int:
-    if data_type not in (DataType.INT8, DataType.INT4, DataType.INT2):
-        raise ValueError(f"{data_type.name} is not a row-wise integer type")
-    return data_type.bits
-
-
-def row_bytes(data_type: DataType, dim: int) -> int:
-    """Bytes of one stored row, before any row alignment padding."""
+def row_bytes(data_type: DataType, dim: int, alignment: int = 1) -> int:
+    """Bytes of one stored row of ``dim`` values, padded to a multiple of ``alignment`` bytes."""
     if data_type in (DataType.INT8, DataType.INT4, DataType.INT2):
-        return (dim * data_type.bits + 7) // 8 + 4
-    if data_type == DataType.FP8:
-        return dim
-    if data_type == DataType.FP16:
-        return 2 * dim
-    if data_type == DataType.FP32:
-        return 4 * dim
-    raise ValueError(f"{data_type.name} is not an inference weight type")
+        n = (dim * data_type.bits + 7) // 8 + 4
+    elif data_type == DataType.FP8:
+        n = dim
+    elif data_type == DataType.FP16:
+        n = 2 * dim
+    elif data_type == DataType.FP32:
+        n = 4 * dim
+    else:
+        raise ValueError(f"{data_type.name} is not an inference weight type")
+    return (n + alignment - 1) // alignment * alignment
 
 
 @dataclass

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from recship.export.artifact import Manifest
+from recship.sparse.ids import first_out_of_range, out_of_range_message
 
 
 class InvalidRequest(ValueError):
@@ -259,11 +260,9 @@ def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None
         if int(lens.sum(dtype=np.int64)) != ids.shape[0]:
             raise InvalidRequest(f"sparse feature {name!r}: sum(lengths) = {int(lens.sum(dtype=np.int64))} but {ids.shape[0]} ids")
         rows = spec.rows[name]
-        if ids.size and not spec.modulo[name]:
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= rows:
-                bad = lo if lo < 0 else hi
-                raise IdOutOfRange(f"sparse feature {name!r}: id {bad} is out of range [0, {rows})")
+        bad = None if spec.modulo[name] else first_out_of_range(torch.from_numpy(ids), rows)
+        if bad is not None:
+            raise IdOutOfRange(out_of_range_message(name, bad, rows))
         if spec.weighted[name]:
             if w.shape[0] != ids.shape[0]:
                 raise InvalidRequest(f"sparse feature {name!r}: {w.shape[0]} weights for {ids.shape[0]} ids")

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.sparse.ids import first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
@@ -57,15 +58,9 @@ def _check_ids(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) ->
         return
     for name, jt in features.to_dict().items():
         rows = rows_per_feature.get(name)
-        ids = jt.values()
-        if rows is None or ids.numel() == 0:
-            continue
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= rows:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"feature {name!r}: id {bad} is outside its table's rows [0, {rows})"
-            )
+        bad = None if rows is None else first_out_of_range(jt.values(), rows)
+        if bad is not None:
+            raise ValueError(out_of_range_message(name, bad, rows))
 
 
 class EmbeddingBagCollection(nn.Module):

@@ -275,7 +275,8 @@ std::vector<torch::jit::IValue> Model::Impl::inputs(const Request& r) const {
         *vp++ = ((id % limit) + limit) % limit;
       } else {
         if (id < 0 || id >= limit)
-          throw InvalidRequest(where + "id " + std::to_string(id) + " is out of range [0, " + std::to_string(limit) + ")");
+          // the wording of recship.sparse.ids.out_of_range_message, as every Python check says it
+          throw InvalidRequest("feature '" + name + "': id " + std::to_string(id) + " is out of range [0, " + std::to_string(limit) + ")");
         *vp++ = id;
       }
     }

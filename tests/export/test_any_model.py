@@ -266,7 +266,7 @@ def test_train_a_model_on_a_data_function(tmp_path, capsys):
 def test_streamed_export_equals_the_in_memory_one(exported, tmp_path):
     """From a checkpoint the float tables stream one at a time and the float outputs are replayed from recorded
     lookups; the same model loaded whole and exported from memory must give the same figures and artifact."""
-    from recship.trainer.checkpoint import CheckpointReader
+    from recship.trainer.checkpoint_reader import CheckpointReader
 
     root, _ = exported
     entry, args, _ = EXAMPLES["two_tower"]

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import quantization as quant
 
 from recship import QuantConfig
-from recship.export.sharded import ShardedQuantEmbeddingBagCollection, _shard_modules
+from recship.distributed import _shard_modules
+from recship.export.sharded import ShardedQuantEmbeddingBagCollection
 from recship.fx import Tracer
 from recship.quantize import QuantEmbeddingBagCollection, dequantize_rows
 from recship.quantize.embedding_modules import EmbeddingBagCollection as QuantEBC
@@ -22,6 +23,8 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.planner.types import EmbeddingComputeKernel, ParameterSharding, ShardingPlan, ShardingType
+
+from reference import random_kjt
 
 
 class InferenceModule(torch.nn.Module):
@@ -53,15 +56,9 @@ def _quantized(dtype=torch.int8, seed=0):
 
 
 def _kjt(batch=7, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    keys, lengths, values = [], [], []
-    for t in TABLES:
-        for f in t.feature_names:
-            n = torch.randint(0, 5, (batch,), generator=g)
-            keys.append(f)
-            lengths.append(n)
-            values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=g))
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    """0-4 ids per example and feature, uniform over each feature's table."""
+    per_table = [random_kjt(t.feature_names, batch, seed * 101 + i, max_id=t.num_embeddings)[0] for i, t in enumerate(TABLES)]
+    return KeyedJaggedTensor.concat(per_table)
 
 
 def _reference(qebc, kjt):

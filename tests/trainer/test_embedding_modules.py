@@ -115,7 +115,7 @@ def test_out_of_range_or_negative_id_is_an_error_not_row_zero():
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10)])
     for bad in (10, -1):
         kjt = KeyedJaggedTensor(keys=["t"], values=torch.tensor([1, bad]), lengths=torch.tensor([1, 1]))
-        with pytest.raises(ValueError, match=f"id {bad} is outside its table's rows \\[0, 10\\)"):
+        with pytest.raises(ValueError, match=f"^feature 't': id {bad} is out of range \\[0, 10\\)$"):
             ebc(kjt)
         with pytest.raises(RuntimeError, match="valid range|index_size"):
             torch.jit.script(ebc)(kjt)

@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.distributed.types import LazyAwaitable
+from recship.trainer.distributed.types import NoWait
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
+from recship.trainer.planner.planner import bucketize_rows, merge_blocks
 from recship.trainer.planner.types import ParameterSharding, ShardingType
 from recship.trainer.types import PoolingType
 
@@ -223,13 +224,11 @@ class SparseFeaturesAllToAll(nn.Module):
 
 def _unit_input(u: LookupUnit, jt: JaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(lengths [B], ids, weights) of feature jt that unit u looks up."""
-    ids, lengths, weights = jt.values(), jt.lengths().to(torch.int64), jt.weights_or_none()
+    ids, lengths, weights = jt.values().to(torch.int64), jt.lengths().to(torch.int64), jt.weights_or_none()
     if not u.row_bucketed:
-        return lengths, ids.to(torch.int64), weights
-    inside = (ids >= u.row_offset) & (ids < u.row_offset + u.rows)
-    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
-    counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
-    return counts, ids[inside].to(torch.int64) - u.row_offset, None if weights is None else weights[inside]
+        return lengths, ids, weights
+    ids, lengths, weights = bucketize_rows(ids, lengths, weights, u.row_offset, u.rows)
+    return lengths, ids, weights
 
 
 class GroupedPooledEmbeddingsLookup(nn.Module):
@@ -278,20 +277,12 @@ class PooledEmbeddingsAllToAll(nn.Module):
         return [part.view(batch, w).to(self._device) for part, w in zip(torch.split(flat, recv), self._widths)]
 
 
-class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
+class EmbeddingBagCollectionAwaitable(NoWait[KeyedTensor]):
     """The output of a sharded EmbeddingBagCollection: its KeyedTensor, already computed.
 
     recship runs all three stages in forward, so ``wait()`` returns at once; the result
     can also be used directly (``out.values()``), as TorchRec's LazyAwaitable allows.
     """
-
-    def __init__(self, result: KeyedTensor) -> None:
-        super().__init__()
-        self._result = result
-        self._done = True
-
-    def _wait_impl(self) -> KeyedTensor:
-        return self._result
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -443,10 +434,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                         include_last_offset=True,  # weights for another (weighted) collection's features
                     )
                 else:
-                    by_col: Dict[int, torch.Tensor] = {}
-                    for c, b in blocks[f]:
-                        by_col[c] = by_col[c] + b if c in by_col else b
-                    out = torch.cat([by_col[c] for c in sorted(by_col)], dim=1)
+                    out = merge_blocks(blocks[f])
                 if t.pooling == PoolingType.MEAN:
                     out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
                 pooled.append(out)
@@ -455,6 +443,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(pooled, dim=1), key_dim=1)
 
     # -- state -------------------------------------------------------------
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        """The tables, in the unsharded module's order."""
+        return list(self._configs)
+
+    @property
+    def module_sharding_plan(self) -> Dict[str, ParameterSharding]:
+        """Table name -> its ParameterSharding (TorchRec's name for it)."""
+        return dict(self._plan)
 
     def local_shards(self) -> Dict[Tuple[str, int], torch.Tensor]:
         """{(table, shard index): weight view} for the shards on this rank."""

@@ -1,7 +1,8 @@
 """EmbeddingShardingPlanner: choose how every table of every EmbeddingBagCollection is sharded.
 
-Shard geometry (the sharded modules rely on exactly these rules; see the pure
-functions ``row_blocks``, ``host_ranks``, ``column_block_count`` and ``column_blocks``):
+Shard geometry (the sharded modules, for training and for inference, rely on exactly
+these rules; see the pure functions ``row_blocks``, ``host_ranks``, ``column_block_count``
+and ``column_blocks``, and ``bucketize_rows`` and ``merge_blocks`` for lookups over shards):
 
 - ROW_WISE: block = ceil(rows / world_size); rank r holds rows [r * block, (r + 1) * block)
   clipped to the table; ranks whose block is empty hold no shard.
@@ -22,23 +23,17 @@ fixed order (sharding type order below, then lower ranks).
 """
 
 import math
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
-from recship.trainer.planner.types import (
-    EmbeddingComputeKernel,
-    ParameterConstraints,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-    ShardMetadata,
-    Topology,
-)
+from recship.trainer.planner.types import (EmbeddingComputeKernel, ParameterConstraints, ParameterSharding, ShardingPlan,
+                                          ShardingType, ShardMetadata, Topology)
 
 FLOAT_BYTES = 4  # the planner counts every weight and optimizer state as fp32
 
@@ -103,6 +98,46 @@ def column_blocks(dim: int, n: int) -> List[Tuple[int, int]]:
     return list(zip(offsets, widths))
 
 
+# -- lookups over shards (TorchScript-able: the inference sharded module scripts them) --
+
+
+def bucketize_rows(
+    ids: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor], row_offset: int, rows: int
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """One feature's lookups that fall in row block [row_offset, row_offset + rows), rebased to it.
+
+    Args:
+        ids: [N] int64 ids of the whole table, examples one after another.
+        lengths: [B] int64 ids per example.
+        weights: [N] float per-id weights, or None.
+
+    Returns (ids [M] rebased to the block, lengths [B] int64 of the block's ids per
+    example, weights [M] or None), in the input's order.
+    """
+    inside = (ids >= row_offset) & (ids < row_offset + rows)
+    example = torch.repeat_interleave(torch.arange(lengths.numel(), device=ids.device), lengths)
+    counts = torch.zeros_like(lengths).index_add_(0, example, inside.to(torch.int64))
+    return ids[inside] - row_offset, counts, None if weights is None else weights[inside]
+
+
+def merge_blocks(blocks: List[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """One feature's pooled output [B, dim] from its shards' outputs [(column offset, [B, width])].
+
+    Outputs at the same column offset (row blocks' partial sums) are added in list order;
+    column blocks are then concatenated by offset. MEAN pooling divides afterwards.
+    """
+    by_col: Dict[int, torch.Tensor] = {}
+    for col, block in blocks:
+        if col in by_col:
+            by_col[col] = by_col[col] + block
+        else:
+            by_col[col] = block
+    offsets = sorted(by_col.keys())
+    if len(offsets) == 1:
+        return by_col[offsets[0]]
+    return torch.cat([by_col[c] for c in offsets], dim=1)
+
+
 # -- memory and cost (pure) --------------------------------------------------
 
 
@@ -145,8 +180,6 @@ def shard_cost(
 
 def _default_topology() -> Topology:
     """TorchRec's default: the process group's world, on CUDA when there is one."""
-    import torch
-
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return Topology(world_size=world, compute_device="cuda" if torch.cuda.is_available() else "cpu")
 
@@ -191,7 +224,7 @@ class EmbeddingShardingPlanner:
     def optimizer(self) -> FusedOptimizerConfig:
         return self._optimizer or FusedOptimizerConfig()
 
-    def plan(self, module: nn.Module, sharders: Optional[List[object]] = None) -> ShardingPlan:
+    def plan(self, module: nn.Module, sharders: Optional[Sequence[object]] = None) -> ShardingPlan:
         """A plan for every EmbeddingBagCollection in ``module`` (path "" for the module itself).
 
         ``sharders`` (TorchRec's argument): the EmbeddingBagCollectionSharders that will
@@ -230,7 +263,7 @@ class EmbeddingShardingPlanner:
         )
 
     def collective_plan(
-        self, module: nn.Module, sharders: Optional[List[object]] = None, pg: Optional[dist.ProcessGroup] = None
+        self, module: nn.Module, sharders: Optional[Sequence[object]] = None, pg: Optional[dist.ProcessGroup] = None
     ) -> ShardingPlan:
         """Plans on the group's first rank and broadcasts, so every rank holds the same plan.
 

@@ -8,7 +8,7 @@ from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingT
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
-from test_sharded_ebc import FORWARD_CASES, LOCAL_BATCH, _global_batch, _tables
+from test_sharded_ebc import FORWARD_CASES, LOCAL_BATCH, global_batch, sample_tables
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,12 +21,12 @@ def _nccl_forward_worker(rank, world_size):
     errors = {}
     for sharding_type, pooling, weighted in FORWARD_CASES:
         torch.manual_seed(0)
-        tables = _tables(pooling)
+        tables = sample_tables(pooling)
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
         plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints).plan(ebc).get_plan_for_module("")
         sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
-        global_kjt, local = _global_batch(tables, world_size, seed=1, weighted=weighted)
+        global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         got = sharded(local[rank].to(device)).values().cpu()
         errors[(sharding_type.value, pooling.value, weighted)] = float((got - want).abs().max().detach())

@@ -8,7 +8,7 @@ from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingT
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
-from test_sharded_ebc import LOCAL_BATCH, _global_batch
+from test_sharded_ebc import LOCAL_BATCH, global_batch
 
 SHARDING = {"t0": ShardingType.ROW_WISE, "t1": ShardingType.COLUMN_WISE, "t2": ShardingType.DATA_PARALLEL, "t3": ShardingType.TABLE_WISE}
 LR = 0.1
@@ -42,7 +42,7 @@ def _single_process(world_size, steps):
     model = Toy()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
-        kjt, _ = _global_batch(_tables(), world_size, seed=step, weighted=False)
+        kjt, _ = global_batch(_tables(), world_size, seed=step, weighted=False)
         nn.functional.mse_loss(model(kjt), _targets(world_size, step)).backward()
         opt.step()
         opt.zero_grad()
@@ -57,7 +57,7 @@ def _dmp_worker(rank, world_size, steps):
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
     dense_opt = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
     for step in range(steps):
-        _, local = _global_batch(_tables(), world_size, seed=step, weighted=False)
+        _, local = global_batch(_tables(), world_size, seed=step, weighted=False)
         target = _targets(world_size, step)[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         nn.functional.mse_loss(dmp(local[rank]), target).backward()
         dense_opt.step()

@@ -19,7 +19,7 @@ CPU_OPTIMIZERS = [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimTy
 OPTIM_CASES = list(itertools.product([t for t in TYPES if t != ShardingType.DATA_PARALLEL], CPU_OPTIMIZERS))
 
 
-def _tables(pooling):
+def sample_tables(pooling):
     # uneven row counts; dims multiples of 4 so every table can go column-wise
     return [
         EmbeddingBagConfig(name="t0", num_embeddings=13, embedding_dim=8, feature_names=["f0", "f1"], pooling=pooling),
@@ -28,7 +28,7 @@ def _tables(pooling):
     ]
 
 
-def _global_batch(tables, world_size, seed, weighted):
+def global_batch(tables, world_size, seed, weighted):
     """A random KJT of world_size * LOCAL_BATCH examples, and each rank's slice of it."""
     g = torch.Generator().manual_seed(seed)
     keys = [f for t in tables for f in t.feature_names]
@@ -70,11 +70,11 @@ def _forward_worker(rank, world_size, local_world_size):
     errors = {}
     for sharding_type, pooling, weighted in FORWARD_CASES:
         torch.manual_seed(0)
-        tables = _tables(pooling)
+        tables = sample_tables(pooling)
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         plan = _plan(ebc, world_size, sharding_type, local_world_size)
         sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(EmbOptimType.EXACT_SGD))
-        global_kjt, local = _global_batch(tables, world_size, seed=1, weighted=weighted)
+        global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         got = sharded(local[rank])
         assert got.keys() == ebc(global_kjt).keys()
@@ -109,7 +109,7 @@ def _optimizer_worker(rank, world_size, local_world_size, only=None):
         if only is not None and sharding_type not in only:
             continue
         torch.manual_seed(0)
-        tables = _tables(PoolingType.MEAN)
+        tables = sample_tables(PoolingType.MEAN)
         ebc = EmbeddingBagCollection(tables, is_weighted=True)
         plan = _plan(ebc, world_size, sharding_type, local_world_size)
         sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(optim, learning_rate=lr, eps=eps))
@@ -125,7 +125,7 @@ def _optimizer_worker(rank, world_size, local_world_size, only=None):
             if step == 2:
                 lr = 0.05  # changing the learning rate between steps
                 sharded.set_learning_rate(lr)
-            global_kjt, local = _global_batch(tables, world_size, seed=10 + step, weighted=True)
+            global_kjt, local = global_batch(tables, world_size, seed=10 + step, weighted=True)
             target = torch.randn(world_size * LOCAL_BATCH, sum(len(t.feature_names) * t.embedding_dim for t in tables), generator=torch.Generator().manual_seed(step))
             (sharded(local[rank]).values() * target[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]).sum().backward()
             # reference: one process, global batch, the mean over ranks of the per-rank losses

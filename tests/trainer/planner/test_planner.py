@@ -382,3 +382,39 @@ def test_collective_plan_on_a_one_rank_group_broadcasts_plan_and_errors(tmp_path
             EmbeddingShardingPlanner(Topology(2), forced(ShardingType.ROW_WISE, ["nope"])).collective_plan(ebc)
     finally:
         dist.destroy_process_group()
+
+
+# -- lookups over shards ------------------------------------------------------
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bucketize_rows_keeps_the_blocks_ids_rebased(weighted):
+    from recship.trainer.planner.planner import bucketize_rows
+
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(0, 6, (9,), generator=g)
+    ids = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
+    weights = torch.rand(ids.numel(), generator=g) if weighted else None
+    for r, offset, rows in row_blocks(30, [0, 1, 2, 3]):
+        got_ids, got_lengths, got_weights = bucketize_rows(ids, lengths, weights, offset, rows)
+        want_ids, want_lengths, want_weights, start = [], [], [], 0
+        for n in lengths.tolist():  # plain Python, example by example
+            bag = [(i, k) for k, i in enumerate(ids.tolist()[start : start + n], start) if offset <= i < offset + rows]
+            want_ids += [i - offset for i, _ in bag]
+            want_weights += [float(weights[k]) for _, k in bag] if weighted else []
+            want_lengths.append(len(bag))
+            start += n
+        assert got_ids.tolist() == want_ids, r
+        assert got_lengths.tolist() == want_lengths
+        assert got_weights is None if not weighted else got_weights.tolist() == pytest.approx(want_weights)
+
+
+def test_merge_blocks_adds_row_partials_and_concatenates_columns_by_offset():
+    from recship.trainer.planner.planner import merge_blocks
+
+    g = torch.Generator().manual_seed(1)
+    a0, a1, b0, b1 = (torch.randn(5, w, generator=g) for w in (8, 8, 4, 4))
+    # column block at offset 8 listed first; two row partials for each column block
+    got = merge_blocks([(8, b0), (0, a0), (8, b1), (0, a1)])
+    torch.testing.assert_close(got, torch.cat([a0 + a1, b0 + b1], dim=1), rtol=0, atol=0)
+    assert merge_blocks([(0, a0)]) is a0
