@@ -48,7 +48,7 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
             features[f] = t.name
 
 
-def _check_ids(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
+def check_features(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
     """Eager input check: every needed feature present, every id inside its table."""
     keys = features.keys()
     missing = [f for f in rows_per_feature if f not in keys]
@@ -122,7 +122,7 @@ class EmbeddingBagCollection(nn.Module):
         if torch.jit.is_scripting():
             pass
         elif not isinstance(features, torch.fx.Proxy):
-            _check_ids(features, self._rows_per_feature)
+            check_features(features, self._rows_per_feature)
         feature_dict = features.to_dict()
         pooled: List[torch.Tensor] = []
         i = 0
@@ -193,7 +193,7 @@ class EmbeddingCollection(nn.Module):
         if torch.jit.is_scripting():
             pass
         elif not isinstance(features, torch.fx.Proxy):
-            _check_ids(features, self._rows_per_feature)
+            check_features(features, self._rows_per_feature)
         feature_dict = features.to_dict()
         out: Dict[str, JaggedTensor] = {}
         i = 0

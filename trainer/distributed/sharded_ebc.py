@@ -26,7 +26,7 @@ one process with batch N * B and a mean loss.
 """
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ from torch import nn
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.distributed.types import NoWait
 from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner.planner import bucketize_rows, merge_blocks
 from recship.trainer.planner.types import ParameterSharding, ShardingType
@@ -115,7 +115,7 @@ def _make_tbe(
     unit_shard_index: List[int],
     optim: FusedOptimizerConfig,
     device: torch.device,
-) -> nn.Module:
+) -> Any:  # fbgemm's SplitTableBatchedEmbeddingBagsCodegen (untyped)
     """One training TBE over this rank's shards; ``shards`` = [(table, shard, rows, cols)]."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
@@ -337,13 +337,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.fused_optimizer = CombinedOptimizer([("", EmbeddingFusedOptimizer(self, optimizer))])
 
     @property
-    def tbe(self) -> Optional[nn.Module]:
-        """This rank's fbgemm training TBE (None on a rank without shards)."""
+    def tbe(self) -> Optional[Any]:
+        """This rank's fbgemm SplitTableBatchedEmbeddingBagsCodegen (None on a rank without shards)."""
         return self._lookups[0].tbe
 
     # -- construction ------------------------------------------------------
 
-    def _build_tbe(self, module: EmbeddingBagCollection) -> Optional[nn.Module]:
+    def _build_tbe(self, module: EmbeddingBagCollection) -> Optional[Any]:
         mine = self._units_by_rank[self._rank]
         self._local_shards: List[Tuple[str, int, int, int]] = []
         index: Dict[Tuple[str, int], int] = {}
@@ -364,6 +364,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             for (table, shard, rows, cols), w in zip(self._local_shards, tbe.split_embedding_weights()):
                 s = self._plan[table].shards[shard]
                 full = module.embedding_bags[table].weight
+                assert isinstance(full, torch.Tensor)
                 if full.is_meta:
                     lo, hi = configs[table].init_range()
                     w.uniform_(lo, hi)
@@ -378,6 +379,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             if self._plan[t.name].sharding_type != ShardingType.DATA_PARALLEL:
                 continue
             full = module.embedding_bags[t.name].weight
+            assert isinstance(full, torch.Tensor)
             w = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
             with torch.no_grad():
                 if full.is_meta:
@@ -389,7 +391,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- forward -----------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor) -> EmbeddingBagCollectionAwaitable:
-        self._check_input(features)
+        check_features(features, self._rows)
         per_feature = features.to_dict()
         batch = features.stride()
         received, recv_batches = self._input_dists[0](per_feature, batch)
@@ -397,19 +399,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         parts = self._output_dists[0](local_out, batch, recv_batches)
         return EmbeddingBagCollectionAwaitable(self._assemble(per_feature, parts))
 
-    def _check_input(self, features: KeyedJaggedTensor) -> None:
-        keys = features.keys()
-        missing = [f for f in self._rows if f not in keys]
-        if missing:
-            raise ValueError(f"input KeyedJaggedTensor lacks features {missing}; it has {keys}")
-        for name, jt in features.to_dict().items():
-            rows = self._rows.get(name)
-            ids = jt.values()
-            if rows is None or ids.numel() == 0:
-                continue
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= rows:
-                raise ValueError(f"feature {name!r}: id {lo if lo < 0 else hi} is outside its table's rows [0, {rows})")
 
     def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:
         """Per feature: concatenate column blocks, sum row blocks, divide for MEAN."""

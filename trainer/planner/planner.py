@@ -23,7 +23,7 @@ fixed order (sharding type order below, then lower ranks).
 """
 
 import math
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -224,7 +224,7 @@ class EmbeddingShardingPlanner:
     def optimizer(self) -> FusedOptimizerConfig:
         return self._optimizer or FusedOptimizerConfig()
 
-    def plan(self, module: nn.Module, sharders: Optional[Sequence[object]] = None) -> ShardingPlan:
+    def plan(self, module: nn.Module, sharders: Optional[Sequence[Any]] = None) -> ShardingPlan:
         """A plan for every EmbeddingBagCollection in ``module`` (path "" for the module itself).
 
         ``sharders`` (TorchRec's argument): the EmbeddingBagCollectionSharders that will
@@ -263,7 +263,7 @@ class EmbeddingShardingPlanner:
         )
 
     def collective_plan(
-        self, module: nn.Module, sharders: Optional[Sequence[object]] = None, pg: Optional[dist.ProcessGroup] = None
+        self, module: nn.Module, sharders: Optional[Sequence[Any]] = None, pg: Optional[dist.ProcessGroup] = None
     ) -> ShardingPlan:
         """Plans on the group's first rank and broadcasts, so every rank holds the same plan.
 
@@ -282,6 +282,7 @@ class EmbeddingShardingPlanner:
         dist.broadcast_object_list(box, src=src, group=pg)
         if isinstance(box[0], BaseException):
             raise box[0]
+        assert isinstance(box[0], ShardingPlan)
         return box[0]
 
     # -- constraints ---------------------------------------------------------
@@ -289,7 +290,8 @@ class EmbeddingShardingPlanner:
     def _allowed_types(self, t: EmbeddingBagConfig) -> List[ShardingType]:
         """The sharding types ``t`` may use, or ValueError naming it when none can work."""
         c = self.constraints.get(t.name) or ParameterConstraints()
-        types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else c.sharding_types)
+        # ParameterConstraints turned value strings into members
+        types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else cast(List[ShardingType], c.sharding_types))
         if not types:
             raise ValueError(f"table {t.name!r}: constraints allow no sharding type")
         if c.pooling_factor <= 0:
@@ -297,8 +299,9 @@ class EmbeddingShardingPlanner:
         if c.min_partition is not None and c.min_partition < 1:
             raise ValueError(f"table {t.name!r}: min_partition must be >= 1, got {c.min_partition}")
         if c.compute_kernels is not None:
-            kernels = [k.value for k in c.compute_kernels]
-            types = [st for st in types if _kernel(st) in c.compute_kernels]
+            allowed = cast(List[EmbeddingComputeKernel], c.compute_kernels)
+            kernels = [k.value for k in allowed]
+            types = [st for st in types if _kernel(st) in allowed]
             if not types:
                 raise ValueError(
                     f"table {t.name!r}: compute kernels {kernels} fit none of its sharding types "
@@ -316,7 +319,7 @@ class EmbeddingShardingPlanner:
 
     def _device_of(self, rank: int) -> str:
         if self.topology.compute_device == "cuda":
-            return f"cuda:{rank % self.topology.local_world_size}"
+            return f"cuda:{rank % self.topology.ranks_per_host}"
         return "cpu"
 
     def _place(
@@ -354,7 +357,7 @@ class EmbeddingShardingPlanner:
             yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, list(range(world)))]
         elif st == ShardingType.TABLE_ROW_WISE:
             for h in range(self.topology.num_hosts):
-                ranks = host_ranks(h, self.topology.local_world_size)
+                ranks = host_ranks(h, self.topology.ranks_per_host)
                 yield [ShardMetadata([o, 0], [n, dim], r) for r, o, n in row_blocks(rows, ranks)]
         elif st == ShardingType.COLUMN_WISE:
             shards = self._column_shards(t, optim, memory, cost)

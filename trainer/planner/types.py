@@ -127,9 +127,14 @@ class Topology:
             )
 
     @property
+    def ranks_per_host(self) -> int:
+        """``local_world_size``, always set after construction."""
+        assert self.local_world_size is not None  # __post_init__ sets it
+        return self.local_world_size
+
+    @property
     def num_hosts(self) -> int:
-        assert self.local_world_size is not None  # set in __post_init__
-        return self.world_size // self.local_world_size
+        return self.world_size // self.ranks_per_host
 
     @property
     def capacity(self) -> int:
