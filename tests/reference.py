@@ -63,3 +63,14 @@ def kjt_as_lists(kjt: KeyedJaggedTensor) -> Ref:
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class InferenceModule(torch.nn.Module):
+    """The TorchRec tutorial's wrapper: a plain module holding a collection as ``ebc_``."""
+
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc_ = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.ebc_(kjt)

@@ -21,16 +21,8 @@ from recship.trainer.fused_optim import (
     RowWiseAdagrad,
 )
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
-from recship.trainer.planner import (
-    EmbeddingComputeKernel,
-    EmbeddingShardingPlanner,
-    ParameterConstraints,
-    ParameterSharding,
-    ShardingPlan,
-    ShardingType,
-    ShardMetadata,
-    Topology,
-)
+from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
+from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
 from recship.trainer.types import DataType, PoolingType
 
 __all__ = [

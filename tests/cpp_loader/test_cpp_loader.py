@@ -14,6 +14,8 @@ from recship.export.artifact import Manifest, open_artifact
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
 from recship.serving import PredictClient
 
+from bad_requests import bad_requests
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -84,16 +86,7 @@ def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
     manifest = Manifest.read(art)
     spec = ModelSpec.from_manifest(manifest, 512)
     rows = [f.rows for f in manifest.sparse_features]
-    good = {f"cat_{i}": [[1], [2]] for i in range(26)}
-    dense = [[0.5] * 13, [0.25] * 13]
-    cases = [
-        ({**good, "cat_3": [[1], [rows[3]]]}, dense, None),  # id out of range
-        ({k: v for k, v in good.items() if k != "cat_25"}, dense, None),  # missing feature
-        ({**good, "nope": [[1], [1]]}, dense, None),  # unknown feature
-        (good, [[0.5] * 12, [0.5] * 12], None),  # dense shape
-        (good, dense, {"cat_0": [[1.0], [1.0]]}),  # weights on an unweighted model
-    ]
-    for sparse, d, weights in cases:
+    for _, sparse, d, weights in bad_requests(rows, manifest.num_dense):
         with pytest.raises(InvalidRequest) as server_error:
             validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
         result = _run(binary, art, "--request", _request_json(tmp_path / "bad.json", sparse, d, weights))

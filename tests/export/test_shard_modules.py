@@ -24,16 +24,7 @@ from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingT
 from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.planner.types import EmbeddingComputeKernel, ParameterSharding, ShardingPlan, ShardingType
 
-from reference import random_kjt
-
-
-class InferenceModule(torch.nn.Module):
-    def __init__(self, ebc):
-        super().__init__()
-        self.ebc_ = ebc
-
-    def forward(self, kjt: KeyedJaggedTensor):
-        return self.ebc_(kjt)
+from reference import InferenceModule, random_kjt
 
 
 TABLES = [

@@ -25,18 +25,10 @@ from recship.quantize import embedding_modules
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 
+from reference import InferenceModule
+
 OBSERVED = {"int8": torch.int8, "int4": torch.quint4x2, "int2": torch.quint2x4, "fp16": torch.half}
 
-
-class InferenceModule(torch.nn.Module):
-    """The tutorial's wrapper: a plain module holding a float collection."""
-
-    def __init__(self, ebc):
-        super().__init__()
-        self.ebc_ = ebc
-
-    def forward(self, kjt: KeyedJaggedTensor):
-        return self.ebc_(kjt)
 
 
 def _qconfig(dtype, **kw):

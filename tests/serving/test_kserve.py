@@ -19,6 +19,9 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc  # noqa: E402
 
 from recship.serving import PredictClient  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
+from bad_requests import bad_requests  # noqa: E402
+from recship.export.artifact import Manifest  # noqa: E402
+from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate  # noqa: E402
 from serving_helpers import ROWS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,19 +54,30 @@ def _request(seed, batch):
     return sparse, g.random((batch, 13), dtype=np.float32)
 
 
-def _infer_inputs(sparse, dense):
-    inputs = []
+def _tensors(sparse, dense, weights=None):
+    """[(input name, KServe datatype, numpy data)] of a request given as lists of ids per example."""
+    out = []
     for name, rows in sparse.items():
-        lengths = np.array([len(r) for r in rows], dtype=np.int32)
-        values = np.array([i for r in rows for i in r], dtype=np.int64)
-        for suffix, data, dtype in ((".lengths", lengths, "INT32"), (".values", values, "INT64")):
-            t = tg.InferInput(name + suffix, list(data.shape), dtype)
-            t.set_data_from_numpy(data)
-            inputs.append(t)
-    d = tg.InferInput("dense", list(dense.shape), "FP32")
-    d.set_data_from_numpy(dense)
-    inputs.append(d)
+        out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
+        out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
+        if weights and name in weights:
+            out.append((f"{name}.weights", "FP32", np.array([w for r in weights[name] for w in r], dtype=np.float32)))
+    out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
+    return out
+
+
+def _infer_inputs(sparse, dense, weights=None):
+    inputs = []
+    for name, dtype, data in _tensors(sparse, dense, weights):
+        t = tg.InferInput(name, list(data.shape), dtype)
+        t.set_data_from_numpy(data)
+        inputs.append(t)
     return inputs
+
+
+def _rest_body(sparse, dense, weights=None):
+    inputs = [{"name": n, "shape": list(d.shape), "datatype": t, "data": d.tolist()} for n, t, d in _tensors(sparse, dense, weights)]
+    return json.dumps({"id": "q1", "inputs": inputs}).encode()
 
 
 def _predict(server, sparse, dense):
@@ -149,30 +163,21 @@ def _replace(inputs, name, data, dtype):
     return [t if i.name() == name else i for i in inputs]
 
 
-def test_invalid_inputs_give_predicts_messages(client, server):
+def test_kserve_specific_invalid_inputs(client, server):
+    """What only KServe inputs can get wrong; the request rules shared by every front are in
+    test_every_front_refuses_the_shared_bad_requests_with_the_servers_words."""
     sparse, dense = _request(11, 2)
     good = _infer_inputs(sparse, dense)
-    n2 = sum(len(r) for r in sparse["cat_2"])
-    out_of_range = np.full(n2, ROWS[2], dtype=np.int64)
-    cases = [  # (KServe inputs, the equivalent Predict request or None, expected message)
-        (_replace(good, "cat_2.values", out_of_range, "INT64"), ({**sparse, "cat_2": [[ROWS[2]] * len(r) for r in sparse["cat_2"]]}, dense),
-         f"id {ROWS[2]} is out of range"),
-        (_without(_without(good, "cat_25.lengths"), "cat_25.values"), ({k: v for k, v in sparse.items() if k != "cat_25"}, dense),
-         "missing sparse features ['cat_25']"),
-        (good + _infer_inputs({"nope": [[1], [2]]}, dense)[:2], ({**sparse, "nope": [[1], [2]]}, dense), "unknown sparse feature 'nope'"),
-        (_replace(good, "dense", dense[:, :12].copy(), "FP32"), (sparse, dense[:, :12]), "dense shape [2, 12] does not match"),
-        (_replace(good, "cat_0.lengths", np.array([1, 1], dtype=np.int64), "INT64"), None, "input 'cat_0.lengths' must be INT32"),
-        (good + _infer_inputs({"x": [[1], [1]]}, dense)[:1] + [tg.InferInput("bogus", [1], "FP32")], None, "unknown input"),
+    cases = [
+        (_replace(good, "cat_0.lengths", np.array([1, 1], dtype=np.int64), "INT64"), "input 'cat_0.lengths' must be INT32"),
+        (good + _infer_inputs({"x": [[1], [1]]}, dense)[:1] + [tg.InferInput("bogus", [1], "FP32")], "unknown input"),
+        (_without(good, "cat_3.lengths"), "cat_3"),
     ]
-    cases[-1][0][-1].set_data_from_numpy(np.zeros(1, dtype=np.float32))
-    for inputs, predict_request, message in cases:
+    cases[1][0][-1].set_data_from_numpy(np.zeros(1, dtype=np.float32))
+    for inputs, message in cases:
         with pytest.raises(tg.InferenceServerException) as err:
             client.infer("dlrm", inputs)
         assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and message in err.value.message()
-        if predict_request is not None:  # Predict refuses the same request with the same words
-            with pytest.raises(grpc.RpcError) as predict_err:
-                _predict(server, *predict_request)
-            assert predict_err.value.details() == err.value.message()
     with pytest.raises(tg.InferenceServerException) as err:
         client.infer("nope", good)
     assert err.value.status() == "StatusCode.NOT_FOUND"
@@ -250,16 +255,7 @@ def test_rest_front_health_metadata_infer_and_errors(repo):
         c.close()
         assert status == 200 and [(i["name"], i["datatype"]) for i in meta["inputs"]] == [(i["name"], i["datatype"]) for i in grpc_meta["inputs"]]
         sparse, dense = _request(31, 4)
-
-        def body(sp, d):
-            inputs = []
-            for name, rows in sp.items():
-                inputs.append({"name": f"{name}.lengths", "shape": [len(rows)], "datatype": "INT32", "data": [len(r) for r in rows]})
-                ids = [int(i) for r in rows for i in r]
-                inputs.append({"name": f"{name}.values", "shape": [len(ids)], "datatype": "INT64", "data": ids})
-            inputs.append({"name": "dense", "shape": list(d.shape), "datatype": "FP32", "data": d.tolist()})  # nested data
-            return json.dumps({"id": "q1", "inputs": inputs}).encode()
-
+        body = _rest_body  # dense goes as nested lists
         status, answer = _http(port, "/v2/models/dlrm/infer", body(sparse, dense))
         assert status == 200 and answer["id"] == "q1" and answer["model_version"] == "1"
         want = _predict(server, sparse, dense)
@@ -272,5 +268,31 @@ def test_rest_front_health_metadata_infer_and_errors(repo):
         assert status == 400 and answer["error"] == predict_err.value.details()
         assert _http(port, "/v2/models/nope/infer", body(sparse, dense))[0] == 404
         assert _http(port, "/v2/models/dlrm/infer", b"{not json")[0] == 400
+    finally:
+        server.stop()
+
+
+def test_every_front_refuses_the_shared_bad_requests_with_the_servers_words(repo):
+    """tests/bad_requests.py through Predict, KServe gRPC and REST: each answers the message
+    validate() gives (the C++ loader is held to the same table in tests/cpp_loader)."""
+    manifest = Manifest.read(repo / "dlrm" / "1")
+    spec = ModelSpec.from_manifest(manifest, 512)
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0))
+    try:
+        client = tg.InferenceServerClient(f"127.0.0.1:{server.port}")
+        cases = bad_requests([f.rows for f in manifest.sparse_features], manifest.num_dense)
+        for what, sparse, dense, weights in cases:
+            with pytest.raises(InvalidRequest) as rule:
+                validate(RequestArrays.from_message(PredictClient.request("dlrm", sparse, dense, weights)), spec)
+            want = str(rule.value)
+            with pytest.raises(grpc.RpcError) as predict:
+                with PredictClient(f"127.0.0.1:{server.port}") as c:
+                    c.predict("dlrm", sparse, dense, weights)
+            assert (predict.value.code(), predict.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, want), what
+            with pytest.raises(tg.InferenceServerException) as kserve:
+                client.infer("dlrm", _infer_inputs(sparse, dense, weights))
+            assert (kserve.value.status(), kserve.value.message()) == ("StatusCode.INVALID_ARGUMENT", want), what
+            assert _http(server.rest.port, "/v2/models/dlrm/infer", _rest_body(sparse, dense, weights)) == (400, {"error": want}), what
+        client.close()
     finally:
         server.stop()
