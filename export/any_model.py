@@ -19,7 +19,7 @@ Not yet: checkpoints of such models (export takes the module in memory), CUDA.
 
 import copy
 import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,6 +28,9 @@ from recship.export.model import build_kjt, trace_and_script
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import describe_model
+
+if TYPE_CHECKING:
+    from recship.export.pipeline import ExportConfig
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
 
@@ -134,7 +137,7 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
                 per_batch[i][f] = pooled_lookup(weight, kjt[f], table, weighted[path])
 
     quantized, report = quantize(model, load_table, record)
-    stand_ins = {}
+    stand_ins: Dict[int, nn.Module] = {}
     for key, m in modules.items():
         if isinstance(m, EmbeddingBagCollection):
             configs = m.embedding_bag_configs()
@@ -159,8 +162,14 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     return outputs, quantized, report
 
 
-def export_any_model(module: nn.Module, config, progress, owned: bool = False,
-                     data_seed: Optional[int] = None, load_table=None) -> Tuple[Any, Dict[str, Any], Any]:
+def export_any_model(
+    module: nn.Module,
+    config: "ExportConfig",
+    progress: Callable[[str], None],
+    owned: bool = False,
+    data_seed: Optional[int] = None,
+    load_table: Optional[Callable[[str, str], torch.Tensor]] = None,
+) -> Tuple[Any, Dict[str, Any], Any]:
     """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
@@ -171,7 +180,7 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
     from a checkpoint one at a time (peak memory: one float table plus the quantized model).
     """
     from recship.export.pipeline import ExportError, expand_id_policy
-    from recship.export.sharded import shard_quant_model
+    from recship.export.sharded import InferenceShard, shard_quant_model
     from recship.quantize import quantize_embeddings
 
     if config.device != "cpu":
@@ -220,7 +229,8 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
         if load_table is None:
             progress("quantize + shard")
             quantized, report = quantize(model)
-        sharded, plans = quantized, {}
+        sharded: nn.Module = quantized
+        plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
         if config.shards > 1 or config.sharding:
             sharded, plans = shard_quant_model(quantized, shards=config.shards, sharding=config.sharding or "table_wise")
     except ValueError as e:
@@ -273,10 +283,10 @@ def export_any_model(module: nn.Module, config, progress, owned: bool = False,
     if scored:  # labels and a [B, 1] logit output: the ranking quality, exported and float
         from recship.trainer.metrics import auc
 
-        got, want, labels = (torch.cat(parts) for parts in zip(*scored))
+        scores, float_scores, targets = (torch.cat(parts) for parts in zip(*scored))
         bce = nn.functional.binary_cross_entropy_with_logits
-        validation_report.update(output=score_name, auc=auc(got, labels), float_auc=auc(want, labels),
-                                 log_loss=float(bce(got, labels)), float_log_loss=float(bce(want, labels)))
+        validation_report.update(output=score_name, auc=auc(scores, targets), float_auc=auc(float_scores, targets),
+                                 log_loss=float(bce(scores, targets)), float_log_loss=float(bce(float_scores, targets)))
 
     types = {t.table: t.data_type for t in report.tables}
     features = []

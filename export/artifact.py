@@ -21,7 +21,7 @@ import sys
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Collection, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -314,7 +314,7 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     def fail(what: str) -> None:
         raise ArtifactError(f"{path}/manifest.json: {what}")
 
-    def need(container: Any, key: str, kind, where: str) -> Any:
+    def need(container: Any, key: str, kind: Union[type, Tuple[type, ...]], where: str) -> Any:
         value = container.get(key) if isinstance(container, dict) else None
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if not ok:
@@ -477,13 +477,15 @@ def open_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[
     return model, manifest
 
 
-def load_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None):
+def load_artifact(
+    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None
+) -> Tuple[Any, Dict[str, Any]]:
     """``open_artifact`` with the manifest as its JSON object, for the readers not yet on ``Manifest``."""
     model, manifest = open_artifact(path, check, trusted)
     return model, manifest.to_dict()
 
 
-def self_check(model, path: Union[str, Path], manifest: Manifest) -> float:
+def self_check(model: Callable[..., Dict[str, torch.Tensor]], path: Union[str, Path], manifest: Manifest) -> float:
     """Runs the sample; raises ArtifactError unless every output matches; returns the max abs difference."""
     inputs, expected = read_sample(path, manifest)
     with torch.no_grad():

@@ -21,7 +21,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -32,11 +32,14 @@ from recship.export.sharded import plan_inference_shards, shard_quantized
 from recship.quantize.modules import ID_POLICIES
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
-from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.planner.types import ShardingType
 from recship.trainer.types import DataType
+
+if TYPE_CHECKING:
+    from recship.trainer.dlrm import DLRMConfig
 
 # What a C++ process must dlopen (RTLD_NOW | RTLD_GLOBAL) before torch::jit::load: TorchScript
 # resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
@@ -126,12 +129,12 @@ class _Source:
     data_seed: Optional[int] = None  # the training run's seed: synthetic validation data is drawn like its own
 
 
-def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
+def _dense_dlrm(config: "DLRMConfig", dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
     """The DLRM's dense layers with ``dense`` weights; no float tables are allocated."""
     from recship.trainer.dlrm import DLRM
 
-    model = DLRM(config, device="meta")
-    model.sparse_arch = _FixedPooled(None)  # replaced by the quantized, sharded tables
+    model: nn.Module = DLRM(config, device="meta")  # a plain Module: its sparse arch is swapped out
+    model.sparse_arch = nn.Module()  # replaced by the quantized, sharded tables
     model.to_empty(device="cpu")
     dense = {k: v for k, v in dense.items() if not k.startswith("sparse_arch.")}
     missing = sorted(set(model.state_dict()) - set(dense))
@@ -141,7 +144,9 @@ def _dense_dlrm(config, dense: Dict[str, torch.Tensor], where: str) -> nn.Module
     return model
 
 
-def _module_from_checkpoint(path: Path, config: ExportConfig):
+def _module_from_checkpoint(
+    path: Path, config: ExportConfig
+) -> Optional[Tuple[nn.Module, ExportConfig, Optional[int], Callable[[str, str], torch.Tensor]]]:
     """For a checkpoint written by ``recship train --model`` (or a model named by ``config.model``):
     (the model, its dense part loaded and its EmbeddingBagCollection tables not, the config naming
     its entry point, the training run's seed, ``load_table(path, table)`` reading one float table).
@@ -159,7 +164,11 @@ def _module_from_checkpoint(path: Path, config: ExportConfig):
     entry = config.model or (recorded or {}).get("model")
     if entry is None:
         return None
-    args = config.model_args if config.model else recorded.get("args", {})
+    if config.model:
+        args = config.model_args
+    else:
+        assert recorded is not None  # the entry point came from it
+        args = recorded.get("args", {})
     try:
         model = build_model(entry, args, device="meta")
     except ValueError as e:
@@ -208,7 +217,7 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), name, module)
 
 
-def _is_any_model(src) -> bool:
+def _is_any_model(src: object) -> bool:
     """A module other than the built-in DLRM or a bare EmbeddingBagCollection (those have their streaming path)."""
     from recship.trainer.dlrm import DLRM
 
@@ -238,15 +247,22 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
         ebc = src.sparse_arch
         dense_model = _dense_dlrm(src.config, {k: v.detach() for k, v in src.state_dict().items()}, "the model")
         return _Source(
-            "dlrm", ebc.embedding_bag_configs(), lambda name: ebc.embedding_bags[name].weight.detach(),
+            "dlrm", ebc.embedding_bag_configs(), lambda name: _bag_weight(ebc, name),
             dense_model, asdict(src.config), ebc.is_weighted(), src.config.num_dense,
         )
     if isinstance(src, EmbeddingBagCollection):
         return _Source(
-            "embeddings", src.embedding_bag_configs(), lambda name: src.embedding_bags[name].weight.detach(),
+            "embeddings", src.embedding_bag_configs(), lambda name: _bag_weight(src, name),
             None, None, src.is_weighted(), 0,
         )
     raise ExportError(f"cannot export a {type(src).__name__}: give a checkpoint path, a DLRM or an EmbeddingBagCollection")
+
+
+def _bag_weight(ebc: EmbeddingBagCollection, table: str) -> torch.Tensor:
+    """Table ``table``'s float weight [rows, dim], detached."""
+    bag = ebc.embedding_bags[table]
+    assert isinstance(bag, nn.EmbeddingBag)  # an EmbeddingBagCollection holds one per table
+    return bag.weight.detach()
 
 
 # ---------------------------------------------------------------------------
@@ -254,13 +270,17 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
 # ---------------------------------------------------------------------------
 
 
-def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: int):
+# a validation request: dense [B, num_dense] float32, its KJT, labels [B] float32 or None
+Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]
+
+
+def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: int) -> List[Batch]:
     """[(dense, kjt, labels or None)] held-out requests (synthetic, fixed seed)."""
     from recship.trainer.data import SyntheticConfig, SyntheticCriteo
 
     rows = [t.num_embeddings for t in source.tables]
     names = [f for t in source.tables for f in t.feature_names]
-    out = []
+    out: List[Batch] = []
     if source.kind == "dlrm" and config.eval_data is not None and stream == 0:
         return eval_batches(config.eval_data, names, rows, source.num_dense, False, n, batch)
     if source.kind == "dlrm":
@@ -282,7 +302,9 @@ def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: 
     return out
 
 
-def eval_batches(eval_data: str, names: List[str], rows: List[int], num_dense: int, weighted: bool, n: int, batch: int):
+def eval_batches(
+    eval_data: str, names: List[str], rows: List[int], num_dense: int, weighted: bool, n: int, batch: int
+) -> List[Batch]:
     """Up to ``n`` batches [(dense, kjt, labels or None)] of the user's data.
 
     ``eval_data`` is a Criteo TSV file (label, 13 integers, 26 hex ids a line: for models
@@ -301,15 +323,16 @@ def eval_batches(eval_data: str, names: List[str], rows: List[int], num_dense: i
     elif ":" in eval_data:
         from recship.trainer.entry_point import load_factory
 
+        data_function: Callable[..., Any] = load_factory(eval_data)  # typed for model factories; this one yields batches
         try:
-            source = iter(load_factory(eval_data)(batch_size=batch, rank=0, world_size=1))
+            source = iter(data_function(batch_size=batch, rank=0, world_size=1))
         except ValueError as e:
             raise ExportError(str(e).replace("--model", "--eval-data")) from None
         except Exception as e:
             raise ExportError(f"--eval-data {eval_data} raised {type(e).__name__}: {e}") from None
     else:
         raise ExportError(f"--eval-data {eval_data}: no such file (or give package.module:function)")
-    out = []
+    out: List[Batch] = []
     for item in source:
         if len(out) == n:
             break
@@ -351,7 +374,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     try:
 
         bar.next("load")
-        owned, data_seed, load_table = False, None, None
+        owned = False
+        data_seed: Optional[int] = None
+        load_table: Optional[Callable[[str, str], torch.Tensor]] = None
         if isinstance(source, (str, Path)):
             rebuilt = _module_from_checkpoint(Path(source), config)
             if rebuilt is not None:
@@ -359,6 +384,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         if load_table is not None or _is_any_model(source):  # (a DLRM rebuilt from its entry point too)
             from recship.export.any_model import export_any_model
 
+            assert isinstance(source, nn.Module)  # rebuilt from the checkpoint, or given as one
             scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table)
             bar.next("write")
             manifest = write_artifact(out, scripted, fields, (*sample, None), config)
@@ -379,7 +405,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         qconfig = config.quant_config()
 
         bar.next("quantize + shard")
-        choices = choose_types(src.tables, src.load, qconfig)  # a first streaming pass if a type is "auto"
+        choices = choose_types(list(src.tables), src.load, qconfig)  # a first streaming pass if a type is "auto"
         types = {name: c.data_type for name, c in choices.items()}
         sizes = {t.name: t.num_embeddings * row_bytes(types[t.name], t.embedding_dim, qconfig.alignment) for t in src.tables}
         forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
@@ -412,6 +438,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.next("trace + script")
         if src.kind == "dlrm":
             model = src.dense_model
+            assert model is not None  # every DLRM source has its dense part
             # dense layers run where the shards' outputs are merged: the first device
             model.to(devices[0])
             model.sparse_arch = sparse
@@ -443,7 +470,7 @@ def _device_capacity(config: ExportConfig) -> Optional[int]:
     return None  # host memory: the OS decides
 
 
-def pooled_lookup(weight: torch.Tensor, jt, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
+def pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
     """The float reference of one feature's pooled lookup: ``weight`` [rows, dim] of table ``t``,
     ``jt`` the feature's JaggedTensor (B bags) -> [B, dim] float32, pooled as ``t`` says
     (``weighted``: scaled by the JaggedTensor's per-id weights first)."""
@@ -476,6 +503,7 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     if src.kind != "dlrm":
         return kt.to_dict()
     model = src.dense_model
+    assert model is not None  # every DLRM source has its dense part
     device = next(model.parameters()).device
     saved = model.sparse_arch
     model.sparse_arch = _FixedPooled(kt.to(device))
@@ -577,7 +605,9 @@ def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validati
     }
 
 
-def write_artifact(out: Path, scripted, fields: Dict[str, Any], sample, config: ExportConfig) -> Dict[str, Any]:
+def write_artifact(
+    out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig
+) -> Dict[str, Any]:
     """Writes the artifact into a temporary sibling and renames it into place.
 
     ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
@@ -603,7 +633,7 @@ def write_artifact(out: Path, scripted, fields: Dict[str, Any], sample, config: 
                 k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
             }
         (tmp / "sample").mkdir()
-        sample_meta = {"batch_size": config.sample_batch_size, "inputs": {}, "outputs": {}}
+        sample_meta: Dict[str, Any] = {"batch_size": config.sample_batch_size, "inputs": {}, "outputs": {}}
         for group, tensors in (("inputs", inputs), ("outputs", outputs)):
             for name, t in tensors.items():
                 path = f"sample/{group}.{name}.bin"

@@ -14,12 +14,12 @@ float summation order. Column blocks get their own per-row scale/bias, so a
 column-wise model differs from the unsharded one by (at most) quantization error.
 """
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from recship.export.artifact import Shard
 from recship.quantize.modules import QuantEmbeddingBagCollection, check_ids
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -34,20 +34,12 @@ if TYPE_CHECKING:
 torch.fx.wrap(check_ids)  # a single fx node here too (fx.wrap patches per importing module)
 
 
-@dataclass
-class InferenceShard:
-    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
-
-    table: str
-    index: int
-    device: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
+class InferenceShard(Shard):
+    """A Shard (one block of one table, as the manifest records it) placed by inference sharding."""
 
     @property
     def name(self) -> str:
+        """The block's table (and its features' suffix) inside its device's module."""
         return f"{self.table}@{self.index}"
 
 
@@ -175,8 +167,8 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         for i, f in enumerate(self._features):
             jt = given[f]
             ids = check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
-            weights = jt.weights() if self._is_weighted else None
-            per_feature[f] = JaggedTensor(values=ids, weights=weights, lengths=jt.lengths(), offsets=jt.offsets())
+            feature_weights = jt.weights() if self._is_weighted else None
+            per_feature[f] = JaggedTensor(values=ids, weights=feature_weights, lengths=jt.lengths(), offsets=jt.offsets())
         first = torch.device(self._device_names[0])
         # per feature: (column offset, output) of each of its units, in device order
         blocks: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
@@ -314,7 +306,11 @@ def shard_quant_model(
 
     if (devices is None) == (shards is None):
         raise ValueError("give exactly one of devices=[...] and shards=N")
-    targets = [torch.device(d) for d in devices] if devices is not None else [torch.device("cpu")] * int(shards)
+    if devices is not None:
+        targets = [torch.device(d) for d in devices]
+    else:
+        assert shards is not None  # exactly one of the two is given (checked above)
+        targets = [torch.device("cpu")] * int(shards)
     if not targets:
         raise ValueError("shard_quant_model needs at least one device")
     if any(d.type == "cuda" for d in targets) and not torch.cuda.is_available():
@@ -333,7 +329,7 @@ def shard_quant_model(
     plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
     for path, m in found:
         if id(m) not in done:
-            tables = m.tables()
+            tables = m.embedding_bag_configs()
             kinds = {t.name: ShardingType(sharding.get(t.name, "table_wise") if isinstance(sharding, dict) else sharding or "table_wise")
                      for t in tables}
             done[id(m)], plans[path] = _shard_one(m, targets, kinds)
@@ -346,10 +342,13 @@ def shard_quant_model(
 
 
 def _shard_one(
-    qebc, devices: List[torch.device], kinds: Dict[str, ShardingType], plan: Optional[Dict[str, List[InferenceShard]]] = None
-):
+    qebc: QuantEmbeddingBagCollection,
+    devices: List[torch.device],
+    kinds: Dict[str, ShardingType],
+    plan: Optional[Dict[str, List[InferenceShard]]] = None,
+) -> Tuple[ShardedQuantEmbeddingBagCollection, Dict[str, List[InferenceShard]]]:
     """(the sharded module, its shards): ``plan`` places the blocks, or else ``kinds`` and the least-loaded device."""
-    tables = qebc.tables()
+    tables = qebc.embedding_bag_configs()
     types = qebc.weight_types()
     for t in tables:
         split_columns = any((s.col_offset, s.cols) != (0, t.embedding_dim) for s in plan[t.name]) if plan else False
@@ -372,6 +371,7 @@ def _shard_one(
                 cols = slice(v.cols.start * width, v.cols.stop * width)
             v.data.copy_(src_data[v.rows, cols])
             if v.scale_bias is not None:
+                assert src_scale_bias is not None  # the block has the source's type, so its scale/bias too
                 v.scale_bias.copy_(src_scale_bias[v.rows])
     return sharded, plan
 
@@ -429,8 +429,9 @@ def shard_modules(
             table_plan = None if plan is None else plan.get_plan_for_module(path)
             if plan is not None and table_plan is None:
                 return None
-            kinds = {t.name: ShardingType.TABLE_WISE for t in qebc.tables()}
-            shards = None if table_plan is None else _shards_from_plan(path, qebc.tables(), table_plan, world_size)
+            tables = qebc.embedding_bag_configs()
+            kinds = {t.name: ShardingType.TABLE_WISE for t in tables}
+            shards = None if table_plan is None else _shards_from_plan(path, tables, table_plan, world_size)
             done[id(qebc)] = _shard_one(qebc, devices, kinds, shards)[0]
         return done[id(qebc)]
 

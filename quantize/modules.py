@@ -19,13 +19,14 @@ padding for the integer types). The views are the only copy of the rows: state_d
 load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
 """
 
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
 
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.sparse.ids import first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.types import DataType, PoolingType
 
@@ -43,7 +44,7 @@ def check_ids(
 ) -> torch.Tensor:
     """ids [N] (any integer dtype) of consecutive features, counts[i] ids each, checked against
     rows[i] -> [N] int64; ids of modulo features are hashed into their table, any other id
-    outside its table raises ValueError naming feature, table, id and size.
+    outside its table raises ValueError (the id rule's message, recship.sparse.ids).
 
     One min and one max per feature (no per-id temporaries); ids are copied only when a
     modulo feature has ids to hash.
@@ -61,15 +62,10 @@ def check_ids(
         n = counts[i]
         if n > 0:
             segment = ids[start : start + n]
-            lo = int(segment.min())
-            hi = int(segment.max())
-            if lo < 0 or hi >= rows[i]:
+            bad = first_out_of_range(segment, rows[i])
+            if bad is not None:
                 if not modulo[i]:
-                    bad = lo if lo < 0 else hi
-                    raise ValueError(
-                        f"feature '{features[i]}': id {bad} is outside table '{tables[i]}' "
-                        f"of {rows[i]} rows (ids must be in [0, {rows[i]}))"
-                    )
+                    raise ValueError(out_of_range_message(features[i], bad, rows[i]))
                 if not copied:
                     ids = ids.clone()
                     copied = True
@@ -133,8 +129,8 @@ class _QuantTables(nn.Module):
 
     def _build(
         self,
-        tables: List[BaseEmbeddingConfig],
-        groups: List[Tuple[object, List[BaseEmbeddingConfig]]],
+        tables: Sequence[BaseEmbeddingConfig],
+        groups: Sequence[Tuple[object, Sequence[BaseEmbeddingConfig]]],
         weight_types: Dict[str, DataType],
         device: torch.device,
         row_alignment: Optional[int],
@@ -210,10 +206,20 @@ class _QuantTables(nn.Module):
 
     # -- weights -----------------------------------------------------------
 
+    def _kernels(self) -> List[Any]:
+        """``self.tbes`` as the fbgemm TBEs ``_build`` put there (fbgemm is untyped: Any to mypy)."""
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+        kernels = []
+        for tbe in self.tbes:
+            assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen), type(tbe)
+            kernels.append(tbe)
+        return kernels
+
     def table_weights(self) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """table -> (packed rows [rows, bytes] uint8, scale_bias [rows, 4] uint8 or None): writable views."""
         out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        for tbe, tables in zip(self.tbes, _unique_in_order(self._group_tables)):
+        for tbe, tables in zip(self._kernels(), _unique_in_order(self._group_tables)):
             for name, (data, scale_bias) in zip(tables, tbe.split_embedding_weights()):
                 out[name] = (data, scale_bias)
         return out
@@ -226,7 +232,7 @@ class _QuantTables(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of every TBE's stored rows, alignment padding included."""
-        return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self.tbes)
+        return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self._kernels())
 
 
 class QuantEmbeddingBagCollection(_QuantTables):
@@ -243,6 +249,7 @@ class QuantEmbeddingBagCollection(_QuantTables):
 
     _names: List[str]
     _dims: List[int]
+    _column_order: torch.Tensor  # buffer [sum of dims] int64
 
     def __init__(
         self,
@@ -285,7 +292,8 @@ class QuantEmbeddingBagCollection(_QuantTables):
         return self._is_weighted
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
-        return list(self._tables)
+        # __init__ passed its EmbeddingBagConfigs to _build, which keeps them as the shared base type
+        return cast(List[EmbeddingBagConfig], list(self._tables))
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingBagCollection":
@@ -345,7 +353,8 @@ class QuantEmbeddingCollection(_QuantTables):
         return out
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
-        return list(self._tables)
+        # __init__ passed its EmbeddingConfigs to _build, which keeps them as the shared base type
+        return cast(List[EmbeddingConfig], list(self._tables))
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingCollection":

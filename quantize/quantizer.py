@@ -23,7 +23,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
 import torch
 from torch import nn
@@ -41,12 +41,15 @@ AUTO = "auto"
 
 
 def _parse_type(value: Union[str, DataType], what: str) -> Union[str, DataType]:
+    """A DataType or its name -> the DataType (checked servable); any case of "auto" -> AUTO."""
     if isinstance(value, DataType):
-        dt = value
-    elif isinstance(value, str) and value.lower() == AUTO:
+        return _servable(value, what)
+    if isinstance(value, str) and value.lower() == AUTO:
         return AUTO
-    else:
-        dt = DataType.parse(value)
+    return _servable(DataType.parse(value), what)
+
+
+def _servable(dt: DataType, what: str) -> DataType:
     if dt not in INFERENCE_TYPES:
         valid = ", ".join(d.name.lower() for d in INFERENCE_TYPES)
         raise ValueError(f"{what}: {dt.name} cannot be served by fbgemm's inference kernels; use one of {valid} or auto")
@@ -155,7 +158,7 @@ def _observed_type(dtype: torch.dtype, what: str) -> DataType:
         data_type = DataType.from_quant_dtype(dtype)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from None
-    return _parse_type(data_type, what)
+    return _servable(data_type, what)
 
 
 def _name(data_type: Union[str, DataType]) -> str:
@@ -268,6 +271,8 @@ def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConf
 TableLoader = Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim]
 TableHook = Callable[[BaseEmbeddingConfig, torch.Tensor], None]
 QuantModule = Union[QuantEmbeddingBagCollection, QuantEmbeddingCollection]
+Q = TypeVar("Q", QuantEmbeddingBagCollection, QuantEmbeddingCollection)
+FloatCollection = Union[EmbeddingBagCollection, EmbeddingCollection]
 
 
 @dataclass
@@ -295,7 +300,7 @@ class BlockView:
     scale_bias: Optional[torch.Tensor]
 
 
-def choose_types(tables: List[BaseEmbeddingConfig], weight: TableLoader, config: QuantConfig) -> Dict[str, TypeChoice]:
+def choose_types(tables: Sequence[BaseEmbeddingConfig], weight: TableLoader, config: QuantConfig) -> Dict[str, TypeChoice]:
     """Every table's stored type: ``config.per_table``, else ``config.data_type``.
 
     For "auto", the smallest of AUTO_CANDIDATES whose relative error on sample rows and
@@ -315,8 +320,10 @@ def choose_types(tables: List[BaseEmbeddingConfig], weight: TableLoader, config:
         if choice == AUTO:
             data_type, trials = _choose_auto(t, weight(t.name), config, index)
             choices[t.name] = TypeChoice(data_type, "auto", trials)
-        else:
+        elif isinstance(choice, DataType):
             choices[t.name] = TypeChoice(choice, "per_table" if t.name in config.per_table else "default")
+        else:  # QuantConfig parses every type when built; this one was set on it afterwards
+            raise TypeError(f"table {t.name!r}: type {choice!r} is neither a DataType nor {AUTO!r}")
     return choices
 
 
@@ -370,6 +377,8 @@ def _fill(
         q = quantize_rows(rows, dt, config.error_minimizing)
         data[start:end].copy_(q.data)
         if scale_bias is not None:
+            if q.scale_bias is None:
+                raise ValueError(f"{dt.name} rows have no scale/bias, but the block has scale_bias storage (None for FP types)")
             scale_bias[start:end].copy_(q.scale_bias)
         err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
         max_err = max(max_err, float(err.max()))
@@ -389,10 +398,12 @@ def quantize_embedding_bag_collection(
     """
     config = config or QuantConfig()
     tables = ebc.embedding_bag_configs()
-    source = _OneAtATime(weights) if weights is not None else {t.name: ebc.embedding_bags[t.name].weight for t in tables}
+    source: Union[_OneAtATime, Dict[str, torch.Tensor]] = (
+        _OneAtATime(weights) if weights is not None else {t.name: _table_weight(ebc.embedding_bags, t.name) for t in tables}
+    )
     return _quantize(
         tables,
-        source,
+        source.__getitem__,
         lambda types: QuantEmbeddingBagCollection(
             tables, types, is_weighted=ebc.is_weighted(), device=config.device,
             row_alignment=config.alignment, id_policy=config.id_policy,
@@ -411,10 +422,17 @@ class _OneAtATime:
         self._weight: Optional[torch.Tensor] = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name != self._name:
+        if name != self._name or self._weight is None:
             self._weight = None  # drop the previous table before loading the next
             self._weight, self._name = self._load(name), name
         return self._weight
+
+
+def _table_weight(tables: nn.ModuleDict, name: str) -> torch.Tensor:
+    """The float weight [rows, dim] of a collection's ``name`` table (its nn.EmbeddingBag / nn.Embedding)."""
+    weight = tables[name].weight
+    assert isinstance(weight, torch.Tensor), f"table {name!r} holds no weight tensor"
+    return weight
 
 
 def quantize_embedding_collection(
@@ -422,10 +440,10 @@ def quantize_embedding_collection(
 ) -> Tuple[QuantEmbeddingCollection, QuantizationReport]:
     """A QuantEmbeddingCollection holding ``ec``'s tables in the configured types, and its report."""
     config = config or QuantConfig()
-    weights = {t.name: ec.embeddings[t.name].weight for t in ec.embedding_configs()}
+    weights = {t.name: _table_weight(ec.embeddings, t.name) for t in ec.embedding_configs()}
     return _quantize(
         ec.embedding_configs(),
-        weights,
+        weights.__getitem__,
         lambda types: QuantEmbeddingCollection(
             ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
         ),
@@ -434,22 +452,22 @@ def quantize_embedding_collection(
 
 
 def _quantize(
-    tables: List[BaseEmbeddingConfig],
-    weights,  # table name -> float weight: a dict, or _OneAtATime
-    build: Callable[[Dict[str, DataType]], QuantModule],
+    tables: Sequence[BaseEmbeddingConfig],
+    weight: TableLoader,  # a dict's or _OneAtATime's __getitem__
+    build: Callable[[Dict[str, DataType]], Q],
     config: QuantConfig,
     on_table: Optional[TableHook] = None,
-):
-    choices = choose_types(tables, weights.__getitem__, config)
+) -> Tuple[Q, QuantizationReport]:
+    choices = choose_types(tables, weight, config)
     module = build({name: c.data_type for name, c in choices.items()})
     views = module.table_weights()
     reports = []
     for index, t in enumerate(tables):
         data, scale_bias = views[t.name]
         whole = BlockView(slice(None), slice(None), data, scale_bias)
-        reports.append(quantize_into(index, t, weights[t.name], choices[t.name], [whole], config))
+        reports.append(quantize_into(index, t, weight(t.name), choices[t.name], [whole], config))
         if on_table is not None:
-            on_table(t, weights[t.name])
+            on_table(t, weight(t.name))
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
 
 
@@ -460,7 +478,7 @@ def quantize_embeddings(
     inplace: bool = False,
     weights: Optional[Callable[[str, str], torch.Tensor]] = None,
     on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
-    **options,
+    **options: Any,
 ) -> Tuple[nn.Module, QuantizationReport]:
     """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
 
@@ -484,15 +502,18 @@ def quantize_embeddings(
     """
     if not inplace:
         module = copy.deepcopy(module)
-    found = [(path, m) for path, m in module.named_modules(remove_duplicate=False)
-             if type(m) in (EmbeddingBagCollection, EmbeddingCollection)]
+    # exactly these two types, as before (``type(m) is`` also narrows m for mypy)
+    found: List[Tuple[str, FloatCollection]] = [
+        (path, m) for path, m in module.named_modules(remove_duplicate=False)
+        if type(m) is EmbeddingBagCollection or type(m) is EmbeddingCollection
+    ]
     if not found:
         raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection to quantize")
-    collections: Dict[int, Tuple[str, nn.Module]] = {}
+    collections: Dict[int, Tuple[str, FloatCollection]] = {}
     for path, m in found:
         collections.setdefault(id(m), (path, m))
     tables = {key: _configs(m) for key, (_, m) in collections.items()}
-    id_policy = options.pop("id_policy", None) or {}
+    id_policy: Dict[str, str] = options.pop("id_policy", None) or {}
     config = QuantConfig(data_type=dtype, per_table=dict(per_table or {}), **options)
     assigned = _assign(config.per_table, "per_table", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
     policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
@@ -522,7 +543,15 @@ def quantize_embeddings(
 TORCHREC_ROW_ALIGNMENT = 16
 
 
-def quantize_from_float(cls: type, module: nn.Module) -> QuantModule:
+@overload
+def quantize_from_float(cls: Type[QuantEmbeddingBagCollection], module: nn.Module) -> QuantEmbeddingBagCollection: ...
+
+
+@overload
+def quantize_from_float(cls: Type[QuantEmbeddingCollection], module: nn.Module) -> QuantEmbeddingCollection: ...
+
+
+def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModule:
     """``cls.from_float(module)``: ``module``'s tables quantized as its ``qconfig`` says.
 
     With torch's quantize_dynamic one qconfig serves every collection of the model, so
@@ -555,20 +584,23 @@ def quantize_from_float(cls: type, module: nn.Module) -> QuantModule:
         per_table={t: v for t, v in qconfig.per_table.items() if t in names or t not in shared},
         per_table_weight_dtype=None,
     )
-    if pooled:
+    if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
         return quantize_embedding_bag_collection(module, config)[0]
     return quantize_embedding_collection(module, config)[0]
 
 
-def _configs(m: nn.Module) -> List[BaseEmbeddingConfig]:
+def _configs(m: FloatCollection) -> Sequence[BaseEmbeddingConfig]:
     return m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs()
 
 
+V = TypeVar("V")
+
+
 def _assign(
-    given: Dict[str, object], what: str, names: Dict[int, List[str]], collections: Dict[int, Tuple[str, nn.Module]]
-) -> Dict[int, Dict[str, object]]:
+    given: Mapping[str, V], what: str, names: Mapping[int, List[str]], collections: Mapping[int, Tuple[str, nn.Module]]
+) -> Dict[int, Dict[str, V]]:
     """Splits ``given`` (name or "<path>.<name>" -> value) among the collections that own the names."""
-    out: Dict[int, Dict[str, object]] = {key: {} for key in collections}
+    out: Dict[int, Dict[str, V]] = {key: {} for key in collections}
     for name, value in given.items():
         owners = [key for key in collections if name in names[key]]
         qualified = [key for key in collections if collections[key][0] and name.startswith(collections[key][0] + ".")

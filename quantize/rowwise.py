@@ -147,6 +147,8 @@ def _fp8_max() -> float:
 def dequantize_rows(rows: QuantizedRows, data_type: DataType, dim: int) -> torch.Tensor:
     """The float32 values a TBE reads from quantized rows (for error reports and tests)."""
     if data_type in (DataType.INT8, DataType.INT4, DataType.INT2):
+        if rows.scale_bias is None:
+            raise ValueError(f"{data_type.name} rows need their scale_bias; got QuantizedRows without one")
         sb = rows.scale_bias.contiguous().view(torch.float16).float()
         codes = _unpack(rows.data, data_type.bits, dim).float()
         return codes * sb[:, 0:1] + sb[:, 1:2]

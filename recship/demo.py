@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     print("   keys:", result.keys(), "values:", tuple(result.values().shape))
     for key, emb in result.to_dict().items():
         print(f"   {key} {tuple(emb.shape)}")
-    table = ebc.embedding_bags["product_table"].weight
+    product_table = ebc.embedding_bags["product_table"]
+    assert isinstance(product_table, torch.nn.EmbeddingBag)  # ModuleDict items are typed nn.Module
+    table = product_table.weight
     _expect(
         torch.allclose(result["product"][0], table[1] + table[2] + table[1]),
         "product of example 0 is rows 1 + 2 + 1 of product_table",
@@ -119,7 +121,9 @@ def run(args: argparse.Namespace) -> int:
         tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=16, pooling=PoolingType.MEAN)]
     )
     ec = EmbeddingCollection(tables=[EmbeddingConfig(name="t", embedding_dim=8, num_embeddings=16)])
-    ec.load_state_dict({"embeddings.t.weight": mean_ebc.embedding_bags["t"].weight.detach()})
+    mean_table = mean_ebc.embedding_bags["t"]
+    assert isinstance(mean_table, torch.nn.EmbeddingBag)
+    ec.load_state_dict({"embeddings.t.weight": mean_table.weight.detach()})
     ids = KeyedJaggedTensor(keys=["t"], values=torch.tensor([1, 3, 5, 7]), lengths=torch.tensor([3, 1]))
     rows = ec(ids)["t"].to_dense()
     means = torch.stack([r.mean(dim=0) for r in rows])
@@ -156,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
     qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
     data, scale_bias = qebc.table_weights()["product_table"]
+    assert scale_bias is not None  # INT8 rows carry an fp16 scale and bias
     print(f"   product_table rows: {data.dtype} x {data.shape[1]} + {scale_bias.shape[1]} bytes of fp16 scale/bias "
           "(the tutorial's 80 is a GPU's 16-byte row alignment)")
     quantized = qebc(mb).values()
@@ -206,13 +211,13 @@ def run(args: argparse.Namespace) -> int:
             names = manifest.feature_names
             sparse = {n: [list(g.integers(0, r, size=2)) for _ in range(3)] for n, r in zip(names, rows)}
             dense = g.random((3, manifest.num_dense), dtype=np.float32)
-            out = client.predict("dlrm", sparse, dense)
-            print("   predictions (prob) for 3 examples:", [round(float(p), 4) for p in out["prob"][:, 0]])
+            served = client.predict("dlrm", sparse, dense)
+            print("   predictions (prob) for 3 examples:", [round(float(p), 4) for p in served["prob"][:, 0]])
             lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
             values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
             with torch.no_grad():
                 local = scripted(torch.from_numpy(dense), lengths, values, None)["prob"].numpy()
-            _expect(np.array_equal(out["prob"], local), "gRPC answers equal the artifact run in-process, bitwise")
+            _expect(np.array_equal(served["prob"], local), "gRPC answers equal the artifact run in-process, bitwise")
             latencies = []
             for _ in range(200):
                 t = time.perf_counter()
@@ -220,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                 latencies.append((time.perf_counter() - t) * 1e3)
             p50, p99 = np.percentile(latencies, [50, 99])
             print(f"   200 sequential 3-example requests: p50 {p50:.2f} ms, p99 {p99:.2f} ms end to end")
-        _kserve_query(server.port, sparse, dense, out["prob"])
+        _kserve_query(server.port, sparse, dense, served["prob"])
     finally:
         server.stop()
     print("   server stopped")
@@ -231,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     import subprocess
 
     spec = importlib.util.spec_from_file_location("cpp_build", Path(__file__).resolve().parents[1] / "cpp_loader" / "build.py")
-    if spec is None or not Path(spec.origin).is_file():
+    if spec is None or spec.loader is None or spec.origin is None or not Path(spec.origin).is_file():
         raise RuntimeError("cpp_loader/build.py not found: the C++ step runs from a source checkout")
     cpp_build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(cpp_build)
@@ -246,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
     cpp = np.asarray(json.loads(result.stdout)["prob"], dtype=np.float32)
     print("   recship_predict (prob):", [round(float(p), 4) for p in cpp[:, 0]])
     print("   " + result.stderr.strip())
-    _expect(np.array_equal(cpp, out["prob"]), "C++ predictions equal the gRPC server's, bitwise")
+    _expect(np.array_equal(cpp, served["prob"]), "C++ predictions equal the gRPC server's, bitwise")
 
     two_tower(args)
     print("\ndemo finished: every check passed")
