@@ -1,10 +1,11 @@
-"""``recship demo``: the TorchRec tutorial walk-through, run on recship.
+"""``recship demo``: the whole path on built-in defaults, each step checked.
 
-It grows with the product; today it covers the data types and the float
-embedding modules: nn.EmbeddingBag basics, JaggedTensor, KeyedJaggedTensor,
-EmbeddingBagCollection (SUM and MEAN), EmbeddingCollection, TorchScript and
-torch.fx. Every step checks its numbers against plain PyTorch and stops with an
-error if one is off.
+The TorchRec tutorial's data types and float modules (JaggedTensor, KJT,
+EmbeddingBagCollection, EmbeddingCollection, TorchScript, fx), sharding over 2 gloo
+ranks, then a DLRM trained on synthetic data, quantized, exported (INT8, INT4),
+served over gRPC and KServe and run from C++, and the two-tower example from
+training to serving. Every step checks its numbers against plain PyTorch (or the
+step before) and stops with an error if one is off.
 """
 
 import argparse
@@ -43,20 +44,8 @@ def tutorial_ebc() -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
         device="cpu",
         tables=[
-            EmbeddingBagConfig(
-                name="product_table",
-                embedding_dim=64,
-                num_embeddings=4096,
-                feature_names=["product"],
-                pooling=PoolingType.SUM,
-            ),
-            EmbeddingBagConfig(
-                name="user_table",
-                embedding_dim=64,
-                num_embeddings=4096,
-                feature_names=["user"],
-                pooling=PoolingType.SUM,
-            ),
+            EmbeddingBagConfig(name=f"{f}_table", embedding_dim=64, num_embeddings=4096, feature_names=[f], pooling=PoolingType.SUM)
+            for f in ("product", "user")
         ],
     )
 

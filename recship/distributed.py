@@ -42,6 +42,11 @@ def _shard_modules(
     return shard_modules(module, env=env, device=device, plan=plan, sharders=sharders)
 
 
-# every recship class and function imported above, and TorchRec's private-named _shard_modules
-__all__ = sorted(n for n, v in list(globals().items()) if getattr(v, "__module__", "").startswith("recship.") and not n.startswith("_"))
-__all__.append("_shard_modules")
+__all__ = [
+    "Awaitable", "CombinedOptimizer", "DistributedModelParallel", "EmbOptimType", "EmbeddingBagCollectionAwaitable",
+    "EmbeddingBagCollectionSharder", "EmbeddingComputeKernel", "EmbeddingFusedOptimizer", "EmbeddingShardingPlanner",
+    "FusedOptimizerConfig", "KeyedOptimizer", "LazyAwaitable", "ModuleSharder", "NoWait", "ParameterConstraints",
+    "ParameterSharding", "RowWiseAdagrad", "ShardMetadata", "ShardedEmbeddingBagCollection", "ShardingEnv",
+    "ShardingPlan", "ShardingType", "Topology", "get_default_sharders", "in_backward_optimizer_filter",
+    "_shard_modules",  # TorchRec's name for it, underscore included
+]
