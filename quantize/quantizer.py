@@ -32,6 +32,7 @@ from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbedding
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.text import text_table
 from recship.trainer.types import DataType
 
 INFERENCE_TYPES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP8, DataType.FP16, DataType.FP32)
@@ -210,19 +211,16 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         header = ("table", "type", "by", "rows x dim", "bytes before", "bytes after", "max |err|", "mean |err|", "pooled rel err")
-        rows = [header] + [
+        rows = [
             (
                 t.table, t.data_type.lower(), t.chosen_by, f"{t.rows} x {t.dim}", f"{t.float_bytes:,}",
                 f"{t.quantized_bytes:,}", f"{t.max_abs_error:.3g}", f"{t.mean_abs_error:.3g}", f"{t.pooled_relative_error:.3g}",
             )
             for t in self.tables
         ]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-        lines.insert(1, "-+-".join("-" * w for w in widths))
         ratio = self.quantized_bytes / max(1, self.float_bytes)
-        lines.append(f"total: {self.float_bytes:,} -> {self.quantized_bytes:,} bytes ({ratio:.3f} of float32)")
-        return "\n".join(lines)
+        total = f"total: {self.float_bytes:,} -> {self.quantized_bytes:,} bytes ({ratio:.3f} of float32)"
+        return text_table(header, rows) + "\n" + total
 
 
 # ---------------------------------------------------------------------------

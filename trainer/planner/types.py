@@ -13,6 +13,8 @@ from enum import Enum, unique
 from pathlib import Path
 from typing import Dict, List, Optional, Type, TypeVar, Union
 
+from recship.trainer.text import text_table
+
 
 E = TypeVar("E", bound=Enum)
 
@@ -204,15 +206,8 @@ class ShardingPlan:
             ]
             out.append(
                 f"module: {path}\n\n"
-                + _table(params, ["param", "sharding type", "compute kernel", "ranks"])
+                + text_table(["param", "sharding type", "compute kernel", "ranks"], params, center_headers=True)
                 + "\n\n"
-                + _table(shards, ["param", "shard offsets", "shard sizes", "placement"])
+                + text_table(["param", "shard offsets", "shard sizes", "placement"], shards, center_headers=True)
             )
         return "\n\n".join(out)
-
-
-def _table(rows: List[List[str]], headers: List[str]) -> str:
-    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
-    lines = [" | ".join(h.center(w) for h, w in zip(headers, widths)), " | ".join("-" * w for w in widths)]
-    lines += [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(lines)
