@@ -8,7 +8,7 @@ model or a batch shared with other requests.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -59,10 +59,8 @@ class ModelSpec:
         self.any_weighted = bool(self._weighted.any())
 
     @staticmethod
-    def from_manifest(manifest: Union[Manifest, Dict[str, Any]], max_batch_size: int) -> "ModelSpec":
-        """``manifest``: the artifact's Manifest, or its manifest.json as parsed JSON (checked and converted)."""
-        if not isinstance(manifest, Manifest):
-            manifest = Manifest.from_dict(manifest)
+    def from_manifest(manifest: Manifest, max_batch_size: int) -> "ModelSpec":
+        """The request contract of the artifact whose manifest this is."""
         feats = manifest.sparse_features
         return ModelSpec(
             features=[f.name for f in feats],
