@@ -18,6 +18,8 @@ if TYPE_CHECKING:  # the client itself does not need torch
     from recship.sparse import KeyedJaggedTensor
 
 Sparse = Union[Mapping[str, Sequence[Sequence[int]]], "KeyedJaggedTensor"]
+Dense = Union[np.ndarray, Sequence[Sequence[float]]]  # [B, num_dense]
+Weights = Mapping[str, Sequence[Sequence[float]]]
 
 
 class PredictClient:
@@ -36,7 +38,7 @@ class PredictClient:
         self.close()
 
     @staticmethod
-    def request(model: str, sparse: Sparse, dense=None, weights: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
+    def request(model: str, sparse: Sparse, dense: Optional[Dense] = None, weights: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
                 version: int = 0, request_id: str = "") -> pb.PredictRequest:
         """A PredictRequest from {feature: [[ids of example 0], ...]} (or a KJT) and a dense [B, n] matrix."""
         features = []
@@ -60,7 +62,7 @@ class PredictClient:
             dense=pb.DenseMatrix(rows=d.shape[0], cols=d.shape[1], values=d.reshape(-1).tolist()) if d.size else pb.DenseMatrix(),
         )
 
-    def predict(self, model: str, sparse: Sparse, dense=None, weights=None, version: int = 0, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
+    def predict(self, model: str, sparse: Sparse, dense: Optional[Dense] = None, weights: Optional[Weights] = None, version: int = 0, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
         response = self.stub.Predict(self.request(model, sparse, dense, weights, version), timeout=timeout or self.timeout)
         return outputs_of(response)
 

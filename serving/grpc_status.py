@@ -29,7 +29,7 @@ CODES = {
 }
 
 
-def decode(message_class, data: bytes):
+def decode(message_class: Any, data: bytes) -> Any:
     """Parses a request message; bytes that do not decode are invalid (INVALID_ARGUMENT, not gRPC's UNKNOWN)."""
     try:
         return message_class.FromString(data)
@@ -37,7 +37,7 @@ def decode(message_class, data: bytes):
         raise InvalidRequest(f"the request is not a valid {message_class.DESCRIPTOR.full_name}: {e}") from None
 
 
-async def answer(inference: Inference, context, method: str, work: Callable[[Outcome], Awaitable[T]]) -> T:
+async def answer(inference: Inference, context: grpc.aio.ServicerContext, method: str, work: Callable[[Outcome], Awaitable[T]]) -> T:
     """``inference.call(method, work)``: its response, or an abort with the status of its error."""
     try:
         return await inference.call(method, work)
@@ -50,7 +50,7 @@ async def answer(inference: Inference, context, method: str, work: Callable[[Out
     raise AssertionError("context.abort raises")  # never reached: abort ends the call by raising
 
 
-def register(server, service: str, servicer, responses: Dict[str, Any]) -> None:
+def register(server: grpc.aio.Server, service: str, servicer: Any, responses: Dict[str, Any]) -> None:
     """Registers ``servicer``'s methods (by name, each answering its response class) on a grpc.aio server.
 
     The methods take the request's bytes, so each decodes them itself (``decode``) and

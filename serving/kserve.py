@@ -16,8 +16,9 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import grpc
 import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
@@ -26,7 +27,7 @@ from recship.export.artifact import Manifest
 from recship.serving import grpc_status
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
-from recship.serving.repository import VERSION_NAME, ModelNotFound, ServedVersion
+from recship.serving.repository import VERSION_NAME, ModelNotFound, ModelRepository, ServedVersion
 from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes, shown
 from recship.serving.v1 import kserve_descriptor
 
@@ -92,7 +93,7 @@ def _tensor(inp, raw: Optional[bytes]) -> np.ndarray:
     return values
 
 
-def to_request_arrays(request, num_dense: int) -> RequestArrays:
+def to_request_arrays(request: Any, num_dense: int) -> RequestArrays:
     """A ModelInferRequest -> RequestArrays for ``requests.validate`` (which words the remaining errors)."""
     raws = list(request.raw_input_contents)
     if raws and len(raws) != len(request.inputs):
@@ -135,7 +136,7 @@ def to_request_arrays(request, num_dense: int) -> RequestArrays:
     )
 
 
-def model_metadata(served) -> dict:
+def model_metadata(served: ServedVersion) -> dict:
     """ModelMetadataResponse as JSON (the REST front answers it as is; gRPC parses it into the message)."""
     m = served.manifest
     return {
@@ -154,7 +155,7 @@ def server_metadata() -> dict:
 
 
 async def model_infer(
-    inference: Inference, request, remaining: Optional[float], outcome: Outcome
+    inference: Inference, request: Any, remaining: Optional[float], outcome: Outcome
 ) -> Tuple[ServedVersion, Dict[str, torch.Tensor]]:
     """KServe's ModelInfer (over gRPC or HTTP): a ModelInferRequest through the request path ->
     (the version that answered, the requested outputs)."""
@@ -188,19 +189,19 @@ class KServeServicer:
 
         return await grpc_status.answer(self.inference, context, method, work)
 
-    async def ServerLive(self, data, context):
+    async def ServerLive(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             return R(live=True)
 
         return await self._answer("ServerLive", data, context, respond)
 
-    async def ServerReady(self, data, context):
+    async def ServerReady(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             return R(ready=self.inference.server_ready())
 
         return await self._answer("ServerReady", data, context, respond)
 
-    async def ModelReady(self, data, context):
+    async def ModelReady(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             try:
                 served = self.inference.route(request.name, parse_version(request.version), outcome)
@@ -210,27 +211,27 @@ class KServeServicer:
 
         return await self._answer("ModelReady", data, context, respond)
 
-    async def ServerMetadata(self, data, context):
+    async def ServerMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             return json_format.ParseDict(server_metadata(), R())
 
         return await self._answer("ServerMetadata", data, context, respond)
 
-    async def ModelMetadata(self, data, context):
+    async def ModelMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             served = self.inference.route(request.name, parse_version(request.version), outcome)
             return json_format.ParseDict(model_metadata(served), R())
 
         return await self._answer("ModelMetadata", data, context, respond)
 
-    async def RepositoryIndex(self, data, context):
+    async def RepositoryIndex(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             return R(models=[R.ModelIndex(name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
                              for m in repository_index(self.repo)])
 
         return await self._answer("RepositoryIndex", data, context, respond)
 
-    async def ModelInfer(self, data, context):
+    async def ModelInfer(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
             with self.inference.admit(len(data)):
                 request = decode(message("ModelInferRequest"), data)
@@ -240,7 +241,7 @@ class KServeServicer:
         return await grpc_status.answer(self.inference, context, "ModelInfer", work)
 
 
-def repository_index(repo) -> List[dict]:
+def repository_index(repo: ModelRepository) -> List[dict]:
     """Every served version (READY) and every refused version or folder (UNAVAILABLE, with its reason)."""
     index = [{"name": s.name, "version": str(s.version), "state": "READY" if s.batcher.alive else "UNAVAILABLE",
               "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.models()]
@@ -265,6 +266,6 @@ def _response(request, served, outputs):
 _METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex")
 
 
-def add_to_server(servicer: KServeServicer, server) -> None:
+def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
     """Registers inference.GRPCInferenceService on a grpc.aio server."""
     grpc_status.register(server, SERVICE, servicer, {method: message(f"{method}Response") for method in _METHODS})

@@ -4,6 +4,10 @@ Predict reads its request's bytes with the wire reader (``serving/wire.py``), no
 every method answers through the shared request path (``serving/inference.py``).
 """
 
+from typing import Any
+
+import grpc
+
 from recship.serving import grpc_status, wire
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
@@ -21,7 +25,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         self.inference = inference
         self.repo = inference.repo
 
-    async def Predict(self, data: bytes, context):
+    async def Predict(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
             with self.inference.admit(len(data)):
                 limit = self.repo.config.max_message_bytes
@@ -38,7 +42,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
         return await grpc_status.answer(self.inference, context, "Predict", work)
 
-    async def GetModelMetadata(self, data: bytes, context):
+    async def GetModelMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
             request = decode(pb.ModelMetadataRequest, data)
             served = self.inference.route(request.model_name, request.model_version, outcome)
@@ -60,7 +64,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
         return await grpc_status.answer(self.inference, context, "GetModelMetadata", work)
 
-    async def ListModels(self, data: bytes, context):
+    async def ListModels(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
             decode(pb.ListModelsRequest, data)
             return pb.ListModelsResponse(
@@ -78,7 +82,7 @@ def read_predict(data: bytes) -> RequestArrays:
         raise InvalidRequest(f"the request is not a valid recship.serving.v1.PredictRequest: {e}") from None
 
 
-def add_to_server(servicer: PredictorServicer, server) -> None:
+def add_to_server(servicer: PredictorServicer, server: grpc.aio.Server) -> None:
     """Registers the Predictor service on a grpc.aio server."""
     responses = {"Predict": pb.PredictResponse, "GetModelMetadata": pb.ModelMetadataResponse, "ListModels": pb.ListModelsResponse}
     grpc_status.register(server, SERVICE, servicer, responses)

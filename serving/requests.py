@@ -8,7 +8,7 @@ model or a batch shared with other requests.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -130,7 +130,7 @@ class RequestArrays:
     dense: np.ndarray = field(default_factory=lambda: _empty(np.float32))  # float32 [dense_rows * dense_cols]
 
     @staticmethod
-    def from_message(request) -> "RequestArrays":
+    def from_message(request: Any) -> "RequestArrays":
         """From a ``recship.serving.v1.PredictRequest`` message (element-wise: the slow path)."""
         feats = list(request.sparse)
         return RequestArrays(

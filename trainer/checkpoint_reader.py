@@ -9,7 +9,7 @@ save and load of a running job are in ``recship.trainer.checkpoint``.
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -19,13 +19,14 @@ from recship.trainer.planner.types import ShardingPlan
 
 FORMAT = "recship.checkpoint/1"
 META_FILE = "recship.json"
+T = TypeVar("T")
 
 # ShardedTensor (arbitrary shard offsets, which DTensor cannot express for our column
 # blocks and single-rank table-wise shards) is marked for deprecation; DCP warns on every use.
 _SHARDED_TENSOR_WARNING = "Please use DTensor instead and we are deprecating ShardedTensor"
 
 
-def quiet_dcp(fn, *args, **kwargs):
+def quiet_dcp(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` (a DCP call) without DCP's deprecation and no-process-group warnings."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SHARDED_TENSOR_WARNING, category=FutureWarning)

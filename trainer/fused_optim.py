@@ -18,7 +18,7 @@ import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from enum import Enum, unique
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -146,7 +146,7 @@ class RowWiseAdagrad(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "eps": eps})
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             for p in group["params"]:

@@ -13,7 +13,7 @@ parameters (and data-parallel tables) go to a torch optimizer.
 """
 
 from dataclasses import asdict
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -103,7 +103,7 @@ class DistributedModelParallel(nn.Module):
         else:
             self.module = module
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     @property

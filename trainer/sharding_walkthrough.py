@@ -7,6 +7,7 @@ their halves of a batch and check it against the unsharded module.
 
 import os
 import socket
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ WORLD_SIZE = 2
 TABLES = {"large_table_0": 4096, "large_table_1": 4096, "small_table_0": 1024, "small_table_1": 1024}
 
 
-def tutorial_ebc(device=None) -> EmbeddingBagCollection:
+def tutorial_ebc(device: Optional[str] = None) -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
         [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=64, feature_names=[n]) for n, r in TABLES.items()],
         device=device,
