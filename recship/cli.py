@@ -23,7 +23,9 @@ _COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The CLI's parser; a subcommand's module (and torch with it) is imported only for the
+    subcommand named by ``command`` (None: all of them, e.g. to list every flag)."""
     parser = argparse.ArgumentParser(
         prog="recship",
         description="Train, quantize, export and serve recommendation models with large embedding tables.",
@@ -33,12 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in _COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(p)
+        if command is None or command == name:
+            importlib.import_module(module_name).add_arguments(p)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # --version, --help and a mistyped command need no subcommand module: answer them without torch
+    command = argv[0] if argv and argv[0] in _COMMANDS else ""
+    args = build_parser(command).parse_args(argv)
     module = importlib.import_module(args._module)
     try:
         return module.run(args)

@@ -90,6 +90,24 @@ def test_cli_unknown_command_exits_2():
     assert out.returncode == 2
 
 
+@pytest.mark.parametrize("argv, code", [(["--version"], 0), (["--help"], 0), (["nope"], 2), ([], 2)])
+def test_cli_answers_version_help_and_usage_errors_without_torch_in_under_a_second(argv, code):
+    probe = (
+        "import sys, time; t = time.time(); from recship.cli import main\n"
+        "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
+        "print('\\n@', rc, time.time() - t, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True)
+    rc, seconds, torch_loaded = out.stdout.rsplit("@", 1)[1].split()
+    assert (int(rc), torch_loaded) == (code, "False"), out.stderr
+    assert float(seconds) < 1.0  # measured 0.06 s here; torch alone takes ~2 s to import
+
+
+def test_the_grpc_client_imports_without_torch():
+    code = "import sys, recship.serving.client; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
 def test_readme_quick_start_runs_as_pasted(tmp_path):
     readme = (ROOT / "README.md").read_text()
     code = readme.split("```python\n", 1)[1].split("```", 1)[0]
