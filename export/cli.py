@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="int8", help="int8 | int4 | int2 | fp8 | fp16 | fp32 | auto (default int8)")
     parser.add_argument("--table-dtype", action="append", metavar="TABLE=DTYPE", help="per-table type, repeatable")
     parser.add_argument("--error-budget", type=float, help="auto types and validation: the largest allowed error")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the device the artifact will run on (decides row alignment)")
     parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
     parser.add_argument("--sharding", choices=["table_wise", "row_wise", "column_wise"], help="force one sharding type")
     parser.add_argument("--batch-size-hint", type=int, default=512, help="validation batch size (default 512)")

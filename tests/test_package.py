@@ -118,3 +118,18 @@ def test_readme_quick_start_runs_as_pasted(tmp_path):
         "['product', 'user'] torch.Size([3, 128])",
         "torch.Size([3, 64]) tensor([2, 0, 1])",
     ]
+
+
+def test_every_flag_of_every_subcommand_says_what_it_does():
+    import argparse
+
+    from recship.cli import build_parser
+
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [
+        f"recship {name} {'/'.join(a.option_strings) or a.dest}"
+        for name, parser in subcommands.choices.items()
+        for a in parser._actions
+        if not isinstance(a, argparse._HelpAction) and not a.help
+    ]
+    assert bare == []
