@@ -86,9 +86,32 @@ static double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
 }
 
+static const char* kUsage =
+    "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR] [--max-batch-size B]\n"
+    "\n"
+    "Runs an exported recship artifact from C++ and prints its outputs as JSON.\n"
+    "\n"
+    "  ARTIFACT_DIR        the folder `recship export` wrote (manifest.json, model.pt, sample/)\n"
+    "  --request FILE      JSON {\"sparse\": {\"f\": [[1, 2], [3]]}, \"dense\": [[...]], \"weights\": {...}};\n"
+    "                      default: the artifact's own sample request\n"
+    "  --bench N           time N predictions of the request; p50/p90/p99 and the raw forward on stderr\n"
+    "  --threads T         also run the sample from T threads at once, each checking its answer\n"
+    "  --fbgemm-dir DIR    where fbgemm_gpu's op libraries are (default: the folder the loader was built with)\n"
+    "  --max-batch-size B  largest batch a request may have (default 512)\n"
+    "  -h, --help          print this and exit\n"
+    "\n"
+    "Exit codes: 0 ok, 1 the artifact cannot be loaded or run, 2 bad arguments or an invalid request.\n";
+
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a == "-h" || a == "--help") {
+      std::cout << kUsage;
+      return 0;
+    }
+  }
   if (argc < 2) {
-    std::cerr << "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR] [--max-batch-size B]\n";
+    std::cerr << kUsage;
     return 2;
   }
   std::string artifact = argv[1], request_file, fbgemm_dir;

@@ -94,6 +94,18 @@ def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
         assert result.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
 
 
+def test_help_describes_every_flag_and_bad_arguments_exit_2(binary):
+    for flag in ("--help", "-h"):
+        result = _run(binary, flag)
+        assert result.returncode == 0 and result.stdout.startswith("usage: recship_predict ARTIFACT_DIR")
+        usage = result.stdout.splitlines()[0]
+        flags = [word.strip("[") for word in usage.split() if word.startswith("[--")]
+        described = [line.split()[0] for line in result.stdout.splitlines()[1:] if line.startswith("  -")]
+        assert flags and set(flags) <= set(described), (flags, described)
+    assert _run(binary).returncode == 2
+    assert _run(binary, "some_dir", "--nope").returncode == 2
+
+
 def test_tampered_model_and_missing_op_library(binary, artifacts, tmp_path):
     art = tmp_path / "tampered"
     shutil.copytree(artifacts[("dlrm", "int8")], art)
