@@ -26,7 +26,8 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 import torch
 
 FORMAT = "recship.artifact/1"
-# What a C++ process must dlopen (from fbgemm_gpu's folder) before torch::jit::load.
+# What a C++ process must dlopen (from fbgemm_gpu's folder, RTLD_NOW | RTLD_GLOBAL) before torch::jit::load:
+# TorchScript resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
 ID_POLICIES = ("reject", "modulo")
 DEVICES = ("cpu", "cuda")

@@ -14,7 +14,6 @@ then it is dropped, so peak memory stays near the quantized model plus one table
 """
 
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch import nn
 
-from recship.export.artifact import FORMAT, file_sha256
+from recship.export.artifact import Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
 from recship.quantize.modules import ID_POLICIES
@@ -40,11 +39,6 @@ from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
     from recship.trainer.dlrm import DLRMConfig
-
-# What a C++ process must dlopen (RTLD_NOW | RTLD_GLOBAL) before torch::jit::load: TorchScript
-# resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
-OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
-
 
 class ExportError(ValueError):
     """The export cannot proceed; the message names the problem."""
@@ -611,10 +605,9 @@ def write_artifact(
     """Writes the artifact into a temporary sibling and renames it into place.
 
     ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
-    validation of the manifest; the inputs, outputs, sample, versions and checksum are added here.
+    validation of the manifest; ``Manifest.from_fields`` adds the inputs, outputs, sample,
+    versions and checksum (the artifact contract is export/artifact.py's).
     """
-    import fbgemm_gpu
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -632,42 +625,17 @@ def write_artifact(
             outputs = {
                 k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
             }
-        (tmp / "sample").mkdir()
-        sample_meta: Dict[str, Any] = {"batch_size": config.sample_batch_size, "inputs": {}, "outputs": {}}
-        for group, tensors in (("inputs", inputs), ("outputs", outputs)):
-            for name, t in tensors.items():
-                path = f"sample/{group}.{name}.bin"
-                (tmp / path).write_bytes(t.contiguous().numpy().astype(t.numpy().dtype.newbyteorder("<")).tobytes())
-                sample_meta[group][name] = {"file": path, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape)}
-        manifest = {
-            "format": FORMAT,
-            "model": fields["model"],
-            "inputs": {
-                "dense": {"dtype": "float32", "shape": ["B", fields["num_dense"]]},
-                "lengths": {"dtype": "int32", "shape": ["F*B"], "order": "feature-major, features in the order below"},
-                "values": {"dtype": "int64", "shape": ["N"]},
-                "weights": {"dtype": "float32", "shape": ["N"], "required": fields["weighted"]},
-            },
-            "num_dense": fields["num_dense"],
-            "sparse_features": fields["sparse_features"],
-            "weighted": fields["weighted"],
-            "outputs": {k: {"dtype": "float32", "shape": ["B"] + list(v.shape[1:])} for k, v in outputs.items()},
-            "sharding": fields["sharding"],
-            "versions": {"torch": torch.__version__, "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "unknown"), "python": sys.version.split()[0]},
-            "op_libraries": OP_LIBRARIES,
-            "quantization": fields["quantization"],
-            "validation": fields["validation"],
-            "sample": sample_meta,
-            "model_sha256": file_sha256(tmp / "model.pt"),
-        }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
+        output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
+        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"))
+        manifest.write(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)  # the artifact appears complete or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return manifest
+    return manifest.to_dict()
 
 
 class _Stages:
