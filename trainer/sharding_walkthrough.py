@@ -76,14 +76,11 @@ def run() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, queue)) for r in range(WORLD_SIZE)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get() for _ in procs)
-    for p in procs:
-        p.join()
+    # mp.spawn re-raises a failed rank's exception here with that rank's traceback (a rank that
+    # dies no longer leaves the parent waiting); each rank's few floats fit the pipe's buffer
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank_main, args=(port, queue), nprocs=WORLD_SIZE)
+    results = dict(queue.get() for _ in range(WORLD_SIZE))
     for st in ShardingType:
         worst = max(results[r][st.value] for r in range(WORLD_SIZE))
         if worst > 1e-5:
