@@ -7,8 +7,9 @@
 
 A DLRM answers {"logit": [B, 1], "prob": [B, 1]}; an embedding-only model answers
 each feature's pooled embedding [B, dim] (its ``dense`` input is [B, 0]).
-Inside, the KJT is rebuilt from the tensors and the quantized, inference-sharded
-tables run; callers need no recship classes.
+Inside, the quantized, inference-sharded tables run as a ``FlatPooledLookup`` on the
+request tensors themselves (no KeyedJaggedTensor is built); callers need no recship
+classes. The same modules are what torch.export / AOTInductor compile.
 """
 
 from typing import Dict, List, Optional
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from recship.fx import symbolic_trace
+from recship.quantize.flat import FlatPooledLookup
 from recship.sparse import KeyedJaggedTensor
 
 
@@ -33,39 +35,50 @@ def build_kjt(
 
 
 class ExportedDLRM(nn.Module):
-    """A DLRM whose sparse arch is quantized and sharded for inference."""
+    """A DLRM whose sparse arch is quantized and sharded for inference.
+
+    Args:
+        dlrm: the DLRM (its dense layers are used; its sparse arch is not called).
+        lookup: the flat lookup of its quantized, sharded tables (features in table order).
+        device: where the dense layers (and the merged embeddings) live.
+    """
 
     _feature_names: List[str]
 
-    def __init__(self, dlrm: nn.Module, feature_names: List[str], device: str = "cpu") -> None:
+    def __init__(self, dlrm: nn.Module, lookup: FlatPooledLookup, device: str = "cpu") -> None:
         super().__init__()
         self.model = dlrm
-        self._feature_names = list(feature_names)
-        self._device = device  # where the dense layers (and the merged embeddings) live
+        self.lookup = lookup
+        self._feature_names = list(lookup.feature_names)
+        self._device = device
 
     def forward(
         self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
     ) -> Dict[str, torch.Tensor]:
-        sparse = build_kjt(self._feature_names, values, lengths, weights)
-        logit = self.model(dense.to(torch.device(self._device)), sparse).unsqueeze(1)
+        pooled = self.lookup(lengths, values, weights)
+        logit = self.model.predict(dense.to(torch.device(self._device)), pooled).unsqueeze(1)
         return {"logit": logit, "prob": torch.sigmoid(logit)}
 
 
 class ExportedEmbeddings(nn.Module):
     """An embedding-only model: each feature's pooled embedding."""
 
-    _feature_names: List[str]
-
-    def __init__(self, sparse: nn.Module, feature_names: List[str]) -> None:
+    def __init__(self, lookup: FlatPooledLookup) -> None:
         super().__init__()
-        self.sparse = sparse
-        self._feature_names = list(feature_names)
+        self.lookup = lookup
+        self._feature_names = list(lookup.feature_names)
+        self._dims = list(lookup.dims)
 
     def forward(
         self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
     ) -> Dict[str, torch.Tensor]:
-        pooled = self.sparse(build_kjt(self._feature_names, values, lengths, weights))
-        return pooled.to_dict()
+        pooled = self.lookup(lengths, values, weights)
+        out: Dict[str, torch.Tensor] = {}
+        col = 0
+        for name, dim in zip(self._feature_names, self._dims):
+            out[name] = pooled[:, col : col + dim]
+            col += dim
+        return out
 
 
 def trace_and_script(module: nn.Module) -> torch.jit.ScriptModule:

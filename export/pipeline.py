@@ -28,6 +28,7 @@ from torch import nn
 from recship.export.artifact import Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
+from recship.quantize.flat import FlatPooledLookup
 from recship.quantize.modules import ID_POLICIES
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
@@ -128,7 +129,7 @@ def _dense_dlrm(config: "DLRMConfig", dense: Dict[str, torch.Tensor], where: str
     from recship.trainer.dlrm import DLRM
 
     model: nn.Module = DLRM(config, device="meta")  # a plain Module: its sparse arch is swapped out
-    model.sparse_arch = nn.Module()  # replaced by the quantized, sharded tables
+    model.sparse_arch = nn.Module()  # the quantized, sharded tables run beside it (ExportedDLRM)
     model.to_empty(device="cpu")
     dense = {k: v for k, v in dense.items() if not k.startswith("sparse_arch.")}
     missing = sorted(set(model.state_dict()) - set(dense))
@@ -342,17 +343,6 @@ def eval_batches(
     return out
 
 
-class _FixedPooled(nn.Module):
-    """Stands in for a sparse arch: returns pooled embeddings computed beforehand."""
-
-    def __init__(self, pooled: KeyedTensor) -> None:
-        super().__init__()
-        self.pooled = pooled
-
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return self.pooled
-
-
 # ---------------------------------------------------------------------------
 # the pipeline
 # ---------------------------------------------------------------------------
@@ -435,10 +425,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             assert model is not None  # every DLRM source has its dense part
             # dense layers run where the shards' outputs are merged: the first device
             model.to(devices[0])
-            model.sparse_arch = sparse
-            exported: nn.Module = ExportedDLRM(model, names, str(devices[0]))
+            exported: nn.Module = ExportedDLRM(model, FlatPooledLookup.of(sparse), str(devices[0]))
         else:
-            exported = ExportedEmbeddings(sparse, names)
+            exported = ExportedEmbeddings(FlatPooledLookup.of(sparse))
         exported.eval()
         try:
             scripted = trace_and_script(exported)
@@ -499,12 +488,7 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     model = src.dense_model
     assert model is not None  # every DLRM source has its dense part
     device = next(model.parameters()).device
-    saved = model.sparse_arch
-    model.sparse_arch = _FixedPooled(kt.to(device))
-    try:
-        logit = model(dense.to(device), kjt).unsqueeze(1).cpu()
-    finally:
-        model.sparse_arch = saved
+    logit = model.predict(dense.to(device), kt.values().to(device)).unsqueeze(1).cpu()
     return {"logit": logit, "prob": torch.sigmoid(logit)}
 
 

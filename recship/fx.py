@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 DEFAULT_LEAF_MODULES = (
+    "FlatPooledLookup",
+    "FlatEmbeddingBagCollection",
+    "FlatEmbeddingCollection",
     "IntNBitTableBatchedEmbeddingBagsCodegen",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",

@@ -94,12 +94,17 @@ class DLRM(nn.Module):
         self._num_vectors = f + 1
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        return self.predict(dense, self.sparse_arch(sparse).values())
+
+    def predict(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        """The logit [B] from dense features [B, num_dense] and the pooled embeddings [B, F * D]
+        (features in table order): everything after the lookups."""
         dense_emb = self.dense_arch(dense)  # [B, D]
-        pooled = self.sparse_arch(sparse).values()  # [B, F * D]
         b = dense_emb.shape[0]
         stacked = torch.cat([dense_emb.unsqueeze(1), pooled.view(b, -1, dense_emb.shape[1])], dim=1)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
         # upper triangle without the diagonal: every unordered pair once
-        pair = torch.triu_indices(self._num_vectors, self._num_vectors, offset=1, device=dots.device)
-        pairs = dots[:, pair[0], pair[1]]
+        n = self._num_vectors
+        pair = torch.triu_indices(n, n, offset=1, device=dots.device)
+        pairs = dots.reshape(b, n * n).index_select(1, pair[0] * n + pair[1])  # one gather; 2-D fancy indexing is slow
         return self.over_arch(torch.cat([dense_emb, pairs], dim=1)).squeeze(1)

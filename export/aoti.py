@@ -1,0 +1,157 @@
+"""The AOTInductor artifact: ``model.pt2`` beside the TorchScript ``model.pt``.
+
+torch.export captures the exported module (a ``FlatPooledLookup`` and the model's dense
+layers: no TorchBind state, no KeyedJaggedTensor) with the batch size and the number of
+ids dynamic, and AOTInductor compiles it into a package that runs from Python
+(``torch._inductor.aoti_load_package``) and from C++ (``AOTIModelPackageLoader``) with
+the same op libraries as TorchScript.
+
+Traps this module handles:
+
+- compiled kernels target one CPU: by default the portable ``x86-64-v3`` (AVX2, FMA;
+  every x86 server since about 2015) with 256-bit vectors, not the build machine's
+  ``-march=native``; the manifest records it and loaders refuse a package their CPU
+  cannot run (``cpu_supports``), instead of dying of SIGILL;
+- AOTI does not check input shapes or dtypes: callers validate requests before the model
+  (the server and the C++ loader do; ``AotiModel`` does for Python callers);
+- ids are checked inside by a tensor assert (the server and C++ loader validate first).
+"""
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recship.quantize.flat import FlatPooledLookup
+
+PORTABLE_ISA = "x86-64-v3"  # -march: AVX2 + FMA + BMI2
+_ISA_VECTOR_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v4": 512}
+# CPU flags (/proc/cpuinfo) each -march level needs beyond the previous one
+_ISA_FLAGS = {
+    "x86-64-v2": ["sse4_2", "popcnt", "ssse3"],
+    "x86-64-v3": ["sse4_2", "popcnt", "ssse3", "avx", "avx2", "bmi1", "bmi2", "fma", "movbe"],
+    "x86-64-v4": ["sse4_2", "popcnt", "ssse3", "avx", "avx2", "bmi1", "bmi2", "fma", "movbe", "avx512f", "avx512bw", "avx512cd",
+                  "avx512dq", "avx512vl"],
+}
+
+
+class AotiError(RuntimeError):
+    """The AOTInductor package cannot be built or run here; the message says why."""
+
+
+def compiler_available() -> bool:
+    """Whether a C++ compiler for AOTInductor is on PATH (``$CXX`` or g++)."""
+    import shutil
+
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+def cpu_supports(isa: str) -> Tuple[bool, str]:
+    """(whether this CPU runs code built with -march=``isa``, the missing flags); unknown ISAs and
+    non-Linux hosts are taken on trust."""
+    needed = _ISA_FLAGS.get(isa)
+    if needed is None or not Path("/proc/cpuinfo").exists():
+        return True, ""
+    flags: set = set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    missing = [f for f in needed if f not in flags and not (f == "bmi1" and "bmi1" not in flags and "bmi2" in flags)]
+    return not missing, " ".join(missing)
+
+
+@dataclass
+class AotiPackage:
+    """What ``compile_package`` built: the file, its dynamic ranges and how long it took."""
+
+    path: Path
+    target_isa: str
+    dynamic: Dict[str, List[int]]  # input dim -> [min, max]
+    compile_seconds: float
+    size_bytes: int
+
+
+@contextmanager
+def _export_mode(module: nn.Module) -> Iterator[None]:
+    """Flat lookups check ids with tensor asserts while torch.export traces ``module``."""
+    lookups = [m for m in module.modules() if isinstance(m, FlatPooledLookup)]
+    saved = [m.asserts for m in lookups]
+    for m in lookups:
+        m.for_export()
+    try:
+        yield
+    finally:
+        for m, a in zip(lookups, saved):
+            m.asserts = a
+
+
+def compile_package(
+    module: nn.Module,
+    example: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+    num_features: int,
+    path: Path,
+    target_isa: Optional[str] = PORTABLE_ISA,
+    max_batch: int = 1 << 16,
+    max_ids: int = 1 << 30,
+) -> AotiPackage:
+    """torch.export + AOTInductor of ``module``'s forward(dense, lengths, values, weights) into ``path``.
+
+    Args:
+        example: one request (dense [B, num_dense], lengths [F*B] int32, values [N] int64,
+            weights [N] float32 or None); B and N are dynamic in the package (any B in
+            [1, max_batch], N in [0, max_ids]); whether weights are given is fixed.
+        target_isa: -march of the compiled kernels (None: the build machine's, ``native``).
+    """
+    from torch.export import Dim
+
+    dense, lengths, values, weights = example
+    if dense.shape[0] < 2 or values.shape[0] < 2:
+        raise AotiError("the example request needs a batch of >= 2 and >= 2 ids (sizes 0 and 1 would be specialised)")
+    batch = Dim("batch", min=1, max=max_batch)
+    ids = Dim("ids", min=0, max=max_ids)
+    dynamic = {
+        "dense": {0: batch},
+        "lengths": {0: num_features * batch},
+        "values": {0: ids},
+        "weights": None if weights is None else {0: ids},
+    }
+    start = time.perf_counter()
+    module.eval()
+    try:
+        with _export_mode(module), torch.no_grad():
+            program = torch.export.export(module, (dense, lengths, values, weights), dynamic_shapes=dynamic, strict=False)
+    except Exception as e:  # any capture failure ends with its reason
+        raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    options: Dict[str, object] = {}
+    if target_isa is not None:
+        options["cpp.march"] = target_isa
+        if target_isa in _ISA_VECTOR_BITS:
+            options["cpp.simdlen"] = _ISA_VECTOR_BITS[target_isa]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        built = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
+    except Exception as e:
+        raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    seconds = time.perf_counter() - start
+    return AotiPackage(
+        Path(built), target_isa or "native",
+        {"dense.0": [1, max_batch], "lengths.0": [num_features, num_features * max_batch], "values.0": [0, max_ids]},
+        seconds, Path(built).stat().st_size,
+    )
+
+
+def load_package(path: Path, target_isa: str) -> nn.Module:
+    """The compiled model of ``path`` (callable like the TorchScript one, positional tensors in,
+    Dict[str, Tensor] out); AotiError if this CPU cannot run ``target_isa``."""
+    ok, missing = cpu_supports(target_isa)
+    if not ok:
+        raise AotiError(f"{path} was compiled for {target_isa}; this CPU lacks {missing}: use model.pt (TorchScript)")
+    import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops the package calls)
+
+    return torch._inductor.aoti_load_package(str(path))

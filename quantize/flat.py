@@ -1,0 +1,421 @@
+"""The flat inference forward: request tensors in, fbgemm's lookup op called directly.
+
+The quantized collections (``QuantEmbeddingBagCollection``, its inference-sharded
+``ShardedQuantEmbeddingBagCollection``, ``QuantEmbeddingCollection``) build KeyedJagged-
+Tensors, split features and call fbgemm's TBE modules, whose forwards carry TorchBind
+state; at small batches that bookkeeping costs several times the lookup itself, and
+torch.export cannot take it. The modules here are what an exported model runs instead:
+
+- ``FlatTBE``: one inference TBE as plain buffers (rows, offsets, types) and one call of
+  ``torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function``;
+- ``FlatPooledLookup``: forward(lengths [F*B], values [N], weights [N] or None) ->
+  [B, sum of dims], features in request order, for any inference sharding (table-,
+  row-, column-wise over N shards), SUM and MEAN, weighted or not, id policies;
+- ``FlatEmbeddingBagCollection`` / ``FlatEmbeddingCollection``: the same behind the
+  collections' KJT contract, for models whose own forward hands a KJT to them.
+
+Every shape is static in the request's sizes (B and N) except where a shard sees a
+subset of the features, so the same module runs under TorchScript and torch.export /
+AOTInductor. Row-wise blocks see all of their feature's ids, those outside the block
+weighted 0 (rebased ids clamped to row 0): exactly the block's partial sum, with no
+data-dependent sizes.
+
+Ids: an id outside its table is an error, or hashed into it for "modulo" features.
+Under TorchScript (and eager) the error is the id rule's ValueError (``feature 'f': id 7
+is out of range [0, 5)``); a module prepared for torch.export (``for_export()``) checks
+with a tensor assert instead (the server and the C++ loader validate requests before the
+model; the assert is the backstop). The rows are the quantized module's storage, shared,
+not copied.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.sparse.ids import first_out_of_range, out_of_range_message
+
+class FlatTBE(nn.Module):
+    """One fbgemm inference TBE: its storage as buffers and a direct call of the lookup op.
+
+    Args:
+        tbe: an initialised ``IntNBitTableBatchedEmbeddingBagsCodegen`` whose rows are filled;
+            its tensors are shared, not copied.
+    """
+
+    def __init__(self, tbe: nn.Module) -> None:
+        super().__init__()
+        host = int(getattr(tbe, "host_size")) > 0
+        self.register_buffer("weights", getattr(tbe, "weights_host") if host else getattr(tbe, "weights_dev"))
+        for name in ("weights_uvm", "weights_placements", "weights_offsets", "weights_tys", "D_offsets", "lxu_cache_weights"):
+            self.register_buffer(name, getattr(tbe, name))
+        device = self.weights.device
+        self.register_buffer("lxu_cache_locations", torch.empty(0, dtype=torch.int32, device=device))
+        self.total_D = int(getattr(tbe, "total_D"))
+        self.max_int2_D = int(getattr(tbe, "max_int2_D"))
+        self.max_int4_D = int(getattr(tbe, "max_int4_D"))
+        self.max_int8_D = int(getattr(tbe, "max_int8_D"))
+        self.max_float16_D = int(getattr(tbe, "max_float16_D"))
+        self.max_float32_D = int(getattr(tbe, "max_float32_D"))
+        self.max_float8_D = int(getattr(tbe, "max_float8_D"))
+        self.pooling_mode = int(getattr(tbe, "pooling_mode"))
+        self.output_dtype = int(getattr(tbe, "output_dtype"))
+        self.row_alignment = int(getattr(tbe, "row_alignment"))
+        self.fp8_exponent_bits = int(getattr(tbe, "fp8_exponent_bits"))
+        self.fp8_exponent_bias = int(getattr(tbe, "fp8_exponent_bias"))
+        self.device_name = str(device)
+
+    def forward(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
+        """indices [N] int64, offsets [T*B + 1] int64 (T: the TBE's features), weights [N] float32 or None
+        -> [B, total_D] float32 (pooled) or [N, D] (unpooled)."""
+        return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
+            dev_weights=self.weights,
+            uvm_weights=self.weights_uvm,
+            weights_placements=self.weights_placements,
+            weights_offsets=self.weights_offsets,
+            weights_tys=self.weights_tys,
+            D_offsets=self.D_offsets,
+            total_D=self.total_D,
+            max_int2_D=self.max_int2_D,
+            max_int4_D=self.max_int4_D,
+            max_int8_D=self.max_int8_D,
+            max_float16_D=self.max_float16_D,
+            max_float32_D=self.max_float32_D,
+            indices=indices,
+            offsets=offsets,
+            pooling_mode=self.pooling_mode,
+            indice_weights=weights,
+            output_dtype=self.output_dtype,
+            lxu_cache_weights=self.lxu_cache_weights,
+            lxu_cache_locations=self.lxu_cache_locations,
+            row_alignment=self.row_alignment,
+            max_float8_D=self.max_float8_D,
+            fp8_exponent_bits=self.fp8_exponent_bits,
+            fp8_exponent_bias=self.fp8_exponent_bias,
+        )
+
+
+class _Shard(nn.Module):
+    """A FlatTBE and where its inputs come from: unit u (one of its features) reads request
+    feature ``features[u]``, rows [row_offset[u], row_offset[u] + rows[u]) of that feature's
+    table when ``bucketed``; its output columns land at ``columns`` of the result."""
+
+    def __init__(
+        self,
+        tbe: nn.Module,
+        features: List[int],
+        row_offsets: List[int],
+        rows: List[int],
+        columns: List[int],
+        bucketed: bool,
+        num_features: int,
+        result_device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.tbe = FlatTBE(tbe)
+        self.device_name = self.tbe.device_name
+        self.all_in_order = features == list(range(num_features))
+        self.same_size = sorted(features) == list(range(num_features))  # every feature once: N ids in, as many out
+        self.bucketed = bucketed
+        self.num_units = len(features)
+        self.register_buffer("features", torch.tensor(features, dtype=torch.int64))
+        self.register_buffer("row_offsets", torch.tensor(row_offsets, dtype=torch.int64))
+        self.register_buffer("rows", torch.tensor(rows, dtype=torch.int64))
+        self.register_buffer("columns", torch.tensor(columns, dtype=torch.int64, device=result_device))
+
+    def forward(
+        self,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        batch: int,
+        num_features: int,
+        result_device: str,
+    ) -> torch.Tensor:
+        """This shard's pooled outputs [B, its columns] on ``result_device``."""
+        indices, offsets, weights = self.inputs(lengths, offsets, values, weights, batch, num_features)
+        device = torch.device(self.device_name)
+        out = self.tbe(indices.to(device), offsets.to(device), None if weights is None else weights.to(device))
+        return out.to(torch.device(result_device))
+
+    def inputs(
+        self,
+        lengths: torch.Tensor,
+        offsets: torch.Tensor,
+        values: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        batch: int,
+        num_features: int,
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(indices, offsets, weights) of one shard's units, gathered from the request."""
+        if self.all_in_order and not self.bucketed:
+            return values, offsets, weights
+        per_feature = lengths.view(num_features, batch)
+        unit_lengths = per_feature.index_select(0, self.features)  # [U, B]
+        unit_counts = unit_lengths.sum(1)
+        starts = offsets.index_select(0, self.features * batch)  # where each unit's feature begins in values
+        unit_starts = _complete_cumsum(unit_counts)[:-1]
+        if self.same_size:
+            total = values.shape[0]
+            source = (starts - unit_starts).repeat_interleave(unit_counts, output_size=total)
+        else:
+            source = (starts - unit_starts).repeat_interleave(unit_counts)
+            total = source.shape[0]
+        source = source + torch.arange(total, dtype=torch.int64, device=values.device)
+        indices = values.index_select(0, source)
+        unit_weights = None if weights is None else weights.index_select(0, source)
+        if self.bucketed:
+            row_offset = self.row_offsets.repeat_interleave(unit_counts, output_size=total)
+            rows = self.rows.repeat_interleave(unit_counts, output_size=total)
+            rebased = indices - row_offset
+            inside = (rebased >= 0) & (rebased < rows)
+            indices = torch.where(inside, rebased, torch.zeros_like(rebased))
+            mask = inside.to(torch.float32)
+            unit_weights = mask if unit_weights is None else unit_weights * mask
+        return indices, _complete_cumsum(unit_lengths.reshape(-1)), unit_weights
+
+
+class FlatPooledLookup(nn.Module):
+    """Pooled lookups of quantized (possibly sharded) tables on request tensors.
+
+    forward(lengths [F*B] int (feature-major, features in ``feature_names`` order),
+            values [N] int, weights [N] float32 or None) -> [B, sum of dims] float32
+    on the first shard's device, each feature's ``dim`` columns in ``feature_names`` order.
+
+    Build with ``FlatPooledLookup.of(module)`` from a QuantEmbeddingBagCollection or a
+    ShardedQuantEmbeddingBagCollection.
+    """
+
+    feature_names: List[str]
+    dims: List[int]
+    table_rows: List[int]
+
+    def __init__(
+        self,
+        feature_names: List[str],
+        dims: List[int],
+        table_rows: List[int],
+        modulo: List[bool],
+        mean_after: List[bool],
+        weighted: bool,
+        shards: List[_Shard],
+        result_device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.feature_names = list(feature_names)
+        self.dims = list(dims)
+        self.table_rows = list(table_rows)
+        self.num_features = len(feature_names)
+        self.total_dim = sum(dims)
+        self.weighted = weighted
+        self.shards = nn.ModuleList(shards)
+        self.result_device = str(result_device)
+        self.any_modulo = any(modulo)
+        self.any_mean_after = any(mean_after)
+        self.min_rows = min(table_rows)
+        self.asserts = False  # for_export(): tensor asserts instead of Python errors
+        self.register_buffer("rows_per_feature", torch.tensor(table_rows, dtype=torch.int64))
+        self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool))
+        self.register_buffer(
+            "mean_columns", torch.tensor([i for i, d in enumerate(dims) for _ in range(d)], dtype=torch.int64, device=result_device)
+        )
+        self.register_buffer("mean_per_feature", torch.tensor(mean_after, dtype=torch.bool, device=result_device))
+        self.single = len(shards) == 1 and shards[0].all_in_order and shards[0].columns.tolist() == list(range(self.total_dim))
+        self.summed = _has_row_blocks(shards)
+        self.register_buffer(
+            "order", torch.argsort(torch.cat([s.columns for s in shards])) if shards else torch.empty(0, dtype=torch.int64),
+        )
+
+    @staticmethod
+    def of(module: nn.Module) -> "FlatPooledLookup":
+        """The flat lookup of a QuantEmbeddingBagCollection or ShardedQuantEmbeddingBagCollection (rows shared)."""
+        from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+        from recship.quantize.modules import QuantEmbeddingBagCollection
+
+        if isinstance(module, ShardedQuantEmbeddingBagCollection):
+            return _of_sharded(module)
+        if isinstance(module, QuantEmbeddingBagCollection):
+            return _of_quantized(module)
+        raise TypeError(f"FlatPooledLookup.of takes a (sharded) QuantEmbeddingBagCollection, got {type(module).__name__}")
+
+    def for_export(self) -> "FlatPooledLookup":
+        """Checks ids with tensor asserts (torch.export cannot raise Python errors on data); returns self."""
+        self.asserts = True
+        return self
+
+    def forward(self, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        num_features = self.num_features
+        batch = lengths.shape[0] // num_features
+        lengths = lengths.to(torch.int64)
+        values = self._checked(values.to(torch.int64), lengths, batch)
+        if not self.weighted:
+            weights = None
+        elif weights is not None:
+            weights = weights.to(torch.float32)
+        offsets = _complete_cumsum(lengths)
+        outputs: List[torch.Tensor] = []
+        for shard in self.shards:
+            outputs.append(shard(lengths, offsets, values, weights, batch, num_features, self.result_device))
+        if self.single:
+            result = outputs[0]
+        elif self.summed:
+            result = torch.zeros(batch, self.total_dim, dtype=torch.float32, device=torch.device(self.result_device))
+            k = 0
+            for part in self.shards:
+                result = result.index_add(1, part.columns, outputs[k])
+                k += 1
+        else:
+            result = torch.cat(outputs, dim=1).index_select(1, self.order)
+        if self.any_mean_after:
+            per_feature = lengths.view(num_features, batch).t().to(torch.device(self.result_device))
+            divisor = torch.where(self.mean_per_feature, per_feature.clamp(min=1), torch.ones_like(per_feature))
+            result = result / divisor.index_select(1, self.mean_columns).to(result.dtype)
+        return result
+
+    def _checked(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
+        """values with modulo features hashed; an id outside its table raises (or asserts)."""
+        n = values.shape[0]
+        if not self.asserts and not self.any_modulo:
+            if n == 0:
+                return values
+            lo, hi = torch.aminmax(values)
+            if int(lo) >= 0 and int(hi) < self.min_rows:  # the usual case: one pass
+                return values
+        limit = self.rows_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
+        if self.any_modulo:
+            hashed = self.modulo_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
+            values = torch.where(hashed, torch.remainder(values, limit), values)
+        bad = (values < 0) | (values >= limit)
+        if self.asserts:
+            torch._assert_async(torch.logical_not(bad.any()), "recship: a request id is out of range of its table")
+        elif bool(bad.any()):
+            raise ValueError(self._out_of_range(values, lengths, batch))
+        return values
+
+    def _out_of_range(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> str:
+        counts: List[int] = lengths.view(self.num_features, batch).sum(1).tolist()
+        start = 0
+        for f in range(self.num_features):
+            bad = first_out_of_range(values[start : start + counts[f]], self.table_rows[f])
+            if bad is not None:
+                return out_of_range_message(self.feature_names[f], bad, self.table_rows[f])
+            start += counts[f]
+        return "an id is out of range of its table"
+
+
+def _complete_cumsum(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
+
+
+def _has_row_blocks(shards: List[_Shard]) -> bool:
+    """Whether some output column is written by several shards (row blocks' partial sums)."""
+    seen: set = set()
+    for s in shards:
+        for c in s.columns.tolist():
+            if c in seen:
+                return True
+            seen.add(c)
+    return False
+
+
+def _column_starts(dims: List[int]) -> List[int]:
+    starts, col = [], 0
+    for d in dims:
+        starts.append(col)
+        col += d
+    return starts
+
+
+def _of_sharded(module: nn.Module) -> FlatPooledLookup:
+    features: List[str] = list(getattr(module, "_features"))
+    dims: List[int] = list(getattr(module, "_dims"))
+    index = {f: i for i, f in enumerate(features)}
+    col_start = _column_starts(dims)
+    result_device = torch.device(getattr(module, "_device_names")[0])
+    shards: List[_Shard] = []
+    for k, device_module in enumerate(getattr(module, "shards")):
+        units = list(getattr(module, "_unit_feature")[k])
+        row_offsets = list(getattr(module, "_unit_row_offset")[k])
+        rows = list(getattr(module, "_unit_rows")[k])
+        bucketed = list(getattr(module, "_unit_bucketed")[k])
+        col_offsets = list(getattr(module, "_unit_col_offset")[k])
+        cols = list(getattr(module, "_unit_cols")[k])
+        # a device module holds one SUM TBE whose features are the units, in unit order
+        (tbe,) = list(getattr(device_module, "tbes"))
+        columns = [col_start[index[f]] + c0 + j for f, c0, w in zip(units, col_offsets, cols) for j in range(w)]
+        shard = _Shard(
+            tbe, [index[f] for f in units],
+            [o if b else 0 for o, b in zip(row_offsets, bucketed)],
+            [n if b else (1 << 62) for n, b in zip(rows, bucketed)],
+            columns, any(bucketed), len(features), result_device,
+        )
+        shards.append(shard)
+    rows = list(getattr(module, "_rows"))
+    return FlatPooledLookup(
+        features, dims, rows, list(getattr(module, "_modulo")), list(getattr(module, "_mean")),
+        bool(getattr(module, "_is_weighted")), shards, result_device,
+    )
+
+
+def _of_quantized(module: nn.Module) -> FlatPooledLookup:
+    features: List[str] = list(getattr(module, "_names"))
+    dims: List[int] = list(getattr(module, "_dims"))
+    index = {f: i for i, f in enumerate(features)}
+    col_start = _column_starts(dims)
+    tbes = list(getattr(module, "tbes"))
+    result_device = torch.device(FlatTBE(tbes[0]).device_name)
+    shards = []
+    for tbe, group in zip(tbes, getattr(module, "_group_features")):
+        columns = [col_start[index[f]] + j for f in group for j in range(dims[index[f]])]
+        shards.append(
+            _Shard(tbe, [index[f] for f in group], [0] * len(group), [1 << 62] * len(group), columns, False, len(features), result_device)
+        )
+    policy: Dict[str, str] = getattr(module, "id_policy")
+    rows = [int(r) for g in getattr(module, "_group_rows") for r in g]
+    rows_by_feature = dict(zip([f for g in getattr(module, "_group_features") for f in g], rows))
+    return FlatPooledLookup(
+        features, dims, [rows_by_feature[f] for f in features], [policy.get(f, "reject") == "modulo" for f in features],
+        [False] * len(features), bool(getattr(module, "_is_weighted")), shards, result_device,
+    )
+
+
+class FlatEmbeddingBagCollection(nn.Module):
+    """A quantized (sharded) EmbeddingBagCollection behind the collection's contract (KJT in,
+    KeyedTensor out) that runs the flat lookup: for models whose forward hands it a KJT.
+
+    A KJT with exactly the collection's features in order (what an exported model builds
+    from the request) is looked up as it is; any other is gathered first.
+    """
+
+    def __init__(self, lookup: FlatPooledLookup) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self._keys = list(lookup.feature_names)
+        self._dims = list(lookup.dims)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if features.keys() == self._keys:
+            lengths, values, weights = features.lengths(), features.values(), features.weights_or_none()
+        else:
+            lengths, values, weights = _gather(features, self._keys)
+        pooled = self.lookup(lengths, values, weights)
+        return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
+
+
+def _gather(features: KeyedJaggedTensor, names: List[str]) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    per_feature = features.to_dict()
+    ids: List[torch.Tensor] = []
+    lengths: List[torch.Tensor] = []
+    weights: List[torch.Tensor] = []
+    for name in names:
+        if name not in per_feature:
+            raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
+        jt = per_feature[name]
+        ids.append(jt.values())
+        lengths.append(jt.lengths())
+        w = jt.weights_or_none()
+        if w is not None:
+            weights.append(w)
+    return torch.cat(lengths), torch.cat(ids), torch.cat(weights) if len(weights) == len(names) else None
