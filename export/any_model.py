@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from recship.export.model import build_kjt, trace_and_script
+from recship.quantize.flat import flatten_collections
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import describe_model
@@ -169,8 +170,9 @@ def export_any_model(
     owned: bool = False,
     data_seed: Optional[int] = None,
     load_table: Optional[Callable[[str, str], torch.Tensor]] = None,
-) -> Tuple[Any, Dict[str, Any], Any]:
-    """(scripted artifact module, manifest fields, sample batch) of ``module``; see the module docstring.
+) -> Tuple[Any, Dict[str, Any], Any, nn.Module]:
+    """(scripted artifact module, manifest fields, sample batch, the module that was scripted) of ``module``;
+    see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
     ``owned``: the module was built for this export (from a checkpoint), so its tables are
@@ -237,7 +239,7 @@ def export_any_model(
         raise ExportError(str(e)) from None
 
     progress("trace + script")
-    exported = ExportedModule(sharded, names, single).eval()
+    exported = ExportedModule(flatten_collections(sharded), names, single).eval()
     try:
         scripted = trace_and_script(exported)
     except Exception as e:
@@ -309,5 +311,5 @@ def export_any_model(
         "quantization": report.to_dict(),
         "validation": validation_report,
     }
-    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729)
+    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
 

@@ -27,7 +27,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 from torch import nn
 
-from recship.quantize.flat import FlatPooledLookup
+from recship.quantize.flat import IdCheck
 
 PORTABLE_ISA = "x86-64-v3"  # -march: AVX2 + FMA + BMI2
 _ISA_VECTOR_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v4": 512}
@@ -45,9 +45,12 @@ class AotiError(RuntimeError):
 
 
 def compiler_available() -> bool:
-    """Whether a C++ compiler for AOTInductor is on PATH (``$CXX`` or g++)."""
+    """Whether ``--format auto`` compiles model.pt2: a C++ compiler for AOTInductor is on PATH
+    (``$CXX`` or g++) and the environment does not say ``RECSHIP_AOTI=0``."""
     import shutil
 
+    if os.environ.get("RECSHIP_AOTI", "1") == "0":
+        return False
     return shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
@@ -79,11 +82,11 @@ class AotiPackage:
 
 @contextmanager
 def _export_mode(module: nn.Module) -> Iterator[None]:
-    """Flat lookups check ids with tensor asserts while torch.export traces ``module``."""
-    lookups = [m for m in module.modules() if isinstance(m, FlatPooledLookup)]
+    """Flat lookups check ids with tensor asserts (not Python errors) while torch.export traces ``module``."""
+    lookups = [m for m in module.modules() if isinstance(m, IdCheck)]
     saved = [m.asserts for m in lookups]
     for m in lookups:
-        m.for_export()
+        m.asserts = True
     try:
         yield
     finally:

@@ -1,7 +1,8 @@
 """The artifact contract: its manifest (typed), sample, checksum, and loading with a self-check.
 
 An artifact is a folder: ``model.pt`` (TorchScript: forward(dense, lengths, values, weights)
--> Dict[str, Tensor]), ``manifest.json`` (``Manifest``; its JSON Schema is
+-> Dict[str, Tensor]), optionally ``model.pt2`` (the same model compiled by AOTInductor,
+described by the manifest's ``aoti``), ``manifest.json`` (``Manifest``; its JSON Schema is
 protos/recship/artifact/v1/manifest.schema.json, which the C++ loader's checks follow too)
 and ``sample/`` (one request and the outputs the exported model gave for it, as raw
 little-endian tensors). Only torch is needed here (fbgemm_gpu when a model is loaded).
@@ -158,6 +159,29 @@ class Sample:
 
 
 @dataclass
+class AotiSpec:
+    """The manifest's ``aoti``: the AOTInductor package beside model.pt.
+
+    ``target_isa``: the -march its kernels were compiled for (a CPU without it must not
+    load it); ``torch``: the torch that compiled it (the only one that may load it);
+    ``dynamic``: "<input>.<dim>" -> [min, max] sizes it accepts; ``input_order`` /
+    ``output_order``: its flat call signature (weights last, only when weighted).
+    """
+
+    file: str
+    sha256: str
+    target_isa: str
+    torch: str
+    dynamic: Dict[str, List[int]]
+    input_order: List[str]
+    output_order: List[str]
+    compile_seconds: float
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
 class Manifest:
     """manifest.json, typed. ``quantization`` and ``validation`` are the exporter's reports, kept as written.
 
@@ -178,6 +202,7 @@ class Manifest:
     sample: Sample
     model_sha256: str
     format: str = FORMAT
+    aoti: Optional[AotiSpec] = None
 
     @property
     def feature_names(self) -> List[str]:
@@ -203,6 +228,7 @@ class Manifest:
             "validation": self.validation,
             "sample": self.sample.to_dict(),
             "model_sha256": self.model_sha256,
+            **({"aoti": self.aoti.to_dict()} if self.aoti is not None else {}),
         }
 
     @staticmethod
@@ -236,6 +262,7 @@ class Manifest:
             sample=Sample(m["sample"]["batch_size"], tensors(m["sample"]["inputs"]), tensors(m["sample"]["outputs"])),
             model_sha256=m["model_sha256"],
             format=m["format"],
+            aoti=AotiSpec(**m["aoti"]) if "aoti" in m else None,
         )
         if m["inputs"] != out.inputs():
             raise ArtifactError(f"{path}/manifest.json: inputs must be {out.inputs()} (from num_dense and weighted), "
@@ -244,7 +271,7 @@ class Manifest:
 
     @staticmethod
     def from_fields(fields: Dict[str, Any], output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
-                    versions: Optional[Versions] = None) -> "Manifest":
+                    versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None) -> "Manifest":
         """The manifest an exporter writes. ``fields``: model, num_dense, weighted, sparse_features,
         sharding, quantization and validation as JSON objects; ``output_dims``: output -> its shape
         after the batch dimension; ``versions``: default the running torch / fbgemm_gpu / python."""
@@ -265,6 +292,7 @@ class Manifest:
             "validation": fields["validation"],
             "sample": sample.to_dict(),
             "model_sha256": model_sha256,
+            **({"aoti": aoti.to_dict()} if aoti is not None else {}),
         }
         return Manifest.from_dict(manifest, "the exported artifact")
 
@@ -401,6 +429,27 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
         fail("op_libraries must be a list of file names")
     need(manifest, "quantization", dict, "")
     need(manifest, "validation", dict, "")
+    if "aoti" in manifest:
+        aoti = need(manifest, "aoti", dict, "")
+        if need(aoti, "file", str, "aoti.") != "model.pt2":
+            fail("aoti.file must be 'model.pt2'")
+        if not re.fullmatch(r"[0-9a-f]{64}", str(aoti.get("sha256"))):
+            fail("aoti.sha256 must be 64 lowercase hex digits")
+        for key in ("target_isa", "torch"):
+            need(aoti, key, str, "aoti.")
+        for key, span in need(aoti, "dynamic", dict, "aoti.").items():
+            if not (isinstance(span, list) and len(span) == 2 and sizes(span) and span[0] <= span[1]):
+                fail(f"aoti.dynamic[{key!r}] must be [min, max] sizes")
+        order = need(aoti, "input_order", list, "aoti.")
+        if order not in (["dense", "lengths", "values"], ["dense", "lengths", "values", "weights"]):
+            fail("aoti.input_order must be dense, lengths, values (, weights)")
+        if sorted(map(str, need(aoti, "output_order", list, "aoti."))) != sorted(manifest["outputs"]):
+            fail("aoti.output_order must name every output once")
+        if not isinstance(aoti.get("compile_seconds"), (int, float)) or isinstance(aoti.get("compile_seconds"), bool):
+            fail("aoti.compile_seconds must be a number")
+        unknown = sorted(set(aoti) - {f.name for f in dataclasses.fields(AotiSpec)})
+        if unknown:
+            fail(f"aoti has unknown fields {unknown}")
 
 
 def file_sha256(path: Union[str, Path]) -> str:
@@ -451,38 +500,122 @@ def read_sample(path: Union[str, Path], manifest: Manifest) -> Tuple[Dict[str, t
     return out[0], out[1]
 
 
-def open_artifact(path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None) -> Tuple[Any, Manifest]:
-    """(TorchScript module, Manifest); with ``check``, verifies the checksum and runs the sample.
+FORMATS = ("auto", "torchscript", "aoti")
 
-    The model is loaded from the very bytes that were hashed, so a file swapped after the
-    check cannot slip in. ``trusted``: sha256s of model.pt files allowed to load (None: any).
+
+def open_artifact(
+    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto"
+) -> Tuple[Any, Manifest]:
+    """(the model, Manifest); with ``check``, verifies the checksum and runs the sample.
+
+    ``format``: "torchscript" loads model.pt; "aoti" loads model.pt2 (ArtifactError if the
+    artifact has none, or this CPU or torch cannot run it); "auto" loads model.pt2 where the
+    artifact has one that runs here, else model.pt. Either model is called the same way:
+    model(dense, lengths, values, weights) -> Dict[str, Tensor]. The model is loaded from
+    the very bytes that were hashed, so a file swapped after the check cannot slip in.
+    ``trusted``: sha256s of model files allowed to load (None: any).
     """
     import fbgemm_gpu  # noqa: F401  (registers the TBE ops the module calls)
 
+    if format not in FORMATS:
+        raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
     manifest = Manifest.read(path)
-    model_file = Path(path) / "model.pt"
-    if not model_file.is_file():
-        raise ArtifactError(f"{path}: model.pt is missing")
-    data = model_file.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if trusted is not None and digest not in trusted:
-        raise ArtifactError(f"{model_file}: sha256 {digest} is not in the trusted list")
-    if digest != manifest.model_sha256:
-        raise ArtifactError(f"{model_file}: sha256 {digest} does not match the manifest's {manifest.model_sha256}")
-    # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
-    on_cuda = manifest.sharding.device == "cuda"
-    model = torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu")
-    del data
+    if format == "aoti" or (format == "auto" and manifest.aoti is not None and aoti_runs_here(manifest)[0]):
+        model = _open_aoti(Path(path), manifest, trusted)
+    else:
+        model = _open_torchscript(Path(path), manifest, trusted)
     if check:
         self_check(model, path, manifest)
     return model, manifest
 
 
+def _verified_bytes(file: Path, want: str, trusted: Optional[Collection[str]]) -> bytes:
+    if not file.is_file():
+        raise ArtifactError(f"{file.parent}: {file.name} is missing")
+    data = file.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if trusted is not None and digest not in trusted:
+        raise ArtifactError(f"{file}: sha256 {digest} is not in the trusted list")
+    if digest != want:
+        raise ArtifactError(f"{file}: sha256 {digest} does not match the manifest's {want}")
+    return data
+
+
+def _open_torchscript(path: Path, manifest: Manifest, trusted: Optional[Collection[str]]) -> Any:
+    data = _verified_bytes(path / "model.pt", manifest.model_sha256, trusted)
+    # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
+    on_cuda = manifest.sharding.device == "cuda"
+    return torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu")
+
+
+def aoti_runs_here(manifest: Manifest) -> Tuple[bool, str]:
+    """(whether this process can run the artifact's model.pt2, why not)."""
+    from recship.export.aoti import cpu_supports
+
+    if manifest.aoti is None:
+        return False, "the artifact has no model.pt2 (exported with --format torchscript)"
+    if manifest.aoti.torch != torch.__version__:
+        return False, f"model.pt2 was compiled by torch {manifest.aoti.torch}, this is torch {torch.__version__}"
+    ok, missing = cpu_supports(manifest.aoti.target_isa)
+    if not ok:
+        return False, f"model.pt2 targets {manifest.aoti.target_isa}; this CPU lacks {missing}"
+    return True, ""
+
+
+def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]]) -> Any:
+    import tempfile
+
+    from recship.export.aoti import load_package
+
+    runs, why = aoti_runs_here(manifest)
+    if not runs:
+        raise ArtifactError(f"{path}: {why}")
+    assert manifest.aoti is not None  # aoti_runs_here says so
+    data = _verified_bytes(path / manifest.aoti.file, manifest.aoti.sha256, trusted)
+    # load the hashed bytes, not the file again: a private copy that nobody else can swap
+    with tempfile.TemporaryDirectory(prefix="recship-aoti-") as tmp:
+        copy = Path(tmp) / "model.pt2"
+        copy.write_bytes(data)
+        del data
+        return AotiModel(load_package(copy, manifest.aoti.target_isa), manifest)
+
+
+class AotiModel:
+    """An AOTInductor package called like the TorchScript model: (dense, lengths, values, weights)
+    -> Dict[str, Tensor]. AOTI runs no input checks of its own, so shapes and dtypes are checked
+    here first (ValueError); ids are checked by the server / the model's own assert."""
+
+    format = "aoti"
+
+    def __init__(self, compiled: Any, manifest: Manifest) -> None:
+        self._compiled = compiled
+        self._num_features = len(manifest.sparse_features)
+        self._num_dense = manifest.num_dense
+        self._weighted = manifest.weighted
+
+    def __call__(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
+                 weights: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+        batch = dense.shape[0] if dense.dim() == 2 else -1
+        if dense.dtype != torch.float32 or dense.dim() != 2 or dense.shape[1] != self._num_dense or batch < 1:
+            raise ValueError(f"dense must be float32 [B >= 1, {self._num_dense}], got {dense.dtype} {list(dense.shape)}")
+        if lengths.dtype != torch.int32 or list(lengths.shape) != [self._num_features * batch]:
+            raise ValueError(f"lengths must be int32 [{self._num_features} * {batch}], got {lengths.dtype} {list(lengths.shape)}")
+        if values.dtype != torch.int64 or values.dim() != 1:
+            raise ValueError(f"values must be int64 [N], got {values.dtype} {list(values.shape)}")
+        if int(lengths.sum()) != values.shape[0] or (lengths.numel() and int(lengths.min()) < 0):
+            raise ValueError(f"lengths must be >= 0 and sum to the {values.shape[0]} values")
+        if self._weighted:
+            if weights is None or weights.dtype != torch.float32 or list(weights.shape) != list(values.shape):
+                raise ValueError(f"weights must be float32 [{values.shape[0]}] for this weighted model")
+            return self._compiled(dense.contiguous(), lengths.contiguous(), values.contiguous(), weights.contiguous())
+        return self._compiled(dense.contiguous(), lengths.contiguous(), values.contiguous(), None)
+
+
 def load_artifact(
-    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None
+    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto"
 ) -> Tuple[Any, Dict[str, Any]]:
     """``open_artifact`` with the manifest as its JSON object, for the readers not yet on ``Manifest``."""
-    model, manifest = open_artifact(path, check, trusted)
+    model, manifest = open_artifact(path, check, trusted, format)
     return model, manifest.to_dict()
 
 

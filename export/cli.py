@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
                              "checkpoints of the built-in DLRM need none)")
     parser.add_argument("--model-args", default="{}", metavar="JSON", help="keyword arguments of --model's factory (a JSON object)")
+    parser.add_argument("--format", default="auto", choices=["auto", "torchscript", "aoti", "both"],
+                        help="model files: torchscript (model.pt), both/aoti (model.pt and the AOTInductor model.pt2, "
+                             "which loaders prefer); auto: both where a C++ compiler is present, else torchscript (default auto)")
+    parser.add_argument("--target-isa", default="x86-64-v3",
+                        help="-march of model.pt2's compiled kernels; 'native' for this machine's CPU only (default x86-64-v3: AVX2)")
     parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute")
     parser.add_argument("--eval-data", metavar="FILE|PACKAGE.MODULE:FUNCTION",
                         help="validate on this data instead of synthetic batches: a Criteo TSV file (13 dense, 26 sparse "
@@ -70,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         model_args=_json_object(args.model_args, "--model-args"),
         num_dense=args.num_dense,
         eval_data=args.eval_data,
+        format=args.format,
+        target_isa=args.target_isa,
     )
     export_model(args.checkpoint, config)
     return 0

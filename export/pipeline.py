@@ -57,6 +57,10 @@ class ExportConfig:
     sharding: force table_wise / row_wise / column_wise for every table (default: planner).
     batch_size_hint: batch size of the validation batches.
     id_policy: feature -> "reject" (default) or "modulo".
+    format: "torchscript" writes model.pt; "both" (or "aoti") also the AOTInductor model.pt2
+        (loaders prefer it where it runs; model.pt stays as the fallback); "auto": both where a
+        C++ compiler is present, else torchscript with a one-line note.
+    target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
     """
 
     out: str
@@ -80,8 +84,12 @@ class ExportConfig:
     eval_data: Optional[str] = None  # validate on this data: a Criteo TSV file, or package.module:function (see docs)
     model: Optional[str] = None  # entry point package.module:factory to rebuild a checkpoint's model (default: what it records)
     model_args: Dict[str, Any] = field(default_factory=dict)
+    format: str = "auto"  # torchscript | aoti | both | auto (both where a C++ compiler is present)
+    target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
 
     def __post_init__(self) -> None:
+        if self.format not in ("auto", "torchscript", "aoti", "both"):
+            raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
         if self.device not in ("cpu", "cuda"):
             raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.shards:
@@ -369,9 +377,11 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             from recship.export.any_model import export_any_model
 
             assert isinstance(source, nn.Module)  # rebuilt from the checkpoint, or given as one
-            scripted, fields, sample = export_any_model(source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table)
-            bar.next("write")
-            manifest = write_artifact(out, scripted, fields, (*sample, None), config)
+            scripted, fields, sample, exported = export_any_model(
+                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
+            )
+            bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
+            manifest = write_artifact(out, scripted, fields, (*sample, None), config, exported)
             bar.finish()
             bar.close()
             _print_summary(manifest, out, config.progress)
@@ -437,9 +447,11 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.next("validate")
         validation_report = _validate(scripted, src, validation, float_pooled, quant_pooled, config)
 
-        bar.next("write")
+        bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
         sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
-        manifest = write_artifact(out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config)
+        manifest = write_artifact(
+            out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config, exported
+        )
         bar.finish()
     finally:
         bar.close()
@@ -584,13 +596,15 @@ def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validati
 
 
 def write_artifact(
-    out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig
+    out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig,
+    exported: Optional[nn.Module] = None,
 ) -> Dict[str, Any]:
     """Writes the artifact into a temporary sibling and renames it into place.
 
     ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
     validation of the manifest; ``Manifest.from_fields`` adds the inputs, outputs, sample,
-    versions and checksum (the artifact contract is export/artifact.py's).
+    versions and checksum (the artifact contract is export/artifact.py's). ``exported``: the
+    module that was scripted, compiled into model.pt2 when ``config.format`` asks for it.
     """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -609,9 +623,12 @@ def write_artifact(
             outputs = {
                 k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
             }
+        aoti = None
+        if exported is not None and _wants_aoti(config):
+            aoti = _write_aoti(tmp, exported, fields, inputs, outputs, config)
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
-        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"))
+        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti)
         manifest.write(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -620,6 +637,61 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest.to_dict()
+
+
+def _wants_aoti(config: ExportConfig) -> bool:
+    from recship.export.aoti import compiler_available
+
+    if config.format == "torchscript":
+        return False
+    if config.device != "cpu":
+        if config.format != "auto":
+            raise ExportError("--format aoti/both exports CPU models only for now; use --format torchscript with --device cuda")
+        return False
+    if config.format == "auto" and not compiler_available():
+        if config.progress:
+            print("note: no C++ compiler found (or RECSHIP_AOTI=0): writing model.pt (TorchScript) only, no AOTInductor "
+                  "model.pt2", file=sys.stderr)
+        return False
+    import shutil
+
+    if not shutil.which(os.environ.get("CXX", "g++")):
+        raise ExportError("--format aoti/both needs a C++ compiler (g++ or $CXX) for AOTInductor; none found")
+    return True
+
+
+def _write_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], inputs: Dict[str, torch.Tensor],
+                outputs: Dict[str, torch.Tensor], config: ExportConfig):
+    """Compiles ``exported`` into tmp/model.pt2 and checks it against the TorchScript outputs of the sample."""
+    from recship.export.aoti import AotiError, compile_package, load_package
+    from recship.export.artifact import AotiSpec
+
+    num_features = len(fields["sparse_features"])
+    weighted = bool(fields["weighted"])
+    # a fixed request with every size >= 2 (sizes 0 and 1 would be specialised by torch.export)
+    example = (
+        torch.zeros(2, int(fields["num_dense"])), torch.ones(2 * num_features, dtype=torch.int32),
+        torch.zeros(2 * num_features, dtype=torch.int64), torch.ones(2 * num_features) if weighted else None,
+    )
+    if num_features == 0:
+        raise ExportError("an AOTInductor model needs at least one sparse feature")
+    isa = None if config.target_isa == "native" else config.target_isa
+    try:
+        package = compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa)
+        compiled = load_package(package.path, package.target_isa)
+    except AotiError as e:
+        raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
+    spec = AotiSpec(
+        file="model.pt2", sha256=file_sha256(package.path), target_isa=package.target_isa, torch=torch.__version__,
+        dynamic=package.dynamic, input_order=["dense", "lengths", "values"] + (["weights"] if weighted else []),
+        output_order=list(outputs), compile_seconds=round(package.compile_seconds, 2),
+    )
+    with torch.no_grad():
+        got = compiled(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
+    for k, want in outputs.items():
+        if k not in got or got[k].shape != want.shape or (want.numel() and float((got[k] - want).abs().max()) > 1e-5):
+            raise ExportError(f"model.pt2 disagrees with model.pt on the sample (output {k!r}): an AOTInductor compilation error")
+    return spec
 
 
 class _Stages:

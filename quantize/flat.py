@@ -22,7 +22,7 @@ data-dependent sizes.
 
 Ids: an id outside its table is an error, or hashed into it for "modulo" features.
 Under TorchScript (and eager) the error is the id rule's ValueError (``feature 'f': id 7
-is out of range [0, 5)``); a module prepared for torch.export (``for_export()``) checks
+is out of range [0, 5)``); while torch.export traces it (``IdCheck.asserts``) it checks
 with a tensor assert instead (the server and the C++ loader validate requests before the
 model; the assert is the backstop). The rows are the quantized module's storage, shared,
 not copied.
@@ -94,6 +94,55 @@ class FlatTBE(nn.Module):
             fp8_exponent_bits=self.fp8_exponent_bits,
             fp8_exponent_bias=self.fp8_exponent_bias,
         )
+
+
+class IdCheck(nn.Module):
+    """The id rule on request tensors: forward(values [N] int64, lengths [F*B] int64, B) -> values,
+    those of "modulo" features hashed into their tables; an id outside its table raises
+    the id rule's ValueError, or (``asserts``, set while torch.export traces) fails a tensor assert."""
+
+    feature_names: List[str]
+    table_rows: List[int]
+
+    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool]) -> None:
+        super().__init__()
+        self.feature_names = list(feature_names)
+        self.table_rows = list(table_rows)
+        self.num_features = len(feature_names)
+        self.any_modulo = any(modulo)
+        self.min_rows = min(table_rows)
+        self.asserts = False
+        self.register_buffer("rows_per_feature", torch.tensor(table_rows, dtype=torch.int64))
+        self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool))
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
+        n = values.shape[0]
+        if not self.asserts and not self.any_modulo:
+            if n == 0:
+                return values
+            lo, hi = torch.aminmax(values)
+            if int(lo) >= 0 and int(hi) < self.min_rows:  # the usual case: one pass
+                return values
+        limit = self.rows_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
+        if self.any_modulo:
+            hashed = self.modulo_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
+            values = torch.where(hashed, torch.remainder(values, limit), values)
+        bad = (values < 0) | (values >= limit)
+        if self.asserts:
+            torch._assert_async(torch.logical_not(bad.any()), "recship: a request id is out of range of its table")
+        elif bool(bad.any()):
+            raise ValueError(self._out_of_range(values, lengths, batch))
+        return values
+
+    def _out_of_range(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> str:
+        counts: List[int] = lengths.view(self.num_features, batch).sum(1).tolist()
+        start = 0
+        for f in range(self.num_features):
+            bad = first_out_of_range(values[start : start + counts[f]], self.table_rows[f])
+            if bad is not None:
+                return out_of_range_message(self.feature_names[f], bad, self.table_rows[f])
+            start += counts[f]
+        return "an id is out of range of its table"
 
 
 class _Shard(nn.Module):
@@ -212,12 +261,8 @@ class FlatPooledLookup(nn.Module):
         self.weighted = weighted
         self.shards = nn.ModuleList(shards)
         self.result_device = str(result_device)
-        self.any_modulo = any(modulo)
+        self.ids = IdCheck(feature_names, table_rows, modulo)
         self.any_mean_after = any(mean_after)
-        self.min_rows = min(table_rows)
-        self.asserts = False  # for_export(): tensor asserts instead of Python errors
-        self.register_buffer("rows_per_feature", torch.tensor(table_rows, dtype=torch.int64))
-        self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool))
         self.register_buffer(
             "mean_columns", torch.tensor([i for i, d in enumerate(dims) for _ in range(d)], dtype=torch.int64, device=result_device)
         )
@@ -240,16 +285,11 @@ class FlatPooledLookup(nn.Module):
             return _of_quantized(module)
         raise TypeError(f"FlatPooledLookup.of takes a (sharded) QuantEmbeddingBagCollection, got {type(module).__name__}")
 
-    def for_export(self) -> "FlatPooledLookup":
-        """Checks ids with tensor asserts (torch.export cannot raise Python errors on data); returns self."""
-        self.asserts = True
-        return self
-
     def forward(self, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         num_features = self.num_features
         batch = lengths.shape[0] // num_features
         lengths = lengths.to(torch.int64)
-        values = self._checked(values.to(torch.int64), lengths, batch)
+        values = self.ids(values.to(torch.int64), lengths, batch)
         if not self.weighted:
             weights = None
         elif weights is not None:
@@ -273,36 +313,6 @@ class FlatPooledLookup(nn.Module):
             divisor = torch.where(self.mean_per_feature, per_feature.clamp(min=1), torch.ones_like(per_feature))
             result = result / divisor.index_select(1, self.mean_columns).to(result.dtype)
         return result
-
-    def _checked(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
-        """values with modulo features hashed; an id outside its table raises (or asserts)."""
-        n = values.shape[0]
-        if not self.asserts and not self.any_modulo:
-            if n == 0:
-                return values
-            lo, hi = torch.aminmax(values)
-            if int(lo) >= 0 and int(hi) < self.min_rows:  # the usual case: one pass
-                return values
-        limit = self.rows_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
-        if self.any_modulo:
-            hashed = self.modulo_per_feature.repeat_interleave(batch).repeat_interleave(lengths, output_size=n)
-            values = torch.where(hashed, torch.remainder(values, limit), values)
-        bad = (values < 0) | (values >= limit)
-        if self.asserts:
-            torch._assert_async(torch.logical_not(bad.any()), "recship: a request id is out of range of its table")
-        elif bool(bad.any()):
-            raise ValueError(self._out_of_range(values, lengths, batch))
-        return values
-
-    def _out_of_range(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> str:
-        counts: List[int] = lengths.view(self.num_features, batch).sum(1).tolist()
-        start = 0
-        for f in range(self.num_features):
-            bad = first_out_of_range(values[start : start + counts[f]], self.table_rows[f])
-            if bad is not None:
-                return out_of_range_message(self.feature_names[f], bad, self.table_rows[f])
-            start += counts[f]
-        return "an id is out of range of its table"
 
 
 def _complete_cumsum(lengths: torch.Tensor) -> torch.Tensor:
@@ -396,26 +406,122 @@ class FlatEmbeddingBagCollection(nn.Module):
         self._dims = list(lookup.dims)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if features.keys() == self._keys:
-            lengths, values, weights = features.lengths(), features.values(), features.weights_or_none()
-        else:
-            lengths, values, weights = _gather(features, self._keys)
+        lengths, values, weights = _request_features(features, self._keys)
         pooled = self.lookup(lengths, values, weights)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
 
 
-def _gather(features: KeyedJaggedTensor, names: List[str]) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    per_feature = features.to_dict()
-    ids: List[torch.Tensor] = []
-    lengths: List[torch.Tensor] = []
-    weights: List[torch.Tensor] = []
+def _request_features(
+    features: KeyedJaggedTensor, names: List[str]
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """(lengths [F*B], values, weights or None) of the ``names`` features of ``features``, in that order.
+
+    A KJT with exactly these keys (what the exported model builds from a request for a lone
+    collection) is used as it is; one that holds them among others (a model whose collections
+    share the request KJT) has their segments gathered by position, without splitting it.
+    """
+    keys = features.keys()
+    lengths, values, weights = features.lengths(), features.values(), features.weights_or_none()
+    if keys == names:
+        return lengths, values, weights
+    positions: List[int] = []
     for name in names:
-        if name not in per_feature:
-            raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
-        jt = per_feature[name]
-        ids.append(jt.values())
-        lengths.append(jt.lengths())
-        w = jt.weights_or_none()
-        if w is not None:
-            weights.append(w)
-    return torch.cat(lengths), torch.cat(ids), torch.cat(weights) if len(weights) == len(names) else None
+        if name not in keys:
+            raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {keys}")
+        positions.append(keys.index(name))
+    batch = lengths.shape[0] // len(keys)
+    per_key = lengths.view(len(keys), batch)
+    chosen = torch.tensor(positions, dtype=torch.int64, device=lengths.device)
+    sub_lengths = per_key.index_select(0, chosen)  # [len(names), B]
+    counts = sub_lengths.to(torch.int64).sum(1)
+    key_starts = _complete_cumsum(per_key.to(torch.int64).sum(1))[:-1].index_select(0, chosen)
+    sub_starts = _complete_cumsum(counts)[:-1]
+    source = (key_starts - sub_starts).repeat_interleave(counts)
+    source = source + torch.arange(source.shape[0], dtype=torch.int64, device=values.device)
+    return sub_lengths.reshape(-1), values.index_select(0, source), None if weights is None else weights.index_select(0, source)
+
+
+class FlatEmbeddingCollection(nn.Module):
+    """A QuantEmbeddingCollection behind its contract (KJT in, {feature: JaggedTensor of [n, dim]
+    float32 rows} out) that calls fbgemm's unpooled lookup on the request tensors.
+
+    Built with ``FlatEmbeddingCollection.of(module)``; rows shared with ``module``.
+    """
+
+    feature_names: List[str]
+
+    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool], shards: List["_Shard"]) -> None:
+        super().__init__()
+        self.feature_names = list(feature_names)
+        self.num_features = len(feature_names)
+        self.ids = IdCheck(feature_names, table_rows, modulo)
+        self.shards = nn.ModuleList(shards)
+        self._unit_names: List[List[str]] = [[feature_names[f] for f in s.features.tolist()] for s in shards]
+
+    @staticmethod
+    def of(module: nn.Module) -> "FlatEmbeddingCollection":
+        from recship.quantize.modules import QuantEmbeddingCollection
+
+        if not isinstance(module, QuantEmbeddingCollection):
+            raise TypeError(f"FlatEmbeddingCollection.of takes a QuantEmbeddingCollection, got {type(module).__name__}")
+        features: List[str] = list(getattr(module, "_names"))
+        index = {f: i for i, f in enumerate(features)}
+        groups: List[List[str]] = getattr(module, "_group_features")
+        rows_by_feature = {f: int(r) for g, rs in zip(groups, getattr(module, "_group_rows")) for f, r in zip(g, rs)}
+        shards = []
+        for tbe, group in zip(getattr(module, "tbes"), groups):
+            device = torch.device(FlatTBE(tbe).device_name)
+            shards.append(_Shard(tbe, [index[f] for f in group], [0] * len(group), [1 << 62] * len(group), [], False,
+                                 len(features), device))
+        policy: Dict[str, str] = getattr(module, "id_policy")
+        return FlatEmbeddingCollection(
+            features, [rows_by_feature[f] for f in features], [policy.get(f, "reject") == "modulo" for f in features], shards
+        )
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        lengths, values, _ = _request_features(features, self.feature_names)
+        batch = lengths.shape[0] // self.num_features
+        given = lengths.view(self.num_features, batch)  # the JaggedTensors keep the request's dtype
+        lengths = lengths.to(torch.int64)
+        values = self.ids(values.to(torch.int64), lengths, batch)
+        offsets = _complete_cumsum(lengths)
+        per_feature = lengths.view(self.num_features, batch)
+        found: Dict[str, JaggedTensor] = {}
+        k = 0
+        for shard in self.shards:
+            indices, unit_offsets, _ = shard.inputs(lengths, offsets, values, None, batch, self.num_features)
+            device = torch.device(shard.device_name)
+            rows = shard.tbe(indices.to(device), unit_offsets.to(device), None)
+            counts: List[int] = per_feature.index_select(0, shard.features).sum(1).tolist()
+            parts = torch.split(rows, counts)
+            u = 0
+            for name in self._unit_names[k]:
+                f = self.feature_names.index(name)
+                found[name] = JaggedTensor(values=parts[u], weights=None, lengths=given[f], offsets=None)
+                u += 1
+            k += 1
+        out: Dict[str, JaggedTensor] = {}
+        for name in self.feature_names:
+            out[name] = found[name]
+        return out
+
+
+def flatten_collections(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose quantized collections (plain or inference-sharded) are their flat
+    twins; everything else is deep-copied, the tables' rows are shared with ``model``."""
+    import copy
+
+    from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+    from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+
+    memo: Dict[int, object] = {}
+    for m in model.modules():
+        if id(m) in memo:
+            continue
+        if isinstance(m, (QuantEmbeddingBagCollection, ShardedQuantEmbeddingBagCollection)):
+            memo[id(m)] = FlatEmbeddingBagCollection(FlatPooledLookup.of(m))
+        elif isinstance(m, QuantEmbeddingCollection):
+            memo[id(m)] = FlatEmbeddingCollection.of(m)
+    if id(model) in memo:
+        return memo[id(model)]  # type: ignore[return-value]
+    return copy.deepcopy(model, memo)

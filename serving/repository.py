@@ -50,7 +50,7 @@ class Unavailable:
 
 
 class ServedVersion:
-    """One loaded version: its TorchScript model, Manifest, validation spec and batcher."""
+    """One loaded version: its model (TorchScript or AOTInductor), Manifest, validation spec and batcher."""
 
     def __init__(self, name: str, version: int, path: Path, repo: "ModelRepository", trusted: Optional[FrozenSet[str]]) -> None:
         config = repo.config
@@ -58,7 +58,9 @@ class ServedVersion:
         built_for = Manifest.read(path).sharding.device
         if built_for != config.device:
             raise ArtifactError(f"{path}: exported for {built_for}, but this server runs on {config.device} (--device)")
-        self.model, self.manifest = open_artifact(path, check=True, trusted=trusted)  # checksum + sample self-check
+        # checksum + sample self-check; model.pt2 (AOTInductor) or model.pt as --model-format says
+        self.model, self.manifest = open_artifact(path, check=True, trusted=trusted, format=config.model_format)
+        self.format = getattr(self.model, "format", "torchscript")
         self.spec = ModelSpec.from_manifest(self.manifest, config.max_batch_size)
         self._repo = repo
         self.batcher = self.start_batcher()
@@ -212,7 +214,8 @@ class ModelRepository:
             old = self._serving.get(name)
             self._serving[name] = served
             self._unavailable.pop((name, str(served.version)), None)
-        log.info("serving %s version %d from %s", name, served.version, served.path, extra={"model": name, "version": served.version})
+        log.info("serving %s version %d from %s (%s)", name, served.version, served.path, served.format,
+                 extra={"model": name, "version": served.version})
         self._on_change(name, True)
         if old is not None:  # queued requests finish on the old version, then it goes
             threading.Thread(target=old.batcher.stop, daemon=True, name=f"unload-{name}-{old.version}").start()

@@ -61,8 +61,11 @@ class ServerConfig:
     tls_key: Optional[str] = None
     tls_client_ca: Optional[str] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     trusted_sha256: Optional[str] = None  # allow-list file of model.pt sha256s; None: any artifact loads
+    model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
 
     def __post_init__(self) -> None:
+        if self.model_format not in ("auto", "torchscript", "aoti"):
+            raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -206,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
     parser.add_argument("--trusted-sha256", help="allow-list file of model.pt sha256s (sha256sum output works); others are refused")
+    parser.add_argument("--model-format", default="auto", choices=["auto", "torchscript", "aoti"],
+                        help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
+                             "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -219,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
             device=args.device, reflection=args.reflection,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
+            model_format=args.model_format,
         )
         server = Server(config)
     except OSError as e:  # e.g. a port in use (ValueError and FileNotFoundError: recship.cli says them)

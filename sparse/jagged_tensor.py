@@ -85,8 +85,10 @@ def _check_jagged(
 
 
 def _is_proxy(t: torch.Tensor) -> bool:
-    """True while torch.fx traces (values are Proxies); never compiled by TorchScript."""
-    return isinstance(t, torch.fx.Proxy)
+    """True while torch.fx traces (values are Proxies) or torch.export / torch.compile capture
+    (the checks' data-dependent branches cannot be traced; the request was validated before the
+    model); never compiled by TorchScript."""
+    return isinstance(t, torch.fx.Proxy) or torch.compiler.is_compiling()
 
 
 def _nested_lists(values: torch.Tensor, lengths: List[int]) -> str:

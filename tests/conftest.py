@@ -3,6 +3,7 @@
 
 import copy
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -11,12 +12,16 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+# exports in tests write model.pt only unless a test asks for model.pt2 (format="both"): an AOTInductor
+# compile takes 15-40 s here; tests/export/test_aoti.py covers it (subprocesses inherit this too)
+os.environ["RECSHIP_AOTI"] = "0"
 SMALL_ROWS = [20 + i for i in range(26)]  # table sizes of the small DLRM's features cat_0..cat_25
 
 
 @pytest.fixture(scope="session")
 def small_artifacts(tmp_path_factory):
-    """``small_artifacts(model="dlrm", dtype="int8", device="cpu") -> Path``: each artifact is exported once per session.
+    """``small_artifacts(model="dlrm", dtype="int8", device="cpu", format="torchscript", shards=1) -> Path``: each
+    artifact is exported once per session (format "both" adds the AOTInductor model.pt2; shards > 1: row-wise).
 
     dlrm: a DLRM of 26 features cat_i (SMALL_ROWS[i] rows, dim 8), dense 13, outputs logit and prob [B, 1].
     emb: a weighted EmbeddingBagCollection, table a (40 x 16, MEAN) for x and y, table b (30 x 8) for z,
@@ -27,10 +32,10 @@ def small_artifacts(tmp_path_factory):
     from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
-    built: Dict[Tuple[str, str, str], Path] = {}
+    built: Dict[Tuple[str, str, str, str, int], Path] = {}
 
-    def build(model: str = "dlrm", dtype: str = "int8", device: str = "cpu") -> Path:
-        key = (model, dtype, device)
+    def build(model: str = "dlrm", dtype: str = "int8", device: str = "cpu", format: str = "torchscript", shards: int = 1) -> Path:
+        key = (model, dtype, device, format, shards)
         if key in built:
             return built[key]
         if device == "cuda" and not torch.cuda.is_available():
@@ -50,9 +55,11 @@ def small_artifacts(tmp_path_factory):
             extra["id_policy"] = {"z": "modulo"}
         else:
             raise ValueError(f"small_artifacts: model must be 'dlrm' or 'emb', got {model!r}")
-        out = tmp_path_factory.mktemp("artifact") / f"{model}_{dtype}_{device}"
+        if shards > 1:
+            extra.update(shards=shards, sharding="row_wise")
+        out = tmp_path_factory.mktemp("artifact") / f"{model}_{dtype}_{device}_{format}_{shards}"
         export_model(module, ExportConfig(out=str(out), dtype=dtype, device=device, progress=False, validation_batches=1,
-                                          batch_size_hint=32, **extra))
+                                          batch_size_hint=32, format=format, **extra))
         built[key] = out
         return out
 
@@ -74,6 +81,7 @@ class ManifestSchema:
     _TYPES = {
         "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list), "string": lambda v: isinstance(v, str),
         "integer": lambda v: isinstance(v, int) and not isinstance(v, bool), "boolean": lambda v: isinstance(v, bool),
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     }
 
     def __init__(self) -> None:
