@@ -2,7 +2,7 @@
 
 import argparse
 
-from recship.export.artifact import open_artifact, self_check
+from recship.export.artifact import aoti_runs_here, open_artifact, self_check
 from recship.export.pipeline import report_text
 from recship.trainer.text import text_table
 
@@ -12,7 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model, m = open_artifact(args.artifact, check=False)
+    model, m = open_artifact(args.artifact, check=False, format="torchscript")
     info, versions = m.model, m.versions
     print(f"model {info.name} version {info.version} ({info.kind}), format {m.format}")
     print(f"built with torch {versions.torch}, fbgemm_gpu {versions.fbgemm_gpu}; needs {', '.join(m.op_libraries)}")
@@ -25,5 +25,17 @@ def run(args: argparse.Namespace) -> int:
     print(report_text(m.to_dict()))
     print("checksum: ok (sha256 matches the manifest)")
     worst = self_check(model, args.artifact, m)
-    print(f"sample self-check: ok (batch {m.sample.batch_size}, max abs difference {worst:.3g})")
+    print(f"sample self-check: ok (model.pt, batch {m.sample.batch_size}, max abs difference {worst:.3g})")
+    if m.aoti is not None:
+        a = m.aoti
+        print(f"model.pt2: AOTInductor, kernels for {a.target_isa}, compiled by torch {a.torch} in {a.compile_seconds:.1f} s")
+        runs, why = aoti_runs_here(m)
+        if not runs:
+            print(f"model.pt2: not runnable here: {why} (loaders use model.pt)")
+        else:
+            compiled, _ = open_artifact(args.artifact, check=False, format="aoti")
+            worst = self_check(compiled, args.artifact, m)
+            print(f"sample self-check: ok (model.pt2, max abs difference {worst:.3g})")
+    else:
+        print("model.pt2: none (exported with --format torchscript, or without a C++ compiler)")
     return 0

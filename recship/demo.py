@@ -33,6 +33,39 @@ def _step(title: str) -> None:
     print(f"\n== {title}")
 
 
+def _compare_formats(path: str, manifest) -> None:
+    """model.pt2 against model.pt: outputs on random requests, and batch-1 latency."""
+    import statistics
+    import time
+
+    import torch
+
+    from recship.export.artifact import open_artifact
+
+    compiled, _ = open_artifact(path, format="aoti")
+    scripted, _ = open_artifact(path, format="torchscript")
+    g = torch.Generator().manual_seed(0)
+    rows = [f.rows for f in manifest.sparse_features]
+    same, timings = True, {"model.pt": [], "model.pt2": []}
+    with torch.inference_mode():
+        for batch in (1, 7, 64):
+            lengths = torch.randint(0, 3, (len(rows) * batch,), generator=g)
+            limit = torch.tensor(rows).repeat_interleave(batch).repeat_interleave(lengths)
+            values = (torch.rand(int(lengths.sum()), generator=g) * limit).long()
+            inputs = (torch.rand(batch, manifest.num_dense, generator=g), lengths.to(torch.int32), values, None)
+            want, got = scripted(*inputs), compiled(*inputs)
+            same = same and all(torch.equal(got[k], want[k]) for k in want)
+            if batch == 1:
+                for _ in range(100):
+                    for name, model in (("model.pt", scripted), ("model.pt2", compiled)):
+                        start = time.perf_counter()
+                        model(*inputs)
+                        timings[name].append(time.perf_counter() - start)
+    us = {k: statistics.median(v) * 1e6 for k, v in timings.items()}
+    _expect(same, f"model.pt2 (AOTInductor, {manifest.aoti.target_isa}, compiled in {manifest.aoti.compile_seconds:.0f} s) equals "
+                  f"model.pt bitwise at batch 1, 7, 64; batch-1 forward {us['model.pt2']:.0f} us vs {us['model.pt']:.0f} us (TorchScript)")
+
+
 def _expect(ok: bool, what: str) -> None:
     if not ok:
         raise RuntimeError(f"demo check failed: {what}")
@@ -164,14 +197,18 @@ def run(args: argparse.Namespace) -> int:
         _, report = quantize_embedding_bag_collection(trained, QuantConfig(data_type=dtype))
         print(f"   {dtype}:\n   " + str(report).replace("\n", "\n   "))
 
-    _step("Export the trained DLRM: INT8 and INT4 artifacts (2 shards), then load and self-check each")
+    _step("Export the trained DLRM: INT8 (TorchScript + AOTInductor) and INT4 artifacts (2 shards), then load and self-check each")
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import open_artifact
 
     for dtype in ("int8", "int4"):
         out = f"{args.out}/artifacts/dlrm_{dtype}"
-        export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False))
+        # INT8: model.pt2 too where a C++ compiler is present (auto); INT4: model.pt only, to keep the demo short
+        export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False,
+                                                         format="auto" if dtype == "int8" else "torchscript"))
         _, manifest = open_artifact(out)  # checksum + sample self-check
+        if manifest.aoti is not None:
+            _compare_formats(out, manifest)
         v = manifest.validation
         _expect(
             abs(v["auc"] - v["float_auc"]) < 0.01,

@@ -186,3 +186,40 @@ def test_two_tower_with_an_embedding_collection_compiles(tmp_path):
             assert torch.equal(got["user_embedding"], want["user_embedding"])
             assert torch.equal(got["item_embedding"], want["item_embedding"])
             assert torch.allclose(got["score"], want["score"], rtol=0, atol=1e-7), (got["score"] - want["score"]).abs().max()
+
+
+@needs_compiler
+@pytest.mark.parametrize("model_format", ["auto", "torchscript"])
+def test_the_server_runs_model_pt2_unless_told_otherwise(small_artifacts, tmp_path, model_format):
+    """Batched over gRPC, answers equal the chosen model in process; bad requests are refused before it."""
+    import numpy as np
+
+    from recship.serving import PredictClient
+    from recship.serving.server import Server, ServerConfig
+
+    shutil.copytree(small_artifacts("dlrm", "int8", "cpu", "both"), tmp_path / "dlrm" / "1")
+    model, manifest = open_artifact(tmp_path / "dlrm" / "1", format="aoti" if model_format == "auto" else "torchscript")
+    server = Server(ServerConfig(model_repo=str(tmp_path), port=0, max_delay_ms=5, model_format=model_format))
+    try:
+        assert server.repo.get("dlrm").format == ("aoti" if model_format == "auto" else "torchscript")
+        g = np.random.default_rng(0)
+        rows = [f.rows for f in manifest.sparse_features]
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            for batch in (1, 7, 33):
+                sparse = {f: [list(g.integers(0, r, size=g.integers(0, 4))) for _ in range(batch)]
+                          for f, r in zip(manifest.feature_names, rows)}
+                dense = g.random((batch, manifest.num_dense), dtype=np.float32)
+                got = client.predict("dlrm", sparse, dense)
+                lengths = torch.tensor([len(x) for f in sparse for x in sparse[f]], dtype=torch.int32)
+                values = torch.tensor([i for f in sparse for x in sparse[f] for i in x], dtype=torch.int64)
+                want = model(torch.from_numpy(dense), lengths, values, None)
+                for k in want:
+                    np.testing.assert_array_equal(got[k], want[k].detach().numpy())
+            sparse["cat_3"][0] = [rows[3]]
+            import grpc
+
+            with pytest.raises(grpc.RpcError) as e:
+                client.predict("dlrm", sparse, dense)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.details()
+    finally:
+        server.stop()
