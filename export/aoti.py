@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -149,7 +149,7 @@ def compile_package(
     )
 
 
-def load_package(path: Path, target_isa: str) -> nn.Module:
+def load_package(path: Path, target_isa: str) -> Any:
     """The compiled model of ``path`` (callable like the TorchScript one, positional tensors in,
     Dict[str, Tensor] out); AotiError if this CPU cannot run ``target_isa``."""
     ok, missing = cpu_supports(target_isa)

@@ -12,7 +12,7 @@ request tensors themselves (no KeyedJaggedTensor is built); callers need no recs
 classes. The same modules are what torch.export / AOTInductor compile.
 """
 
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from torch import nn
 from recship.fx import symbolic_trace
 from recship.quantize.flat import FlatPooledLookup
 from recship.sparse import KeyedJaggedTensor
+
+if TYPE_CHECKING:
+    from recship.trainer.dlrm import DLRM
 
 
 @torch.fx.wrap
@@ -45,7 +48,7 @@ class ExportedDLRM(nn.Module):
 
     _feature_names: List[str]
 
-    def __init__(self, dlrm: nn.Module, lookup: FlatPooledLookup, device: str = "cpu") -> None:
+    def __init__(self, dlrm: "DLRM", lookup: FlatPooledLookup, device: str = "cpu") -> None:
         super().__init__()
         self.model = dlrm
         self.lookup = lookup

@@ -377,11 +377,11 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             from recship.export.any_model import export_any_model
 
             assert isinstance(source, nn.Module)  # rebuilt from the checkpoint, or given as one
-            scripted, fields, sample, exported = export_any_model(
+            scripted, fields, sample, wrapped = export_any_model(
                 source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
             )
             bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
-            manifest = write_artifact(out, scripted, fields, (*sample, None), config, exported)
+            manifest = write_artifact(out, scripted, fields, (*sample, None), config, wrapped)
             bar.finish()
             bar.close()
             _print_summary(manifest, out, config.progress)
@@ -431,8 +431,10 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
 
         bar.next("trace + script")
         if src.kind == "dlrm":
+            from recship.trainer.dlrm import DLRM
+
             model = src.dense_model
-            assert model is not None  # every DLRM source has its dense part
+            assert isinstance(model, DLRM)  # every DLRM source has its dense part
             # dense layers run where the shards' outputs are merged: the first device
             model.to(devices[0])
             exported: nn.Module = ExportedDLRM(model, FlatPooledLookup.of(sparse), str(devices[0]))
@@ -497,8 +499,10 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     kt = KeyedTensor(keys=names, length_per_key=dims, values=torch.cat([pooled[f] for f in names], dim=1))
     if src.kind != "dlrm":
         return kt.to_dict()
+    from recship.trainer.dlrm import DLRM
+
     model = src.dense_model
-    assert model is not None  # every DLRM source has its dense part
+    assert isinstance(model, DLRM)  # every DLRM source has its dense part
     device = next(model.parameters()).device
     logit = model.predict(dense.to(device), kt.values().to(device)).unsqueeze(1).cpu()
     return {"logit": logit, "prob": torch.sigmoid(logit)}

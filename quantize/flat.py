@@ -44,6 +44,15 @@ class FlatTBE(nn.Module):
             its tensors are shared, not copied.
     """
 
+    weights: torch.Tensor
+    weights_uvm: torch.Tensor
+    weights_placements: torch.Tensor
+    weights_offsets: torch.Tensor
+    weights_tys: torch.Tensor
+    D_offsets: torch.Tensor
+    lxu_cache_weights: torch.Tensor
+    lxu_cache_locations: torch.Tensor
+
     def __init__(self, tbe: nn.Module) -> None:
         super().__init__()
         host = int(getattr(tbe, "host_size")) > 0
@@ -103,6 +112,8 @@ class IdCheck(nn.Module):
 
     feature_names: List[str]
     table_rows: List[int]
+    rows_per_feature: torch.Tensor
+    modulo_per_feature: torch.Tensor
 
     def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool]) -> None:
         super().__init__()
@@ -150,6 +161,11 @@ class _Shard(nn.Module):
     feature ``features[u]``, rows [row_offset[u], row_offset[u] + rows[u]) of that feature's
     table when ``bucketed``; its output columns land at ``columns`` of the result."""
 
+    features: torch.Tensor
+    row_offsets: torch.Tensor
+    rows: torch.Tensor
+    columns: torch.Tensor
+
     def __init__(
         self,
         tbe: nn.Module,
@@ -182,12 +198,17 @@ class _Shard(nn.Module):
         batch: int,
         num_features: int,
         result_device: str,
+        accumulate: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        """This shard's pooled outputs [B, its columns] on ``result_device``."""
+        """This shard's pooled outputs [B, its columns] on ``result_device``; or, given ``accumulate``
+        [B, all columns], that plus them at their columns (row blocks' partial sums)."""
         indices, offsets, weights = self.inputs(lengths, offsets, values, weights, batch, num_features)
         device = torch.device(self.device_name)
         out = self.tbe(indices.to(device), offsets.to(device), None if weights is None else weights.to(device))
-        return out.to(torch.device(result_device))
+        out = out.to(torch.device(result_device))
+        if accumulate is not None:
+            return accumulate.index_add(1, self.columns, out)
+        return out
 
     def inputs(
         self,
@@ -240,6 +261,9 @@ class FlatPooledLookup(nn.Module):
     feature_names: List[str]
     dims: List[int]
     table_rows: List[int]
+    mean_columns: torch.Tensor
+    mean_per_feature: torch.Tensor
+    order: torch.Tensor
 
     def __init__(
         self,
@@ -295,19 +319,18 @@ class FlatPooledLookup(nn.Module):
         elif weights is not None:
             weights = weights.to(torch.float32)
         offsets = _complete_cumsum(lengths)
-        outputs: List[torch.Tensor] = []
-        for shard in self.shards:
-            outputs.append(shard(lengths, offsets, values, weights, batch, num_features, self.result_device))
-        if self.single:
-            result = outputs[0]
-        elif self.summed:
+        if self.summed:
             result = torch.zeros(batch, self.total_dim, dtype=torch.float32, device=torch.device(self.result_device))
-            k = 0
-            for part in self.shards:
-                result = result.index_add(1, part.columns, outputs[k])
-                k += 1
+            for shard in self.shards:
+                result = shard(lengths, offsets, values, weights, batch, num_features, self.result_device, result)
         else:
-            result = torch.cat(outputs, dim=1).index_select(1, self.order)
+            outputs: List[torch.Tensor] = []
+            for shard in self.shards:
+                outputs.append(shard(lengths, offsets, values, weights, batch, num_features, self.result_device, None))
+            if self.single:
+                result = outputs[0]
+            else:
+                result = torch.cat(outputs, dim=1).index_select(1, self.order)
         if self.any_mean_after:
             per_feature = lengths.view(num_features, batch).t().to(torch.device(self.result_device))
             divisor = torch.where(self.mean_per_feature, per_feature.clamp(min=1), torch.ones_like(per_feature))
@@ -450,12 +473,12 @@ class FlatEmbeddingCollection(nn.Module):
 
     feature_names: List[str]
 
-    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool], shards: List["_Shard"]) -> None:
+    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool], shards: List[_Shard]) -> None:
         super().__init__()
         self.feature_names = list(feature_names)
         self.num_features = len(feature_names)
         self.ids = IdCheck(feature_names, table_rows, modulo)
-        self.shards = nn.ModuleList(shards)
+        self.shards = nn.ModuleList([_UnpooledShard(s) for s in shards])
         self._unit_names: List[List[str]] = [[feature_names[f] for f in s.features.tolist()] for s in shards]
 
     @staticmethod
@@ -485,15 +508,10 @@ class FlatEmbeddingCollection(nn.Module):
         lengths = lengths.to(torch.int64)
         values = self.ids(values.to(torch.int64), lengths, batch)
         offsets = _complete_cumsum(lengths)
-        per_feature = lengths.view(self.num_features, batch)
         found: Dict[str, JaggedTensor] = {}
         k = 0
         for shard in self.shards:
-            indices, unit_offsets, _ = shard.inputs(lengths, offsets, values, None, batch, self.num_features)
-            device = torch.device(shard.device_name)
-            rows = shard.tbe(indices.to(device), unit_offsets.to(device), None)
-            counts: List[int] = per_feature.index_select(0, shard.features).sum(1).tolist()
-            parts = torch.split(rows, counts)
+            parts = shard(lengths, offsets, values, batch, self.num_features)
             u = 0
             for name in self._unit_names[k]:
                 f = self.feature_names.index(name)
@@ -504,6 +522,23 @@ class FlatEmbeddingCollection(nn.Module):
         for name in self.feature_names:
             out[name] = found[name]
         return out
+
+
+class _UnpooledShard(nn.Module):
+    """A _Shard of an unpooled TBE: forward -> each unit's rows [its ids, dim]."""
+
+    def __init__(self, shard: _Shard) -> None:
+        super().__init__()
+        self.shard = shard
+
+    def forward(
+        self, lengths: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, batch: int, num_features: int
+    ) -> List[torch.Tensor]:
+        indices, unit_offsets, _ = self.shard.inputs(lengths, offsets, values, None, batch, num_features)
+        device = torch.device(self.shard.device_name)
+        rows = self.shard.tbe(indices.to(device), unit_offsets.to(device), None)
+        counts: List[int] = lengths.view(num_features, batch).index_select(0, self.shard.features).sum(1).tolist()
+        return list(torch.split(rows, counts))
 
 
 def flatten_collections(model: nn.Module) -> nn.Module:

@@ -10,6 +10,7 @@ step before) and stops with an error if one is off.
 
 import argparse
 from pathlib import Path
+from typing import Dict, List
 
 import torch
 
@@ -46,7 +47,8 @@ def _compare_formats(path: str, manifest) -> None:
     scripted, _ = open_artifact(path, format="torchscript")
     g = torch.Generator().manual_seed(0)
     rows = [f.rows for f in manifest.sparse_features]
-    same, timings = True, {"model.pt": [], "model.pt2": []}
+    same = True
+    timings: Dict[str, List[float]] = {"model.pt": [], "model.pt2": []}
     with torch.inference_mode():
         for batch in (1, 7, 64):
             lengths = torch.randint(0, 3, (len(rows) * batch,), generator=g)
