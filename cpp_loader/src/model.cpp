@@ -1,23 +1,35 @@
-// recship::Model: manifest, checksum, op libraries, TorchScript module, validation, predict.
+// recship::Model: manifest, checksum, op libraries, TorchScript module or AOTInductor package, validation, predict.
 #include "recship/model.h"
 
 #include <dlfcn.h>
 #include <openssl/evp.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/script.h>
 #include <torch/version.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <iomanip>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
+#include <thread>
 
 #ifndef RECSHIP_FBGEMM_DIR
 #define RECSHIP_FBGEMM_DIR ""
+#endif
+// The full version of the torch this library links ("2.13.0+cpu"), read from it at configure time: a
+// model.pt2 only runs under the torch build that compiled it. TORCH_VERSION has the release alone.
+#ifndef RECSHIP_TORCH_VERSION
+#define RECSHIP_TORCH_VERSION ""
 #endif
 
 namespace recship {
@@ -67,15 +79,16 @@ std::vector<T> read_raw(const std::string& path) {
 // types, so that a manifest missing one is refused naming it (not a json::type_error later on).
 // tests/cpp_loader checks this against the schema: each required field, removed, must be named here.
 void check_manifest(const json& m, const std::string& file) {
-  enum class Kind { Object, Array, String, Integer, Boolean };
+  enum class Kind { Object, Array, String, Integer, Boolean, Number };
   auto need = [&file](const json& obj, const std::string& key, Kind kind, const std::string& where) -> const json& {
-    static const char* names[] = {"an object", "an array", "a string", "an integer", "a boolean"};
+    static const char* names[] = {"an object", "an array", "a string", "an integer", "a boolean", "a number"};
     auto it = obj.find(key);
     if (it == obj.end()) throw ArtifactError(file + ": " + where + key + " is missing");
     bool ok = kind == Kind::Object    ? it->is_object()
               : kind == Kind::Array   ? it->is_array()
               : kind == Kind::String  ? it->is_string()
               : kind == Kind::Integer ? it->is_number_integer()
+              : kind == Kind::Number  ? it->is_number()
                                       : it->is_boolean();
     if (!ok) throw ArtifactError(file + ": " + where + key + " must be " + names[static_cast<int>(kind)]);
     return *it;
@@ -138,14 +151,126 @@ void check_manifest(const json& m, const std::string& file) {
       for (const char* key : {"dense", "lengths", "values"})
         if (!tensors.contains(key)) throw ArtifactError(file + ": sample.inputs['" + key + "'] is missing");
   }
+  if (m.contains("aoti")) {  // optional: the AOTInductor package (export/artifact.py AotiSpec)
+    const json& aoti = need(m, "aoti", Kind::Object, "");
+    if (need(aoti, "file", Kind::String, "aoti.") != "model.pt2") throw ArtifactError(file + ": aoti.file must be 'model.pt2'");
+    for (const char* key : {"sha256", "target_isa", "torch"}) need(aoti, key, Kind::String, "aoti.");
+    for (const auto& [key, span] : need(aoti, "dynamic", Kind::Object, "aoti.").items())
+      if (!span.is_array() || span.size() != 2 || !span[0].is_number_integer() || !span[1].is_number_integer())
+        throw ArtifactError(file + ": aoti.dynamic['" + key + "'] must be [min, max] sizes");
+    const json& in = need(aoti, "input_order", Kind::Array, "aoti.");
+    json want = {"dense", "lengths", "values"};
+    if (m["weighted"].get<bool>()) want.push_back("weights");
+    if (in != want) throw ArtifactError(file + ": aoti.input_order must be " + want.dump() + ", got " + in.dump());
+    std::set<std::string> names, outputs;
+    for (const auto& name : need(aoti, "output_order", Kind::Array, "aoti.")) {
+      if (!name.is_string() || !names.insert(name.get<std::string>()).second)
+        throw ArtifactError(file + ": aoti.output_order must name every output once");
+    }
+    for (const auto& [name, out] : m["outputs"].items()) outputs.insert(name);
+    if (names != outputs) throw ArtifactError(file + ": aoti.output_order must name every output once");
+    need(aoti, "compile_seconds", Kind::Number, "aoti.");
+  }
+}
+
+// CPU flags (/proc/cpuinfo) each -march level needs, as recship/export/aoti.py's _ISA_FLAGS.
+const std::map<std::string, std::vector<std::string>>& isa_flags() {
+  static const std::map<std::string, std::vector<std::string>> flags = {
+      {"x86-64-v2", {"sse4_2", "popcnt", "ssse3"}},
+      {"x86-64-v3", {"sse4_2", "popcnt", "ssse3", "avx", "avx2", "bmi1", "bmi2", "fma", "movbe"}},
+      {"x86-64-v4", {"sse4_2", "popcnt", "ssse3", "avx", "avx2", "bmi1", "bmi2", "fma", "movbe", "avx512f", "avx512bw",
+                     "avx512cd", "avx512dq", "avx512vl"}},
+  };
+  return flags;
+}
+
+// The flags this CPU lacks to run code built with -march=isa ("" if none); unknown ISAs ("native") and hosts
+// without /proc/cpuinfo are taken on trust, as recship.export.aoti.cpu_supports does.
+std::string missing_cpu_flags(const std::string& isa) {
+  auto needed = isa_flags().find(isa);
+  std::ifstream in("/proc/cpuinfo");
+  if (needed == isa_flags().end() || !in) return "";
+  std::set<std::string> have;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("flags", 0) == 0 && line.find(':') != std::string::npos) {
+      std::istringstream words(line.substr(line.find(':') + 1));
+      for (std::string w; words >> w;) have.insert(w);
+      break;
+    }
+  }
+  std::string missing;
+  for (const auto& f : needed->second)
+    if (!have.count(f) && !(f == "bmi1" && have.count("bmi2"))) missing += (missing.empty() ? "" : " ") + f;
+  return missing;
+}
+
+// Why this process cannot run the artifact's model.pt2 ("" if it can).
+std::string aoti_blocker(const json& m, int64_t max_batch_size) {
+  if (!m.contains("aoti")) return "the artifact has no model.pt2 (exported with --format torchscript)";
+  const json& aoti = m["aoti"];
+  const std::string built = aoti["torch"].get<std::string>();
+  const std::string running = std::string(RECSHIP_TORCH_VERSION).empty() ? TORCH_VERSION : RECSHIP_TORCH_VERSION;
+  // without the configure-time version only the release can be compared
+  if (std::string(RECSHIP_TORCH_VERSION).empty() ? release(built) != running : built != running)
+    return "model.pt2 was compiled by torch " + built + ", this binary runs torch " + running;
+  const std::string isa = aoti["target_isa"].get<std::string>();
+  std::string missing = missing_cpu_flags(isa);
+  if (!missing.empty()) return "model.pt2 targets " + isa + "; this CPU lacks " + missing;
+  auto batch = aoti["dynamic"].find("dense.0");
+  if (batch != aoti["dynamic"].end() && (*batch)[1].get<int64_t>() < max_batch_size)
+    return "model.pt2 takes batches up to " + std::to_string((*batch)[1].get<int64_t>()) + ", below max_batch_size " +
+           std::to_string(max_batch_size);
+  return "";
+}
+
+// AOTIModelPackageLoader reads a path, not bytes: the verified bytes go to a private copy (a fresh mkdtemp
+// folder, mode 0700) removed once loaded, so a model.pt2 swapped after the checksum cannot slip in.
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_aoti(const std::string& bytes, const std::string& file) {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/recship-aoti-XXXXXX";
+  if (!mkdtemp(pattern.data())) throw ArtifactError("cannot create a private folder for " + file + ": " + std::strerror(errno));
+  const std::string copy = pattern + "/model.pt2";
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
+  std::string error;
+  {
+    std::ofstream out(copy, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!out.flush()) error = "cannot write a private copy of " + file + " to " + copy;
+  }
+  if (error.empty()) {
+    try {
+      // runners: concurrent predict calls each take one (a call waits while all are busy); they share the weights
+      const size_t runners = std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+      loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(copy, "model", false, runners);
+    } catch (const c10::Error& e) {
+      error = file + " cannot be loaded: " + e.what_without_backtrace();
+    } catch (const std::exception& e) {
+      error = file + " cannot be loaded: " + e.what();
+    }
+  }
+  std::remove(copy.c_str());
+  rmdir(pattern.c_str());
+  if (!error.empty()) throw ArtifactError(error);
+  return loader;
 }
 
 }  // namespace
 
+// A validated request as the model's tensors: dense [B, num_dense] f32, lengths [F*B] i32, values [N] i64,
+// weights [N] f32 (undefined unless the model is weighted).
+struct Inputs {
+  torch::Tensor dense, lengths, values, weights;
+};
+
 struct Model::Impl {
   std::string dir;
   json manifest;
-  mutable torch::jit::Module module;
+  std::string format;       // "torchscript" | "aoti"
+  std::string format_note;  // why "auto" left model.pt2 unused
+  mutable torch::jit::Module module;                                 // format "torchscript"
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> aoti;     // format "aoti"
+  std::vector<std::string> aoti_outputs;                             // its flat outputs' names, in order
   std::vector<std::string> features;
   std::map<std::string, int64_t> rows;
   std::map<std::string, bool> modulo;
@@ -154,7 +279,9 @@ struct Model::Impl {
   int64_t num_dense = 0;
   int64_t max_batch_size = 512;
 
-  std::vector<torch::jit::IValue> inputs(const Request& r) const;
+  Inputs inputs(const Request& r) const;
+  // Runs the loaded model on validated inputs (AOTI checks no shapes: never call it with anything else).
+  std::vector<std::pair<std::string, torch::Tensor>> forward(const Inputs& in) const;
 };
 
 Model::Model() : impl_(std::make_unique<Impl>()) {}
@@ -172,11 +299,22 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     throw ArtifactError(artifact_dir + "/manifest.json is not valid JSON: " + e.what());
   }
   check_manifest(m.manifest, artifact_dir + "/manifest.json");
-  std::string model_bytes = read_file(artifact_dir + "/model.pt", "model.pt");
+  if (options.format != "auto" && options.format != "torchscript" && options.format != "aoti")
+    throw Error("LoadOptions::format must be auto, torchscript or aoti, got '" + options.format + "'");
+  m.format = options.format == "auto" ? "torchscript" : options.format;
+  if (options.format != "torchscript") {
+    std::string blocker = aoti_blocker(m.manifest, m.max_batch_size);
+    if (blocker.empty()) m.format = "aoti";
+    else if (options.format == "aoti") throw ArtifactError(artifact_dir + ": " + blocker);
+    else if (m.manifest.contains("aoti")) m.format_note = blocker;
+  }
+  const bool aoti = m.format == "aoti";
+  const std::string file = aoti ? "model.pt2" : "model.pt";
+  const std::string want = aoti ? m.manifest["aoti"]["sha256"].get<std::string>() : m.manifest["model_sha256"].get<std::string>();
+  std::string model_bytes = read_file(artifact_dir + "/" + file, file.c_str());
   std::string digest = sha256_hex(model_bytes);
-  if (digest != m.manifest["model_sha256"].get<std::string>())
-    throw ArtifactError(artifact_dir + "/model.pt: sha256 " + digest + " does not match the manifest's " +
-                        m.manifest["model_sha256"].get<std::string>());
+  if (digest != want)
+    throw ArtifactError(artifact_dir + "/" + file + ": sha256 " + digest + " does not match the manifest's " + want);
 
   std::string fbgemm_dir = options.fbgemm_dir.empty() ? RECSHIP_FBGEMM_DIR : options.fbgemm_dir;
   if (options.check_versions) {
@@ -196,13 +334,20 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
       throw MissingLibrary("cannot load fbgemm op library " + path + ": " + (err ? err : "unknown error"));
     }
   }
-  try {
-    std::istringstream stream(model_bytes);
-    m.module = torch::jit::load(stream, torch::kCPU);
-    m.module.eval();
-  } catch (const c10::Error& e) {
-    throw ArtifactError(artifact_dir + "/model.pt cannot be loaded: " + e.what_without_backtrace());
+  if (aoti) {
+    m.aoti = load_aoti(model_bytes, artifact_dir + "/model.pt2");
+    m.aoti_outputs = m.manifest["aoti"]["output_order"].get<std::vector<std::string>>();
+  } else {
+    try {
+      std::istringstream stream(model_bytes);
+      m.module = torch::jit::load(stream, torch::kCPU);
+      m.module.eval();
+    } catch (const c10::Error& e) {
+      throw ArtifactError(artifact_dir + "/model.pt cannot be loaded: " + e.what_without_backtrace());
+    }
   }
+  model_bytes.clear();
+  model_bytes.shrink_to_fit();
   for (const auto& f : m.manifest["sparse_features"]) {
     std::string name = f["name"];
     m.features.push_back(name);
@@ -228,7 +373,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
 }
 
 // Validation: the same rules and messages as the gRPC server (recship/serving/requests.py).
-std::vector<torch::jit::IValue> Model::Impl::inputs(const Request& r) const {
+Inputs Model::Impl::inputs(const Request& r) const {
   const int64_t b = r.batch_size;
   if (b <= 0) throw InvalidRequest("batch_size must be > 0, got " + std::to_string(b));
   if (b > max_batch_size)
@@ -310,38 +455,57 @@ std::vector<torch::jit::IValue> Model::Impl::inputs(const Request& r) const {
       if (!std::isfinite(x)) throw InvalidRequest("dense values must be finite (no NaN or infinity)");
     dense = torch::from_blob(const_cast<float*>(r.dense.data()), {b, num_dense}, torch::kFloat32).clone();
   }
-  std::vector<torch::jit::IValue> args{dense, lengths, values};
-  args.emplace_back(weighted ? torch::jit::IValue(weights) : torch::jit::IValue());
-  return args;
+  return {dense, lengths, values, weighted ? weights : torch::Tensor()};
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Model::Impl::forward(const Inputs& in) const {
+  c10::InferenceMode guard;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  try {
+    if (aoti) {
+      // the package's flat signature (aoti.input_order): dense, lengths, values, and weights only when the
+      // model is weighted (an unweighted one was exported with weights=None, which flattens to nothing)
+      std::vector<at::Tensor> args{in.dense, in.lengths, in.values};
+      if (weighted) args.push_back(in.weights);
+      std::vector<at::Tensor> result = aoti->run(args);
+      if (result.size() != aoti_outputs.size())
+        throw Error("the model failed: model.pt2 returned " + std::to_string(result.size()) + " outputs, the manifest names " +
+                    std::to_string(aoti_outputs.size()));
+      for (size_t i = 0; i < result.size(); ++i) out.emplace_back(aoti_outputs[i], std::move(result[i]));
+    } else {
+      std::vector<torch::jit::IValue> args{in.dense, in.lengths, in.values};
+      args.emplace_back(weighted ? torch::jit::IValue(in.weights) : torch::jit::IValue());
+      for (const auto& item : module.forward(args).toGenericDict())
+        out.emplace_back(item.key().toStringRef(), item.value().toTensor());
+    }
+  } catch (const c10::Error& e) {
+    throw Error(std::string("the model failed: ") + e.what_without_backtrace());
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // AOTI's runtime reports errors as std::runtime_error
+    throw Error(std::string("the model failed: ") + e.what());
+  }
+  return out;
 }
 
 std::map<std::string, Output> Model::predict(const Request& request) const {
-  auto args = impl_->inputs(request);
-  c10::InferenceMode guard;
-  torch::jit::IValue result;
-  try {
-    result = impl_->module.forward(args);
-  } catch (const c10::Error& e) {
-    throw Error(std::string("the model failed: ") + e.what_without_backtrace());
-  }
   std::map<std::string, Output> out;
-  for (const auto& item : result.toGenericDict()) {
-    torch::Tensor t = item.value().toTensor().to(torch::kFloat32).contiguous();
+  for (const auto& [name, tensor] : impl_->forward(impl_->inputs(request))) {
+    torch::Tensor t = tensor.to(torch::kFloat32).contiguous();
     Output o;
     o.shape.assign(t.sizes().begin(), t.sizes().end());
     o.values.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-    out[item.key().toStringRef()] = std::move(o);
+    out[name] = std::move(o);
   }
   return out;
 }
 
 double Model::forward_ms(const Request& request, int runs) const {
-  auto args = impl_->inputs(request);
-  c10::InferenceMode guard;
+  Inputs in = impl_->inputs(request);
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
     auto t0 = std::chrono::steady_clock::now();
-    impl_->module.forward(args);
+    impl_->forward(in);
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   }
   std::sort(ms.begin(), ms.end());
@@ -349,6 +513,8 @@ double Model::forward_ms(const Request& request, int runs) const {
 }
 
 const std::vector<std::string>& Model::feature_names() const { return impl_->features; }
+const std::string& Model::format() const { return impl_->format; }
+const std::string& Model::format_note() const { return impl_->format_note; }
 int64_t Model::num_dense() const { return impl_->num_dense; }
 
 Request Model::sample_request() const {

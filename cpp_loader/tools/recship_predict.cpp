@@ -1,4 +1,4 @@
-// recship_predict ARTIFACT_DIR [--request FILE] [--bench N]: run an artifact from C++ and print its outputs.
+// recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--format F]: run an artifact from C++ and print its outputs.
 #include <algorithm>
 #include <atomic>
 #include <thread>
@@ -87,15 +87,17 @@ static double percentile(std::vector<double> v, double p) {
 }
 
 static const char* kUsage =
-    "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--fbgemm-dir DIR] [--max-batch-size B]\n"
+    "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--format F] [--fbgemm-dir DIR] [--max-batch-size B]\n"
     "\n"
     "Runs an exported recship artifact from C++ and prints its outputs as JSON.\n"
     "\n"
-    "  ARTIFACT_DIR        the folder `recship export` wrote (manifest.json, model.pt, sample/)\n"
+    "  ARTIFACT_DIR        the folder `recship export` wrote (manifest.json, model.pt, model.pt2, sample/)\n"
     "  --request FILE      JSON {\"sparse\": {\"f\": [[1, 2], [3]]}, \"dense\": [[...]], \"weights\": {...}};\n"
     "                      default: the artifact's own sample request\n"
-    "  --bench N           time N predictions of the request; p50/p90/p99 and the raw forward on stderr\n"
+    "  --bench N           time N predictions of the request; format, p50/p90/p99 and the raw forward on stderr\n"
     "  --threads T         also run the sample from T threads at once, each checking its answer\n"
+    "  --format F          auto (default: model.pt2 where the artifact has one that runs here, else model.pt),\n"
+    "                      torchscript (model.pt) or aoti (model.pt2, refused where it cannot run)\n"
     "  --fbgemm-dir DIR    where fbgemm_gpu's op libraries are (default: the folder the loader was built with)\n"
     "  --max-batch-size B  largest batch a request may have (default 512)\n"
     "  -h, --help          print this and exit\n"
@@ -114,7 +116,7 @@ int main(int argc, char** argv) {
     std::cerr << kUsage;
     return 2;
   }
-  std::string artifact = argv[1], request_file, fbgemm_dir;
+  std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto";
   int bench = 0, threads = 0;
   int64_t max_batch_size = 512;
   for (int i = 2; i < argc; ++i) {
@@ -123,17 +125,25 @@ int main(int argc, char** argv) {
     else if (a == "--bench" && i + 1 < argc) bench = std::stoi(argv[++i]);
     else if (a == "--fbgemm-dir" && i + 1 < argc) fbgemm_dir = argv[++i];
     else if (a == "--threads" && i + 1 < argc) threads = std::stoi(argv[++i]);
+    else if (a == "--format" && i + 1 < argc) format = argv[++i];
     else if (a == "--max-batch-size" && i + 1 < argc) max_batch_size = std::stoll(argv[++i]);
     else {
       std::cerr << "recship_predict: error: unknown argument " << a << "\n";
       return 2;
     }
   }
+  if (format != "auto" && format != "torchscript" && format != "aoti") {
+    std::cerr << "recship_predict: error: --format must be auto, torchscript or aoti, got " << format << "\n";
+    return 2;
+  }
   try {
     recship::LoadOptions options;
     options.fbgemm_dir = fbgemm_dir;
     options.max_batch_size = max_batch_size;
+    options.format = format;
     auto model = recship::Model::load(artifact, options);
+    const std::string loaded = model->format() == "aoti" ? "aoti (model.pt2)" : "torchscript (model.pt)";
+    if (!model->format_note().empty()) std::cerr << "recship_predict: note: running model.pt: " << model->format_note() << "\n";
     recship::Request request = model->sample_request();
     if (!request_file.empty()) {
       std::ifstream in(request_file);
@@ -152,7 +162,7 @@ int main(int argc, char** argv) {
     std::cout << out.dump() << std::endl;
     if (threads > 0) {
       bool ok = check_threads(*model, request, threads);
-      std::cerr << (ok ? "threads ok: " : "threads FAILED: ") << threads << " threads got their own answers\n";
+      std::cerr << (ok ? "threads ok: " : "threads FAILED: ") << threads << " threads got their own answers from " << loaded << "\n";
       if (!ok) return 1;
     }
     if (bench > 0) {
@@ -164,7 +174,7 @@ int main(int argc, char** argv) {
       }
       double raw = model->forward_ms(request, bench);
       double p50 = percentile(full, 0.5);
-      std::cerr << "batch " << request.batch_size << ", " << bench << " runs: predict p50 " << p50 << " ms, p90 "
+      std::cerr << loaded << ", batch " << request.batch_size << ", " << bench << " runs: predict p50 " << p50 << " ms, p90 "
                 << percentile(full, 0.9) << " ms, p99 " << percentile(full, 0.99) << " ms; raw forward p50 " << raw
                 << " ms; overhead " << (raw > 0 ? (p50 / raw - 1) * 100 : 0) << "%\n";
     }

@@ -1,4 +1,5 @@
-// recship C++ loader: run an exported recship artifact (model.pt + manifest.json + sample/) without Python.
+// recship C++ loader: run an exported recship artifact (model.pt + manifest.json + sample/) without Python,
+// or its AOTInductor package (model.pt2, the manifest's "aoti") where it runs here.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +18,7 @@ struct Error : std::runtime_error {
 struct InvalidRequest : Error {  // the request does not fit the model (same rules and messages as the server)
   using Error::Error;
 };
-struct ArtifactError : Error {  // missing files, bad checksum, failed sample self-check
+struct ArtifactError : Error {  // missing files, bad checksum, failed sample self-check, a model.pt2 that cannot run here
   using Error::Error;
 };
 struct MissingLibrary : Error {  // an fbgemm op library could not be loaded
@@ -51,24 +52,33 @@ struct LoadOptions {
   bool check_versions = true;  // refuse an artifact built with another torch / fbgemm_gpu version
   bool self_check = true;      // run the artifact's sample and compare with its recorded outputs
   int64_t max_batch_size = 512;  // larger requests are refused with InvalidRequest (the server's --max-batch-size)
+  // Which model to run: "torchscript" (model.pt), "aoti" (model.pt2; ArtifactError where the artifact has none,
+  // it was compiled by another torch, or this CPU lacks its target ISA) or "auto" (model.pt2 where it runs here,
+  // else model.pt). Both take the same requests and give the same outputs.
+  std::string format = "auto";
 };
 
 class Model {
  public:
-  // Reads manifest.json, verifies model.pt's sha256, loads the op libraries, loads the
-  // TorchScript module and (by default) runs the sample self-check.
+  // Reads manifest.json, picks the format (LoadOptions::format), verifies the model file's sha256, loads
+  // the op libraries, loads the model from the verified bytes and (by default) runs the sample self-check.
   static std::unique_ptr<Model> load(const std::string& artifact_dir, const LoadOptions& options = {});
   ~Model();
 
   // Validates and runs one request; safe to call from many threads on one Model.
   std::map<std::string, Output> predict(const Request& request) const;
-  // Median milliseconds of the module's forward alone, inputs built once (to measure predict's overhead).
+  // Median milliseconds of the model's forward alone, inputs built once (to measure predict's overhead).
   double forward_ms(const Request& request, int runs) const;
 
   const std::vector<std::string>& feature_names() const;
   int64_t num_dense() const;
   Request sample_request() const;
   std::map<std::string, Output> sample_outputs() const;
+  // The model that runs: "torchscript" (model.pt) or "aoti" (model.pt2).
+  const std::string& format() const;
+  // Why "auto" left the artifact's model.pt2 unused (e.g. "model.pt2 targets x86-64-v4; this CPU lacks avx512f");
+  // empty when model.pt2 runs, the artifact has none, or the format was asked for explicitly.
+  const std::string& format_note() const;
 
  private:
   Model();
