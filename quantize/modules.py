@@ -98,19 +98,27 @@ def _prepare(
         if weighted:
             per_sample_weights = features.weights().float()
     else:
-        per_feature = features.to_dict()
+        # per-key views of the KJT's tensors (what to_dict gives, without a checked JaggedTensor per key);
+        # a repeated key resolves to its last occurrence, as in to_dict
+        index = features.index_per_key()
+        length_per_key = features.length_per_key()
+        values_per_key = torch.split(features.values(), length_per_key)
+        lengths_per_key = features.lengths().view(len(features.keys()), features.stride())
+        weights_per_key: List[torch.Tensor] = []
         ids_parts: List[torch.Tensor] = []
         length_parts: List[torch.Tensor] = []
         weight_parts: List[torch.Tensor] = []
         for name in names:
-            if name not in per_feature:
+            if name not in index:
                 raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
-            jt = per_feature[name]
-            ids_parts.append(jt.values())
-            length_parts.append(jt.lengths())
-            counts.append(jt.values().shape[0])
+            k = index[name]
+            ids_parts.append(values_per_key[k])
+            length_parts.append(lengths_per_key[k])
+            counts.append(length_per_key[k])
             if weighted:
-                weight_parts.append(jt.weights())
+                if len(weights_per_key) == 0:
+                    weights_per_key = list(torch.split(features.weights(), length_per_key))
+                weight_parts.append(weights_per_key[k])
         ids = torch.cat(ids_parts)
         lengths = torch.cat(length_parts).to(torch.int64)
         offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])

@@ -22,7 +22,7 @@ TorchScript does not apply a class's default arguments while it is still
 compiling that class.
 """
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -386,6 +386,7 @@ class KeyedJaggedTensor:
         self._stride = stride
         self._length_per_key = length_per_key
         self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
+        self._split_by_key = torch.jit.annotate(Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]], None)
 
     # -- constructors ------------------------------------------------------
 
@@ -533,9 +534,10 @@ class KeyedJaggedTensor:
         return self
 
     def unsync(self) -> "KeyedJaggedTensor":
-        """Drops the cached length_per_key and offset_per_key; returns self."""
+        """Drops the cached length_per_key, offset_per_key and split_by_key; returns self."""
         self._length_per_key = None
         self._offset_per_key = None
+        self._split_by_key = None
         return self
 
     def length_per_key(self) -> List[int]:
@@ -560,6 +562,20 @@ class KeyedJaggedTensor:
             for n in self.length_per_key():
                 cached.append(cached[-1] + n)
             self._offset_per_key = cached
+        return cached
+
+    def split_by_key(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """([F] values of each key, [F] offsets of each key): views of values, and [B + 1]
+        offsets starting at 0 in the lengths' dtype, the tensors ``to_dict()`` gives each
+        key without building a JaggedTensor per key. Cached, like length_per_key: modules
+        reading the same KJT split it once.
+        """
+        cached = self._split_by_key
+        if cached is None:
+            lengths = self._key_lengths()
+            offsets = torch.cat([lengths.new_zeros(lengths.shape[0], 1), torch.cumsum(lengths, dim=1, dtype=lengths.dtype)], dim=1)
+            cached = (list(torch.split(self._values, self.length_per_key())), list(offsets.unbind(0)))
+            self._split_by_key = cached
         return cached
 
     def index_per_key(self) -> Dict[str, int]:

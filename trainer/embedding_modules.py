@@ -11,7 +11,7 @@ Built with ``device="meta"``, they allocate nothing; ``materialize(module,
 device)`` allocates and initialises every parameter afterwards.
 """
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -50,17 +50,77 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
 
 def check_features(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
     """Eager input check: every needed feature present, every id inside its table."""
+    _check_present(features, rows_per_feature)
+    message = _out_of_range(features, rows_per_feature)
+    if message is not None:
+        raise ValueError(message)
+
+
+def _check_present(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
     keys = features.keys()
     missing = [f for f in rows_per_feature if f not in keys]
     if missing:
         raise ValueError(f"input KeyedJaggedTensor lacks features {missing}; it has {keys}")
-    if features.values().device.type != "cpu" or features.values().numel() == 0:
-        return
+
+
+def _out_of_range(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> Optional[str]:
+    """The id rule's message for the first feature (in key order) with an id outside its
+    table, or None; ids on other devices than the CPU are not read (no synchronisation)."""
+    values = features.values()
+    if values.device.type != "cpu" or values.numel() == 0:
+        return None
+    if len(rows_per_feature) > 0:
+        # one pass settles the usual case: every id of every feature inside the smallest table
+        lowest, highest = torch.aminmax(values)
+        if int(lowest) >= 0 and int(highest) < min(rows_per_feature.values()):
+            return None
     for name, jt in features.to_dict().items():
         rows = rows_per_feature.get(name)
         bad = None if rows is None else first_out_of_range(jt.values(), rows)
         if bad is not None:
-            raise ValueError(out_of_range_message(name, bad, rows))
+            return out_of_range_message(name, bad, rows)
+    return None
+
+
+@torch.fx.wrap
+def _bag_inputs(
+    features: KeyedJaggedTensor, names: List[str], weighted: bool, with_lengths: bool
+) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
+    """Per feature of ``names``, in that order: (ids [n_f], offsets [B + 1] in the ids' dtype,
+    lengths [B] or nothing unless ``with_lengths``, per-id weights [n_f] or nothing unless
+    ``weighted``).
+
+    The tensors ``features.to_dict()`` would give each feature, from the KJT's cached
+    ``split_by_key()`` (one split of the values and one cumsum over the [F, B] lengths
+    for all keys) instead of a checked JaggedTensor per key. A repeated key resolves to
+    its last occurrence, as in ``to_dict``. fx records this as one call, so tracing does
+    not depend on the input's keys.
+    """
+    values = features.values()
+    split = features.split_by_key()
+    per_key_ids, per_key_offsets = split[0], split[1]
+    per_key_lengths: List[torch.Tensor] = []
+    if with_lengths:
+        per_key_lengths = list(features.lengths().view(len(features.keys()), features.stride()).unbind(0))
+    per_key_weights: List[torch.Tensor] = []
+    if weighted:
+        per_key_weights = list(torch.split(features.weights(), features.length_per_key()))
+    # nn.EmbeddingBag takes ids and offsets of one dtype; the offsets come in the lengths'
+    convert = len(per_key_offsets) > 0 and per_key_offsets[0].dtype != values.dtype
+    index = features.index_per_key()
+    ids: List[torch.Tensor] = []
+    offsets: List[torch.Tensor] = []
+    per_feature_lengths: List[torch.Tensor] = []
+    weights: List[torch.Tensor] = []
+    for name in names:
+        k = index[name]
+        ids.append(per_key_ids[k])
+        offsets.append(per_key_offsets[k].to(values.dtype) if convert else per_key_offsets[k])
+        if with_lengths:
+            per_feature_lengths.append(per_key_lengths[k])
+        if weighted:
+            weights.append(per_key_weights[k])
+    return ids, offsets, per_feature_lengths, weights
 
 
 class EmbeddingBagCollection(nn.Module):
@@ -114,29 +174,52 @@ class EmbeddingBagCollection(nn.Module):
             self._divide_by_length.append(mean and is_weighted)
             self._embedding_names.extend(t.feature_names)
             self._lengths_per_embedding.extend([t.embedding_dim] * len(t.feature_names))
+        self._any_divide_by_length = any(self._divide_by_length)
         self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
         if torch.device(device or "cpu").type != "meta":
             self.reset_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if torch.jit.is_scripting():
-            pass
-        elif not isinstance(features, torch.fx.Proxy):
-            check_features(features, self._rows_per_feature)
-        feature_dict = features.to_dict()
+            return self._pool(features)
+        else:
+            if isinstance(features, torch.fx.Proxy):
+                return self._pool(features)
+            return self._pool_checked(features)
+
+    @torch.jit.unused
+    def _pool_checked(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Eager forward with the id rule's ValueError for a bad id.
+
+        nn.EmbeddingBag's CPU kernels bounds-check every id themselves (RuntimeError, any
+        dtype and mode: tests/trainer/test_ebc_lookup.py), so the ids are read a
+        second time only when a kernel fails, to name the feature, id and table size.
+        """
+        _check_present(features, self._rows_per_feature)
+        try:
+            return self._pool(features)
+        except RuntimeError:
+            message = _out_of_range(features, self._rows_per_feature)
+            if message is None:
+                raise
+        raise ValueError(message)
+
+    def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        inputs = _bag_inputs(features, self._embedding_names, self._is_weighted, self._any_divide_by_length)
+        ids, offsets, lengths, weights = inputs[0], inputs[1], inputs[2], inputs[3]
         pooled: List[torch.Tensor] = []
         i = 0
+        j = 0  # position in self._embedding_names: the j-th feature looked up
         for bag in self.embedding_bags.values():
-            for name in self._feature_names[i]:
-                f = feature_dict[name]
-                ids = f.values()
-                weights: Optional[torch.Tensor] = None
+            for _ in self._feature_names[i]:
+                per_sample_weights: Optional[torch.Tensor] = None
                 if self._is_weighted:
-                    weights = f.weights().to(bag.weight.dtype)
-                out = bag(ids, f.offsets().to(ids.dtype), per_sample_weights=weights)
+                    per_sample_weights = weights[j].to(bag.weight.dtype)
+                out = bag(ids[j], offsets[j], per_sample_weights=per_sample_weights)
                 if self._divide_by_length[i]:
-                    out = out / f.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
+                    out = out / lengths[j].clamp(min=1).unsqueeze(1).to(out.dtype)
                 pooled.append(out.float())
+                j += 1
             i += 1
         return KeyedTensor(
             keys=self._embedding_names,
