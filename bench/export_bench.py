@@ -1,62 +1,97 @@
-"""Export time and peak memory: 26 tables x 100k rows x dim 64 (about 670 MB float) to INT8 and INT4.
+"""Export throughput and peak memory: N tables x rows x dim of float to each type, with and without the error-minimising search.
 
-    .venv/bin/python bench/export_bench.py [--rows 100000 --dim 64] [--workdir DIR]
+    .venv/bin/python bench/export_bench.py [--tables 26 --rows 100000 --dim 64] [--dtypes int8,int4]
+                                           [--search both|on|off] [--workdir DIR]
+    .venv/bin/python bench/export_bench.py --rows 1000000 --dtypes int4   # issue 19: 6.6 GB float
+    .venv/bin/python bench/export_bench.py --checkpoint CKPT [--dtypes ...]  # export a checkpoint already there
 
 Trains one step to get a checkpoint of that size, then exports it in a fresh process per
-type and prints wall time, the process's peak RSS (VmHWM), the RSS of a process that only
-imported torch + fbgemm_gpu + recship, and both as multiples of the float tables' size.
+(type, search) and prints wall time, GB/s of float input (the tables' float bytes over the
+export's wall time, every stage included), the process's peak RSS (VmHWM), the RSS of a
+process that only imported torch + fbgemm_gpu + recship, and both as multiples of the float
+tables' size. Without --workdir the checkpoint goes to a temporary folder, deleted at the end.
 """
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 CHILD = """
-import json, sys, time
+import json, os, sys, time
 import fbgemm_gpu, torch
 from recship.export import ExportConfig, export_model
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-mode, checkpoint, out, dtype = sys.argv[1:5]
+mode, checkpoint, out, dtype, search = sys.argv[1:6]
 if mode == "baseline":
     print(json.dumps({"rss": hwm()}))
     sys.exit(0)
-t = time.perf_counter()
-export_model(checkpoint, ExportConfig(out=out, dtype=dtype, progress=False, overwrite=True))
-print(json.dumps({"seconds": time.perf_counter() - t, "rss": hwm()}))
+t, cpu = time.perf_counter(), os.times()
+export_model(checkpoint, ExportConfig(out=out, dtype=dtype, error_minimizing=search == "on", progress=False, overwrite=True))
+seconds, after = time.perf_counter() - t, os.times()
+cpu_seconds = after.user + after.system - cpu.user - cpu.system
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss": hwm(), "threads": torch.get_num_threads()}))
 """
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tables", type=int, default=26)
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--dtypes", default="int8,int4", help="comma-separated export types")
+    parser.add_argument("--search", choices=("both", "on", "off"), default="both", help="error-minimising search on, off or both")
+    parser.add_argument("--workdir", default=None, help="keep the checkpoint and artifacts here (default: a temporary folder, deleted)")
+    parser.add_argument("--checkpoint", default=None, help="export this checkpoint (of the built-in DLRM) instead of training one; "
+                        "its tables give the float size")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="recship-export-bench-"))
-    float_bytes = 26 * args.rows * args.dim * 4
-    print(f"26 tables x {args.rows} rows x dim {args.dim}: {float_bytes / 2**20:.0f} MB float; work dir {work}")
-    from recship.trainer.train import TrainConfig, launch
+    try:
+        run(args, work)
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(work, ignore_errors=True)
 
-    summary = launch(TrainConfig(out=str(work / "train"), steps=1, batch_size=256, num_embeddings_per_feature=[args.rows] * 26,
-                                 embedding_dim=args.dim, eval_every=0, eval_batches=1, checkpoint_every=0, progress=False, overwrite=True))
-    checkpoint = summary["checkpoint"]
+
+def run(args: argparse.Namespace, work: Path) -> None:
+    if args.checkpoint is None:
+        float_bytes = args.tables * args.rows * args.dim * 4
+        print(f"{args.tables} tables x {args.rows} rows x dim {args.dim}: {float_bytes / 1e9:.2f} GB float; work dir {work}")
+        from recship.trainer.train import TrainConfig, launch
+
+        summary = launch(TrainConfig(out=str(work / "train"), steps=1, batch_size=256, num_embeddings_per_feature=[args.rows] * args.tables,
+                                     embedding_dim=args.dim, eval_every=0, eval_batches=1, checkpoint_every=0, progress=False, overwrite=True))
+        checkpoint = summary["checkpoint"]
+    else:
+        from recship.trainer.checkpoint_reader import CheckpointReader
+
+        checkpoint = args.checkpoint
+        tables = [cfg for _, cfg in CheckpointReader(Path(checkpoint)).table_configs()]
+        float_bytes = sum(t.num_embeddings * t.embedding_dim * 4 for t in tables)
+        print(f"{checkpoint}: {len(tables)} tables, {float_bytes / 1e9:.2f} GB float; work dir {work}")
 
     def child(*argv):
         out = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    base = child("baseline", "-", "-", "-")["rss"]
+    base = child("baseline", "-", "-", "-", "-")["rss"]
     print(f"process with torch + fbgemm_gpu + recship imported: {base / 2**20:.0f} MB RSS")
-    print(f"{'type':5s} {'seconds':>8s} {'peak RSS MB':>12s} {'x float':>8s} {'(peak - imports) x float':>25s}")
-    for dtype in ("int8", "int4"):
-        r = child("export", checkpoint, str(work / f"art_{dtype}"), dtype)
-        print(f"{dtype:5s} {r['seconds']:8.1f} {r['rss'] / 2**20:12.0f} {r['rss'] / float_bytes:8.2f} {(r['rss'] - base) / float_bytes:25.2f}")
+    print(f"{'type':5s} {'search':6s} {'seconds':>8s} {'GB/s':>6s} {'CPU s':>7s} {'peak RSS MB':>12s} {'x float':>8s} {'(peak - imports) x float':>25s}")
+    searches = ("off", "on") if args.search == "both" else (args.search,)
+    for dtype in args.dtypes.split(","):
+        for search in searches:
+            out = work / f"art_{dtype}_{search}"
+            r = child("export", checkpoint, str(out), dtype, search)
+            shutil.rmtree(out, ignore_errors=True)
+            print(f"{dtype:5s} {search:6s} {r['seconds']:8.1f} {float_bytes / 1e9 / r['seconds']:6.3f} {r['cpu_seconds']:7.1f} {r['rss'] / 2**20:12.0f} "
+                  f"{r['rss'] / float_bytes:8.2f} {(r['rss'] - base) / float_bytes:25.2f}", flush=True)
+    print(f"(torch intra-op threads in the export: {r['threads']})")
 
 
 if __name__ == "__main__":
