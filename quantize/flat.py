@@ -429,19 +429,21 @@ class FlatEmbeddingBagCollection(nn.Module):
         self._dims = list(lookup.dims)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        lengths, values, weights = _request_features(features, self._keys)
+        lengths, values, weights = _request_features(features, self._keys, not self.lookup.ids.asserts)
         pooled = self.lookup(lengths, values, weights)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
 
 
 def _request_features(
-    features: KeyedJaggedTensor, names: List[str]
+    features: KeyedJaggedTensor, names: List[str], slices: bool = True
 ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(lengths [F*B], values, weights or None) of the ``names`` features of ``features``, in that order.
 
     A KJT with exactly these keys (what the exported model builds from a request for a lone
     collection) is used as it is; one that holds them among others (a model whose collections
-    share the request KJT) has their segments gathered by position, without splitting it.
+    share the request KJT) has their segments gathered by position, without splitting it, or
+    sliced when they are consecutive keys (``slices``: not while torch.export traces, where a
+    slice at data-dependent bounds is an unbacked size; the gather is not).
     """
     keys = features.keys()
     lengths, values, weights = features.lengths(), features.values(), features.weights_or_none()
@@ -453,6 +455,13 @@ def _request_features(
             raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {keys}")
         positions.append(keys.index(name))
     batch = lengths.shape[0] // len(keys)
+    first = positions[0]
+    if slices and positions == list(range(first, first + len(positions))):
+        # a run of consecutive keys (a model's collections splitting the request KJT): views, no gather
+        start, end = first * batch, (first + len(positions)) * batch
+        bounds: List[int] = torch.stack([lengths[:start].sum(), lengths[:end].sum()]).tolist()
+        return (lengths[start:end], values[bounds[0] : bounds[1]],
+                None if weights is None else weights[bounds[0] : bounds[1]])
     per_key = lengths.view(len(keys), batch)
     chosen = torch.tensor(positions, dtype=torch.int64, device=lengths.device)
     sub_lengths = per_key.index_select(0, chosen)  # [len(names), B]
@@ -502,7 +511,7 @@ class FlatEmbeddingCollection(nn.Module):
         )
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        lengths, values, _ = _request_features(features, self.feature_names)
+        lengths, values, _ = _request_features(features, self.feature_names, not self.ids.asserts)
         batch = lengths.shape[0] // self.num_features
         given = lengths.view(self.num_features, batch)  # the JaggedTensors keep the request's dtype
         lengths = lengths.to(torch.int64)
