@@ -105,6 +105,11 @@ class DLRM(nn.Module):
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
         # upper triangle without the diagonal: every unordered pair once
         n = self._num_vectors
-        pair = torch.triu_indices(n, n, offset=1, device=dots.device)
-        pairs = dots.reshape(b, n * n).index_select(1, pair[0] * n + pair[1])  # one gather; 2-D fancy indexing is slow
+        if torch.compiler.is_compiling():
+            # torch.export / AOTInductor: row slices and one cat become contiguous copies; inductor's
+            # code for the gather below is 8x slower than aten's at batch 512
+            pairs = torch.cat([dots[:, i, i + 1 :] for i in range(n - 1)], dim=1)
+        else:
+            pair = torch.triu_indices(n, n, offset=1, device=dots.device)
+            pairs = dots.reshape(b, n * n).index_select(1, pair[0] * n + pair[1])  # one gather; 2-D fancy indexing is slow
         return self.over_arch(torch.cat([dense_emb, pairs], dim=1)).squeeze(1)
