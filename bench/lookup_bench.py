@@ -17,7 +17,7 @@ see the same machine state; with one thread the clock is CPU time (waiting for a
 does not count), else wall time. A ratio is the median over rounds of that round's ratio
 (robust to other load on the machine), "best" the fastest round against the fastest
 round. The module's overhead is its ratio to the baseline minus 1. A KJT is built once and reused unless
-``--fresh-kjt`` (TorchRec caches per-feature tensors on a reused KJT; recship does not).
+``--fresh-kjt`` (both TorchRec and recship cache per-feature views on a reused KJT).
 The last column is torch index_select gathering as many random rows of the same width:
 the machine's practical limit for this access pattern.
 """

@@ -115,7 +115,8 @@ class IdCheck(nn.Module):
     rows_per_feature: torch.Tensor
     modulo_per_feature: torch.Tensor
 
-    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool]) -> None:
+    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool],
+                 device: torch.device = torch.device("cpu")) -> None:
         super().__init__()
         self.feature_names = list(feature_names)
         self.table_rows = list(table_rows)
@@ -123,8 +124,8 @@ class IdCheck(nn.Module):
         self.any_modulo = any(modulo)
         self.min_rows = min(table_rows)
         self.asserts = False
-        self.register_buffer("rows_per_feature", torch.tensor(table_rows, dtype=torch.int64))
-        self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool))
+        self.register_buffer("rows_per_feature", torch.tensor(table_rows, dtype=torch.int64, device=device))
+        self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool, device=device))
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
         n = values.shape[0]
@@ -184,9 +185,10 @@ class _Shard(nn.Module):
         self.same_size = sorted(features) == list(range(num_features))  # every feature once: N ids in, as many out
         self.bucketed = bucketed
         self.num_units = len(features)
-        self.register_buffer("features", torch.tensor(features, dtype=torch.int64))
-        self.register_buffer("row_offsets", torch.tensor(row_offsets, dtype=torch.int64))
-        self.register_buffer("rows", torch.tensor(rows, dtype=torch.int64))
+        # the request's tensors are on the result device (the first shard's): the routing lives there too
+        self.register_buffer("features", torch.tensor(features, dtype=torch.int64, device=result_device))
+        self.register_buffer("row_offsets", torch.tensor(row_offsets, dtype=torch.int64, device=result_device))
+        self.register_buffer("rows", torch.tensor(rows, dtype=torch.int64, device=result_device))
         self.register_buffer("columns", torch.tensor(columns, dtype=torch.int64, device=result_device))
 
     def forward(
@@ -285,7 +287,7 @@ class FlatPooledLookup(nn.Module):
         self.weighted = weighted
         self.shards = nn.ModuleList(shards)
         self.result_device = str(result_device)
-        self.ids = IdCheck(feature_names, table_rows, modulo)
+        self.ids = IdCheck(feature_names, table_rows, modulo, result_device)
         self.any_mean_after = any(mean_after)
         self.register_buffer(
             "mean_columns", torch.tensor([i for i, d in enumerate(dims) for _ in range(d)], dtype=torch.int64, device=result_device)
@@ -312,12 +314,13 @@ class FlatPooledLookup(nn.Module):
     def forward(self, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         num_features = self.num_features
         batch = lengths.shape[0] // num_features
-        lengths = lengths.to(torch.int64)
-        values = self.ids(values.to(torch.int64), lengths, batch)
+        device = torch.device(self.result_device)  # where the request is routed (a no-op where it already is)
+        lengths = lengths.to(device=device, dtype=torch.int64)
+        values = self.ids(values.to(device=device, dtype=torch.int64), lengths, batch)
         if not self.weighted:
             weights = None
         elif weights is not None:
-            weights = weights.to(torch.float32)
+            weights = weights.to(device=device, dtype=torch.float32)
         offsets = _complete_cumsum(lengths)
         if self.summed:
             result = torch.zeros(batch, self.total_dim, dtype=torch.float32, device=torch.device(self.result_device))
@@ -486,7 +489,8 @@ class FlatEmbeddingCollection(nn.Module):
         super().__init__()
         self.feature_names = list(feature_names)
         self.num_features = len(feature_names)
-        self.ids = IdCheck(feature_names, table_rows, modulo)
+        self.device_name = shards[0].device_name if shards else "cpu"
+        self.ids = IdCheck(feature_names, table_rows, modulo, torch.device(self.device_name))
         self.shards = nn.ModuleList([_UnpooledShard(s) for s in shards])
         self._unit_names: List[List[str]] = [[feature_names[f] for f in s.features.tolist()] for s in shards]
 
@@ -514,8 +518,9 @@ class FlatEmbeddingCollection(nn.Module):
         lengths, values, _ = _request_features(features, self.feature_names, not self.ids.asserts)
         batch = lengths.shape[0] // self.num_features
         given = lengths.view(self.num_features, batch)  # the JaggedTensors keep the request's dtype
-        lengths = lengths.to(torch.int64)
-        values = self.ids(values.to(torch.int64), lengths, batch)
+        device = torch.device(self.device_name)
+        lengths = lengths.to(device=device, dtype=torch.int64)
+        values = self.ids(values.to(device=device, dtype=torch.int64), lengths, batch)
         offsets = _complete_cumsum(lengths)
         found: Dict[str, JaggedTensor] = {}
         k = 0

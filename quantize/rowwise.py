@@ -124,7 +124,7 @@ def _single_threaded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
 def _search_block(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """_best_range on one block of rows [rows, dim]: every temporary is [rows, dim] or [rows, candidates]."""
     rows = w.shape[0]
-    lo, hi = w.min(dim=1).values, w.max(dim=1).values
+    lo, hi = torch.aminmax(w, dim=1)  # one pass
     span = hi - lo
     scale0, bias0 = _qparams(lo, hi, bits)
     err0 = _sq_error(w, scale0, bias0, bits)
@@ -218,7 +218,7 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
         if error_minimizing:
             scale, bias = _best_range(w, bits)
         else:
-            scale, bias = _qparams(w.min(dim=1).values, w.max(dim=1).values, bits)
+            scale, bias = _qparams(*torch.aminmax(w, dim=1), bits)  # one pass over the rows
         data = _pack(_codes(w, scale, bias, bits), bits)
         scale_bias = torch.stack([scale.half(), bias.half()], dim=1).view(torch.uint8)
         return QuantizedRows(data, scale_bias)
