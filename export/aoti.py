@@ -19,6 +19,7 @@ Traps this module handles:
 
 import os
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,14 @@ class AotiPackage:
 
 
 @contextmanager
+def _quiet() -> Iterator[None]:
+    """torch 2.13's own pytree deprecation warning (its treespec pickling), not the user's business."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*LeafSpec.*", category=FutureWarning)
+        yield
+
+
+@contextmanager
 def _export_mode(module: nn.Module) -> Iterator[None]:
     """Flat lookups check ids with tensor asserts (not Python errors) while torch.export traces ``module``."""
     lookups = [m for m in module.modules() if isinstance(m, IdCheck)]
@@ -127,7 +136,7 @@ def compile_package(
     start = time.perf_counter()
     module.eval()
     try:
-        with _export_mode(module), torch.no_grad():
+        with _export_mode(module), torch.no_grad(), _quiet():
             program = torch.export.export(module, (dense, lengths, values, weights), dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # any capture failure ends with its reason
         raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
@@ -138,7 +147,8 @@ def compile_package(
             options["cpp.simdlen"] = _ISA_VECTOR_BITS[target_isa]
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        built = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
+        with _quiet():
+            built = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
     except Exception as e:
         raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     seconds = time.perf_counter() - start
@@ -157,4 +167,5 @@ def load_package(path: Path, target_isa: str) -> Any:
         raise AotiError(f"{path} was compiled for {target_isa}; this CPU lacks {missing}: use model.pt (TorchScript)")
     import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops the package calls)
 
-    return torch._inductor.aoti_load_package(str(path))
+    with _quiet():
+        return torch._inductor.aoti_load_package(str(path))

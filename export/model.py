@@ -12,6 +12,7 @@ request tensors themselves (no KeyedJaggedTensor is built); callers need no recs
 classes. The same modules are what torch.export / AOTInductor compile.
 """
 
+import warnings
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
@@ -85,5 +86,8 @@ class ExportedEmbeddings(nn.Module):
 
 
 def trace_and_script(module: nn.Module) -> torch.jit.ScriptModule:
-    """fx-trace with TBE modules as leaves, then TorchScript the traced graph."""
-    return torch.jit.script(symbolic_trace(module))
+    """fx-trace with the lookup modules as leaves, then TorchScript the traced graph."""
+    with warnings.catch_warnings():
+        # torch's own fx GraphModule.__init__ trips TorchScript's annotation checker: not the user's business
+        warnings.filterwarnings("ignore", message=r".*instance-level annotations on empty non-base types.*", category=UserWarning)
+        return torch.jit.script(symbolic_trace(module))
