@@ -2,12 +2,10 @@
 on random requests of batch 1, 7 and 513 and requests with 0 and 1 ids; the format choice (auto, torchscript,
 aoti) and its refusals; requests validated before the compiled model, which checks nothing itself."""
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,20 +18,11 @@ from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, v
 
 from bad_requests import bad_requests
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
     shutil.which("cmake") is None or shutil.which(os.environ.get("CXX", "g++")) is None,
     reason="needs cmake and a C++ compiler (g++) to build the loader and compile model.pt2",
 )
 CASES = [("dlrm", 1), ("emb", 2)]  # the DLRM; the weighted EmbeddingBagCollection (MEAN, modulo ids), row-wise on 2 shards
-
-
-@pytest.fixture(scope="module")
-def binary():
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build() / "recship_predict"
 
 
 @pytest.fixture(scope="module")

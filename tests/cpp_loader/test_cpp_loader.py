@@ -1,6 +1,5 @@
 """The C++ loader against Python's torch.jit.load: same outputs, same validation, documented errors, threads."""
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,14 +16,6 @@ from recship.serving import PredictClient
 from bad_requests import bad_requests
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def binary():
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build() / "recship_predict"
 
 
 @pytest.fixture(scope="module")
