@@ -262,7 +262,6 @@ class FlatPooledLookup(nn.Module):
 
     feature_names: List[str]
     dims: List[int]
-    table_rows: List[int]
     mean_columns: torch.Tensor
     mean_per_feature: torch.Tensor
     order: torch.Tensor
@@ -281,7 +280,6 @@ class FlatPooledLookup(nn.Module):
         super().__init__()
         self.feature_names = list(feature_names)
         self.dims = list(dims)
-        self.table_rows = list(table_rows)
         self.num_features = len(feature_names)
         self.total_dim = sum(dims)
         self.weighted = weighted
@@ -492,7 +490,7 @@ class FlatEmbeddingCollection(nn.Module):
         self.device_name = shards[0].device_name if shards else "cpu"
         self.ids = IdCheck(feature_names, table_rows, modulo, torch.device(self.device_name))
         self.shards = nn.ModuleList([_UnpooledShard(s) for s in shards])
-        self._unit_names: List[List[str]] = [[feature_names[f] for f in s.features.tolist()] for s in shards]
+        self._unit_features: List[List[int]] = [s.features.tolist() for s in shards]  # request feature of each unit
 
     @staticmethod
     def of(module: nn.Module) -> "FlatEmbeddingCollection":
@@ -527,9 +525,8 @@ class FlatEmbeddingCollection(nn.Module):
         for shard in self.shards:
             parts = shard(lengths, offsets, values, batch, self.num_features)
             u = 0
-            for name in self._unit_names[k]:
-                f = self.feature_names.index(name)
-                found[name] = JaggedTensor(values=parts[u], weights=None, lengths=given[f], offsets=None)
+            for f in self._unit_features[k]:
+                found[self.feature_names[f]] = JaggedTensor(values=parts[u], weights=None, lengths=given[f], offsets=None)
                 u += 1
             k += 1
         out: Dict[str, JaggedTensor] = {}
