@@ -190,6 +190,8 @@ class Batcher:
         if first is None:
             return [], None, True
         batch, examples = [first], first.request.batch_size
+        if self.max_delay_s <= 0:  # batching off: one request per forward, however many are queued
+            return batch, None, False
         until = first.enqueued + self.max_delay_s
         while examples < self.max_batch_size:
             wait = until - time.monotonic()

@@ -5,18 +5,55 @@ models and versions, or ``-`` for requests that reached none (an unknown model n
 becomes a label), and ``method`` is one of the fronts' method names.
 """
 
-from typing import Any, List, Optional
+import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.samples import Sample
+
+log = logging.getLogger("recship.serving")
+
+# samples another process counted (the C++ front), by family name: (sample name, labels, value)
+ExtraSamples = Dict[str, List[Tuple[str, Dict[str, str], float]]]
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
+class _Merged:
+    """The server's own families with another process's samples added: one family per name, counts summed."""
+
+    def __init__(self, own: CollectorRegistry, metrics: "Metrics") -> None:
+        self._own, self._metrics = own, metrics
+
+    def collect(self):
+        extra: ExtraSamples = {}
+        if self._metrics.extra is not None:
+            try:
+                extra = self._metrics.extra()
+            except Exception as e:  # a scrape never fails for it: the Python side's counts still show
+                log.error("reading the C++ front's metrics failed: %s", e)
+        for family in self._own.collect():
+            added = extra.get(family.name)
+            if added:
+                index = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(family.samples)}
+                for name, labels, value in added:
+                    i = index.get((name, tuple(sorted(labels.items()))))
+                    if i is None:
+                        family.samples.append(Sample(name, labels, value))
+                    else:
+                        old = family.samples[i]
+                        family.samples[i] = old._replace(value=old.value + value)
+            yield family
+
+
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        own = CollectorRegistry()
+        r = own
+        self.extra: Optional[Callable[[], ExtraSamples]] = None  # set by a server with the C++ front
+        self.registry = CollectorRegistry()  # what /metrics shows: own families, the front's samples merged in
+        self.registry.register(_Merged(own, self))
         self.requests = Counter("recship_requests_total", "requests by method, model, version and status",
                                 ["method", "model", "version", "status"], registry=r)
         self.latency = Histogram("recship_request_seconds", "end-to-end latency of a request", ["model"], buckets=_LATENCY_BUCKETS, registry=r)

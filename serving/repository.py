@@ -122,6 +122,7 @@ class ModelRepository:
         self._on_change = on_change or (lambda name, ready: None)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
+        self.front = None  # the C++ front (serving/front.py), told of every version that starts or stops serving
 
     # -- reading (any thread) ------------------------------------------------
 
@@ -210,6 +211,7 @@ class ModelRepository:
             self._unload(name, "no other version could be loaded")
 
     def _swap(self, name: str, served: ServedVersion) -> None:
+        self._front_load(served)  # first, so the front never serves an older version than this process
         with self._lock:
             old = self._serving.get(name)
             self._serving[name] = served
@@ -225,9 +227,37 @@ class ModelRepository:
             old = self._serving.pop(name, None)
         if old is None:
             return
+        if self.front is not None:
+            try:
+                self.front.unload(name)
+            except Exception as e:
+                log.error("the C++ front did not unload %s: %s", name, e, extra={"model": name})
         log.warning("unloaded %s version %d: %s", name, old.version, why, extra={"model": name, "version": old.version})
         self._on_change(name, False)
         threading.Thread(target=old.batcher.stop, daemon=True, name=f"unload-{name}-{old.version}").start()
+
+    def attach_front(self, front) -> None:
+        """From now on ``front`` (serving/front.py CppFront) serves what this repository serves, starting now."""
+        with self._scanning:
+            self.front = front
+            for served in self.models():
+                self._front_load(served)
+
+    def _front_load(self, served: ServedVersion) -> None:
+        """Loads ``served`` in the C++ front; where it cannot, the front forwards the model's requests here."""
+        if self.front is None:
+            return
+        try:
+            fmt = self.front.load(served.name, served.version, served.path, self.config.model_format)
+            log.info("C++ front serves %s version %d (%s)", served.name, served.version, fmt,
+                     extra={"model": served.name, "version": served.version})
+        except Exception as e:
+            log.error("the C++ front could not load %s version %d (%s); its requests are served by Python", served.name,
+                      served.version, e, extra={"model": served.name, "version": served.version})
+            try:
+                self.front.unload(served.name)  # never leave it serving an older version
+            except Exception:
+                pass
 
     def _refuse(self, model: str, version: str, signature: Optional[Tuple], reason: str) -> None:
         key = (model, version)

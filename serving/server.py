@@ -20,8 +20,10 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import signal
 import ssl
+import tempfile
 import sys
 import threading
 from dataclasses import dataclass
@@ -62,8 +64,13 @@ class ServerConfig:
     tls_client_ca: Optional[str] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     trusted_sha256: Optional[str] = None  # allow-list file of model.pt sha256s; None: any artifact loads
     model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
+    front: str = "python"  # cpp: the C++ gRPC front answers Predict (serving/front.py); python: this process answers all
 
     def __post_init__(self) -> None:
+        if self.front not in ("python", "cpp"):
+            raise ValueError(f"--front must be python or cpp, got {self.front!r}")
+        if self.front == "cpp" and self.device != "cpu":
+            raise ValueError("--front cpp runs models on the CPU; use --front python with --device cuda")
         if self.model_format not in ("auto", "torchscript", "aoti"):
             raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -95,6 +102,8 @@ class Server:
             raise ValueError("--device cuda, but torch sees no CUDA device")
         self.config = config
         self.rest = None
+        self.front = None  # the C++ front (config.front == "cpp")
+        self._backend_dir: Optional[str] = None
         self.metrics = Metrics()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving-loop", daemon=True)
@@ -145,7 +154,18 @@ class Server:
             names = [predictor.SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
         address = f"{config.host}:{config.port}"
-        if config.tls_cert is not None:
+        if config.front == "cpp":  # the front takes the public port; this server listens behind it, privately
+            self._backend_dir = tempfile.mkdtemp(prefix="recship-front-")
+            address = f"unix:{self._backend_dir}/backend.sock"
+            self.grpc.add_insecure_port(address)
+            await self.grpc.start()
+            from recship.serving.front import CppFront
+
+            self.front = await loop.run_in_executor(None, CppFront, config, address)
+            self.port = self.front.port
+            self.metrics.extra = self.front.samples
+            await loop.run_in_executor(None, self.repo.attach_front, self.front)
+        elif config.tls_cert is not None:
             assert config.tls_key is not None  # ServerConfig checks that cert and key come together
             ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
             credentials = grpc.ssl_server_credentials(
@@ -157,7 +177,8 @@ class Server:
             self.port = self.grpc.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot listen on {address}")
-        await self.grpc.start()
+        if self.front is None:
+            await self.grpc.start()
         if config.http_port is not None:
             from recship.serving.rest import RestFront
 
@@ -172,6 +193,8 @@ class Server:
         async def stop():
             self.inference.accepting = False
             await self.health.enter_graceful_shutdown()
+            if self.front is not None:  # it drains its own calls, and the ones it forwards here, first
+                await self._loop.run_in_executor(None, self.front.stop, grace)
             fronts = [self.grpc.stop(grace)] + ([self.rest.stop()] if self.rest is not None else [])
             await asyncio.gather(*fronts)
 
@@ -179,8 +202,13 @@ class Server:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        if self.front is not None:
+            self.front.stop(0)  # (already stopped after stop(): this returns at once)
+            self.metrics.extra = None
         if hasattr(self, "repo"):
             self.repo.stop()
+        if self._backend_dir is not None:
+            shutil.rmtree(self._backend_dir, ignore_errors=True)
         self.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
@@ -212,6 +240,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-format", default="auto", choices=["auto", "torchscript", "aoti"],
                         help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
                              "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")
+    parser.add_argument("--front", default="python", choices=["python", "cpp"],
+                        help="cpp: a C++ gRPC front (built from cpp_loader/ on first use) answers Predict without Python per "
+                             "request and forwards every other call to this process (default python)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -225,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
             device=args.device, reflection=args.reflection,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
-            model_format=args.model_format,
+            model_format=args.model_format, front=args.front,
         )
         server = Server(config)
     except OSError as e:  # e.g. a port in use (ValueError and FileNotFoundError: recship.cli says them)

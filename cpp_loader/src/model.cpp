@@ -4,6 +4,7 @@
 #include <dlfcn.h>
 #include <openssl/evp.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <ATen/Parallel.h>
 #include <torch/script.h>
 #include <torch/version.h>
 #include <unistd.h>
@@ -279,10 +280,13 @@ struct Model::Impl {
   int64_t num_dense = 0;
   int64_t max_batch_size = 512;
 
-  Inputs inputs(const Request& r) const;
+  Prepared prepare(const Request& r) const;
+  Inputs inputs(const std::vector<const Prepared*>& requests) const;
   // Runs the loaded model on validated inputs (AOTI checks no shapes: never call it with anything else).
   std::vector<std::pair<std::string, torch::Tensor>> forward(const Inputs& in) const;
 };
+
+void set_intra_op_threads(int threads) { at::set_num_threads(threads); }
 
 Model::Model() : impl_(std::make_unique<Impl>()) {}
 Model::~Model() = default;
@@ -373,7 +377,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
 }
 
 // Validation: the same rules and messages as the gRPC server (recship/serving/requests.py).
-Inputs Model::Impl::inputs(const Request& r) const {
+Prepared Model::Impl::prepare(const Request& r) const {
   const int64_t b = r.batch_size;
   if (b <= 0) throw InvalidRequest("batch_size must be > 0, got " + std::to_string(b));
   if (b > max_batch_size)
@@ -395,12 +399,15 @@ Inputs Model::Impl::inputs(const Request& r) const {
   }
   int64_t total = 0;
   for (const auto& name : features) total += static_cast<int64_t>(r.sparse.at(name).ids.size());
-  auto lengths = torch::empty({static_cast<int64_t>(features.size()) * b}, torch::kInt32);
-  auto values = torch::empty({total}, torch::kInt64);
-  auto weights = torch::empty({weighted ? total : 0}, torch::kFloat32);
-  int32_t* lp = lengths.data_ptr<int32_t>();
-  int64_t* vp = values.data_ptr<int64_t>();
-  float* wp = weights.data_ptr<float>();
+  Prepared p;
+  p.batch_size = b;
+  p.lengths.resize(features.size() * b);
+  p.ids.resize(total);
+  p.feature_ids.reserve(features.size());
+  if (weighted) p.weights.resize(total);
+  int32_t* lp = p.lengths.data();
+  int64_t* vp = p.ids.data();
+  float* wp = p.weights.data();
   for (const auto& name : features) {
     const Feature& f = r.sparse.at(name);
     const std::string where = "sparse feature '" + name + "': ";
@@ -439,11 +446,9 @@ Inputs Model::Impl::inputs(const Request& r) const {
     }
     std::copy(f.lengths.begin(), f.lengths.end(), lp);
     lp += b;
+    p.feature_ids.push_back(static_cast<int64_t>(f.ids.size()));
   }
-  torch::Tensor dense;
-  if (num_dense == 0 && r.dense.empty() && r.dense_rows == 0 && r.dense_cols == 0) {
-    dense = torch::zeros({b, 0});
-  } else {
+  if (!(num_dense == 0 && r.dense.empty() && r.dense_rows == 0 && r.dense_cols == 0)) {
     if (r.dense_rows != b || r.dense_cols != num_dense)
       throw InvalidRequest("dense shape [" + std::to_string(r.dense_rows) + ", " + std::to_string(r.dense_cols) +
                            "] does not match [batch_size, " + std::to_string(num_dense) + "] = [" + std::to_string(b) +
@@ -453,8 +458,45 @@ Inputs Model::Impl::inputs(const Request& r) const {
                            std::to_string(num_dense) + "]");
     for (float x : r.dense)
       if (!std::isfinite(x)) throw InvalidRequest("dense values must be finite (no NaN or infinity)");
-    dense = torch::from_blob(const_cast<float*>(r.dense.data()), {b, num_dense}, torch::kFloat32).clone();
+    p.dense = r.dense;
   }
+  return p;
+}
+
+// Prepared requests -> one set of input tensors, concatenated along the batch: lengths and ids stay feature-major
+// (feature 0 of every request, then feature 1, ...), dense rows request after request.
+Inputs Model::Impl::inputs(const std::vector<const Prepared*>& requests) const {
+  const int64_t nf = static_cast<int64_t>(features.size());
+  int64_t b = 0, total = 0;
+  for (const Prepared* p : requests) {
+    if (static_cast<int64_t>(p->feature_ids.size()) != nf || static_cast<int64_t>(p->lengths.size()) != nf * p->batch_size ||
+        static_cast<int64_t>(p->dense.size()) != p->batch_size * num_dense || (weighted && p->weights.size() != p->ids.size()))
+      throw Error("predict_batch: a request was not prepared by this model");
+    b += p->batch_size;
+    total += static_cast<int64_t>(p->ids.size());
+  }
+  if (requests.empty() || b > max_batch_size)
+    throw Error("predict_batch takes 1 to max_batch_size (" + std::to_string(max_batch_size) + ") examples, got " + std::to_string(b));
+  auto lengths = torch::empty({nf * b}, torch::kInt32);
+  auto values = torch::empty({total}, torch::kInt64);
+  auto weights = torch::empty({weighted ? total : 0}, torch::kFloat32);
+  auto dense = torch::empty({b, num_dense}, torch::kFloat32);
+  int32_t* lp = lengths.data_ptr<int32_t>();
+  int64_t* vp = values.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  std::vector<int64_t> offset(requests.size(), 0);  // each request's read position in its ids
+  for (int64_t f = 0; f < nf; ++f) {
+    for (size_t r = 0; r < requests.size(); ++r) {
+      const Prepared& p = *requests[r];
+      lp = std::copy_n(p.lengths.data() + f * p.batch_size, p.batch_size, lp);
+      const int64_t n = p.feature_ids[f];
+      vp = std::copy_n(p.ids.data() + offset[r], n, vp);
+      if (weighted) wp = std::copy_n(p.weights.data() + offset[r], n, wp);
+      offset[r] += n;
+    }
+  }
+  float* dp = dense.data_ptr<float>();
+  for (const Prepared* p : requests) dp = std::copy(p->dense.begin(), p->dense.end(), dp);
   return {dense, lengths, values, weighted ? weights : torch::Tensor()};
 }
 
@@ -488,20 +530,42 @@ std::vector<std::pair<std::string, torch::Tensor>> Model::Impl::forward(const In
   return out;
 }
 
-std::map<std::string, Output> Model::predict(const Request& request) const {
-  std::map<std::string, Output> out;
-  for (const auto& [name, tensor] : impl_->forward(impl_->inputs(request))) {
+Prepared Model::prepare(const Request& request) const { return impl_->prepare(request); }
+
+std::vector<NamedOutputs> Model::predict_batch(const std::vector<const Prepared*>& requests) const {
+  std::vector<NamedOutputs> out(requests.size());
+  int64_t b = 0;
+  for (const Prepared* p : requests) b += p->batch_size;
+  for (const auto& [name, tensor] : impl_->forward(impl_->inputs(requests))) {
+    if (tensor.dim() == 0 || tensor.size(0) != b)
+      throw Error("the model failed: output '" + name + "' has shape " + c10::str(tensor.sizes()) + ", not a batch of " +
+                  std::to_string(b) + " first");
     torch::Tensor t = tensor.to(torch::kFloat32).contiguous();
-    Output o;
-    o.shape.assign(t.sizes().begin(), t.sizes().end());
-    o.values.assign(t.data_ptr<float>(), t.data_ptr<float>() + t.numel());
-    out[name] = std::move(o);
+    const int64_t row = b ? t.numel() / b : 0;  // values per example
+    const float* data = t.data_ptr<float>();
+    for (size_t r = 0; r < requests.size(); ++r) {
+      Output o;
+      o.shape.assign(t.sizes().begin(), t.sizes().end());
+      o.shape[0] = requests[r]->batch_size;
+      o.values.assign(data, data + requests[r]->batch_size * row);
+      data += requests[r]->batch_size * row;
+      out[r].emplace_back(name, std::move(o));
+    }
   }
   return out;
 }
 
+std::map<std::string, Output> Model::predict(const Request& request) const {
+  Prepared p = impl_->prepare(request);
+  std::map<std::string, Output> out;
+  std::vector<NamedOutputs> batch = predict_batch({&p});
+  for (auto& [name, o] : batch[0]) out[name] = std::move(o);
+  return out;
+}
+
 double Model::forward_ms(const Request& request, int runs) const {
-  Inputs in = impl_->inputs(request);
+  Prepared p = impl_->prepare(request);
+  Inputs in = impl_->inputs({&p});
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
     auto t0 = std::chrono::steady_clock::now();
@@ -516,6 +580,7 @@ const std::vector<std::string>& Model::feature_names() const { return impl_->fea
 const std::string& Model::format() const { return impl_->format; }
 const std::string& Model::format_note() const { return impl_->format_note; }
 int64_t Model::num_dense() const { return impl_->num_dense; }
+int64_t Model::max_batch_size() const { return impl_->max_batch_size; }
 
 Request Model::sample_request() const {
   const json& s = impl_->manifest["sample"]["inputs"];

@@ -47,6 +47,20 @@ struct Output {
   std::vector<float> values;   // row-major
 };
 
+// A request that passed validation, laid out as the model's inputs (Model::prepare). Requests prepared
+// for one Model can run together in one forward (Model::predict_batch): how a server batches them.
+struct Prepared {
+  int64_t batch_size = 0;
+  std::vector<int32_t> lengths;      // [features x batch_size], feature-major (Model::feature_names order)
+  std::vector<int64_t> ids;          // [sum(lengths)], feature-major, after the id policy (modulo ids folded)
+  std::vector<int64_t> feature_ids;  // [features]: how many of ids each feature has
+  std::vector<float> weights;        // [sum(lengths)] for a weighted model (1 for unweighted features), else empty
+  std::vector<float> dense;          // row-major [batch_size, num_dense]
+};
+
+// A model's outputs in the order the model returns them.
+using NamedOutputs = std::vector<std::pair<std::string, Output>>;
+
 struct LoadOptions {
   std::string fbgemm_dir;      // folder of fbgemm_gpu's .so files; empty: the one recorded at build time
   bool check_versions = true;  // refuse an artifact built with another torch / fbgemm_gpu version
@@ -58,6 +72,9 @@ struct LoadOptions {
   std::string format = "auto";
 };
 
+// Intra-op threads of the forwards the calling thread runs (torch keeps the setting per thread).
+void set_intra_op_threads(int threads);
+
 class Model {
  public:
   // Reads manifest.json, picks the format (LoadOptions::format), verifies the model file's sha256, loads
@@ -67,11 +84,17 @@ class Model {
 
   // Validates and runs one request; safe to call from many threads on one Model.
   std::map<std::string, Output> predict(const Request& request) const;
+  // Validates one request (InvalidRequest, the same rules and messages as predict) without running it.
+  Prepared prepare(const Request& request) const;
+  // One forward over requests prepared by this Model, concatenated along the batch (at most max_batch_size
+  // examples together); each request gets exactly its own rows back, in the order given.
+  std::vector<NamedOutputs> predict_batch(const std::vector<const Prepared*>& requests) const;
   // Median milliseconds of the model's forward alone, inputs built once (to measure predict's overhead).
   double forward_ms(const Request& request, int runs) const;
 
   const std::vector<std::string>& feature_names() const;
   int64_t num_dense() const;
+  int64_t max_batch_size() const;
   Request sample_request() const;
   std::map<std::string, Output> sample_outputs() const;
   // The model that runs: "torchscript" (model.pt) or "aoti" (model.pt2).
