@@ -1,7 +1,9 @@
-"""Shared by the serving tests: the small artifact's shape and a raw HTTP/1.1 client."""
+"""Shared by the serving tests: the small artifact's shape, a raw HTTP/1.1 client, the C++ front's binary."""
 
 import socket
 from typing import Dict, Optional, Tuple
+
+import pytest
 
 ROWS = [20 + i for i in range(26)]  # table sizes of the 26 features cat_0..cat_25
 NUM_DENSE = 13
@@ -38,3 +40,13 @@ def read_response(s: socket.socket) -> Tuple[int, Dict[str, str], bytes]:
             break
         rest += chunk
     return status, headers, rest[:length]
+
+
+def front_binary():
+    """Path of the built C++ front (serving/front.py builds it once, incrementally); skips where gRPC C++ is missing."""
+    from recship.serving.front import FrontError, build_front
+
+    try:
+        return build_front()
+    except FrontError as e:
+        pytest.skip(f"the C++ front cannot be built here: {e}")

@@ -23,7 +23,7 @@ from recship.export.artifact import open_artifact
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
-from serving_helpers import NUM_DENSE, ROWS, http_request
+from serving_helpers import NUM_DENSE, ROWS, front_binary, http_request
 
 FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
 OUTPUTS = ("logit", "prob")
@@ -34,11 +34,15 @@ SETTINGS = settings(max_examples=int(_EXPLORE or 200), deadline=None, derandomiz
                     suppress_health_check=list(HealthCheck))
 
 
-@pytest.fixture(scope="module")
-def served(small_artifact, tmp_path_factory):
+@pytest.fixture(scope="module", params=["python", "cpp"])
+def served(request, small_artifact, tmp_path_factory):
+    """(server, the artifact in-process, a channel to the server), once per front: ``--front python`` and ``--front cpp``
+    (the C++ front answers the Predicts it accepts and forwards the rest to the Python server behind it)."""
+    if request.param == "cpp":
+        front_binary()
     repo = tmp_path_factory.mktemp("fuzz-repo")
     shutil.copytree(small_artifact, repo / "dlrm" / "1")
-    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1))
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1, front=request.param))
     model, _ = open_artifact(repo / "dlrm" / "1")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
     yield server, model, channel
