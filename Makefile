@@ -7,9 +7,26 @@ PY     := $(VENV)/bin/python
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean cpp-deps
 
-install: $(STAMP)
+install: $(STAMP) cpp-deps
+
+# gRPC C++ for the C++ serving front and load generator (recship serve --front cpp, bench/serve_bench.py):
+# Debian's packages, installed when missing where apt-get can run; without them everything else still works.
+CPP_DEPS := libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+cpp-deps:
+	@command -v grpc_cpp_plugin >/dev/null && command -v protoc >/dev/null && exit 0; \
+	if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing gRPC C++ (Debian: $(CPP_DEPS))"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CPP_DEPS) >/dev/null; } \
+			|| echo "note: installing gRPC C++ failed: --front cpp and the C++ load generator are skipped"; \
+	elif command -v apt-get >/dev/null && command -v sudo >/dev/null; then \
+		echo "installing gRPC C++ (Debian: $(CPP_DEPS))"; \
+		{ sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CPP_DEPS) >/dev/null; } \
+			|| echo "note: installing gRPC C++ failed: --front cpp and the C++ load generator are skipped"; \
+	else \
+		echo "note: gRPC C++ not found and apt-get unavailable: --front cpp and the C++ load generator are skipped ($(CPP_DEPS))"; \
+	fi
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info[:2] == (3, 11), "recship needs Python 3.11, found " + sys.version'
@@ -18,10 +35,10 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-demo: $(STAMP)
+demo: $(STAMP) cpp-deps
 	$(VENV)/bin/recship demo
 
-test: $(STAMP)
+test: $(STAMP) cpp-deps
 	$(PY) -m pytest -q
 
 clean:

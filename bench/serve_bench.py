@@ -1,16 +1,20 @@
-"""Serving throughput and latency over loopback gRPC, batching on and off, vs the model in-process.
+"""Serving throughput and latency over loopback gRPC, batching on and off, per front, vs the model in-process.
 
-    .venv/bin/python bench/serve_bench.py [--seconds 3]
+    .venv/bin/python bench/serve_bench.py [--seconds 3] [--model small|mlperf|all] [--front python|cpp|both] [--load cpp|python]
 
 For each model shape (``small``: the package's default DLRM, 26 x 1000 x 16;
 ``mlperf``: MLPerf DLRM's widths, 26 x 20k x 128 with MLPs 512-256-128 and
-1024-1024-512-256), exports an INT8 artifact, serves it from this process and drives
-it from a separate load-generator process (asyncio clients) for a bounded time per
-configuration: concurrency 1, 8, 32, 128 with 1- and 64-example requests, batching
-on (2 ms window) and off. Then 512-example requests at concurrency 1 against the
-in-process forward time, timed on the main thread and on a worker thread (libgomp
-throttles its spinning when a second thread runs OpenMP regions on 2 cores, so the
-two differ here).
+1024-1024-512-256), exports an INT8 artifact (model.pt2 beside model.pt where a compiler
+is present), serves it from this process with each front (``--front python``: grpc.aio;
+``--front cpp``: the C++ front, serving/front.py) and drives it from a separate load
+generator for a bounded time per configuration: concurrency 1, 8, 32, 128 with 1- and
+64-example requests, batching on (2 ms window) and off (one request per forward). Then
+512-example requests at concurrency 1 against the in-process forward of the same model file.
+
+The load generator is ``recship_load`` (C++, cpp_loader/tools/recship_load.cpp: callback
+API, no thread per client), so it costs little next to the server; its CPU use is printed
+(cores = CPU seconds / wall seconds) to show it is not the bottleneck. ``--load python``
+uses the older asyncio generator instead.
 """
 
 import argparse
@@ -67,14 +71,37 @@ def _load(target, concurrency, batch, seconds, rows, num_dense, out):
     out.put((len(lat) * batch / elapsed, lat[len(lat) // 2] * 1e3, lat[int(len(lat) * 0.99)] * 1e3))
 
 
-def _drive(target, concurrency, batch, seconds, rows, num_dense):
+def _drive_python(target, concurrency, batch, seconds, rows, num_dense):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_load, args=(target, concurrency, batch, seconds, rows, num_dense, q))
     p.start()
-    result = q.get(timeout=seconds + 120)
+    tput, p50, p99 = q.get(timeout=seconds + 120)
     p.join()
-    return result
+    return tput, p50, p99, float("nan")
+
+
+def _drive_cpp(load_binary, work, target, concurrency, batch, seconds, rows, num_dense):
+    """recship_load with 8 distinct request files (client k sends file k % 8): (examples/s, p50 ms, p99 ms, generator cores)."""
+    import json
+    import subprocess
+
+    from recship.serving import PredictClient
+
+    files = []
+    for k in range(min(concurrency, 8)):
+        path = work / f"request-{batch}-{k}.bin"
+        if not path.exists():
+            path.write_bytes(PredictClient.request("dlrm", *_request_body(batch, rows, num_dense, k)).SerializeToString())
+        files += ["--request", str(path)]
+    out = subprocess.run([str(load_binary), "--target", target, "--concurrency", str(concurrency), "--seconds", str(seconds),
+                          "--timeout-ms", "30000", *files], capture_output=True, text=True, timeout=seconds + 120)
+    if out.returncode != 0:
+        raise RuntimeError(f"recship_load failed: {out.stderr.strip()} {out.stdout.strip()}")
+    r = json.loads(out.stdout)
+    if r["errors"]:
+        raise RuntimeError(f"recship_load saw errors: {r['errors']} ({r['first_error']})")
+    return r["rps"] * batch, r["p50_ms"], r["p99_ms"], r["cpu_seconds"] / r["seconds"]
 
 
 MODELS = {
@@ -114,11 +141,11 @@ def _forward_ms(model, sparse, dense, in_thread: bool, repeats: int = 50) -> flo
     return statistics.median(times)
 
 
-def bench_model(name, seconds, work, torch_threads=None):
+def bench_model(name, seconds, work, fronts, load, torch_threads=None):
     import torch
 
     from recship.export import ExportConfig, export_model
-    from recship.export.artifact import load_artifact
+    from recship.export.artifact import open_artifact
     from recship.serving.repository import default_torch_threads
     from recship.serving.server import Server, ServerConfig
     from recship.trainer.dlrm import DLRM, DLRMConfig
@@ -130,49 +157,72 @@ def bench_model(name, seconds, work, torch_threads=None):
     out = work / name / "dlrm" / "1"
     export_model(DLRM(config), ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1))
     rows, num_dense = config.num_embeddings_per_feature, config.num_dense
-    model, _ = load_artifact(out)
-    print(f"\n== {name}: DLRM 26 x {rows[0]} x {config.embedding_dim}, dense {config.dense_arch}, over {config.over_arch}, INT8; "
-          f"{seconds:g} s per point; server forward threads {torch_threads or default_torch_threads()}, in-process {torch.get_num_threads()}")
-    print(f"{'batching':8s} {'conc':>4s} {'ex/req':>6s} {'examples/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s}")
-    results = {}
-    for delay in (2.0, 0.0):
-        server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay, torch_threads=torch_threads))
-        try:
-            target = f"127.0.0.1:{server.port}"
-            for batch in (1, 64):
-                for conc in (1, 8, 32, 128):
-                    tput, p50, p99 = _drive(target, conc, batch, seconds, rows, num_dense)
-                    results[(delay, conc, batch)] = tput
-                    print(f"{'on' if delay else 'off':8s} {conc:4d} {batch:6d} {tput:11.0f} {p50:7.2f} {p99:7.2f}")
-            if delay:
-                p50s = [_drive(target, 1, 512, seconds, rows, num_dense)[1] for _ in range(3)]
-        finally:
-            server.stop()
+    model, _ = open_artifact(out)  # the file both fronts run: model.pt2 where it runs here, else model.pt
+    fmt = getattr(model, "format", "torchscript")
+    print(f"\n== {name}: DLRM 26 x {rows[0]} x {config.embedding_dim}, dense {config.dense_arch}, over {config.over_arch}, INT8 "
+          f"({fmt}); {seconds:g} s per point; server forward threads {torch_threads or default_torch_threads()}, "
+          f"in-process {torch.get_num_threads()}; load generator: {'recship_load (C++)' if load else 'asyncio (Python)'}")
+    print(f"{'front':6s} {'batching':8s} {'conc':>4s} {'ex/req':>6s} {'examples/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s} {'gen cores':>9s}")
+    results, p50s = {}, {}
+    for front in fronts:
+        for delay in (2.0, 0.0):
+            server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay, torch_threads=torch_threads,
+                                         front=front))
+            try:
+                target = f"127.0.0.1:{server.port}"
+
+                def drive(conc, batch):
+                    if load:
+                        return _drive_cpp(load, work, target, conc, batch, seconds, rows, num_dense)
+                    return _drive_python(target, conc, batch, seconds, rows, num_dense)
+
+                for batch in (1, 64):
+                    for conc in (1, 8, 32, 128):
+                        tput, p50, p99, cores = drive(conc, batch)
+                        results[(front, delay, conc, batch)] = tput
+                        print(f"{front:6s} {'on' if delay else 'off':8s} {conc:4d} {batch:6d} {tput:11.0f} {p50:7.2f} {p99:7.2f} {cores:9.2f}")
+                if delay:
+                    p50s[front] = statistics.median(drive(1, 512)[1] for _ in range(3))
+            finally:
+                server.stop()
     # what batching saves on the model side alone: in-process examples/s of 1-example vs 32-example forwards
     one = _forward_ms(model, *_request_body(1, rows, num_dense, 0), False, repeats=200)
     thirty_two = _forward_ms(model, *_request_body(32, rows, num_dense, 0), False, repeats=200)
-    print(f"in-process forward: 1 example {one:.3f} ms, 32 examples {thirty_two:.3f} ms: batching 32 gives the model "
-          f"{32 * one / thirty_two:.1f}x the examples/s; the served ratio below is what the request path leaves of it")
+    print(f"in-process forward ({fmt}): 1 example {one:.3f} ms, 32 examples {thirty_two:.3f} ms: batching 32 gives the model "
+          f"{32 * one / thirty_two:.1f}x the examples/s; the served ratios below are what each request path leaves of it")
     sparse, dense = _request_body(512, rows, num_dense, 0)
     main_ms = statistics.median(_forward_ms(model, sparse, dense, False) for _ in range(3))
     thread_ms = statistics.median(_forward_ms(model, sparse, dense, True) for _ in range(3))
-    p50_512 = statistics.median(p50s)
-    ratio = results[(2.0, 32, 1)] / results[(0.0, 32, 1)]
-    print(f"batching on vs off, 32 clients x 1 example: {ratio:.2f}x (target >= 5x)")
-    print(f"512-example requests: p50 {p50_512:.2f} ms end to end (median of 3 runs) vs in-process forward "
-          f"{main_ms:.2f} ms on the main thread = {p50_512 / main_ms:.2f}x (target <= 1.3x); "
-          f"vs {thread_ms:.2f} ms on a worker thread = {p50_512 / thread_ms:.2f}x")
+    for front in fronts:
+        ratio = results[(front, 2.0, 32, 1)] / results[(front, 0.0, 32, 1)]
+        print(f"[{name} front {front}] batching on vs off, 32 clients x 1 example: {ratio:.2f}x (target >= 5x)")
+        print(f"[{name} front {front}] 512-example requests: p50 {p50s[front]:.2f} ms end to end (median of 3 runs) vs in-process "
+              f"forward {main_ms:.2f} ms on the main thread = {p50s[front] / main_ms:.2f}x (target <= 1.3x); "
+              f"vs {thread_ms:.2f} ms on a worker thread = {p50s[front] / thread_ms:.2f}x")
+    if len(fronts) == 2:
+        for conc in (1, 32, 128):
+            r = results[("cpp", 2.0, conc, 1)] / results[("python", 2.0, conc, 1)]
+            print(f"[{name}] cpp front vs python front, batching on, {conc} clients x 1 example: {r:.2f}x the examples/s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--model", choices=sorted(MODELS) + ["all"], default="all")
+    parser.add_argument("--front", choices=["python", "cpp", "both"], default="both")
+    parser.add_argument("--load", choices=["cpp", "python"], default="cpp", help="load generator (default: recship_load, C++)")
     parser.add_argument("--torch-threads", type=int, help="the server's intra-op threads per forward (default: its own)")
     args = parser.parse_args()
+    fronts = ["python", "cpp"] if args.front == "both" else [args.front]
+    load = None
+    if "cpp" in fronts or args.load == "cpp":
+        from recship.serving.front import build_front
+
+        build_front()  # builds recship_load beside it
+        load = build_front().parent / "recship_load" if args.load == "cpp" else None
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
     for name in sorted(MODELS) if args.model == "all" else [args.model]:
-        bench_model(name, args.seconds, work, args.torch_threads)
+        bench_model(name, args.seconds, work, fronts, load, args.torch_threads)
 
 
 if __name__ == "__main__":

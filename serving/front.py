@@ -22,7 +22,7 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("recship.serving")
 _front_log = logging.getLogger("recship.front")
@@ -57,8 +57,11 @@ def build_front() -> Path:
 class CppFront:
     """A running ``recship_front`` process and its command pipe (one command at a time)."""
 
-    def __init__(self, config, backend: str, binary: Optional[Path] = None) -> None:
-        binary = binary or build_front()
+    def __init__(self, config, backend: str, binary: Optional[Path] = None, on_exit: Optional[Callable[[int], None]] = None) -> None:
+        """Starts the front on ``config.host:config.port``; ``on_exit(code)`` is called if it ever exits unasked."""
+        self.binary = binary = binary or build_front()
+        self._on_exit = on_exit
+        self._stopping = False
         args = [
             str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
             "--max-batch-size", str(config.max_batch_size), "--max-delay-ms", str(config.max_delay_ms),
@@ -100,6 +103,9 @@ class CppFront:
                 _front_log.log(level if isinstance(level, int) else logging.INFO, "%s", entry.get("message", line))
             except ValueError:
                 _front_log.warning("%s", line)
+        code = self._proc.wait()  # stderr closed: the process is gone
+        if not self._stopping and self._on_exit is not None:
+            self._on_exit(code)
 
     def command(self, **cmd: Any) -> Dict[str, Any]:
         """Sends one command and returns its answer; FrontError if it failed or the front is gone."""
@@ -129,6 +135,7 @@ class CppFront:
 
     def stop(self, grace: float = 5.0) -> None:
         """Stops taking calls, lets those in flight finish (up to ``grace`` s), unloads and exits."""
+        self._stopping = True
         try:
             self.command(op="stop", grace_s=grace)
         except FrontError:

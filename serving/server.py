@@ -18,6 +18,8 @@ the forwards; the repository's watcher thread loads versions.
 
 import argparse
 import asyncio
+import dataclasses
+import functools
 import json
 import logging
 import shutil
@@ -26,6 +28,7 @@ import ssl
 import tempfile
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -104,6 +107,9 @@ class Server:
         self.rest = None
         self.front = None  # the C++ front (config.front == "cpp")
         self._backend_dir: Optional[str] = None
+        self._backend = ""  # the address this process listens on behind the front
+        self._stopping = threading.Event()
+        self._front_started, self._front_pause = time.monotonic(), 1.0
         self.metrics = Metrics()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="serving-loop", daemon=True)
@@ -161,7 +167,8 @@ class Server:
             await self.grpc.start()
             from recship.serving.front import CppFront
 
-            self.front = await loop.run_in_executor(None, CppFront, config, address)
+            self._backend = address
+            self.front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
             self.port = self.front.port
             self.metrics.extra = self.front.samples
             await loop.run_in_executor(None, self.repo.attach_front, self.front)
@@ -187,8 +194,43 @@ class Server:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.repo.start_watching()
 
+    def _front_exited(self, code: int) -> None:
+        """The C++ front died (a crash: it never exits unasked): start a new one on the same port, after a pause
+        that grows while it keeps dying young (1 s, 2 s, ... 30 s), so a front that cannot run does not spin."""
+        from recship.serving.front import CppFront
+
+        assert self.front is not None  # only a started front calls this
+        self._front_binary = self.front.binary
+        now = time.monotonic()
+        self._front_pause = min(30.0, 2 * self._front_pause) if now - self._front_started < 10 else 1.0
+        log.critical("the C++ front exited unexpectedly (code %d); restarting it on port %d in %.0f s", code, self.port,
+                     self._front_pause)
+
+        def restart() -> None:
+            if self._stopping.wait(self._front_pause):
+                return
+            try:
+                self._front_started = time.monotonic()
+                front = CppFront(dataclasses.replace(self.config, port=self.port), self._backend, binary=self._front_binary,
+                                 on_exit=self._front_exited)
+            except Exception as e:
+                log.critical("restarting the C++ front failed: %s; retrying", e)
+                self._front_exited(-1)
+                return
+            if self._stopping.is_set():  # stop() began meanwhile
+                front.stop(0)
+                return
+            self.front = front
+            self.metrics.extra = front.samples
+            self.repo.attach_front(front)
+            log.warning("the C++ front is back on port %d", self.port)
+
+        threading.Thread(target=restart, name="front-restart", daemon=True).start()
+
     def stop(self, grace: float = 5.0) -> None:
         """Stops taking requests, lets those in flight finish (up to ``grace`` seconds), then unloads."""
+
+        self._stopping.set()
 
         async def stop():
             self.inference.accepting = False
@@ -202,6 +244,7 @@ class Server:
         self._shutdown()
 
     def _shutdown(self) -> None:
+        self._stopping.set()
         if self.front is not None:
             self.front.stop(0)  # (already stopped after stop(): this returns at once)
             self.metrics.extra = None
