@@ -213,6 +213,9 @@ def main() -> None:
     parser.add_argument("--load", choices=["cpp", "python"], default="cpp", help="load generator (default: recship_load, C++)")
     parser.add_argument("--torch-threads", type=int, help="the server's intra-op threads per forward (default: its own)")
     args = parser.parse_args()
+    import logging
+
+    logging.getLogger("recship").setLevel(logging.ERROR)  # the generator cancels its last calls: one warning each
     fronts = ["python", "cpp"] if args.front == "both" else [args.front]
     load = None
     if "cpp" in fronts or args.load == "cpp":
