@@ -57,7 +57,7 @@ class ServerConfig:
     poll_interval_s: float = 2.0
     torch_threads: Optional[int] = None
     max_message_bytes: int = 64 * 1024 * 1024
-    max_inflight_bytes: int = 256 * 1024 * 1024  # request bytes being served at once, all fronts together
+    max_inflight_bytes: int = 256 * 1024 * 1024  # request bytes being served at once, all fronts together (the C++ front: its own as much)
     device: str = "cpu"
     http_port: Optional[int] = None  # KServe v2 REST front (serving/rest.py); None: off
     http_idle_timeout_s: float = 30.0  # an HTTP connection that sends nothing for this long is closed

@@ -290,8 +290,12 @@ class Call : public grpc::ServerGenericBidiReactor {
   }
 
   void OnWriteDone(bool ok) override {  // proxy only: a message of the Python server reached the client
-    if (ok) upstream_.StartRead(&down_);
-    else uctx_.TryCancel();
+    if (ok) {
+      upstream_.StartRead(&down_);
+    } else {  // the client is gone: no more reads upstream, so the upstream call may end
+      uctx_.TryCancel();
+      upstream_.RemoveHold();
+    }
   }
 
   void OnCancel() override {
@@ -393,6 +397,10 @@ class Call : public grpc::ServerGenericBidiReactor {
       uctx_.AddMetadata(k, std::string(value.data(), value.size()));
     }
     front_->stub.PrepareBidiStreamingCall(&uctx_, ctx_->method(), grpc::StubOptions(), &upstream_);
+    // The hold keeps the upstream call from ending (and OnDone from running) while one of its messages is still
+    // being written to the client: its status can arrive before that write completes, and the next StartRead
+    // must find the call alive. It goes when the reads end (OnReadDone false) or the client does.
+    upstream_.AddHold();
     upstream_.StartRead(&down_);
     if (have_message) upstream_.StartWrite(&up_);
     else upstream_.StartWritesDone();
@@ -404,6 +412,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     explicit Upstream(Call* c) : call(c) {}
     void OnReadDone(bool ok) override {
       if (ok) call->StartWrite(&call->down_);  // on to the client; its OnWriteDone reads the next
+      else RemoveHold();                       // no more messages: the call may end with its status
     }
     void OnWriteDone(bool ok) override {
       if (ok) call->StartRead(&call->up_);  // that one is up: read the client's next
