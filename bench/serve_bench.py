@@ -8,7 +8,9 @@ For each model shape (``small``: the package's default DLRM, 26 x 1000 x 16;
 is present), serves it from this process with each front (``--front python``: grpc.aio;
 ``--front cpp``: the C++ front, serving/front.py) and drives it from a separate load
 generator for a bounded time per configuration: concurrency 1, 8, 32, 128 with 1- and
-64-example requests, batching on (2 ms window) and off (one request per forward). Then
+64-example requests, batching on (``--max-delay-ms`` window, default 2 ms), greedy
+(``--max-delay-ms 0``: no waiting, requests queued during a forward run together) and off
+(``--no-batching``: one request per forward) (one request per forward). Then
 512-example requests at concurrency 1 against the in-process forward of the same model file.
 
 The load generator is ``recship_load`` (C++, cpp_loader/tools/recship_load.cpp: callback
@@ -90,7 +92,7 @@ def _drive_cpp(load_binary, work, target, concurrency, batch, seconds, rows, num
 
     files = []
     for k in range(min(concurrency, 8)):
-        path = work / f"request-{batch}-{k}.bin"
+        path = work / f"request-{rows[0]}-{num_dense}-{batch}-{k}.bin"  # per model shape
         if not path.exists():
             path.write_bytes(PredictClient.request("dlrm", *_request_body(batch, rows, num_dense, k)).SerializeToString())
         files += ["--request", str(path)]
@@ -141,7 +143,7 @@ def _forward_ms(model, sparse, dense, in_thread: bool, repeats: int = 50) -> flo
     return statistics.median(times)
 
 
-def bench_model(name, seconds, work, fronts, load, torch_threads=None):
+def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms=2.0):
     import torch
 
     from recship.export import ExportConfig, export_model
@@ -165,9 +167,10 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None):
     print(f"{'front':6s} {'batching':8s} {'conc':>4s} {'ex/req':>6s} {'examples/s':>11s} {'p50 ms':>7s} {'p99 ms':>7s} {'gen cores':>9s}")
     results, p50s = {}, {}
     for front in fronts:
-        for delay in (2.0, 0.0):
-            server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay, torch_threads=torch_threads,
-                                         front=front))
+        # on: the window; greedy: no waiting, what queued during a forward runs together; off: one request per forward
+        for mode, delay, batching in (("on", window_ms, True), ("greedy", 0.0, True), ("off", 0.0, False)):
+            server = Server(ServerConfig(model_repo=str(work / name), port=0, max_delay_ms=delay, batching=batching,
+                                         torch_threads=torch_threads, front=front))
             try:
                 target = f"127.0.0.1:{server.port}"
 
@@ -179,9 +182,9 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None):
                 for batch in (1, 64):
                     for conc in (1, 8, 32, 128):
                         tput, p50, p99, cores = drive(conc, batch)
-                        results[(front, delay, conc, batch)] = tput
-                        print(f"{front:6s} {'on' if delay else 'off':8s} {conc:4d} {batch:6d} {tput:11.0f} {p50:7.2f} {p99:7.2f} {cores:9.2f}")
-                if delay:
+                        results[(front, mode, conc, batch)] = tput
+                        print(f"{front:6s} {mode:8s} {conc:4d} {batch:6d} {tput:11.0f} {p50:7.2f} {p99:7.2f} {cores:9.2f}")
+                if mode == "on":
                     p50s[front] = statistics.median(drive(1, 512)[1] for _ in range(3))
             finally:
                 server.stop()
@@ -194,14 +197,15 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None):
     main_ms = statistics.median(_forward_ms(model, sparse, dense, False) for _ in range(3))
     thread_ms = statistics.median(_forward_ms(model, sparse, dense, True) for _ in range(3))
     for front in fronts:
-        ratio = results[(front, 2.0, 32, 1)] / results[(front, 0.0, 32, 1)]
-        print(f"[{name} front {front}] batching on vs off, 32 clients x 1 example: {ratio:.2f}x (target >= 5x)")
+        for mode, what in (("on", f"{window_ms:g} ms window"), ("greedy", "no waiting")):
+            ratio = results[(front, mode, 32, 1)] / results[(front, "off", 32, 1)]
+            print(f"[{name} front {front}] batching on ({what}) vs off, 32 clients x 1 example: {ratio:.2f}x (target >= 5x)")
         print(f"[{name} front {front}] 512-example requests: p50 {p50s[front]:.2f} ms end to end (median of 3 runs) vs in-process "
               f"forward {main_ms:.2f} ms on the main thread = {p50s[front] / main_ms:.2f}x (target <= 1.3x); "
               f"vs {thread_ms:.2f} ms on a worker thread = {p50s[front] / thread_ms:.2f}x")
     if len(fronts) == 2:
         for conc in (1, 32, 128):
-            r = results[("cpp", 2.0, conc, 1)] / results[("python", 2.0, conc, 1)]
+            r = results[("cpp", "on", conc, 1)] / results[("python", "on", conc, 1)]
             print(f"[{name}] cpp front vs python front, batching on, {conc} clients x 1 example: {r:.2f}x the examples/s")
 
 
@@ -211,6 +215,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS) + ["all"], default="all")
     parser.add_argument("--front", choices=["python", "cpp", "both"], default="both")
     parser.add_argument("--load", choices=["cpp", "python"], default="cpp", help="load generator (default: recship_load, C++)")
+    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="the batching window of 'on' (default 2, the server's)")
     parser.add_argument("--torch-threads", type=int, help="the server's intra-op threads per forward (default: its own)")
     args = parser.parse_args()
     import logging
@@ -225,7 +230,7 @@ def main() -> None:
         load = build_front().parent / "recship_load" if args.load == "cpp" else None
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
     for name in sorted(MODELS) if args.model == "all" else [args.model]:
-        bench_model(name, args.seconds, work, fronts, load, args.torch_threads)
+        bench_model(name, args.seconds, work, fronts, load, args.torch_threads, args.max_delay_ms)
 
 
 if __name__ == "__main__":

@@ -73,7 +73,9 @@ class Batcher:
     Args:
         model: TorchScript artifact module: (dense, lengths, values, weights) -> Dict[str, Tensor].
         max_batch_size: examples per forward (a single larger request runs alone).
-        max_delay_s: how long the first request of a batch waits for company; 0 disables batching.
+        max_delay_s: how long the first request of a batch waits for company; 0: no waiting, but requests
+            queued meanwhile (during the previous forward) still run together.
+        batching: False runs every request alone (one request per forward, whatever is queued).
         max_queue: requests waiting at most; more are refused with QueueFull.
         observe: callback(batch_examples, queue_seconds_list, compute_seconds) for metrics.
         device: where the model's inputs go ("cpu", or "cuda:N" for a CUDA artifact).
@@ -95,6 +97,7 @@ class Batcher:
         device_lock: Optional[threading.Lock] = None,
         threads: Optional[int] = None,
         on_death: Optional[Callable[[BaseException], None]] = None,
+        batching: bool = True,
     ) -> None:
         self.model = model
         self.name = name
@@ -105,6 +108,7 @@ class Batcher:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.max_batch_size = max_batch_size
         self.max_delay_s = max_delay_s
+        self.batching = batching
         self.max_queue = max_queue
         self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue()  # unbounded: admission is counted in submit()
         self._observe = observe
@@ -190,7 +194,7 @@ class Batcher:
         if first is None:
             return [], None, True
         batch, examples = [first], first.request.batch_size
-        if self.max_delay_s <= 0:  # batching off: one request per forward, however many are queued
+        if not self.batching:  # one request per forward, however many are queued
             return batch, None, False
         until = first.enqueued + self.max_delay_s
         while examples < self.max_batch_size:

@@ -65,7 +65,7 @@ class CppFront:
         args = [
             str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
             "--max-batch-size", str(config.max_batch_size), "--max-delay-ms", str(config.max_delay_ms),
-            "--max-queue", str(config.max_queue), "--max-message-bytes", str(config.max_message_bytes),
+            "--batching", "1" if config.batching else "0", "--max-queue", str(config.max_queue), "--max-message-bytes", str(config.max_message_bytes),
             "--max-inflight-bytes", str(config.max_inflight_bytes),
         ]
         from recship.serving.repository import default_torch_threads

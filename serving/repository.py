@@ -72,7 +72,7 @@ class ServedVersion:
             observe=functools.partial(metrics.observe_batch, name), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
             device_lock=self._repo.device_lock, threads=config.torch_threads or default_torch_threads(),
-            on_death=lambda e: self._repo.worker_died(self),
+            on_death=lambda e: self._repo.worker_died(self), batching=config.batching,
         )
 
 

@@ -53,6 +53,7 @@ class ServerConfig:
     metrics_host: Optional[str] = None  # None: the same as host
     max_batch_size: int = 512
     max_delay_ms: float = 2.0
+    batching: bool = True  # False: every request runs alone (one request per forward)
     max_queue: int = 1024
     poll_interval_s: float = 2.0
     torch_threads: Optional[int] = None
@@ -265,7 +266,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-host", help="address of the metrics listener (default: --host)")
     parser.add_argument("--http-port", type=int, help="also answer KServe v2 over HTTP/REST (JSON) on this port")
     parser.add_argument("--max-batch-size", type=int, default=512, help="largest batch a model runs; bigger requests are refused")
-    parser.add_argument("--max-delay-ms", type=float, default=2.0, help="how long a batch waits for more requests (0: no batching)")
+    parser.add_argument("--max-delay-ms", type=float, default=2.0,
+                        help="how long a batch waits for more requests; 0: no waiting, requests queued during a forward still "
+                             "run together (default 2)")
+    parser.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
+                        help="merge concurrent requests into one forward (default on); --no-batching runs each request alone")
     parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting per model; more are refused at once as overloaded")
     parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans")
     parser.add_argument("--torch-threads", type=int, help="intra-op threads per forward (default: cores - 1 from 3 cores up, else all)")
@@ -294,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
         config = ServerConfig(
             model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host, http_port=args.http_port,
-            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, max_queue=args.max_queue,
+            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
             poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
             max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
             device=args.device, reflection=args.reflection,

@@ -6,7 +6,7 @@
 // front would refuse (it cannot parse it, a check fails, it is over the size limit), so error statuses and
 // messages are the Python server's own.
 //
-//   recship_front --listen HOST:PORT --backend ADDRESS [--max-batch-size 512] [--max-delay-ms 2] [--max-queue 1024]
+//   recship_front --listen HOST:PORT --backend ADDRESS [--max-batch-size 512] [--max-delay-ms 2] [--batching 1] [--max-queue 1024]
 //                 [--max-message-bytes N] [--max-inflight-bytes N] [--threads N]
 //                 [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
 //
@@ -49,7 +49,8 @@ const char* const kPredict = "/recship.serving.v1.Predictor/Predict";
 struct Config {
   std::string listen, backend;
   int64_t max_batch_size = 512;
-  double max_delay_ms = 2.0;
+  double max_delay_ms = 2.0;  // 0: no waiting, but calls queued during a forward still run together
+  bool batching = true;       // false: every call runs alone
   int64_t max_queue = 1024;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_inflight_bytes = 256 << 20;
@@ -485,11 +486,13 @@ bool Batcher::collect(std::vector<Call*>& batch) {
   }
   batch.push_back(first);
   int64_t examples = first->prepared().batch_size;
-  if (front_->config.max_delay_ms <= 0) return true;  // batching off: one call per forward
+  if (!front_->config.batching) return true;  // one call per forward, whatever is queued
   const auto until = first->enqueued() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double, std::milli>(front_->config.max_delay_ms));
   while (examples < front_->config.max_batch_size) {
-    if (queue_.empty() && !ready_.wait_until(lock, until, [this] { return stopping_ || !queue_.empty(); })) break;
+    if (queue_.empty() && (front_->config.max_delay_ms <= 0 ||  // no waiting: only what is queued already
+                           !ready_.wait_until(lock, until, [this] { return stopping_ || !queue_.empty(); })))
+      break;
     if (queue_.empty()) break;  // stopping: run what we have
     Call* next = queue_.front();
     if (next->cancelled()) {  // its client gave up: it takes no room (run() answers it)
@@ -564,7 +567,7 @@ std::string read_file(const std::string& path) {
 
 int usage(const std::string& why) {
   std::cerr << "recship_front: " << why << "\nusage: recship_front --listen HOST:PORT --backend ADDRESS [--max-batch-size N] "
-               "[--max-delay-ms F] [--max-queue N] [--max-message-bytes N] [--max-inflight-bytes N] [--threads N] "
+               "[--max-delay-ms F] [--batching 0|1] [--max-queue N] [--max-message-bytes N] [--max-inflight-bytes N] [--threads N] "
                "[--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n";
   return 2;
 }
@@ -584,6 +587,7 @@ int main(int argc, char** argv) {
       else if (a == "--backend") c.backend = v;
       else if (a == "--max-batch-size") c.max_batch_size = std::stoll(v);
       else if (a == "--max-delay-ms") c.max_delay_ms = std::stod(v);
+      else if (a == "--batching") c.batching = std::stoi(v) != 0;
       else if (a == "--max-queue") c.max_queue = std::stoll(v);
       else if (a == "--max-message-bytes") c.max_message_bytes = std::stoll(v);
       else if (a == "--max-inflight-bytes") c.max_inflight_bytes = std::stoll(v);

@@ -525,7 +525,7 @@ def test_tiny_deadlines_interleaved_with_normal_requests(cpp, model):
 
 
 def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_goes_on(repo, model):
-    server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=0, max_queue=1, front="cpp"))
+    server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, batching=False, max_queue=1, front="cpp"))
     try:
         requests = [_request(600 + i, 64) for i in range(8)]
         want = [_in_process(model, *r) for r in requests]
@@ -555,7 +555,7 @@ def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_g
         assert set(refused) == {(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full (1 requests waiting)")}
         answered = [(i, r) for i, r, err in results if err is None]
         assert answered
-        for i, response in answered:  # max_delay_ms=0: one request per forward, so bitwise
+        for i, response in answered:  # batching off: one request per forward, so bitwise
             assert response.model_version == 1
             _assert_bitwise(outputs_of(response), want[i])
         after = _scrape(server)
