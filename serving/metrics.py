@@ -6,9 +6,10 @@ becomes a label), and ``method`` is one of the fronts' method names.
 """
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
 log = logging.getLogger("recship.serving")
@@ -26,7 +27,7 @@ class _Merged:
     def __init__(self, own: CollectorRegistry, metrics: "Metrics") -> None:
         self._own, self._metrics = own, metrics
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         extra: ExtraSamples = {}
         if self._metrics.extra is not None:
             try:

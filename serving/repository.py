@@ -20,12 +20,15 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
+
+if TYPE_CHECKING:
+    from recship.serving.front import CppFront
 
 log = logging.getLogger("recship.serving")
 
@@ -122,7 +125,7 @@ class ModelRepository:
         self._on_change = on_change or (lambda name, ready: None)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
-        self.front = None  # the C++ front (serving/front.py), told of every version that starts or stops serving
+        self.front: Optional["CppFront"] = None  # the C++ front (serving/front.py), told of every version that starts or stops serving
 
     # -- reading (any thread) ------------------------------------------------
 
@@ -236,7 +239,7 @@ class ModelRepository:
         self._on_change(name, False)
         threading.Thread(target=old.batcher.stop, daemon=True, name=f"unload-{name}-{old.version}").start()
 
-    def attach_front(self, front) -> None:
+    def attach_front(self, front: "CppFront") -> None:
         """From now on ``front`` (serving/front.py CppFront) serves what this repository serves, starting now."""
         with self._scanning:
             self.front = front

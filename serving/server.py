@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import grpc
 import torch
@@ -40,6 +40,9 @@ from recship.serving import kserve, predictor
 from recship.serving.inference import Inference
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ModelRepository
+
+if TYPE_CHECKING:
+    from recship.serving.front import CppFront
 
 log = logging.getLogger("recship.serving")
 
@@ -106,7 +109,7 @@ class Server:
             raise ValueError("--device cuda, but torch sees no CUDA device")
         self.config = config
         self.rest = None
-        self.front = None  # the C++ front (config.front == "cpp")
+        self.front: Optional["CppFront"] = None  # the C++ front (config.front == "cpp")
         self._backend_dir: Optional[str] = None
         self._backend = ""  # the address this process listens on behind the front
         self._stopping = threading.Event()
@@ -169,10 +172,9 @@ class Server:
             from recship.serving.front import CppFront
 
             self._backend = address
-            self.front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
-            self.port = self.front.port
-            self.metrics.extra = self.front.samples
-            await loop.run_in_executor(None, self.repo.attach_front, self.front)
+            front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
+            self.front, self.port, self.metrics.extra = front, front.port, front.samples
+            await loop.run_in_executor(None, self.repo.attach_front, front)
         elif config.tls_cert is not None:
             assert config.tls_key is not None  # ServerConfig checks that cert and key come together
             ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
