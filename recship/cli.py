@@ -7,8 +7,10 @@ exit code 2.
 
 import argparse
 import importlib
+import json
 import sys
-from typing import List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 from recship import __version__
 
@@ -40,11 +42,80 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
     return parser
 
 
+def subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` inside ``build_parser()``'s parser."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, Any]:
+    """Makes a YAML/JSON file's values ``parser``'s defaults, so flags on the command line still win.
+
+    Keys are the parser's flags, spelled either way (``max-batch-size`` or ``max_batch_size``); a key
+    that is no flag, or a value outside a flag's choices or of the wrong type, is a ValueError naming it.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config: no such file: {file}")
+    text = file.read_text()
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as e:
+        raise ValueError(f"--config {file}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {file}: expected a mapping of flags to values, got {type(values).__name__}")
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
+    flags = sorted(a.option_strings[0].lstrip("-") for a in actions.values())
+    defaults: Dict[str, Any] = {}
+    for key, value in values.items():
+        action = actions.get(str(key).replace("-", "_"))
+        if action is None:
+            raise ValueError(f"--config {file}: unknown key {key!r}; the keys are these flags: {', '.join(flags)}")
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {file}: {key}: {flag} takes true or false, got {value!r}")
+        elif value is not None and action.type is not None and not isinstance(value, bool):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError):
+                kind = {int: "an integer", float: "a number"}.get(action.type, "a value")  # type: ignore[call-overload]
+                raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}") from None
+        elif isinstance(value, (dict, list)):
+            raise ValueError(f"--config {file}: {key}: {flag} takes one value, got {value!r}")
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--config {file}: {key}: {flag} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+        defaults[action.dest] = value
+        action.required = False  # given by the file
+    parser.set_defaults(**defaults)
+    return defaults
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # --version, --help and a mistyped command need no subcommand module: answer them without torch
     command = argv[0] if argv and argv[0] in _COMMANDS else ""
-    args = build_parser(command).parse_args(argv)
+    parser = build_parser(command)
+    if command and getattr(importlib.import_module(_COMMANDS[command][0]), "CONFIG_FILE", False):
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        known, _ = pre.parse_known_args(argv[1:])
+        if known.config:
+            try:
+                apply_config_file(subcommand_parser(parser, command), known.config)
+            except (ValueError, FileNotFoundError) as e:
+                print(f"recship {command}: error: {e}", file=sys.stderr)
+                return 2
+    args = parser.parse_args(argv)
     module = importlib.import_module(args._module)
     try:
         return module.run(args)

@@ -33,16 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import grpc
-import torch
-
-from recship.serving import kserve, predictor
-from recship.serving.inference import Inference
-from recship.serving.metrics import Metrics
-from recship.serving.repository import ModelRepository
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
+
+# `recship serve --config FILE` takes every flag from a YAML/JSON file, flags on the command line winning
+# (recship/cli.py applies it); this module imports grpc and torch only once a server starts, so --help is quick.
+CONFIG_FILE = True
 
 log = logging.getLogger("recship.serving")
 
@@ -105,6 +102,10 @@ class Server:
     """A running server (its asyncio loop on a thread of its own); ``stop()`` drains in-flight requests."""
 
     def __init__(self, config: ServerConfig) -> None:
+        import torch
+
+        from recship.serving.metrics import Metrics
+
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device")
         self.config = config
@@ -134,9 +135,14 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _start(self) -> None:
+        import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
         from grpc_health.v1.health import aio as health_aio
         from grpc_reflection.v1alpha import reflection
+
+        from recship.serving import kserve, predictor
+        from recship.serving.inference import Inference
+        from recship.serving.repository import ModelRepository
 
         config = self.config
         self.health = health_aio.HealthServicer()
@@ -261,6 +267,8 @@ class Server:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON file of these flags (keys as the flags, `max-batch-size` or "
+                                         "`max_batch_size`); flags given on the command line override it")
     parser.add_argument("--model-repo", required=True, help="directory of <model>/<version>/ artifacts")
     parser.add_argument("--host", default="127.0.0.1", help="address every listener binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8500, help="gRPC port: Predictor, KServe v2, health (default 8500)")
@@ -295,20 +303,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "request and forwards every other call to this process (default python)")
 
 
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ServerConfig of parsed ``recship serve`` arguments (a --config file's values are already in them)."""
+    return ServerConfig(
+        model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, http_port=args.http_port,
+        max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
+        poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
+        max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
+        device=args.device, reflection=args.reflection,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
+        model_format=args.model_format, front=args.front,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
     try:
-        config = ServerConfig(
-            model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host, http_port=args.http_port,
-            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
-            poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
-            max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
-            device=args.device, reflection=args.reflection,
-            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
-            model_format=args.model_format, front=args.front,
-        )
-        server = Server(config)
+        server = Server(config_from_args(args))
     except OSError as e:  # e.g. a port in use (ValueError and FileNotFoundError: recship.cli says them)
         if isinstance(e, FileNotFoundError):
             raise

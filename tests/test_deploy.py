@@ -12,6 +12,7 @@
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import yaml
 
-from recship.serving.server import Server, ServerConfig, add_arguments
+from recship.serving.server import Server, add_arguments, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -89,15 +90,10 @@ class Running:
 
     def __init__(self, args: argparse.Namespace, repo: Path) -> None:
         self.args = args
-        self.server = Server(ServerConfig(  # the same mapping as recship.serving.server.run
-            model_repo=str(repo), host="127.0.0.1", port=0,
+        self.server = Server(dataclasses.replace(  # the mapping recship.serving.server.run uses
+            config_from_args(args), model_repo=str(repo), host="127.0.0.1", port=0,
             metrics_port=None if args.metrics_port is None else 0, metrics_host=None,
             http_port=None if args.http_port is None else 0,
-            max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
-            poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
-            max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
-            device=args.device, reflection=args.reflection, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256, model_format=args.model_format, front=args.front,
         ))
 
     def real_port(self, port: int) -> int:
