@@ -1,6 +1,29 @@
-"""Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript artifact."""
+"""Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript artifact.
 
-from recship.export.pipeline import ExportConfig, ExportError, export_model
-from recship.export.sharded import shard_quant_model
+Names load on first use (PEP 562), so a command that only needs part of the package (``recship
+inspect --help``) does not import torch.
+"""
 
-__all__ = ["ExportConfig", "ExportError", "export_model", "shard_quant_model"]
+import importlib
+from typing import Any
+
+_NAMES = {
+    "ExportConfig": "recship.export.pipeline",
+    "ExportError": "recship.export.pipeline",
+    "export_model": "recship.export.pipeline",
+    "shard_quant_model": "recship.export.sharded",
+}
+
+__all__ = list(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'recship.export' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

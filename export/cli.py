@@ -4,7 +4,7 @@ import argparse
 import json
 from typing import Any, Dict, List
 
-from recship.export.pipeline import ExportConfig, ExportError, export_model
+from recship.export.pipeline import MODEL_NAME, ExportConfig, ExportError, export_model
 
 
 def _pairs(items: List[str], what: str) -> Dict[str, str]:
@@ -29,7 +29,11 @@ def _json_object(text: str, what: str) -> Dict[str, Any]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="a training checkpoint directory (runs/x/checkpoints/step_N)")
-    parser.add_argument("--out", required=True, help="artifact directory to create")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="artifact directory to create")
+    where.add_argument("--repo", metavar="DIR",
+                       help="a model repository (recship serve --model-repo DIR): write DIR/NAME/<next version>/ "
+                            "atomically (needs --name NAME)")
     parser.add_argument("--dtype", default="int8", help="int8 | int4 | int2 | fp8 | fp16 | fp32 | auto (default int8)")
     parser.add_argument("--table-dtype", action="append", metavar="TABLE=DTYPE", help="per-table type, repeatable")
     parser.add_argument("--error-budget", type=float, help="auto types and validation: the largest allowed error")
@@ -39,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size-hint", type=int, default=512, help="validation batch size (default 512)")
     parser.add_argument("--id-policy", action="append", metavar="FEATURE=reject|modulo",
                         help="per-feature id policy, repeatable; *=modulo sets every feature")
-    parser.add_argument("--name", default="model", help="model name in the manifest")
-    parser.add_argument("--version", type=int, default=1, help="model version in the manifest")
+    parser.add_argument("--name", help="model name in the manifest (default model); with --repo, also the model's folder")
+    parser.add_argument("--version", type=int, help="model version in the manifest (default 1; --repo chooses it)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                         help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
@@ -58,8 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.repo is not None:
+        if args.name is None:
+            raise ExportError("--repo needs --name NAME: the model's folder in the repository")
+        if not MODEL_NAME.fullmatch(args.name):
+            raise ExportError(f"--name {args.name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
+                              "starting with a letter or digit")
+        if args.version is not None:
+            raise ExportError("--version does not apply with --repo: the version is the next number in the repository")
+        if args.overwrite:
+            raise ExportError("--overwrite does not apply with --repo: every export is a new version")
     config = ExportConfig(
         out=args.out,
+        repo=args.repo,
         dtype=args.dtype,
         table_dtypes=_pairs(args.table_dtype, "--table-dtype"),
         error_budget=args.error_budget,
@@ -68,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
         sharding=args.sharding,
         batch_size_hint=args.batch_size_hint,
         id_policy=_pairs(args.id_policy, "--id-policy"),
-        model_name=args.name,
-        model_version=args.version,
+        model_name=args.name if args.name is not None else "model",
+        model_version=args.version if args.version is not None else 1,
         overwrite=args.overwrite,
         model=args.model,
         model_args=_json_object(args.model_args, "--model-args"),

@@ -2,16 +2,17 @@
 
 import argparse
 
-from recship.export.artifact import aoti_runs_here, open_artifact, self_check
-from recship.export.pipeline import report_text
-from recship.trainer.text import text_table
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="an exported artifact directory")
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported here: `recship inspect --help` needs none of them (nor torch)
+    from recship.export.artifact import aoti_runs_here, open_artifact, self_check
+    from recship.export.pipeline import report_text
+    from recship.trainer.text import text_table
+
     model, m = open_artifact(args.artifact, check=False, format="torchscript")
     info, versions = m.model, m.versions
     print(f"model {info.name} version {info.version} ({info.kind}), format {m.format}")

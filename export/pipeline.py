@@ -13,8 +13,12 @@ its inference shards and its float lookups for the validation batches are comput
 then it is dropped, so peak memory stays near the quantized model plus one table.
 """
 
+import ctypes
 import dataclasses
+import errno
+import functools
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -45,10 +49,20 @@ class ExportError(ValueError):
     """The export cannot proceed; the message names the problem."""
 
 
+# The model repository's names (serving/repository.py's MODEL_NAME and VERSION_NAME; export
+# does not import serving, so they are repeated here and a test checks that they agree).
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+VERSION_NAME = re.compile(r"[0-9]{1,18}")
+
+
 @dataclass
 class ExportConfig:
     """Args:
     out: the artifact directory to create (must not exist unless overwrite).
+    repo: instead of ``out``, a model repository (``recship serve --model-repo``): the artifact
+        becomes ``repo/<model_name>/<next version>/`` (1 + the largest number there, 1 if none),
+        written beside it under a hidden name and renamed into place; its manifest's version is
+        that number (``model_version`` is not used). Racing exports take different numbers.
     dtype: default table type (int8, int4, int2, fp8, fp16, fp32, auto).
     table_dtypes: table -> type overrides.
     error_budget: for auto types, the largest per-table error; for validation, the
@@ -63,7 +77,7 @@ class ExportConfig:
     target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
     """
 
-    out: str
+    out: Optional[str] = None
     dtype: str = "int8"
     table_dtypes: Dict[str, str] = field(default_factory=dict)
     error_budget: Optional[float] = None
@@ -86,8 +100,18 @@ class ExportConfig:
     model_args: Dict[str, Any] = field(default_factory=dict)
     format: str = "auto"  # torchscript | aoti | both | auto (both where a C++ compiler is present)
     target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
+    repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
 
     def __post_init__(self) -> None:
+        if (self.out is None) == (self.repo is None):
+            raise ExportError("give either out (an artifact folder) or repo (a model repository), "
+                              + ("not both" if self.out is not None else "one of them"))
+        if self.repo is not None:
+            if not MODEL_NAME.fullmatch(self.model_name):
+                raise ExportError(f"model name {self.model_name!r} cannot name a model folder of a repository: "
+                                  "1-128 of A-Z a-z 0-9 _ . - starting with a letter or digit")
+            if self.overwrite:
+                raise ExportError("overwrite does not apply to repo: every export is a new version")
         if self.format not in ("auto", "torchscript", "aoti", "both"):
             raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
         if self.device not in ("cpu", "cuda"):
@@ -357,10 +381,14 @@ def eval_batches(
 
 
 def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> Dict[str, Any]:
-    """Runs every stage and writes ``config.out``; returns the manifest."""
-    out = Path(config.out)
-    if out.exists() and not config.overwrite:
-        raise ExportError(f"{out} already exists (pass overwrite to replace it)")
+    """Runs every stage and writes ``config.out`` (or the next version under ``config.repo``); returns the manifest."""
+    if config.repo is not None:
+        out = Path(config.repo) / config.model_name  # the model folder: write_artifact adds the version
+    else:
+        assert config.out is not None  # ExportConfig asks for one of the two
+        out = Path(config.out)
+        if out.exists() and not config.overwrite:
+            raise ExportError(f"{out} already exists (pass overwrite to replace it)")
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
     try:
@@ -384,7 +412,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             manifest = write_artifact(out, scripted, fields, (*sample, None), config, wrapped)
             bar.finish()
             bar.close()
-            _print_summary(manifest, out, config.progress)
+            _print_summary(manifest, out, config)
             return manifest
         src = _source(source)
         names = [f for t in src.tables for f in t.feature_names]
@@ -457,7 +485,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.finish()
     finally:
         bar.close()
-    _print_summary(manifest, out, config.progress)
+    _print_summary(manifest, out, config)
     return manifest
 
 
@@ -605,13 +633,20 @@ def write_artifact(
 ) -> Dict[str, Any]:
     """Writes the artifact into a temporary sibling and renames it into place.
 
+    With ``config.repo``, ``out`` is the model folder and the artifact becomes its next version
+    (``publish_version``); the temporary folder is hidden inside it (the server skips names
+    starting with "."), so a failed or killed export never leaves a version folder behind.
     ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
     validation of the manifest; ``Manifest.from_fields`` adds the inputs, outputs, sample,
     versions and checksum (the artifact contract is export/artifact.py's). ``exported``: the
     module that was scripted, compiled into model.pt2 when ``config.format`` asks for it.
     """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    if config.repo is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".version.tmp-{uuid.uuid4().hex[:8]}"
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         torch.jit.save(scripted, str(tmp / "model.pt"))
@@ -633,14 +668,83 @@ def write_artifact(
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
         manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti)
-        manifest.write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)  # the artifact appears complete or not at all
+        if config.repo is not None:
+            def stamp(version: int) -> None:  # the manifest names the version folder it goes into
+                manifest.model.version = version
+                manifest.write(tmp)
+
+            publish_version(tmp, out, stamp)
+        else:
+            manifest.write(tmp)
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)  # the artifact appears complete or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest.to_dict()
+
+
+def next_version(model_dir: Path) -> int:
+    """1 + the largest ASCII-number name in ``model_dir`` (1 if none, or no such folder); other names
+    (hidden temporary folders, "latest", "²") do not count."""
+    try:
+        names = os.listdir(model_dir)
+    except FileNotFoundError:
+        return 1
+    return 1 + max((int(n) for n in names if VERSION_NAME.fullmatch(n)), default=0)
+
+
+def publish_version(tmp: Path, model_dir: Path, stamp: Callable[[int], None] = lambda version: None, attempts: int = 100) -> int:
+    """Renames the finished artifact folder ``tmp`` (on ``model_dir``'s filesystem) to ``model_dir/<next
+    version>``; returns the version. ``stamp(version)`` runs before each try (it writes the manifest).
+    A number another export took first (the rename finds the folder there) is never overwritten:
+    the next free number is tried instead."""
+    version = next_version(model_dir)
+    for _ in range(attempts):
+        if not VERSION_NAME.fullmatch(str(version)):
+            raise ExportError(f"{model_dir}: version {version} has more than 18 digits")
+        stamp(version)
+        try:
+            _rename_noreplace(tmp, model_dir / str(version))
+            return version
+        except FileExistsError:  # a racing export (or a person) took this number: the next one
+            version = max(version + 1, next_version(model_dir))
+    raise ExportError(f"{model_dir}: no free version number after {attempts} tries")
+
+
+@functools.lru_cache(maxsize=None)
+def _renameat2() -> Optional[Any]:
+    """libc's renameat2 (Linux, glibc 2.28+), or None."""
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _rename_noreplace(src: Path, dst: Path) -> None:
+    """Renames ``src`` to ``dst``; FileExistsError if ``dst`` exists, even as an empty folder (which a
+    plain rename would replace). Atomic with renameat2(RENAME_NOREPLACE); where the OS or filesystem
+    lacks it, a check before the rename (a non-empty folder still makes the rename itself fail)."""
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        at_fdcwd, rename_noreplace = -100, 1
+        if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # EINVAL: this filesystem lacks the flag
+            raise OSError(err, os.strerror(err), str(dst))  # EEXIST is a FileExistsError
+    if os.path.lexists(dst):
+        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
+        raise
 
 
 def _wants_aoti(config: ExportConfig) -> bool:
@@ -724,8 +828,8 @@ class _Stages:
             self._bar.close()
 
 
-def _print_summary(manifest: Dict[str, Any], out: Path, enabled: bool) -> None:
-    if not enabled:
+def _print_summary(manifest: Dict[str, Any], out: Path, config: ExportConfig) -> None:
+    if not config.progress:
         return
     print(report_text(manifest))
     v = manifest["validation"]
@@ -737,7 +841,11 @@ def _print_summary(manifest: Dict[str, Any], out: Path, enabled: bool) -> None:
     else:
         extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
         print(f"validation: error {v['error']:.3g}{extra}")
-    print(f"artifact: {out}")
+    if config.repo is not None:
+        version = manifest["model"]["version"]
+        print(f"wrote {out / str(version)} (version {version})")
+    else:
+        print(f"artifact: {out}")
 
 
 def report_text(manifest: Dict[str, Any]) -> str:

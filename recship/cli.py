@@ -84,11 +84,12 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ValueError(f"--config {file}: {key}: {flag} takes true or false, got {value!r}")
-        elif value is not None and action.type is not None and not isinstance(value, bool):
+        elif value is not None and callable(action.type) and not isinstance(value, bool):
+            convert = action.type
             try:
-                value = action.type(value)
+                value = convert(value)
             except (TypeError, ValueError):
-                kind = {int: "an integer", float: "a number"}.get(action.type, "a value")  # type: ignore[call-overload]
+                kind = "an integer" if convert is int else "a number" if convert is float else "a value"
                 raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}") from None
         elif isinstance(value, (dict, list)):
             raise ValueError(f"--config {file}: {key}: {flag} takes one value, got {value!r}")

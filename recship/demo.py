@@ -199,15 +199,29 @@ def run(args: argparse.Namespace) -> int:
         _, report = quantize_embedding_bag_collection(trained, QuantConfig(data_type=dtype))
         print(f"   {dtype}:\n   " + str(report).replace("\n", "\n   "))
 
-    _step("Export the trained DLRM: INT8 (TorchScript + AOTInductor) and INT4 artifacts (2 shards), then load and self-check each")
+    _step("Export the trained DLRM: INT8 (TorchScript + AOTInductor) into a model repository, and INT4 (2 shards each), "
+          "then load and self-check each")
+    import shutil
+
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import open_artifact
 
+    repo = Path(args.out) / "repo"
+    shutil.rmtree(repo, ignore_errors=True)  # the walk-through starts over each time it runs: the export is version 1
+    served_artifact = repo / "dlrm" / "1"
     for dtype in ("int8", "int4"):
-        out = f"{args.out}/artifacts/dlrm_{dtype}"
         # INT8: model.pt2 too where a C++ compiler is present (auto); INT4: model.pt only, to keep the demo short
-        export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False,
-                                                         format="auto" if dtype == "int8" else "torchscript"))
+        if dtype == "int8":  # into service in one step: the next version folder of the repository, written atomically
+            print(f"   recship export {summary['checkpoint']} --repo {repo} --name dlrm --dtype int8 --shards 2")
+            written = export_model(summary["checkpoint"], ExportConfig(repo=str(repo), model_name="dlrm", dtype=dtype, shards=2,
+                                                                       progress=False))
+            out = str(repo / "dlrm" / str(written["model"]["version"]))
+            print(f"   wrote {out} (version {written['model']['version']})")
+            _expect(out == str(served_artifact), f"the empty repository's first version is {served_artifact}")
+        else:
+            out = f"{args.out}/artifacts/dlrm_{dtype}"
+            export_model(summary["checkpoint"], ExportConfig(out=out, dtype=dtype, shards=2, overwrite=True, progress=False,
+                                                             format="torchscript"))
         _, manifest = open_artifact(out)  # checksum + sample self-check
         if manifest.aoti is not None:
             _compare_formats(out, manifest)
@@ -218,8 +232,7 @@ def run(args: argparse.Namespace) -> int:
             f"max |prob diff| {v['error']:.2g}; reloaded and self-checked",
         )
 
-    _step("Serve the INT8 artifact over gRPC, query it with the client, shut down")
-    import shutil
+    _step("Serve the repository (the INT8 artifact) over gRPC, query it with the client, shut down")
     import time
 
     import numpy as np
@@ -227,12 +240,10 @@ def run(args: argparse.Namespace) -> int:
     from recship.serving import PredictClient
     from recship.serving.server import Server, ServerConfig
 
-    repo = Path(args.out) / "repo"
-    shutil.rmtree(repo, ignore_errors=True)
-    shutil.copytree(f"{args.out}/artifacts/dlrm_int8", repo / "dlrm" / "1")
     server = Server(ServerConfig(model_repo=str(repo), port=0))
     try:
-        scripted, _ = open_artifact(repo / "dlrm" / "1")
+        _expect(server.repo.get("dlrm").version == 1, f"the server loaded dlrm version 1 from {repo}")
+        scripted, _ = open_artifact(served_artifact)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             g = np.random.default_rng(args.seed)
             rows = [f.rows for f in manifest.sparse_features]
@@ -272,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     binary = cpp_build.build() / "recship_predict"
     request_file = Path(args.out) / "request.json"
     request_file.write_text(json.dumps({"sparse": {k: [[int(i) for i in r] for r in v] for k, v in sparse.items()}, "dense": dense.tolist()}))
-    result = subprocess.run([str(binary), str(repo / "dlrm" / "1"), "--request", str(request_file), "--bench", "200"],
+    result = subprocess.run([str(binary), str(served_artifact), "--request", str(request_file), "--bench", "200"],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"recship_predict failed: {result.stderr.strip()}")
@@ -289,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
 def two_tower(args: argparse.Namespace) -> None:
     """A model that is not the DLRM, through the same commands: recship.models:TwoTower."""
     import json
+    import shutil
 
     import numpy as np
 
@@ -305,9 +317,11 @@ def two_tower(args: argparse.Namespace) -> None:
     print("   recship " + " ".join(command[:4]) + " '" + command[4] + "' " + " ".join(command[5:]))
     _expect(recship(command) == 0, "trained (its own loss: binary cross-entropy of the towers' dot product)")
     checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
+    shutil.rmtree(repo, ignore_errors=True)  # starts over each run: the export below is version 1
+    export = ["export", str(checkpoint), "--repo", str(repo), "--name", "two_tower"]
+    print("   recship " + " ".join(export))
+    _expect(recship(export) == 0, "exported from the checkpoint alone (it records the entry point and its arguments)")
     artifact = repo / "two_tower" / "1"
-    _expect(recship(["export", str(checkpoint), "--out", str(artifact), "--name", "two_tower", "--overwrite"]) == 0,
-            "exported from the checkpoint alone (it records the entry point and its arguments)")
     model, manifest = open_artifact(artifact)
     print("   features:", [(f.name, f.pooling.lower()) for f in manifest.sparse_features],
           "outputs:", {k: v.shape for k, v in manifest.outputs.items()})

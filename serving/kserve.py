@@ -151,7 +151,9 @@ def model_metadata(served: ServedVersion) -> dict:
 def server_metadata() -> dict:
     from recship import __version__
 
-    return {"name": "recship", "version": __version__, "extensions": ["model_repository"]}
+    # only what is implemented: the repository extension would promise load/unload, which recship lacks (its
+    # RepositoryIndex is served all the same); REST adds binary_tensor_data (serving/rest.py)
+    return {"name": "recship", "version": __version__, "extensions": []}
 
 
 async def model_infer(

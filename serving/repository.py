@@ -181,7 +181,7 @@ class ModelRepository:
     def _scan_model(self, name: str, model_dir: Path, trusted: Optional[FrozenSet[str]]) -> None:
         versions = []
         for entry in model_dir.iterdir():
-            if not entry.is_dir():
+            if not entry.is_dir() or entry.name.startswith("."):  # hidden: a version being written (recship export --repo)
                 continue
             if VERSION_NAME.fullmatch(entry.name):
                 versions.append((int(entry.name), entry))

@@ -1,0 +1,185 @@
+"""``recship export --repo DIR --name M``: the next version folder, written atomically, picked up by a running server."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from recship.export import ExportConfig, ExportError, export_model
+from recship.export import pipeline
+from recship.export.artifact import Manifest
+from recship.serving import PredictClient
+from recship.serving.server import Server, ServerConfig
+from recship.trainer.dlrm import DLRM, DLRMConfig
+
+ROWS = [20 + i for i in range(26)]
+
+
+def _dlrm(seed):
+    torch.manual_seed(seed)
+    return DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+
+
+def _config(repo, name="dlrm", **kw):
+    base = dict(repo=str(repo), model_name=name, dtype="int8", progress=False, validation_batches=1, batch_size_hint=32,
+                format="torchscript")
+    base.update(kw)
+    return ExportConfig(**base)
+
+
+def _request(seed, batch):
+    g = np.random.default_rng(seed)
+    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
+    return sparse, g.random((batch, 13), dtype=np.float32)
+
+
+def test_names_are_the_servers():
+    from recship.serving import repository
+
+    assert pipeline.MODEL_NAME.pattern == repository.MODEL_NAME.pattern
+    assert pipeline.VERSION_NAME.pattern == repository.VERSION_NAME.pattern
+
+
+def test_next_version_counts_only_number_folders(tmp_path):
+    assert pipeline.next_version(tmp_path / "absent") == 1
+    assert pipeline.next_version(tmp_path) == 1
+    for name in ["1", "7", "latest", ".version.tmp-0a1b2c3d", ".99", "²", "12a"]:
+        (tmp_path / name).mkdir()
+    assert pipeline.next_version(tmp_path) == 8
+
+
+def _finished(tmp_path):
+    """A stand-in for a finished artifact folder (publish_version only renames it)."""
+    tmp = tmp_path / "m" / ".version.tmp-test"
+    tmp.mkdir(parents=True)
+    (tmp / "manifest.json").write_text("{}")
+    return tmp
+
+
+@pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "check-then-rename"])
+def test_a_number_taken_after_it_was_chosen_is_not_overwritten(tmp_path, monkeypatch, renameat2):
+    if not renameat2:
+        monkeypatch.setattr(pipeline, "_renameat2", lambda: None)
+    elif pipeline._renameat2() is None:
+        pytest.skip("no renameat2 here")
+    tmp = _finished(tmp_path)
+    model_dir = tmp.parent
+    (model_dir / "1").mkdir()
+    real, raced = pipeline.next_version, []
+
+    def racing(path):  # once: another export creates the chosen folder (empty, even) before this one renames
+        version = real(path)
+        if not raced:
+            raced.append(version)
+            (path / str(version)).mkdir()
+        return version
+
+    monkeypatch.setattr(pipeline, "next_version", racing)
+    stamped = []
+    assert pipeline.publish_version(tmp, model_dir, stamped.append) == 3
+    assert stamped == [2, 3]  # the manifest is rewritten for the number it finally gets
+    assert list((model_dir / "2").iterdir()) == []  # the other export's folder is untouched
+    assert (model_dir / "3" / "manifest.json").is_file() and not tmp.exists()
+
+
+def test_a_folder_appearing_between_the_check_and_the_rename(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "_renameat2", lambda: None)  # the fallback: the rename itself must fail
+    tmp = _finished(tmp_path)
+    model_dir = tmp.parent
+    real_rename, calls = os.rename, []
+
+    def rename(src, dst):
+        calls.append(os.path.basename(dst))
+        if len(calls) == 1:  # the racing export wins: its complete version lands first
+            os.mkdir(dst)
+            open(os.path.join(dst, "manifest.json"), "w").close()
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert pipeline.publish_version(tmp, model_dir) == 2
+    assert calls == ["1", "2"] and (model_dir / "1" / "manifest.json").stat().st_size == 0
+
+
+def test_a_failing_export_leaves_nothing(tmp_path, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(pipeline, "write_sample", fail)  # fails inside the temporary folder, after model.pt
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_model(_dlrm(0), _config(tmp_path / "repo"))
+    assert list((tmp_path / "repo" / "dlrm").iterdir()) == []
+
+
+def test_config_and_cli_refusals(tmp_path, capsys):
+    from recship.cli import main
+
+    with pytest.raises(ExportError, match="model name 'a/b'"):
+        _config(tmp_path, name="a/b")
+    with pytest.raises(ExportError, match="not both"):
+        _config(tmp_path, out=str(tmp_path / "x"))
+    with pytest.raises(ExportError, match="overwrite does not apply"):
+        _config(tmp_path, overwrite=True)
+    checkpoint = str(tmp_path / "ckpt")  # never read: every case is refused first
+    repo = str(tmp_path / "repo")
+    cases = [
+        (["--repo", repo], "--repo needs --name"),
+        (["--repo", repo, "--name", "../up"], "--name '../up' cannot name a model folder"),
+        (["--repo", repo, "--name", ".hidden"], "--name '.hidden'"),
+        (["--repo", repo, "--name", "m", "--version", "3"], "--version does not apply with --repo"),
+        (["--repo", repo, "--name", "m", "--overwrite"], "--overwrite does not apply with --repo"),
+    ]
+    for argv, message in cases:
+        assert main(["export", checkpoint, *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("recship export: error:") and message in err, (argv, err)
+    for argv, message in [(["--out", str(tmp_path / "x"), "--repo", repo, "--name", "m"], "argument --repo: not allowed with argument --out"),
+                          ([], "one of the arguments --out --repo is required")]:
+        with pytest.raises(SystemExit) as e:
+            main(["export", checkpoint, *argv])
+        assert e.value.code == 2 and message in capsys.readouterr().err, argv
+    assert not os.path.exists(repo)
+
+
+def test_a_running_server_picks_up_each_new_version(tmp_path, capsys):
+    repo = tmp_path / "repo"
+    (repo / "dlrm").mkdir(parents=True)
+    (repo / "dlrm" / "notes").mkdir()  # neither counts as a version when choosing the number
+    (repo / "dlrm" / ".version.tmp-deadbeef").mkdir()  # left by a killed export: skipped by the server too
+    export_model(_dlrm(0), _config(repo))
+    assert sorted(p.name for p in (repo / "dlrm").iterdir()) == [".version.tmp-deadbeef", "1", "notes"]
+    server = Server(ServerConfig(model_repo=str(repo), port=0, poll_interval_s=0.2))
+    try:
+        sparse, dense = _request(5, 3)
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            assert client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version == 1
+            manifest = export_model(_dlrm(1), _config(repo, dtype="fp16", progress=True))
+            assert f"wrote {repo / 'dlrm' / '2'} (version 2)" in capsys.readouterr().out
+            deadline, version = time.time() + 20, 1
+            while version != 2 and time.time() < deadline:
+                version = client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version
+                time.sleep(0.05)
+            assert version == 2
+        # the hidden folder is never refused; "notes" (not a number) is, as before
+        assert [(u.model, u.version) for u in server.repo.unavailable()] == [("dlrm", "notes")]
+    finally:
+        server.stop()
+    assert manifest["model"] == {**manifest["model"], "name": "dlrm", "version": 2}
+    for version in (1, 2):
+        m = Manifest.read(repo / "dlrm" / str(version))
+        assert (m.model.name, m.model.version) == ("dlrm", version)
+    assert sorted(p.name for p in (repo / "dlrm").iterdir()) == [".version.tmp-deadbeef", "1", "2", "notes"]
+
+
+def test_cli_repo_mode_reaches_the_config(tmp_path, monkeypatch):
+    from recship.cli import main
+    from recship.export import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "export_model", lambda source, config: seen.append((source, config)))
+    assert main(["export", "ckpt", "--repo", str(tmp_path), "--name", "dlrm", "--dtype", "int4"]) == 0
+    assert main(["export", "ckpt", "--out", str(tmp_path / "a")]) == 0
+    (_, repo_mode), (_, out_mode) = seen
+    assert (repo_mode.repo, repo_mode.out, repo_mode.model_name, repo_mode.dtype) == (str(tmp_path), None, "dlrm", "int4")
+    assert (out_mode.repo, out_mode.model_name, out_mode.model_version) == (None, "model", 1)
