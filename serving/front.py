@@ -123,9 +123,14 @@ class CppFront:
             raise FrontError(answer.get("error", "the C++ front refused the command"))
         return answer
 
-    def load(self, name: str, version: int, path: Path, model_format: str) -> str:
-        """Loads (and self-checks) a version in the front and routes ``name`` to it; returns the format it runs."""
-        return self.command(op="load", model=name, version=version, path=str(path), format=model_format)["format"]
+    def load(self, name: str, version: int, path: Path, model_format: str, settings: Optional[Dict[str, Any]] = None) -> str:
+        """Loads (and self-checks) a version in the front and routes ``name`` to it; returns the format it runs.
+
+        ``settings``: the model's own batching (max_batch_size, max_delay_ms, batching, max_queue, threads);
+        what it leaves out is the server's flags.
+        """
+        return self.command(op="load", model=name, version=version, path=str(path), format=model_format,
+                            settings=settings or {})["format"]
 
     def unload(self, name: str) -> None:
         self.command(op="unload", model=name)

@@ -136,12 +136,14 @@ def to_request_arrays(request: Any, num_dense: int) -> RequestArrays:
     )
 
 
-def model_metadata(served: ServedVersion) -> dict:
-    """ModelMetadataResponse as JSON (the REST front answers it as is; gRPC parses it into the message)."""
+def model_metadata(served: ServedVersion, versions: Optional[List[int]] = None) -> dict:
+    """ModelMetadataResponse as JSON (the REST front answers it as is; gRPC parses it into the message).
+
+    ``versions``: every served version of the model, newest first (None: only ``served``'s)."""
     m = served.manifest
     return {
         "name": served.name,
-        "versions": [str(served.version)],
+        "versions": [str(v) for v in (versions or [served.version])],
         "platform": PLATFORM,
         "inputs": [{"name": n, "datatype": d, "shape": shape} for n, d, shape in input_metadata(m)],
         "outputs": [{"name": k, "datatype": "FP32", "shape": shape} for k, shape in output_shapes(m).items()],
@@ -222,7 +224,7 @@ class KServeServicer:
     async def ModelMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
             served = self.inference.route(request.name, parse_version(request.version), outcome)
-            return json_format.ParseDict(model_metadata(served), R())
+            return json_format.ParseDict(model_metadata(served, [s.version for s in self.repo.versions(served.name)]), R())
 
         return await self._answer("ModelMetadata", data, context, respond)
 
@@ -244,9 +246,10 @@ class KServeServicer:
 
 
 def repository_index(repo: ModelRepository) -> List[dict]:
-    """Every served version (READY) and every refused version or folder (UNAVAILABLE, with its reason)."""
+    """Every served version (READY) and every refused version, folder or config.yaml (UNAVAILABLE, with its reason;
+    a refused config.yaml or model folder has the version "")."""
     index = [{"name": s.name, "version": str(s.version), "state": "READY" if s.batcher.alive else "UNAVAILABLE",
-              "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.models()]
+              "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.versions()]
     index += [{"name": u.model, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason} for u in repo.unavailable()]
     return sorted(index, key=lambda m: (m["name"], m["version"]))
 

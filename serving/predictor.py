@@ -52,7 +52,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                 model_version=served.version,
                 sparse_features=[
                     pb.FeatureSpec(name=f.name, table=f.table, pooling=f.pooling, dim=f.dim, rows=f.rows,
-                                   weight_type=f.weight_type, id_policy=f.id_policy)
+                                   weight_type=f.weight_type,
+                                   id_policy="modulo" if served.spec.modulo[f.name] else "reject")  # config.yaml may override
                     for f in m.sparse_features
                 ],
                 num_dense=m.num_dense,
@@ -68,7 +69,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
         async def work(outcome: Outcome):
             decode(pb.ListModelsRequest, data)
             return pb.ListModelsResponse(
-                models=[pb.ModelStatus(name=s.name, versions=[s.version], serving_version=s.version) for s in self.repo.models()]
+                models=[pb.ModelStatus(name=s.name, versions=[v.version for v in self.repo.versions(s.name)], serving_version=s.version)
+                        for s in self.repo.models()]
             )
 
         return await grpc_status.answer(self.inference, context, "ListModels", work)

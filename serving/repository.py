@@ -1,26 +1,38 @@
 """The model repository: ``DIR/<model>/<version>/`` artifacts, loaded, hot-swapped, rolled back.
 
-The newest loadable version of each model serves. A watcher thread rescans every
-``poll_interval_s``: a newer version is loaded and self-checked off the request path,
-then routed to (requests already queued finish on the old one); a version whose folder
-is removed is unloaded and the newest remaining version takes over (rollback).
+Each model serves the versions its version policy picks (default: the newest loadable
+one). A watcher thread rescans every ``poll_interval_s``: a newer version is loaded and
+self-checked off the request path, then routed to (requests already queued finish on the
+old one); a version whose folder is removed is unloaded and the policy picks again among
+the remaining versions (rollback).
+
+``DIR/<model>/config.yaml`` (optional) sets the model's own batching, queue, threads,
+version policy and id-policy overrides (``ModelSettings``); the server's flags are the
+defaults of what it leaves out. It is reread on every scan: a change restarts the model's
+served versions with the new settings (new batchers started, then swapped in, the old ones
+retired after their queued requests).
 
 Nothing in the repository can stop the others from loading: every model is scanned on
 its own, and a version that fails for any reason (a bad folder name, a manifest of the
 wrong shape, a checksum, a self-check, a model.pt not on the ``trusted`` list) is
 refused with one logged line and listed as UNAVAILABLE with its reason; it is retried
-when its files (or the trusted list) change.
+when its files (or the trusted list, or its model's config.yaml) change. A bad
+config.yaml refuses its model the same way (listed with an empty version); a model that
+was serving keeps its versions and last good settings until the file is fixed.
 """
 
+import copy
+import dataclasses
 import functools
 import hashlib
+import math
 import logging
 import os
 import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.serving.batcher import Batcher
@@ -38,24 +50,150 @@ MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 VERSION_NAME = re.compile(r"[0-9]{1,18}")
 
 
+MODEL_CONFIG = "config.yaml"  # DIR/<model>/config.yaml: the model's own settings (ModelSettings)
+_CONFIG_KEYS = ("max_batch_size", "max_delay_ms", "batching", "max_queue", "torch_threads", "version_policy", "id_policy")
+
+
 class ModelNotFound(LookupError):
     """No such model or version is served (ErrorKind.NOT_FOUND)."""
 
 
+class ConfigError(ValueError):
+    """A model's config.yaml is bad, or does not fit one of its versions; the message names the file and the key."""
+
+
 @dataclass
 class Unavailable:
-    """A version (or folder) that was refused, and why; listed by the repository index."""
+    """A version (or folder, or a model's config.yaml: version "") that was refused, and why; listed by the repository index."""
 
     model: str
     version: str
     reason: str
-    signature: Optional[Tuple] = None  # the state of its files (and trusted list) when refused
+    signature: Optional[Tuple] = None  # the state of its files (and trusted list, and settings) when refused
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """How one model is served: the server's flags, overridden by the model's config.yaml.
+
+    version_policy: ("latest", N) the N newest loadable versions; ("all",) every loadable version;
+    ("specific", (v, ...)) those versions. id_policy: (feature, "reject" | "modulo") overrides of
+    the artifact's id policies, applied by validation (before the model, so either way every id
+    that reaches the model is inside its table).
+    """
+
+    max_batch_size: int
+    max_delay_ms: float
+    batching: bool
+    max_queue: int
+    torch_threads: Optional[int]
+    version_policy: Tuple = ("latest", 1)
+    id_policy: Tuple[Tuple[str, str], ...] = ()
+
+    @staticmethod
+    def defaults(config) -> "ModelSettings":
+        """The server's flags (``ServerConfig``) as a model's settings."""
+        return ModelSettings(config.max_batch_size, float(config.max_delay_ms), bool(config.batching), config.max_queue,
+                             config.torch_threads)
+
+    def runtime(self) -> Tuple:
+        """What a served version runs with (all but the version policy): a change restarts its batcher."""
+        return (self.max_batch_size, self.max_delay_ms, self.batching, self.max_queue, self.torch_threads, self.id_policy)
+
+    def front_settings(self) -> Dict[str, Any]:
+        """The ``settings`` of the C++ front's load command (serving/front.py)."""
+        return {"max_batch_size": self.max_batch_size, "max_delay_ms": self.max_delay_ms, "batching": self.batching,
+                "max_queue": self.max_queue, "threads": self.torch_threads or default_torch_threads()}
+
+
+def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSettings:
+    """A model's config.yaml (its ``text``) over ``defaults``; ConfigError naming the file and the key if it is bad."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(text)
+    except Exception as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings to values, got {type(values).__name__}")
+    settings: Dict[str, Any] = {}
+    for key, value in values.items():
+        dest = str(key).replace("-", "_")
+        if dest not in _CONFIG_KEYS:
+            keys = ", ".join(k.replace("_", "-") for k in sorted(_CONFIG_KEYS))
+            raise ConfigError(f"{path}: unknown key {shown(key)}; the keys are: {keys}")
+        if dest in settings:
+            raise ConfigError(f"{path}: {key}: given twice (with - and _)")
+        where = f"{path}: {key}"
+        if dest in ("max_batch_size", "max_queue"):
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"{where}: takes an integer >= 1, got {_value(value)}")
+        elif dest == "torch_threads":
+            if value is not None and (type(value) is not int or value < 1):
+                raise ConfigError(f"{where}: takes an integer >= 1 (or null: the server's), got {_value(value)}")
+        elif dest == "max_delay_ms":
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{where}: takes a number >= 0, got {_value(value)}")
+            value = float(value)
+        elif dest == "batching":
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where}: takes true or false, got {_value(value)}")
+        elif dest == "version_policy":
+            value = _version_policy(where, value)
+        else:
+            value = _id_policy(where, value)
+        settings[dest] = value
+    if settings.get("torch_threads", 0) is None:
+        settings["torch_threads"] = defaults.torch_threads
+    return dataclasses.replace(defaults, **settings)
+
+
+def _version_policy(where: str, value: Any) -> Tuple:
+    """Triton's version policies: ``latest: N`` (or ``{num_versions: N}``), ``all`` (or ``all: {}``),
+    ``specific: [v, ...]`` (or ``{versions: [...]}``)."""
+    usage = "takes latest: N, all, or specific: [versions]"
+    if value == "all":
+        return ("all",)
+    if not isinstance(value, dict) or len(value) != 1:
+        raise ConfigError(f"{where}: {usage}, got {_value(value)}")
+    (kind, arg), = value.items()
+    if kind == "all" and arg in (None, {}):
+        return ("all",)
+    if kind == "latest":
+        n = arg.get("num_versions") if isinstance(arg, dict) and set(arg) == {"num_versions"} else arg
+        if type(n) is not int or n < 1:
+            raise ConfigError(f"{where}: latest takes a number of versions >= 1, got {_value(arg)}")
+        return ("latest", n)
+    if kind == "specific":
+        versions = arg.get("versions") if isinstance(arg, dict) and set(arg) == {"versions"} else arg
+        if not isinstance(versions, list) or not versions or not all(type(v) is int and 0 < v < 10**18 for v in versions):
+            raise ConfigError(f"{where}: specific takes a list of version numbers >= 1, got {_value(arg)}")
+        return ("specific", tuple(sorted(set(versions), reverse=True)))
+    raise ConfigError(f"{where}: {usage}, got {_value(value)}")
+
+
+def _id_policy(where: str, value: Any) -> Tuple[Tuple[str, str], ...]:
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"{where}: takes a mapping of sparse features to reject or modulo, got {_value(value)}")
+    for feature, policy in value.items():
+        if not isinstance(feature, str) or policy not in ("reject", "modulo"):
+            raise ConfigError(f"{where}: {shown(feature)}: takes reject or modulo, got {_value(policy)}")
+    return tuple(sorted(value.items()))
+
+
+def _value(value: Any) -> str:
+    """A config value for a message: its repr (a number unquoted), cut to 64 characters."""
+    text = repr(value)
+    return text if len(text) <= 64 else text[:64] + f"... ({len(text)} characters)"
 
 
 class ServedVersion:
-    """One loaded version: its model (TorchScript or AOTInductor), Manifest, validation spec and batcher."""
+    """One loaded version: its model (TorchScript or AOTInductor), Manifest, settings, validation spec and batcher."""
 
-    def __init__(self, name: str, version: int, path: Path, repo: "ModelRepository", trusted: Optional[FrozenSet[str]]) -> None:
+    def __init__(self, name: str, version: int, path: Path, repo: "ModelRepository", trusted: Optional[FrozenSet[str]],
+                 settings: Optional[ModelSettings] = None) -> None:
         config = repo.config
         self.name, self.version, self.path = name, version, path
         built_for = Manifest.read(path).sharding.device
@@ -64,18 +202,46 @@ class ServedVersion:
         # checksum + sample self-check; model.pt2 (AOTInductor) or model.pt as --model-format says
         self.model, self.manifest = open_artifact(path, check=True, trusted=trusted, format=config.model_format)
         self.format = getattr(self.model, "format", "torchscript")
-        self.spec = ModelSpec.from_manifest(self.manifest, config.max_batch_size)
         self._repo = repo
+        self._configure(settings or ModelSettings.defaults(config))
+
+    def _configure(self, settings: ModelSettings) -> None:
+        self.settings = settings
+        spec = ModelSpec.from_manifest(self.manifest, settings.max_batch_size)
+        if settings.id_policy:
+            unknown = [f for f, _ in settings.id_policy if f not in spec.modulo]
+            if unknown:
+                raise ConfigError(f"{self.path.parent / MODEL_CONFIG}: id-policy names {_value(unknown)}, which version "
+                                  f"{self.version} does not have; its sparse features are {_value(spec.features)}")
+            spec = dataclasses.replace(spec, modulo={**spec.modulo, **{f: p == "modulo" for f, p in settings.id_policy}})
+        self.spec = spec
         self.batcher = self.start_batcher()
 
+    def reconfigured(self, settings: ModelSettings) -> "ServedVersion":
+        """This version (the same loaded model) with other settings: a new spec and a new batcher."""
+        if settings.runtime() == self.settings.runtime():
+            self.settings = settings  # only the version policy changed: nothing to restart
+            return self
+        new = copy.copy(self)
+        new._configure(settings)
+        return new
+
+    def python_only(self) -> Optional[str]:
+        """Why the C++ front must not serve this version (None: it may). The front validates ids by the
+        artifact's own policies: it would hash the ids of a modulo feature overridden to reject."""
+        overridden = [f.name for f in self.manifest.sparse_features if f.id_policy == "modulo" and not self.spec.modulo[f.name]]
+        if overridden:
+            return f"id-policy overrides modulo features {overridden} to reject, which only the Python server applies"
+        return None
+
     def start_batcher(self) -> Batcher:
-        config, metrics, name, version = self._repo.config, self._repo.metrics, self.name, self.version
+        config, metrics, name, version, s = self._repo.config, self._repo.metrics, self.name, self.version, self.settings
         return Batcher(
-            self.model, config.max_batch_size, config.max_delay_ms / 1000.0, config.max_queue,
+            self.model, s.max_batch_size, s.max_delay_ms / 1000.0, s.max_queue,
             observe=functools.partial(metrics.observe_batch, name), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
-            device_lock=self._repo.device_lock, threads=config.torch_threads or default_torch_threads(),
-            on_death=lambda e: self._repo.worker_died(self), batching=config.batching,
+            device_lock=self._repo.device_lock, threads=s.torch_threads or default_torch_threads(),
+            on_death=lambda e: self._repo.worker_died(self), batching=s.batching,
         )
 
 
@@ -117,11 +283,15 @@ class ModelRepository:
         if config.trusted_sha256 is not None:
             read_trusted(config.trusted_sha256)  # a bad allow-list is an error at start, not a silent refusal of everything
         self.metrics = metrics
+        self.defaults = ModelSettings.defaults(config)
         self.device_lock = threading.Lock()  # one forward at a time on the server's device, across models
         self._lock = threading.Lock()  # guards _serving and _unavailable (read by request threads)
         self._scanning = threading.Lock()  # one scan at a time
-        self._serving: Dict[str, ServedVersion] = {}
+        self._serving: Dict[str, Dict[int, ServedVersion]] = {}  # model -> version -> served
         self._unavailable: Dict[Tuple[str, str], Unavailable] = {}
+        self._configs: Dict[str, Tuple[Optional[str], Optional[ModelSettings]]] = {}  # model -> (config.yaml text, its settings)
+        self._settings: Dict[str, ModelSettings] = {}  # model -> its last good settings
+        self._front_serves: Dict[str, Optional[ServedVersion]] = {}  # model -> the version the C++ front was told to serve
         self._on_change = on_change or (lambda name, ready: None)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
@@ -130,18 +300,29 @@ class ModelRepository:
     # -- reading (any thread) ------------------------------------------------
 
     def get(self, name: str, version: int = 0) -> ServedVersion:
+        """The served ``version`` of model ``name``; version 0: its newest served version."""
         with self._lock:
             served = self._serving.get(name)
             names = sorted(self._serving)
-        if served is None:
+        if not served:
             raise ModelNotFound(f"model {shown(name)} is not served; served: {names}")
-        if version and version != served.version:
-            raise ModelNotFound(f"model {name!r} version {version} is not served (serving version {served.version})")
-        return served
+        if not version:
+            return served[max(served)]
+        if version not in served:
+            which = f"version {next(iter(served))}" if len(served) == 1 else f"versions {sorted(served, reverse=True)}"
+            raise ModelNotFound(f"model {name!r} version {version} is not served (serving {which})")
+        return served[version]
 
     def models(self) -> List[ServedVersion]:
+        """The newest served version of every model, by name."""
         with self._lock:
-            return list(self._serving.values())
+            return [versions[max(versions)] for _, versions in sorted(self._serving.items())]
+
+    def versions(self, name: Optional[str] = None) -> List[ServedVersion]:
+        """Every served version (of model ``name``, or of every model by name), newest first."""
+        with self._lock:
+            items = sorted(self._serving.items()) if name is None else [(name, self._serving.get(name, {}))]
+            return [versions[v] for _, versions in items for v in sorted(versions, reverse=True)]
 
     def unavailable(self) -> List[Unavailable]:
         with self._lock:
@@ -150,7 +331,8 @@ class ModelRepository:
     # -- scanning (the watcher thread, or start-up) ----------------------------
 
     def scan(self) -> None:
-        """One pass over the repository: load newer versions, roll back removed ones, restart dead workers."""
+        """One pass over the repository: apply each model's config and version policy, roll back removed versions,
+        restart dead workers."""
         with self._scanning:
             trusted = read_trusted(self.config.trusted_sha256) if self.config.trusted_sha256 is not None else None
             present = set()
@@ -166,19 +348,57 @@ class ModelRepository:
                 except Exception as e:  # e.g. a folder removed mid-scan: this model waits for the next pass
                     log.error("scanning model %s failed: %s: %s", entry.name, type(e).__name__, e, extra={"model": entry.name})
             for name in [n for n in self._serving if n not in present]:
-                self._unload(name, "its folder was removed")
+                self._install(name, {}, {v: "its folder was removed" for v in self._serving[name]})
+            for name in [n for n in self._configs if n not in present]:
+                self._configs.pop(name, None)
+                self._settings.pop(name, None)
             with self._lock:  # forget refusals whose folders are gone
                 for key, u in list(self._unavailable.items()):
                     if not (self.root / u.model / u.version).exists():
                         del self._unavailable[key]
-            for served in self.models():
+            for served in self.versions():
                 if served.batcher.died is not None:
                     served.batcher = served.start_batcher()
                     log.warning("restarted the worker of %s version %d", served.name, served.version,
                                 extra={"model": served.name, "version": served.version})
                     self._on_change(served.name, True)
 
+    def _model_settings(self, name: str, model_dir: Path) -> Optional[ModelSettings]:
+        """The model's settings from its config.yaml (the server's flags without one); a bad file is refused
+        (model-level UNAVAILABLE) and the model keeps its last good settings (None: it never had any)."""
+        path = model_dir / MODEL_CONFIG
+        try:
+            text: Optional[str] = path.read_text()
+        except FileNotFoundError:
+            text = None
+        except (OSError, UnicodeDecodeError) as e:
+            text = f"<unreadable: {e}>"
+        cached = self._configs.get(name)
+        if cached is None or cached[0] != text:
+            settings = None
+            if text is None:
+                settings = self.defaults
+            elif not text.startswith("<unreadable: "):
+                try:
+                    settings = read_model_config(path, text, self.defaults)
+                except ConfigError as e:
+                    self._refuse(name, "", (text,), str(e))
+            else:
+                self._refuse(name, "", (text,), f"{path}: cannot be read: {text[13:-1]}")
+            if settings is not None:
+                with self._lock:
+                    self._unavailable.pop((name, ""), None)
+                if cached is not None or text is not None:
+                    log.info("%s: settings %s", name, "from " + str(path) if text is not None else "of the server (no config.yaml)",
+                             extra={"model": name})
+                self._settings[name] = settings
+            self._configs[name] = (text, settings)
+        return self._settings.get(name)
+
     def _scan_model(self, name: str, model_dir: Path, trusted: Optional[FrozenSet[str]]) -> None:
+        settings = self._model_settings(name, model_dir)
+        if settings is None:  # a bad config.yaml and no good one before it: nothing of this model serves
+            return
         versions = []
         for entry in model_dir.iterdir():
             if not entry.is_dir() or entry.name.startswith("."):  # hidden: a version being written (recship export --repo)
@@ -188,70 +408,115 @@ class ModelRepository:
             else:
                 self._refuse(name, entry.name, None, "version folders are named by a number (ASCII digits)")
         versions.sort(reverse=True)
-        current = self._serving.get(name)
-        removed = current is not None and current.version not in {v for v, _ in versions}
-        if current is not None and removed:
-            log.warning("%s version %d was removed from the repository; falling back to the newest remaining version",
-                        name, current.version, extra={"model": name, "version": current.version})
-            current = None
+        with self._lock:
+            current = dict(self._serving.get(name, {}))
+        present = {v for v, _ in versions}
+        for version in sorted(set(current) - present, reverse=True):
+            log.warning("%s version %d was removed from the repository; its version policy picks again among the remaining versions",
+                        name, version, extra={"model": name, "version": version})
         trust = hashlib.sha256(",".join(sorted(trusted)).encode()).hexdigest() if trusted is not None else None
-        for version, path in versions:
-            if current is not None and current.version >= version:
-                return
-            signature = (_signature(path), trust)
+        policy = settings.version_policy
+        if policy[0] == "specific":
+            versions = [(v, p) for v, p in versions if v in policy[1]]
+        limit = policy[1] if policy[0] == "latest" else None
+        chosen: Dict[int, ServedVersion] = {}
+        why: Dict[int, str] = {}
+        for version, path in versions:  # newest first
+            if limit is not None and len(chosen) >= limit:
+                break
+            served = current.get(version)
+            signature: Optional[Tuple] = None
+            if served is None or served.settings.runtime() != settings.runtime():
+                signature = (_signature(path), trust, settings)
+            if served is not None:
+                try:
+                    chosen[version] = served.reconfigured(settings)
+                except Exception as e:
+                    why[version] = str(e)
+                    self._refuse(name, str(version), signature, str(e))
+                continue
             refused = self._unavailable.get((name, str(version)))
             if refused is not None and refused.signature == signature:
                 continue  # refused before and unchanged since
             try:
-                served = ServedVersion(name, version, path, self, trusted)
+                chosen[version] = ServedVersion(name, version, path, self, trusted, settings)
             except Exception as e:  # anything a bad artifact can raise: refuse it, keep going
-                reason = str(e) if isinstance(e, ArtifactError) else f"{type(e).__name__}: {e}"
+                reason = str(e) if isinstance(e, (ArtifactError, ConfigError)) else f"{type(e).__name__}: {e}"
                 self._refuse(name, str(version), signature, reason)
+        for version in current:
+            if version not in chosen and version not in why:
+                why[version] = "its folder was removed" if version not in present else f"its version policy {_policy_text(policy)} leaves it out"
+        self._install(name, chosen, why)
+
+    def _install(self, name: str, chosen: Dict[int, ServedVersion], why: Dict[int, str]) -> None:
+        """Makes ``chosen`` the served versions of ``name``; the versions it drops or replaces finish their
+        queued requests, then go (``why``: the reason of each dropped version, for its log line)."""
+        with self._lock:
+            old = self._serving.get(name, {})
+        if old.keys() == chosen.keys() and all(old[v] is s for v, s in chosen.items()):
+            return
+        # the front first: it serves the newest version before this process does, and forwards what it lacks here
+        self._front_sync(name, chosen[max(chosen)] if chosen else None)
+        with self._lock:
+            if chosen:
+                self._serving[name] = dict(chosen)
+            else:
+                self._serving.pop(name, None)
+            for version in chosen:
+                self._unavailable.pop((name, str(version)), None)
+        for version, served in sorted(chosen.items()):
+            if old.get(version) is not served:
+                again = " with new settings" if version in old else ""
+                log.info("serving %s version %d from %s (%s)%s", name, version, served.path, served.format, again,
+                         extra={"model": name, "version": version})
+        for version, served in old.items():
+            if chosen.get(version) is served:
                 continue
-            self._swap(name, served)
-            return
-        if removed:
-            self._unload(name, "no other version could be loaded")
-
-    def _swap(self, name: str, served: ServedVersion) -> None:
-        self._front_load(served)  # first, so the front never serves an older version than this process
-        with self._lock:
-            old = self._serving.get(name)
-            self._serving[name] = served
-            self._unavailable.pop((name, str(served.version)), None)
-        log.info("serving %s version %d from %s (%s)", name, served.version, served.path, served.format,
-                 extra={"model": name, "version": served.version})
-        self._on_change(name, True)
-        if old is not None:  # queued requests finish on the old version, then it goes
-            threading.Thread(target=old.batcher.stop, daemon=True, name=f"unload-{name}-{old.version}").start()
-
-    def _unload(self, name: str, why: str) -> None:
-        with self._lock:
-            old = self._serving.pop(name, None)
-        if old is None:
-            return
-        if self.front is not None:
-            try:
-                self.front.unload(name)
-            except Exception as e:
-                log.error("the C++ front did not unload %s: %s", name, e, extra={"model": name})
-        log.warning("unloaded %s version %d: %s", name, old.version, why, extra={"model": name, "version": old.version})
-        self._on_change(name, False)
-        threading.Thread(target=old.batcher.stop, daemon=True, name=f"unload-{name}-{old.version}").start()
+            if version not in chosen:
+                log.warning("unloaded %s version %d: %s", name, version, why.get(version, "unknown"),
+                            extra={"model": name, "version": version})
+            # queued requests finish on the old version, then it goes
+            threading.Thread(target=served.batcher.stop, daemon=True, name=f"unload-{name}-{version}").start()
+        self._on_change(name, bool(chosen))
 
     def attach_front(self, front: "CppFront") -> None:
         """From now on ``front`` (serving/front.py CppFront) serves what this repository serves, starting now."""
         with self._scanning:
             self.front = front
+            self._front_serves = {}
             for served in self.models():
-                self._front_load(served)
+                self._front_sync(served.name, served)
+
+    def _front_sync(self, name: str, newest: Optional[ServedVersion]) -> None:
+        """Has the C++ front serve ``newest`` (the model's newest served version; None: none), with its settings.
+
+        The front serves one version per model; requests for the model's other versions (and for a model it
+        could not load) it forwards here."""
+        if self.front is None or self._front_serves.get(name) is newest:
+            return
+        had = self._front_serves.get(name) is not None
+        self._front_serves[name] = newest
+        if newest is not None:
+            skip = newest.python_only()
+            if skip is None:
+                self._front_load(newest)
+                return
+            log.info("%s version %d is served by Python only: %s", name, newest.version, skip,
+                     extra={"model": name, "version": newest.version})
+        elif not had:
+            return
+        try:
+            self.front.unload(name)  # never leave it serving another version's or settings' answers
+        except Exception as e:
+            log.error("the C++ front did not unload %s: %s", name, e, extra={"model": name})
 
     def _front_load(self, served: ServedVersion) -> None:
         """Loads ``served`` in the C++ front; where it cannot, the front forwards the model's requests here."""
         if self.front is None:
             return
         try:
-            fmt = self.front.load(served.name, served.version, served.path, self.config.model_format)
+            fmt = self.front.load(served.name, served.version, served.path, self.config.model_format,
+                                  settings=served.settings.front_settings())
             log.info("C++ front serves %s version %d (%s)", served.name, served.version, fmt,
                      extra={"model": served.name, "version": served.version})
         except Exception as e:
@@ -293,8 +558,16 @@ class ModelRepository:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=60)
-        for served in self.models():
+        for served in self.versions():
             served.batcher.stop(drain=False)
+
+
+def _policy_text(policy: Tuple) -> str:
+    if policy[0] == "latest":
+        return f"latest: {policy[1]}"
+    if policy[0] == "all":
+        return "all"
+    return f"specific: {list(policy[1])}"
 
 
 def _signature(path: Path) -> Tuple:

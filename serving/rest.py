@@ -162,7 +162,7 @@ class RestFront:
         if route == "model_ready":
             ready = self.inference.model_ready(served)
             return (200 if ready else 503), {"name": served.name, "ready": ready}
-        return 200, kserve.model_metadata(served)
+        return 200, kserve.model_metadata(served, [s.version for s in self.repo.versions(served.name)])
 
     async def _http_infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, Any]:
         declared = request.content_length

@@ -11,7 +11,8 @@
 //                 [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
 //
 // The Python server is the control plane: one JSON command a line on stdin, one JSON answer a line on stdout:
-//   {"op": "load", "model": M, "version": V, "path": DIR, "format": "auto"}  -> {"ok": true, "format": "aoti"}
+//   {"op": "load", "model": M, "version": V, "path": DIR, "format": "auto", "settings": {...}} -> {"ok": true, "format": "aoti"}
+//     (settings, optional: max_batch_size, max_delay_ms, batching, max_queue, threads: the model's own, else the flags')
 //   {"op": "unload", "model": M}                                           -> {"ok": true}
 //   {"op": "stats"}                                                         -> {"ok": true, "stats": [...]}
 //   {"op": "stop", "grace_s": 5}                                            -> {"ok": true}, then it exits
@@ -46,15 +47,20 @@ namespace {
 
 const char* const kPredict = "/recship.serving.v1.Predictor/Predict";
 
-struct Config {
-  std::string listen, backend;
+// How one model version batches: the server's flags, or the model's own config.yaml (the "settings" of "load").
+struct Batching {
   int64_t max_batch_size = 512;
   double max_delay_ms = 2.0;  // 0: no waiting, but calls queued during a forward still run together
   bool batching = true;       // false: every call runs alone
   int64_t max_queue = 1024;
+  int threads = 0;            // intra-op threads per forward; 0: torch's default
+};
+
+struct Config {
+  std::string listen, backend;
+  Batching defaults;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_inflight_bytes = 256 << 20;
-  int threads = 0;  // intra-op threads per forward; 0: torch's default
   std::string tls_cert, tls_key, tls_client_ca;
 };
 
@@ -131,7 +137,7 @@ class Front;
 class Batcher {
  public:
   enum class Submitted { kQueued, kFull, kStopped };
-  Batcher(Front* front, std::shared_ptr<const recship::Model> model, std::string name, int64_t version);
+  Batcher(Front* front, std::shared_ptr<const recship::Model> model, std::string name, int64_t version, Batching settings);
   ~Batcher() {
     stop();
     if (thread_.joinable()) thread_.detach();  // only when the last reference went on the worker itself
@@ -142,6 +148,7 @@ class Batcher {
   const std::string name;
   const int64_t version;
   const std::shared_ptr<const recship::Model> model;
+  const Batching settings;
 
  private:
   void main();
@@ -169,12 +176,13 @@ class Front {
     return it->second;
   }
 
-  std::string load(const std::string& name, int64_t version, const std::string& path, const std::string& format) {
+  std::string load(const std::string& name, int64_t version, const std::string& path, const std::string& format,
+                   const Batching& settings) {
     recship::LoadOptions options;
     options.format = format;
-    options.max_batch_size = config.max_batch_size;
+    options.max_batch_size = settings.max_batch_size;
     std::shared_ptr<const recship::Model> model = recship::Model::load(path, options);
-    auto batcher = std::make_shared<Batcher>(this, model, name, version);
+    auto batcher = std::make_shared<Batcher>(this, model, name, version, settings);
     std::shared_ptr<Batcher> old;
     {
       std::unique_lock<std::shared_mutex> lock(mu_);
@@ -358,7 +366,7 @@ class Call : public grpc::ServerGenericBidiReactor {
         return true;
       case Batcher::Submitted::kFull:
         fail(grpc::StatusCode::RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED",
-             "queue full (" + std::to_string(front_->config.max_queue) + " requests waiting)");
+             "queue full (" + std::to_string(batcher_->settings.max_queue) + " requests waiting)");
         return true;
       case Batcher::Submitted::kStopped:  // replaced meanwhile: the Python server routes it to the new version
         front_->release(admitted_);
@@ -440,8 +448,8 @@ class Call : public grpc::ServerGenericBidiReactor {
 
 // -- the batcher --------------------------------------------------------------------------------------------------
 
-Batcher::Batcher(Front* front, std::shared_ptr<const recship::Model> m, std::string n, int64_t v)
-    : name(std::move(n)), version(v), model(std::move(m)), front_(front) {
+Batcher::Batcher(Front* front, std::shared_ptr<const recship::Model> m, std::string n, int64_t v, Batching s)
+    : name(std::move(n)), version(v), model(std::move(m)), settings(s), front_(front) {
   thread_ = std::thread([this] { main(); });
 }
 
@@ -449,7 +457,7 @@ Batcher::Submitted Batcher::submit(Call* call) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return Submitted::kStopped;
-    if (static_cast<int64_t>(queue_.size()) >= front_->config.max_queue) return Submitted::kFull;
+    if (static_cast<int64_t>(queue_.size()) >= settings.max_queue) return Submitted::kFull;
     queue_.push_back(call);
   }
   ready_.notify_one();
@@ -466,7 +474,7 @@ void Batcher::stop() {
 }
 
 void Batcher::main() {
-  if (front_->config.threads > 0) recship::set_intra_op_threads(front_->config.threads);
+  if (settings.threads > 0) recship::set_intra_op_threads(settings.threads);
   std::vector<Call*> batch;
   while (collect(batch)) {
     if (!batch.empty()) run(batch);
@@ -486,11 +494,11 @@ bool Batcher::collect(std::vector<Call*>& batch) {
   }
   batch.push_back(first);
   int64_t examples = first->prepared().batch_size;
-  if (!front_->config.batching) return true;  // one call per forward, whatever is queued
+  if (!settings.batching) return true;  // one call per forward, whatever is queued
   const auto until = first->enqueued() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double, std::milli>(front_->config.max_delay_ms));
-  while (examples < front_->config.max_batch_size) {
-    if (queue_.empty() && (front_->config.max_delay_ms <= 0 ||  // no waiting: only what is queued already
+                                             std::chrono::duration<double, std::milli>(settings.max_delay_ms));
+  while (examples < settings.max_batch_size) {
+    if (queue_.empty() && (settings.max_delay_ms <= 0 ||  // no waiting: only what is queued already
                            !ready_.wait_until(lock, until, [this] { return stopping_ || !queue_.empty(); })))
       break;
     if (queue_.empty()) break;  // stopping: run what we have
@@ -500,7 +508,7 @@ bool Batcher::collect(std::vector<Call*>& batch) {
       batch.push_back(next);
       continue;
     }
-    if (examples + next->prepared().batch_size > front_->config.max_batch_size) {
+    if (examples + next->prepared().batch_size > settings.max_batch_size) {
       queue_.pop_front();
       carry_ = next;  // it starts the next batch
       break;
@@ -585,13 +593,13 @@ int main(int argc, char** argv) {
       std::string v = argv[++i];
       if (a == "--listen") c.listen = v;
       else if (a == "--backend") c.backend = v;
-      else if (a == "--max-batch-size") c.max_batch_size = std::stoll(v);
-      else if (a == "--max-delay-ms") c.max_delay_ms = std::stod(v);
-      else if (a == "--batching") c.batching = std::stoi(v) != 0;
-      else if (a == "--max-queue") c.max_queue = std::stoll(v);
+      else if (a == "--max-batch-size") c.defaults.max_batch_size = std::stoll(v);
+      else if (a == "--max-delay-ms") c.defaults.max_delay_ms = std::stod(v);
+      else if (a == "--batching") c.defaults.batching = std::stoi(v) != 0;
+      else if (a == "--max-queue") c.defaults.max_queue = std::stoll(v);
       else if (a == "--max-message-bytes") c.max_message_bytes = std::stoll(v);
       else if (a == "--max-inflight-bytes") c.max_inflight_bytes = std::stoll(v);
-      else if (a == "--threads") c.threads = std::stoi(v);
+      else if (a == "--threads") c.defaults.threads = std::stoi(v);
       else if (a == "--tls-cert") c.tls_cert = v;
       else if (a == "--tls-key") c.tls_key = v;
       else if (a == "--tls-client-ca") c.tls_client_ca = v;
@@ -635,8 +643,17 @@ int main(int argc, char** argv) {
       json cmd = json::parse(line);
       const std::string op = cmd.at("op").get<std::string>();
       if (op == "load") {
+        Batching settings = c.defaults;  // the model's own config.yaml values override the server's
+        const json given = cmd.value("settings", json::object());
+        settings.max_batch_size = given.value("max_batch_size", settings.max_batch_size);
+        settings.max_delay_ms = given.value("max_delay_ms", settings.max_delay_ms);
+        settings.batching = given.value("batching", settings.batching);
+        settings.max_queue = given.value("max_queue", settings.max_queue);
+        settings.threads = given.value("threads", settings.threads);
+        if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.threads < 0)
+          throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, threads >= 0");
         std::string format = front.load(cmd.at("model").get<std::string>(), cmd.at("version").get<int64_t>(),
-                                        cmd.at("path").get<std::string>(), cmd.value("format", std::string("auto")));
+                                        cmd.at("path").get<std::string>(), cmd.value("format", std::string("auto")), settings);
         reply({{"ok", true}, {"format", format}});
       } else if (op == "unload") {
         front.unload(cmd.at("model").get<std::string>());
