@@ -289,8 +289,12 @@ class Call : public grpc::ServerGenericBidiReactor {
   // No lock is held around a call into gRPC: the call may end (OnDone deletes this) before it returns.
   void OnReadDone(bool ok) override {
     if (proxying()) {  // the next client message, or its half-close
-      if (ok) upstream_.StartWrite(&up_);
-      else upstream_.StartWritesDone();
+      if (ok) {
+        upstream_.StartWrite(&up_);
+      } else {  // the client is done sending (or gone): nothing more goes up
+        upstream_.StartWritesDone();
+        upstream_.RemoveHold();  // the sending hold (start_proxy)
+      }
       return;
     }
     // a client that sent nothing or is gone, another method, or a Predict the front does not take: the Python server
@@ -303,7 +307,7 @@ class Call : public grpc::ServerGenericBidiReactor {
       upstream_.StartRead(&down_);
     } else {  // the client is gone: no more reads upstream, so the upstream call may end
       uctx_.TryCancel();
-      upstream_.RemoveHold();
+      upstream_.RemoveHold();  // the receiving hold (start_proxy)
     }
   }
 
@@ -406,13 +410,22 @@ class Call : public grpc::ServerGenericBidiReactor {
       uctx_.AddMetadata(k, std::string(value.data(), value.size()));
     }
     front_->stub.PrepareBidiStreamingCall(&uctx_, ctx_->method(), grpc::StubOptions(), &upstream_);
-    // The hold keeps the upstream call from ending (and OnDone from running) while one of its messages is still
-    // being written to the client: its status can arrive before that write completes, and the next StartRead
-    // must find the call alive. It goes when the reads end (OnReadDone false) or the client does.
-    upstream_.AddHold();
+    // Two holds keep the upstream call from ending (its OnDone deletes nothing, but after it no operation may be
+    // started on it) while either direction may still start one. The Python server's status can arrive while
+    // one of its messages is still being written to the client, or while the client's next message (or its
+    // half-close) is still being read: the StartRead / StartWrite / StartWritesDone that follows must find the
+    // call alive. The receiving hold goes when the reads from upstream end (its OnReadDone false) or the client
+    // stops taking messages (OnWriteDone false); the sending hold when the client's messages end (OnReadDone
+    // false: StartWritesDone) or the upstream stops taking them (its OnWriteDone false).
+    upstream_.AddHold();  // receiving
+    upstream_.AddHold();  // sending
     upstream_.StartRead(&down_);
-    if (have_message) upstream_.StartWrite(&up_);
-    else upstream_.StartWritesDone();
+    if (have_message) {
+      upstream_.StartWrite(&up_);
+    } else {
+      upstream_.StartWritesDone();
+      upstream_.RemoveHold();  // sending: nothing more goes up
+    }
     upstream_.StartCall();
   }
 
@@ -421,10 +434,11 @@ class Call : public grpc::ServerGenericBidiReactor {
     explicit Upstream(Call* c) : call(c) {}
     void OnReadDone(bool ok) override {
       if (ok) call->StartWrite(&call->down_);  // on to the client; its OnWriteDone reads the next
-      else RemoveHold();                       // no more messages: the call may end with its status
+      else RemoveHold();                       // receiving: no more messages, the call may end with its status
     }
     void OnWriteDone(bool ok) override {
       if (ok) call->StartRead(&call->up_);  // that one is up: read the client's next
+      else RemoveHold();                     // sending: upstream takes no more, so no more reads from the client
     }
     void OnDone(const grpc::Status& status) override { call->Finish(status); }  // the last thing either side does
     Call* call;

@@ -671,25 +671,36 @@ def test_tls_front_answers_predict_and_refuses_plaintext(repo, model, tmp_path, 
 # -- forwarded calls under concurrency ----------------------------------------------------------------
 
 def test_many_concurrent_forwarded_calls_do_not_crash_the_front(repo):
+    """Forwarded calls answered OK (metadata) and refused (Predicts the Python server turns down: its status can
+    arrive before the front has read the client's half-close), 16 threads at once."""
     server = Server(ServerConfig(model_repo=str(repo), port=0, front="cpp"))
     try:
         proc = server.front._proc
         request = pb.ModelMetadataRequest(model_name="dlrm").SerializeToString()
+        refused = pb.PredictRequest(model_name="dlrm", batch_size=1).SerializeToString()  # no features
         errors, calls = [], [0]
-        until = time.monotonic() + 4  # before the upstream hold, the front crashed within 3 s in every run seen
+        until = time.monotonic() + 4  # each of two proxy races crashed the front within 3 s before its hold
 
-        def work():
+        def work(k):
             with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 call = channel.unary_unary("/recship.serving.v1.Predictor/GetModelMetadata", request_serializer=None,
                                            response_deserializer=pb.ModelMetadataResponse.FromString)
+                predict = channel.unary_unary(PREDICT, request_serializer=None)
                 while time.monotonic() < until and not errors:
                     try:
-                        assert call(request, timeout=10).model_name == "dlrm"
+                        if k % 2:
+                            assert call(request, timeout=10).model_name == "dlrm"
+                        else:
+                            with pytest.raises(grpc.RpcError) as e:
+                                predict(refused, timeout=10)
+                            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
                         calls[0] += 1
                     except grpc.RpcError as e:
                         errors.append((e.code(), e.details()))
+                    except AssertionError as e:
+                        errors.append(str(e))
 
-        threads = [threading.Thread(target=work) for _ in range(16)]
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(16)]
         for t in threads:
             t.start()
         for t in threads:
