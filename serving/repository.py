@@ -41,6 +41,7 @@ from recship.serving.requests import ModelSpec, shown
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
+    from recship.serving.server import ServerConfig
 
 log = logging.getLogger("recship.serving")
 
@@ -91,7 +92,7 @@ class ModelSettings:
     id_policy: Tuple[Tuple[str, str], ...] = ()
 
     @staticmethod
-    def defaults(config) -> "ModelSettings":
+    def defaults(config: "ServerConfig") -> "ModelSettings":
         """The server's flags (``ServerConfig``) as a model's settings."""
         return ModelSettings(config.max_batch_size, float(config.max_delay_ms), bool(config.batching), config.max_queue,
                              config.torch_threads)
