@@ -91,6 +91,8 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
             except (TypeError, ValueError):
                 kind = "an integer" if convert is int else "a number" if convert is float else "a value"
                 raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}") from None
+        elif isinstance(action, argparse._AppendAction):  # a repeatable flag: a list, or one value
+            value = [str(v) for v in (value if isinstance(value, list) else [value])]
         elif isinstance(value, (dict, list)):
             raise ValueError(f"--config {file}: {key}: {flag} takes one value, got {value!r}")
         if action.choices is not None and value not in action.choices:

@@ -29,9 +29,9 @@ import tempfile
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 
 if TYPE_CHECKING:
@@ -69,12 +69,18 @@ class ServerConfig:
     trusted_sha256: Optional[str] = None  # allow-list file of model.pt sha256s; None: any artifact loads
     model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
     front: str = "python"  # cpp: the C++ gRPC front answers Predict (serving/front.py); python: this process answers all
+    model_control: str = "poll"  # poll: the repository's models load and follow it; explicit: only what load/unload asks for
+    load_models: List[str] = field(default_factory=list)  # explicit mode: the models loaded at startup ("*": all)
 
     def __post_init__(self) -> None:
         if self.front not in ("python", "cpp"):
             raise ValueError(f"--front must be python or cpp, got {self.front!r}")
         if self.front == "cpp" and self.device != "cpu":
             raise ValueError("--front cpp runs models on the CPU; use --front python with --device cuda")
+        if self.model_control not in ("poll", "explicit"):
+            raise ValueError(f"--model-control must be poll or explicit, got {self.model_control!r}")
+        if self.load_models and self.model_control != "explicit":
+            raise ValueError("--load-model applies with --model-control explicit (polling loads every model)")
         if self.model_format not in ("auto", "torchscript", "aoti"):
             raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -301,6 +307,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--front", default="python", choices=["python", "cpp"],
                         help="cpp: a C++ gRPC front (built from cpp_loader/ on first use) answers Predict without Python per "
                              "request and forwards every other call to this process (default python)")
+    parser.add_argument("--model-control", default="poll", choices=["poll", "explicit"],
+                        help="poll: every model in --model-repo loads and follows its folder (new versions, removals); "
+                             "explicit: models load and unload only when asked, through the repository API "
+                             "(RepositoryModelLoad / POST /v2/repository/models/M/load) or --load-model (default poll)")
+    parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="with --model-control explicit: load this model at startup, repeatable; '*' loads every "
+                             "model (default: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -313,7 +326,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
         device=args.device, reflection=args.reflection,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
-        model_format=args.model_format, front=args.front,
+        model_format=args.model_format, front=args.front, model_control=args.model_control, load_models=list(args.load_model),
     )
 
 
