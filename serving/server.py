@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
+from recship.logs import JsonFormatter, configure_logging  # noqa: F401  (JsonFormatter: re-exported)
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
@@ -274,33 +275,33 @@ class Server:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON file of these flags (keys as the flags, `max-batch-size` or "
-                                         "`max_batch_size`); flags given on the command line override it")
-    parser.add_argument("--model-repo", required=True, help="directory of <model>/<version>/ artifacts")
+                                         "`max_batch_size`); flags given on the command line override it (default: none)")
+    parser.add_argument("--model-repo", required=True, help="the model repository: a directory of <model>/<version>/ artifacts (required)")
     parser.add_argument("--host", default="127.0.0.1", help="address every listener binds (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8500, help="gRPC port: Predictor, KServe v2, health (default 8500)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port (default: no metrics listener)")
     parser.add_argument("--metrics-host", help="address of the metrics listener (default: --host)")
-    parser.add_argument("--http-port", type=int, help="also answer KServe v2 over HTTP/REST (JSON) on this port")
-    parser.add_argument("--max-batch-size", type=int, default=512, help="largest batch a model runs; bigger requests are refused")
+    parser.add_argument("--http-port", type=int, help="also answer KServe v2 over HTTP/REST on this port (default: no REST listener)")
+    parser.add_argument("--max-batch-size", type=int, default=512, help="largest batch a model runs; bigger requests are refused (default 512)")
     parser.add_argument("--max-delay-ms", type=float, default=2.0,
                         help="how long a batch waits for more requests; 0: no waiting, requests queued during a forward still "
                              "run together (default 2)")
     parser.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
                         help="merge concurrent requests into one forward (default on); --no-batching runs each request alone")
-    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting per model; more are refused at once as overloaded")
-    parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans")
+    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting per model; more are refused at once as overloaded (default 1024)")
+    parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans (default 2)")
     parser.add_argument("--torch-threads", type=int, help="intra-op threads per forward (default: cores - 1 from 3 cores up, else all)")
     parser.add_argument("--max-message-mb", type=float, default=64, help="largest request accepted, gRPC and HTTP (default 64 MB)")
     parser.add_argument("--max-inflight-mb", type=float, default=256,
                         help="request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / 503 (default 256 MB)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run; artifacts must be exported for it")
-    parser.add_argument("--log-format", default="json", choices=["json", "text"], help="json: one JSON object per line")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run; artifacts must be exported for it (default cpu)")
+    parser.add_argument("--log-format", default="json", choices=["json", "text"], help="json: one JSON object per line; text: time, level, logger and message (default json)")
     parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                         help="gRPC server reflection for Predictor and health (default on)")
-    parser.add_argument("--tls-cert", help="PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed (mutual TLS)")
-    parser.add_argument("--trusted-sha256", help="allow-list file of model.pt sha256s (sha256sum output works); others are refused")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS (default: plaintext)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
+    parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed, mutual TLS (default: no client certificates)")
+    parser.add_argument("--trusted-sha256", help="allow-list file of model.pt sha256s (sha256sum output works); others are refused (default: any artifact loads)")
     parser.add_argument("--model-format", default="auto", choices=["auto", "torchscript", "aoti"],
                         help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
                              "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")
@@ -351,29 +352,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"recship serve: listening on {args.host}:{server.port}{rest}", flush=True)
     done.wait()
     return 0
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and the model/version/status a request log carries."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {
-            "time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        for key in ("method", "model", "version", "status"):
-            if hasattr(record, key):
-                entry[key] = getattr(record, key)
-        if record.exc_info:
-            entry["trace"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def configure_logging(fmt: str = "json") -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    # recship's own lines at INFO; other libraries (fbgemm_gpu logs every .so it loads) at WARNING
-    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
-    logging.getLogger("recship").setLevel(logging.INFO)

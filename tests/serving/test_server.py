@@ -277,7 +277,7 @@ def test_metrics_endpoint_and_one_json_log_line_per_error(server):
     import logging
     import urllib.request
 
-    from recship.serving.server import JsonFormatter
+    from recship.logs import JsonFormatter
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
