@@ -1,6 +1,7 @@
 """Forward latency of the exported model: the pre-issue-19 forward vs the flat TorchScript vs AOTInductor.
 
     .venv/bin/python bench/aoti_bench.py [--rounds 7] [--threads 1] [--baseline-dlrm DIR] [--baseline-two-tower DIR] [--cpp]
+        [--plot PNG]
 
 For the default DLRM (26 x 1000 x 16, INT8) and the two-tower example (models/two_tower.py,
 INT8) it exports the artifact (model.pt + model.pt2; compile time and sizes printed) and
@@ -33,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 64, 512)
+PLOT = ROOT / "bench" / "out" / "aoti_bench.png"
+VARIANTS = ("baseline", "flat TorchScript", "AOTI")
 
 
 def _requests(manifest, batch: int, seed: int):
@@ -83,7 +86,9 @@ class _AsDLRMArtifact(torch.nn.Module):
         return {"logit": logit, "prob": torch.sigmoid(logit)}
 
 
-def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional[str], rounds: int) -> None:
+def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional[str], rounds: int,
+            chart: Dict[str, List[float]]) -> None:
+    """Prints the Python table; appends each batch's medians (us) to ``chart`` (a row label -> one per VARIANTS)."""
     from recship.export.artifact import Manifest, open_artifact
 
     manifest = Manifest.read(art)
@@ -114,12 +119,14 @@ def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional
                 for k, m in variants.items():
                     medians[k].append(_time(lambda m=m: m(dense, lengths, values, None), calls))
         t = {k: statistics.median(v) for k, v in medians.items()}
+        chart[f"{name}, Python, batch {batch}"] = [t[k] for k in VARIANTS]
         print(f"{batch:5d} {t['baseline']:12.1f} {t['flat TorchScript']:11.1f} {t['AOTI']:9.1f} "
               f"{t['flat TorchScript'] / t['baseline']:10.2f} {t['AOTI'] / t['baseline']:10.2f}"
               f"{'' if same else '  (AOTI != TorchScript bitwise)'}{'' if close else '  (baseline differs!)'}")
 
 
-def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: Path) -> None:
+def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: Path, chart: Dict[str, List[float]]) -> None:
+    """Prints the C++ table; appends each batch's raw forward medians (us) to ``chart`` (NaN: not run)."""
     from recship.export.artifact import Manifest
 
     spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
@@ -154,6 +161,7 @@ def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: P
                                      capture_output=True, text=True, check=True)
                 raw[k].append(float(re.search(r"raw forward p50 ([\d.]+)", out.stderr).group(1)) * 1e3)
                 predict[k].append(float(re.search(r"predict p50 ([\d.]+)", out.stderr).group(1)) * 1e3)
+        chart[f"{name}, C++, batch {batch}"] = [statistics.median(raw[k]) if k in raw else float("nan") for k in VARIANTS]
         cells = [f"{statistics.median(raw[k]):12.1f} ({statistics.median(predict[k]):9.1f})" for k in runs]
         print(f"{batch:5d} " + " ".join(f"{c:>24s}" for c in cells))
 
@@ -161,6 +169,7 @@ def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: P
 def main() -> None:
     from recship.export import ExportConfig, export_model
     from recship.models import TwoTower
+    from recship.plots import write_bench_chart
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -170,20 +179,24 @@ def main() -> None:
     parser.add_argument("--baseline-two-tower", help="an artifact of the default TwoTower exported by an older recship")
     parser.add_argument("--cpp", action="store_true", help="also time the C++ loader")
     parser.add_argument("--workdir", help="where artifacts go (default: a fresh temporary folder)")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="recship-aoti-bench-"))
     models = [("DLRM 26 x 1000 x 16 INT8", DLRM(DLRMConfig()), args.baseline_dlrm),
               ("two-tower INT8", TwoTower(), args.baseline_two_tower)]
+    chart: Dict[str, List[float]] = {}
     for i, (name, model, baseline) in enumerate(models):
         torch.manual_seed(0)
         model = type(model)(DLRMConfig()) if i == 0 else TwoTower()  # after the seed: the same weights every run
         art = work / f"model{i}"
         export_model(model, ExportConfig(out=str(art), dtype="int8", progress=False, validation_batches=1, format="both",
                                          overwrite=True))
-        _python(name, model, art, baseline, args.rounds)
+        _python(name, model, art, baseline, args.rounds, chart)
         if args.cpp:
-            _cpp(name, art, baseline, max(3, args.rounds // 2), work)
+            _cpp(name, art, baseline, max(3, args.rounds // 2), work, chart)
+    series = {k: [row[i] for row in chart.values()] for i, k in enumerate(VARIANTS)}
+    write_bench_chart(args.plot, "exported model forward (median us; C++: raw forward)", list(chart), {"us per call": series})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """C++ loader latency vs Python in-process, batch 1, 64 and 512.
 
-    .venv/bin/python bench/cpp_bench.py
+    .venv/bin/python bench/cpp_bench.py [--plot PNG]
 
 Exports a default-size DLRM (26 x 1000 x 16, INT8), then for each batch size runs
 `recship_predict --bench` (predict = validation + input building + forward + output
@@ -8,6 +8,7 @@ copy, and the raw module forward with prebuilt inputs) and times the same artifa
 forward in Python with prebuilt tensors.
 """
 
+import argparse
 import importlib.util
 import json
 import re
@@ -21,11 +22,17 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+PLOT = ROOT / "bench" / "out" / "cpp_bench.png"
 
 
 def main() -> None:
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import load_artifact
+    from recship.plots import write_bench_chart
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
+    args = parser.parse_args()
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
@@ -41,6 +48,7 @@ def main() -> None:
     print(f"DLRM 26 x {config.num_embeddings_per_feature[0]} x {config.embedding_dim} INT8, {torch.get_num_threads()} threads")
     print(f"{'batch':>5s} {'C++ predict p50 ms':>19s} {'C++ raw forward ms':>19s} {'C++ overhead':>13s} {'Python forward ms':>18s} {'C++ predict / Python':>21s}")
     g = np.random.default_rng(0)
+    labels, ms = [], {"C++ predict p50": [], "C++ raw forward p50": [], "Python forward median": []}
     for batch in (1, 64, 512):
         sparse = {f"cat_{i}": [[int(x) for x in g.integers(0, r, size=3)] for _ in range(batch)] for i, r in enumerate(config.num_embeddings_per_feature)}
         dense = g.random((batch, config.num_dense)).tolist()
@@ -59,7 +67,11 @@ def main() -> None:
                 model(d, lengths, values, None)
                 times.append((time.perf_counter() - t) * 1e3)
         py = statistics.median(times)
+        labels.append(f"batch {batch}")
+        for key, value in zip(ms, (predict, raw, py)):
+            ms[key].append(value)
         print(f"{batch:5d} {predict:19.3f} {raw:19.3f} {predict / raw - 1:13.1%} {py:18.3f} {predict / py:21.2f}")
+    write_bench_chart(args.plot, f"C++ loader vs Python: DLRM 26 x {config.num_embeddings_per_feature[0]} INT8", labels, {"ms per call": ms})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Export of a model other than the DLRM at scale: wall time and peak memory.
 
-    .venv/bin/python bench/export_any_bench.py [--rows 100000] [--dim 64] [--tables 26] [--dtype int8]
+    .venv/bin/python bench/export_any_bench.py [--rows 100000] [--dim 64] [--tables 26] [--dtype int8] [--plot PNG]
 
 A two-tower model with ``--tables`` EmbeddingBagCollection tables (half in each tower) of
 ``--rows`` x ``--dim`` is trained for one step by ``recship train --model`` (so export
@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from recship import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+from recship.plots import write_bench_chart
+
+PLOT = Path(__file__).resolve().parent / "out" / "export_any_bench.png"
 
 
 class WideTwoTower(nn.Module):
@@ -49,6 +52,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--tables", type=int, default=26)
     parser.add_argument("--dtype", default="int8")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     float_mb = args.tables * args.rows * args.dim * 4 / 2**20
     print(f"WideTwoTower: {args.tables} tables x {args.rows:,} rows x dim {args.dim} = {float_mb:,.0f} MB float32")
@@ -82,6 +86,9 @@ def main() -> int:
               f"peak RSS {float(peak):,.0f} MB = {float(peak) / float_mb:.2f}x the float tables; "
               f"{float(peak) - baseline:,.0f} MB = {(float(peak) - baseline) / float_mb:.2f}x above the {baseline:,.0f} MB "
               "of a process that only imported torch, fbgemm_gpu and recship")
+        write_bench_chart(args.plot, f"export of WideTwoTower ({args.tables} x {args.rows:,} x {args.dim}) to {args.dtype}",
+                          ["memory"], {"MB": {"float tables": [float_mb], "peak RSS of the export": [float(peak)],
+                                              "RSS of the imports alone": [baseline]}})
     return 0
 
 

@@ -20,6 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from recship.plots import write_bench_chart
+
+PLOT = Path(__file__).resolve().parent / "out" / "export_bench.png"
 CHILD = """
 import json, os, sys, time
 import fbgemm_gpu, torch
@@ -51,6 +54,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="keep the checkpoint and artifacts here (default: a temporary folder, deleted)")
     parser.add_argument("--checkpoint", default=None, help="export this checkpoint (of the built-in DLRM) instead of training one; "
                         "its tables give the float size")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="recship-export-bench-"))
     try:
@@ -85,14 +89,22 @@ def run(args: argparse.Namespace, work: Path) -> None:
     print(f"process with torch + fbgemm_gpu + recship imported: {base / 2**20:.0f} MB RSS")
     print(f"{'type':5s} {'search':6s} {'seconds':>8s} {'GB/s':>6s} {'CPU s':>7s} {'peak RSS MB':>12s} {'x float':>8s} {'(peak - imports) x float':>25s}")
     searches = ("off", "on") if args.search == "both" else (args.search,)
+    labels, throughput, memory, above = [], [], [], []
     for dtype in args.dtypes.split(","):
         for search in searches:
             out = work / f"art_{dtype}_{search}"
             r = child("export", checkpoint, str(out), dtype, search)
             shutil.rmtree(out, ignore_errors=True)
+            labels.append(f"{dtype}, search {search}")
+            throughput.append(float_bytes / 1e9 / r["seconds"])
+            memory.append(r["rss"] / float_bytes)
+            above.append((r["rss"] - base) / float_bytes)
             print(f"{dtype:5s} {search:6s} {r['seconds']:8.1f} {float_bytes / 1e9 / r['seconds']:6.3f} {r['cpu_seconds']:7.1f} {r['rss'] / 2**20:12.0f} "
                   f"{r['rss'] / float_bytes:8.2f} {(r['rss'] - base) / float_bytes:25.2f}", flush=True)
     print(f"(torch intra-op threads in the export: {r['threads']})")
+    write_bench_chart(args.plot, f"export of {float_bytes / 1e9:.2f} GB of float tables", labels,
+                      {"GB/s": {"GB/s of float input": throughput},
+                       "x float bytes": {"peak RSS": memory, "peak RSS - imports": above}})
 
 
 if __name__ == "__main__":

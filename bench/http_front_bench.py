@@ -1,6 +1,6 @@
 """Which HTTP framework for the KServe REST front: requests/s of a minimal JSON handler.
 
-    python bench/http_front_bench.py [--seconds 5] [--connections 32]
+    python bench/http_front_bench.py [--seconds 5] [--connections 32] [--plot PNG]
 
 Each candidate serves GET /v2/health/live and POST /infer (parses a ~2 KB JSON body,
 answers JSON) on loopback; `wrk` (Debian package) drives it from another process.
@@ -20,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+PLOT = Path(__file__).resolve().parent / "out" / "http_front_bench.png"
 BODY = json.dumps({"inputs": [{"name": f"cat_{i}.values", "shape": [4], "datatype": "INT64", "data": [1, 2, 3, 4]} for i in range(26)]})
 
 
@@ -111,6 +113,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=int, default=5)
     p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = p.parse_args()
     if shutil.which("wrk") is None:
         print("needs wrk (apt-get install wrk)", file=sys.stderr)
@@ -127,6 +130,7 @@ def main() -> int:
         f.write(f'wrk.method = "POST"\nwrk.body = {json.dumps(BODY)}\nwrk.headers["Content-Type"] = "application/json"\n')
         post = f.name
     print(f"{'front':28s} {'GET live req/s':>15s} {'POST infer req/s':>17s}   ({args.connections} connections, wrk 1 thread, {os.cpu_count()} cores)")
+    results = {}
     for name, target in fronts.items():
         port = _free_port()
         proc = mp.Process(target=target, args=(port,), daemon=True)
@@ -136,10 +140,16 @@ def main() -> int:
             get = _wrk(port, "/v2/health/live", args.seconds, args.connections)
             infer = _wrk(port, "/infer", args.seconds, args.connections, post)
             print(f"{name:28s} {get:15,.0f} {infer:17,.0f}")
+            results[name] = (get, infer)
         finally:
             proc.terminate()
             proc.join()
     os.unlink(post)
+    from recship.plots import write_bench_chart
+
+    write_bench_chart(args.plot, f"KServe REST front candidates ({args.connections} connections)", list(results),
+                      {"requests/s": {"GET /v2/health/live": [r[0] for r in results.values()],
+                                      "POST /infer": [r[1] for r in results.values()]}})
     return 0
 
 

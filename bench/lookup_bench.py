@@ -29,12 +29,17 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
+from recship.plots import write_bench_chart
 from recship.quantize import QuantConfig, quantize_embedding_bag_collection, row_bytes
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig
+
+
+PLOT = Path(__file__).resolve().parent / "out" / "lookup_bench.png"
 
 
 def _rounds(fns: Dict[str, Callable[[], object]], rounds: int, repeats: int, clock: Callable[[], float]) -> Dict[str, List[float]]:
@@ -127,6 +132,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--fresh-kjt", action="store_true", help="build the KJT inside every module call (as a server does)")
     parser.add_argument("--torchrec-python", help="an interpreter with torchrec on the same torch build: adds TorchRec's float EBC")
     parser.add_argument("--types", default="FP32,FP16,INT8,INT4", help="comma-separated data types to run")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args(argv)
     torchrec = _import_torchrec(args.torchrec_python) if args.torchrec_python else None
     torch.set_num_threads(args.threads)
@@ -149,6 +155,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print(f"{'type':5s} {'module Mlookups/s':>18s} {'GB/s':>6s} {'baseline Mlookups/s':>20s} {'GB/s':>6s} "
           f"{'overhead':>9s} {'best':>7s} {'vs TorchRec':>12s} {'index_select GB/s':>18s}")
+    labels: List[str] = []
+    speed: Dict[str, List[float]] = {"module": [], "baseline": [], "index_select of as many rows": []}
     with torch.no_grad():
         for name in args.types.split(","):
             dtype = DataType[name]
@@ -176,10 +184,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             overhead = _ratio(times, module, baseline) - 1
             best = min(times[module]) / min(times[baseline]) - 1
             trec = f"{_ratio(times, 'torchrec', module):11.3f}x" if "torchrec" in times else f"{'-':>12s}"
+            labels.append(f"{dtype.name} ({module} vs {baseline})")
+            for key, value in zip(speed, (lookups / module_s, lookups / baseline_s, lookups / gather)):
+                speed[key].append(value / 1e6)
             print(f"{dtype.name:5s} {lookups / module_s / 1e6:18.1f} {gb / module_s:6.2f} {lookups / baseline_s / 1e6:20.1f} "
                   f"{gb / baseline_s:6.2f} {overhead:9.1%} {best:7.1%} {trec} {gb / gather:18.2f}")
     print("overhead: median over rounds of module/baseline time - 1; best: fastest round against fastest round; "
           "vs TorchRec: recship's speed as a multiple of TorchRec's (median of TorchRec's time over recship's)")
+    if labels:
+        write_bench_chart(args.plot, f"lookups: {t} tables x {r} rows x dim {d}, batch {b}, pooling {p}", labels,
+                          {"Mlookups/s (median round)": speed})
     return 0
 
 

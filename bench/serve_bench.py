@@ -1,6 +1,7 @@
 """Serving throughput and latency over loopback gRPC, batching on and off, per front, vs the model in-process.
 
     .venv/bin/python bench/serve_bench.py [--seconds 3] [--model small|mlperf|all] [--front python|cpp|both] [--load cpp|python]
+        [--plot PNG]
 
 For each model shape (``small``: the package's default DLRM, 26 x 1000 x 16;
 ``mlperf``: MLPerf DLRM's widths, 26 x 20k x 128 with MLPs 512-256-128 and
@@ -27,6 +28,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+PLOT = Path(__file__).resolve().parent / "out" / "serve_bench.png"
 
 
 def _request_body(batch, rows, num_dense, seed):
@@ -143,7 +146,8 @@ def _forward_ms(model, sparse, dense, in_thread: bool, repeats: int = 50) -> flo
     return statistics.median(times)
 
 
-def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms=2.0):
+def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms=2.0, chart=None):
+    """Prints the model's tables; adds each served point to ``chart`` (row label -> (examples/s, p50 ms, p99 ms))."""
     import torch
 
     from recship.export import ExportConfig, export_model
@@ -183,6 +187,8 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms
                     for conc in (1, 8, 32, 128):
                         tput, p50, p99, cores = drive(conc, batch)
                         results[(front, mode, conc, batch)] = tput
+                        if chart is not None:
+                            chart[f"{name} {front} batching {mode}, {conc} x {batch} ex"] = (tput, p50, p99)
                         print(f"{front:6s} {mode:8s} {conc:4d} {batch:6d} {tput:11.0f} {p50:7.2f} {p99:7.2f} {cores:9.2f}")
                 if mode == "on":
                     p50s[front] = statistics.median(drive(1, 512)[1] for _ in range(3))
@@ -217,6 +223,7 @@ def main() -> None:
     parser.add_argument("--load", choices=["cpp", "python"], default="cpp", help="load generator (default: recship_load, C++)")
     parser.add_argument("--max-delay-ms", type=float, default=2.0, help="the batching window of 'on' (default 2, the server's)")
     parser.add_argument("--torch-threads", type=int, help="the server's intra-op threads per forward (default: its own)")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     import logging
 
@@ -229,8 +236,14 @@ def main() -> None:
         build_front()  # builds recship_load beside it
         load = build_front().parent / "recship_load" if args.load == "cpp" else None
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
+    chart = {}
     for name in sorted(MODELS) if args.model == "all" else [args.model]:
-        bench_model(name, args.seconds, work, fronts, load, args.torch_threads, args.max_delay_ms)
+        bench_model(name, args.seconds, work, fronts, load, args.torch_threads, args.max_delay_ms, chart)
+    from recship.plots import write_bench_chart
+
+    write_bench_chart(args.plot, f"serving over loopback gRPC, {args.seconds:g} s per point", list(chart),
+                      {"examples/s": {"examples/s": [c[0] for c in chart.values()]},
+                       "ms": {"p50": [c[1] for c in chart.values()], "p99": [c[2] for c in chart.values()]}})
 
 
 if __name__ == "__main__":

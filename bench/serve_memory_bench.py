@@ -1,6 +1,6 @@
 """Server memory under load and under huge requests: RSS of a `recship serve` process.
 
-    .venv/bin/python bench/serve_memory_bench.py [--seconds 10] [--huge-mb 56] [--huge-clients 16]
+    .venv/bin/python bench/serve_memory_bench.py [--seconds 10] [--huge-mb 56] [--huge-clients 16] [--plot PNG]
 
 Exports a small INT8 DLRM, starts `recship serve` in its own process, and reads its
 VmRSS / VmHWM from /proc: after start; after a 64-client load (asyncio clients in this
@@ -21,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+
+PLOT = Path(__file__).resolve().parent / "out" / "serve_memory_bench.png"
 
 
 def _status(pid: int):
@@ -117,11 +119,13 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--huge-mb", type=float, default=56)
     parser.add_argument("--huge-clients", type=int, default=16)
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
 
     import torch
 
     from recship.export import ExportConfig, export_model
+    from recship.plots import write_bench_chart
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
     rows = [20 + i for i in range(26)]
@@ -153,6 +157,9 @@ def main() -> int:
             rss2, hwm2 = _status(server.pid)
             print(f"{args.huge_clients} concurrent requests of {size / 2**20:.1f} MiB: {codes}")
             print(f"server RSS after them: {rss2:,.0f} MB, peak {hwm2:,.0f} MB")
+            write_bench_chart(args.plot, "recship serve memory", ["after start", f"after 64 clients for {args.seconds:g} s",
+                                                                   f"after {args.huge_clients} x {size / 2**20:.0f} MiB requests"],
+                              {"MB": {"RSS": [rss0, rss1, rss2], "peak RSS so far": [float("nan"), hwm1, hwm2]}})
         finally:
             server.send_signal(signal.SIGTERM)
             print(f"SIGTERM: exit code {server.wait(timeout=60)}")

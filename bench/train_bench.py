@@ -1,6 +1,7 @@
 """Training throughput: sharded fused-optimizer EBC vs nn.EmbeddingBag + torch Adagrad (sparse).
 
     .venv/bin/python bench/train_bench.py [--tables 8 --rows 100000 --dim 64 --batch 2048 --pooling 20 --steps 20]
+        [--dlrm] [--plot PNG]
 
 Prints samples/s, peak RSS and optimizer-state bytes for:
   baseline   one process, nn.EmbeddingBag(sparse=True) + torch.optim.Adagrad
@@ -19,11 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recship.plots import write_bench_chart
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import ParameterConstraints, ShardingType, Topology, EmbeddingShardingPlanner
+
+PLOT = Path(__file__).resolve().parent / "out" / "train_bench.png"
 
 
 def _batches(args, n, seed):
@@ -122,6 +126,7 @@ def dlrm(args):
     rows = [args.rows] * 26
     print(f"DLRM: 26 tables x {args.rows} rows x dim {args.dim}, batch {args.batch}/rank, {args.steps} steps, synthetic data")
     print(f"{'world':>5s} {'samples/s':>10s} {'save s':>7s} {'load s':>7s} {'checkpoint MB':>14s}")
+    labels, speed, save, load = [], [], [], []
     for ws in (1, 2):
         out = tempfile.mkdtemp(prefix="recship-bench-")
         try:
@@ -132,8 +137,14 @@ def dlrm(args):
             size = sum(f.stat().st_size for f in Path(trained["checkpoint"]).rglob("*") if f.is_file())
             print(f"{ws:5d} {trained['samples_per_s']:10.0f} {trained['final_save_seconds']:7.2f} "
                   f"{resumed['load_seconds']:7.2f} {size / 2**20:14.1f}")
+            labels.append(f"DLRM, world size {ws}")
+            speed.append(trained["samples_per_s"])
+            save.append(trained["final_save_seconds"])
+            load.append(resumed["load_seconds"])
         finally:
             shutil.rmtree(out, ignore_errors=True)
+    write_bench_chart(args.plot, f"DLRM training: 26 tables x {args.rows} rows x dim {args.dim}, batch {args.batch}/rank", labels,
+                      {"samples/s": {"samples/s": speed}, "seconds": {"checkpoint save": save, "checkpoint load": load}})
 
 
 def main():
@@ -146,6 +157,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dlrm", action="store_true", help="instead: end-to-end DLRM samples/s and checkpoint save/load")
+    parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     if args.dlrm:
         return dlrm(args)
@@ -158,6 +170,10 @@ def main():
     print(f"{'run':42s} {'samples/s':>10s} {'ratio':>6s} {'peak RSS MB/rank':>16s} {'optim state MB':>15s}")
     for name, sps, rss, state in rows:
         print(f"{name:42s} {sps:10.0f} {sps / base[0]:6.2f} {rss:16.0f} {state / 2**20:15.2f}")
+    write_bench_chart(args.plot, f"training: {args.tables} tables x {args.rows} rows x dim {args.dim}, batch {args.batch}/rank",
+                      [r[0] for r in rows], {"samples/s": {"samples/s": [r[1] for r in rows]},
+                                             "MB": {"peak RSS per rank": [r[2] for r in rows],
+                                                    "optimizer state": [r[3] / 2**20 for r in rows]}})
 
 
 if __name__ == "__main__":

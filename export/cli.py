@@ -1,97 +1,158 @@
-"""``recship export`` and ``recship inspect``."""
+"""``recship export``: a training checkpoint -> a quantized TorchScript artifact (or a repository version).
+
+The flags are ExportConfig's fields (recship.export.pipeline): ``--dtype``/``dtype``,
+``--table-dtype``/``table_dtypes``, ``--model-name``/``model_name`` (``--name`` for short),
+``--model-version``/``model_version`` (``--version``). Torch is imported when the export starts,
+so ``--help`` and argument errors answer at once.
+"""
 
 import argparse
 import json
-from typing import Any, Dict, List
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from recship.export.pipeline import MODEL_NAME, ExportConfig, ExportError, export_model
+from recship.cli import one_of
+
+if TYPE_CHECKING:
+    from recship.export.pipeline import ExportConfig
+
+# The names --dtype takes: recship.quantize.quantizer.INFERENCE_TYPES and "auto", repeated here so
+# that --help needs no torch (tests/test_cli.py checks that they agree).
+DTYPES = ("int8", "int4", "int2", "fp8", "fp16", "fp32", "auto")
+SHARDINGS = ("table_wise", "row_wise", "column_wise")
+DEVICES = ("cpu", "cuda")
+FORMATS = ("auto", "torchscript", "aoti", "both")
+LOG_FORMATS = ("text", "json")
+# A model folder's name (recship.export.pipeline.MODEL_NAME, serving's too; tests/test_cli.py checks that they agree)
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-def _pairs(items: List[str], what: str) -> Dict[str, str]:
-    out = {}
-    for item in items or []:
+def _pair(what: str) -> Callable[[str], str]:
+    def parse(item: str) -> str:
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
-            raise ExportError(f"{what} expects NAME=VALUE, got {item!r}")
+            raise argparse.ArgumentTypeError(f"{what} expects NAME=VALUE, got {item!r}")
+        return item
+
+    return parse
+
+
+def _pairs(items: Optional[List[str]]) -> Dict[str, str]:
+    out = {}
+    for item in items or []:  # each checked by _pair
+        name, _, value = item.partition("=")
         out[name] = value
     return out
 
 
-def _json_object(text: str, what: str) -> Dict[str, Any]:
+def _json_object(text: str) -> Dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ExportError(f"{what} is not JSON: {e}") from None
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
     if not isinstance(value, dict):
-        raise ExportError(f"{what} must be a JSON object, got {type(value).__name__}")
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
     return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a training checkpoint directory (runs/x/checkpoints/step_N)")
+    parser.add_argument("checkpoint", help="the training checkpoint directory to export, e.g. runs/x/checkpoints/step_N (required)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="artifact directory to create")
+    where.add_argument("--out", help="the artifact directory to create; it must not exist unless --overwrite (required, or --repo)")
     where.add_argument("--repo", metavar="DIR",
-                       help="a model repository (recship serve --model-repo DIR): write DIR/NAME/<next version>/ "
-                            "atomically (needs --name NAME)")
-    parser.add_argument("--dtype", default="int8", help="int8 | int4 | int2 | fp8 | fp16 | fp32 | auto (default int8)")
-    parser.add_argument("--table-dtype", action="append", metavar="TABLE=DTYPE", help="per-table type, repeatable")
-    parser.add_argument("--error-budget", type=float, help="auto types and validation: the largest allowed error")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="the device the artifact will run on (decides row alignment)")
+                       help="a model repository (recship serve --model-repo DIR): write DIR/NAME/<next version>/ atomically; "
+                            "needs --name NAME (required, or --out)")
+    parser.add_argument("--dtype", default="int8", type=one_of(DTYPES, "data type"), choices=DTYPES,
+                        help="every table's type, in either case; auto picks per table the smallest type within "
+                             "--error-budget (default int8)")
+    parser.add_argument("--table-dtype", action="append", type=_pair("--table-dtype"), metavar="TABLE=DTYPE",
+                        help="one table's type, overriding --dtype; repeatable (default: none, every table takes --dtype)")
+    parser.add_argument("--error-budget", type=float,
+                        help="the largest allowed error: per table for auto types, of the outputs in validation "
+                             "(default: 0.01 for auto types, no limit in validation)")
+    parser.add_argument("--device", default="cpu", type=one_of(DEVICES, "device"), choices=DEVICES,
+                        help="the device the artifact will run on, which decides row alignment (default cpu)")
     parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
-    parser.add_argument("--sharding", choices=["table_wise", "row_wise", "column_wise"], help="force one sharding type")
-    parser.add_argument("--batch-size-hint", type=int, default=512, help="validation batch size (default 512)")
-    parser.add_argument("--id-policy", action="append", metavar="FEATURE=reject|modulo",
-                        help="per-feature id policy, repeatable; *=modulo sets every feature")
-    parser.add_argument("--name", help="model name in the manifest (default model); with --repo, also the model's folder")
-    parser.add_argument("--version", type=int, help="model version in the manifest (default 1; --repo chooses it)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing artifact")
+    parser.add_argument("--sharding", type=one_of(SHARDINGS, "sharding"), choices=SHARDINGS,
+                        help="shard every table this way, in either case (default: the planner picks per table)")
+    parser.add_argument("--batch-size-hint", type=int, default=512, help="the batch size of the validation batches (default 512)")
+    parser.add_argument("--id-policy", action="append", type=_pair("--id-policy"), metavar="FEATURE=reject|modulo",
+                        help="what a feature does with an id past its table's rows, repeatable; *=modulo sets every feature "
+                             "(default reject: the request is refused)")
+    parser.add_argument("--model-name", "--name", dest="model_name", metavar="NAME",
+                        help="the model's name in the manifest; with --repo, also its folder (default model; needed with --repo)")
+    parser.add_argument("--model-version", "--version", dest="model_version", type=int, metavar="N",
+                        help="the model version in the manifest (default 1; with --repo, the next free number)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory (default off)")
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                         help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
                              "checkpoints of the built-in DLRM need none)")
-    parser.add_argument("--model-args", default="{}", metavar="JSON", help="keyword arguments of --model's factory (a JSON object)")
-    parser.add_argument("--format", default="auto", choices=["auto", "torchscript", "aoti", "both"],
-                        help="model files: torchscript (model.pt), both/aoti (model.pt and the AOTInductor model.pt2, "
-                             "which loaders prefer); auto: both where a C++ compiler is present, else torchscript (default auto)")
+    parser.add_argument("--model-args", type=_json_object, default={}, metavar="JSON",
+                        help="keyword arguments of --model's factory, a JSON object (default {})")
+    parser.add_argument("--format", default="auto", type=one_of(FORMATS, "format"), choices=FORMATS,
+                        help="model files: torchscript (model.pt), both or aoti (model.pt and the AOTInductor model.pt2, "
+                             "which loaders prefer); auto is both where a C++ compiler is present, else torchscript (default auto)")
     parser.add_argument("--target-isa", default="x86-64-v3",
-                        help="-march of model.pt2's compiled kernels; 'native' for this machine's CPU only (default x86-64-v3: AVX2)")
-    parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute")
+                        help="the -march of model.pt2's compiled kernels; native for this machine's CPU only (default x86-64-v3: AVX2)")
+    parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute (default: the attribute)")
     parser.add_argument("--eval-data", metavar="FILE|PACKAGE.MODULE:FUNCTION",
-                        help="validate on this data instead of synthetic batches: a Criteo TSV file (13 dense, 26 sparse "
-                             "features), or a function(batch_size, rank, world_size) returning (dense, KeyedJaggedTensor, labels or None) batches")
+                        help="validate on this data: a Criteo TSV file (13 dense, 26 sparse features), or a "
+                             "function(batch_size, rank, world_size) returning (dense, KeyedJaggedTensor, labels or None) "
+                             "batches (default: synthetic batches drawn like the training run's)")
+    parser.add_argument("--log-format", default="text", type=one_of(LOG_FORMATS, "log format"), choices=LOG_FORMATS,
+                        help="log lines as text (time, level, logger, message) or json (one object per line, as recship "
+                             "serve writes them) (default text)")
+
+
+def export_model(source: str, config: "ExportConfig") -> Dict[str, Any]:
+    """recship.export.pipeline.export_model, imported (with torch) on the first call."""
+    from recship.export.pipeline import export_model as export
+
+    return export(source, config)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.repo is not None:
-        if args.name is None:
-            raise ExportError("--repo needs --name NAME: the model's folder in the repository")
-        if not MODEL_NAME.fullmatch(args.name):
-            raise ExportError(f"--name {args.name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
-                              "starting with a letter or digit")
-        if args.version is not None:
-            raise ExportError("--version does not apply with --repo: the version is the next number in the repository")
+        if args.model_name is None:
+            raise ValueError("--repo needs --name NAME: the model's folder in the repository")
+        if not MODEL_NAME.fullmatch(args.model_name):
+            raise ValueError(f"--name {args.model_name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
+                             "starting with a letter or digit")
+        if args.model_version is not None:
+            raise ValueError("--version does not apply with --repo: the version is the next number in the repository")
         if args.overwrite:
-            raise ExportError("--overwrite does not apply with --repo: every export is a new version")
+            raise ValueError("--overwrite does not apply with --repo: every export is a new version")
+    if not Path(args.checkpoint).exists():  # before torch loads: a mistyped path answers at once
+        raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from recship.export.pipeline import ExportConfig  # torch, from here on
+    from recship.logs import configure_logging
+
+    configure_logging(args.log_format)
     config = ExportConfig(
         out=args.out,
         repo=args.repo,
         dtype=args.dtype,
-        table_dtypes=_pairs(args.table_dtype, "--table-dtype"),
+        table_dtypes=_pairs(args.table_dtype),
         error_budget=args.error_budget,
         device=args.device,
         shards=args.shards,
         sharding=args.sharding,
         batch_size_hint=args.batch_size_hint,
-        id_policy=_pairs(args.id_policy, "--id-policy"),
-        model_name=args.name if args.name is not None else "model",
-        model_version=args.version if args.version is not None else 1,
+        id_policy=_pairs(args.id_policy),
+        model_name=args.model_name if args.model_name is not None else "model",
+        model_version=args.model_version if args.model_version is not None else 1,
         overwrite=args.overwrite,
         model=args.model,
-        model_args=_json_object(args.model_args, "--model-args"),
+        model_args=args.model_args,
         num_dense=args.num_dense,
         eval_data=args.eval_data,
         format=args.format,
         target_isa=args.target_isa,
     )
-    export_model(args.checkpoint, config)
+    with logging_redirect_tqdm():  # log lines go above the stage bar, not into it
+        export_model(args.checkpoint, config)
     return 0
+

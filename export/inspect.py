@@ -4,7 +4,7 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("artifact", help="an exported artifact directory")
+    parser.add_argument("artifact", help="the exported artifact directory to describe and self-check (required)")
 
 
 def run(args: argparse.Namespace) -> int:

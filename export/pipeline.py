@@ -111,7 +111,7 @@ class ExportConfig:
                 raise ExportError(f"model name {self.model_name!r} cannot name a model folder of a repository: "
                                   "1-128 of A-Z a-z 0-9 _ . - starting with a letter or digit")
             if self.overwrite:
-                raise ExportError("overwrite does not apply to repo: every export is a new version")
+                raise ExportError("overwrite does not apply to repo (--overwrite with --repo): every export is a new version")
         if self.format not in ("auto", "torchscript", "aoti", "both"):
             raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
         if self.device not in ("cpu", "cuda"):
@@ -388,7 +388,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         assert config.out is not None  # ExportConfig asks for one of the two
         out = Path(config.out)
         if out.exists() and not config.overwrite:
-            raise ExportError(f"{out} already exists (pass overwrite to replace it)")
+            raise ExportError(f"{out} already exists; to replace it, pass --overwrite (overwrite=True in ExportConfig)")
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
     try:

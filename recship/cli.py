@@ -1,8 +1,9 @@
 """The ``recship`` command: one subcommand per stage of the pipeline.
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-expected errors (ValueError, FileNotFoundError) become one line on stderr and
-exit code 2.
+expected errors (ValueError, FileNotFoundError, a flag's unknown name) become one line on
+stderr and exit code 2. A subcommand's module is imported only when it runs, and its
+``add_arguments`` imports no torch, so ``--version``, ``--help`` and argument errors answer at once.
 """
 
 import argparse
@@ -10,19 +11,62 @@ import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from recship import __version__
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
-    "train": ("recship.trainer.train", "train a DLRM with sharded embedding tables"),
+    "train": ("recship.trainer.cli", "train a DLRM with sharded embedding tables"),
     "export": ("recship.export.cli", "export a checkpoint to a quantized TorchScript artifact"),
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
     "serve": ("recship.serving.server", "serve exported models over gRPC"),
     "predict": ("recship.serving.client", "send one request to a running server"),
 }
+
+
+class FlagError(Exception):
+    """A flag was given a name it does not take; ``main`` prints it as one line and returns 2.
+
+    Not a ValueError on purpose: argparse turns those into a generic "invalid value" and SystemExit,
+    while this one names the valid values the way the Python API's ValueError does.
+    """
+
+
+def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
+    """An argparse ``type`` for a flag with ``choices=names``: any case of a name gives the
+    lower-case name (``EXACT_SGD`` -> ``exact_sgd``), anything else is a FlagError listing them."""
+
+    def parse(value: str) -> str:
+        if value.lower() in names:
+            return value.lower()
+        raise FlagError(f"unknown {what} {value!r}; expected one of {', '.join(names)} (either case)")
+
+    parse.__name__ = what.replace(" ", "_")
+    return parse
+
+
+def read_config_file(path: str) -> Dict[str, Any]:
+    """A ``--config`` file's mapping: YAML (.yaml, .yml) or JSON; ValueError/FileNotFoundError naming the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config: no such file: {file}")
+    text = file.read_text()
+    try:
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as e:
+        raise ValueError(f"--config {file}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {file}: expected a mapping of flags to values, got {type(values).__name__}")
+    return values
 
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
@@ -57,22 +101,7 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
     that is no flag, or a value outside a flag's choices or of the wrong type, is a ValueError naming it.
     """
     file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--config: no such file: {file}")
-    text = file.read_text()
-    try:
-        if file.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text)
-        else:
-            values = json.loads(text)
-    except Exception as e:
-        raise ValueError(f"--config {file}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ValueError(f"--config {file}: expected a mapping of flags to values, got {type(values).__name__}")
+    values = read_config_file(path)
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "config")}
     flags = sorted(a.option_strings[0].lstrip("-") for a in actions.values())
     defaults: Dict[str, Any] = {}
@@ -88,7 +117,9 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
             convert = action.type
             try:
                 value = convert(value)
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, argparse.ArgumentTypeError, FlagError) as e:
+                if isinstance(e, FlagError):
+                    raise ValueError(f"--config {file}: {key}: {flag}: {e}") from None
                 kind = "an integer" if convert is int else "a number" if convert is float else "a value"
                 raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}") from None
         elif isinstance(action, argparse._AppendAction):  # a repeatable flag: a list, or one value
@@ -118,7 +149,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             except (ValueError, FileNotFoundError) as e:
                 print(f"recship {command}: error: {e}", file=sys.stderr)
                 return 2
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except FlagError as e:
+        print(f"recship {command}: error: {e}", file=sys.stderr)
+        return 2
     module = importlib.import_module(args._module)
     try:
         return module.run(args)

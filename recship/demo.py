@@ -10,24 +10,17 @@ step before) and stops with an error if one is off.
 
 import argparse
 from pathlib import Path
-from typing import Dict, List
+from typing import TYPE_CHECKING, Dict, List
 
-import torch
-
-from recship import (
-    EmbeddingBagCollection,
-    EmbeddingBagConfig,
-    EmbeddingCollection,
-    EmbeddingConfig,
-    JaggedTensor,
-    KeyedJaggedTensor,
-    PoolingType,
-)
+# torch and recship's modules are imported inside the functions that run: `recship demo --help` needs none
+if TYPE_CHECKING:
+    from recship import EmbeddingBagCollection
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--out", default="runs/demo", help="where the demo's training run and checkpoint go (default runs/demo)")
+    parser.add_argument("--seed", type=int, default=0, help="the random seed of every step's data and models (default 0)")
+    parser.add_argument("--out", default="runs/demo",
+                        help="where the demo's training run, checkpoints and artifacts go (default runs/demo)")
 
 
 def _step(title: str) -> None:
@@ -74,8 +67,10 @@ def _expect(ok: bool, what: str) -> None:
     print(f"   ok: {what}")
 
 
-def tutorial_ebc() -> EmbeddingBagCollection:
+def tutorial_ebc() -> "EmbeddingBagCollection":
     """The tutorial's two 4096 x 64 tables, 'product' and 'user'."""
+    from recship import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
     return EmbeddingBagCollection(
         device="cpu",
         tables=[
@@ -86,6 +81,18 @@ def tutorial_ebc() -> EmbeddingBagCollection:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from recship import (
+        EmbeddingBagCollection,
+        EmbeddingBagConfig,
+        EmbeddingCollection,
+        EmbeddingConfig,
+        JaggedTensor,
+        KeyedJaggedTensor,
+        PoolingType,
+    )
+
     torch.manual_seed(args.seed)
 
     _step("nn.EmbeddingBag: one bag per example, ids [101, 202], [], [303]")
@@ -303,6 +310,7 @@ def two_tower(args: argparse.Namespace) -> None:
     import shutil
 
     import numpy as np
+    import torch
 
     from recship.cli import main as recship
     from recship.export.artifact import open_artifact

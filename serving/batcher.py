@@ -125,6 +125,11 @@ class Batcher:
     def alive(self) -> bool:
         return self.died is None and not self._stopping
 
+    @property
+    def pending(self) -> int:
+        """Requests queued and not yet taken into a batch (the metrics' queue depth)."""
+        return self._queue.qsize()
+
     def submit(self, request: ParsedRequest, deadline: Optional[float] = None) -> Future:
         item = _Item(request, deadline)
         with self._gate:

@@ -78,10 +78,11 @@ def outputs_of(response: pb.PredictResponse) -> Dict[str, np.ndarray]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:8500", help="the server's gRPC address, host:port")
-    parser.add_argument("--model", required=True, help="the model's name in the server's repository")
-    parser.add_argument("--version", type=int, default=0, help="the model version to ask (0: the one the server serves)")
-    parser.add_argument("--request", required=True, help='JSON: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], "weights": {...}}')
+    parser.add_argument("--target", default="127.0.0.1:8500", help="the server's gRPC address, host:port (default 127.0.0.1:8500)")
+    parser.add_argument("--model", required=True, help="the model's name in the server's repository (required)")
+    parser.add_argument("--version", type=int, default=0, help="the model version to ask for; 0 asks for the one the server serves (default 0)")
+    parser.add_argument("--request", required=True,
+                        help='a JSON file: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], "weights": {...}} (required)')
 
 
 def run(args: argparse.Namespace) -> int:

@@ -22,7 +22,10 @@ import logging
 import subprocess
 import threading
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    from recship.serving.metrics import ModelStats
 
 log = logging.getLogger("recship.serving")
 _front_log = logging.getLogger("recship.front")
@@ -152,6 +155,17 @@ class CppFront:
             self._proc.wait()
         self._stderr.join(timeout=5)
 
+    def model_stats(self) -> Dict[Tuple[str, str], "ModelStats"]:
+        """The front's Triton statistics by (model, version) (serving/metrics.py ModelStats)."""
+        from recship.serving.metrics import ModelStats
+
+        out = {}
+        for m in self.stats()["models"]:
+            out[(m["model"], str(m["version"]))] = ModelStats(
+                list(m["success"]), list(m["fail"]), list(m["queued"]), list(m["computed"]), m["inference_count"],
+                m["execution_count"], m["last_inference_ms"], {size: [n, ns] for size, n, ns in m["batches"]})
+        return out
+
     def samples(self) -> Dict[str, List[Tuple[str, Dict[str, str], float]]]:
         """The front's counts as Prometheus samples by family name (serving/metrics.py's families)."""
         from prometheus_client.utils import floatToGoString
@@ -163,14 +177,18 @@ class CppFront:
             out.setdefault("recship_requests", []).append(("recship_requests_total", labels, float(r["count"])))
         families = {"latency": "recship_request_seconds", "queue": "recship_queue_seconds",
                     "compute": "recship_compute_seconds", "batch": "recship_batch_examples"}
-        for model, m in stats["models"].items():
-            out.setdefault("recship_ids", []).append(("recship_ids_total", {"model": model}, float(m["ids"])))
+        ids: Dict[str, float] = {}
+        for m in stats["models"]:
+            model, version = m["model"], str(m["version"])
+            ids[model] = ids.get(model, 0.0) + m["ids"]
             for key, family in families.items():
                 h, total = m[key], 0
                 samples = out.setdefault(family, [])
                 for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):
                     total += count
-                    samples.append((f"{family}_bucket", {"model": model, "le": floatToGoString(bound)}, float(total)))
-                samples.append((f"{family}_count", {"model": model}, float(total)))
-                samples.append((f"{family}_sum", {"model": model}, float(h["sum"])))
+                    samples.append((f"{family}_bucket", {"model": model, "version": version, "le": floatToGoString(bound)}, float(total)))
+                samples.append((f"{family}_count", {"model": model, "version": version}, float(total)))
+                samples.append((f"{family}_sum", {"model": model, "version": version}, float(h["sum"])))
+        for model, n in ids.items():
+            out.setdefault("recship_ids", []).append(("recship_ids_total", {"model": model}, n))
         return out

@@ -25,6 +25,7 @@ CODES = {
     ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.CLIENT_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
     ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorKind.REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
 }
 

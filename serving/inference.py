@@ -25,12 +25,13 @@ import torch
 
 from recship.serving.batcher import DeadlineExpired, QueueFull, Unloaded, WorkerDied
 from recship.serving.metrics import Metrics
-from recship.serving.repository import ModelNotFound, ModelRepository, ServedVersion
+from recship.serving.repository import ControlRefused, ModelNotFound, ModelRepository, ServedVersion
 from recship.serving.requests import IdOutOfRange, InvalidRequest, RequestArrays, RequestTooLarge, validate
 
 log = logging.getLogger("recship.serving")
 
 UNROUTED = "-"  # the model/version label of requests that reached no served version
+INFER_METHODS = frozenset({"Predict", "ModelInfer", "http.infer"})  # the requests a model's statistics count
 MAX_MESSAGE_CHARS = 1000  # an error message is cut here (gRPC sends it in a header)
 T = TypeVar("T")
 
@@ -47,6 +48,7 @@ class ErrorKind(Enum):
     DEADLINE = "deadline"  # the request's deadline passed before its answer
     CLIENT_TIMEOUT = "client timeout"  # the client did not send its request in time (ClientTimeout)
     CANCELLED = "cancelled"  # the client went away
+    REFUSED = "refused"  # a repository request the model control does not allow, or a load that failed (ControlRefused)
     INTERNAL = "internal"  # anything else: a bug of ours, logged with its trace
 
     @property
@@ -64,6 +66,7 @@ _STATUS_LABELS = {
     ErrorKind.DEADLINE: "DEADLINE_EXCEEDED",
     ErrorKind.CLIENT_TIMEOUT: "DEADLINE_EXCEEDED",
     ErrorKind.CANCELLED: "CANCELLED",
+    ErrorKind.REFUSED: "FAILED_PRECONDITION",
     ErrorKind.INTERNAL: "INTERNAL",
 }
 
@@ -85,6 +88,7 @@ _KINDS = (  # the first match counts: subclasses before their bases
     ((DeadlineExpired, asyncio.TimeoutError), ErrorKind.DEADLINE),
     (ClientTimeout, ErrorKind.CLIENT_TIMEOUT),
     (asyncio.CancelledError, ErrorKind.CANCELLED),
+    (ControlRefused, ErrorKind.REFUSED),
 )
 
 
@@ -133,8 +137,9 @@ class Inference:
         return self._inflight
 
     def server_ready(self) -> bool:
-        """Taking requests, with at least one model serving (KServe's ServerReady)."""
-        return self.accepting and bool(self.repo.models())
+        """Taking requests, with at least one model serving (KServe's ServerReady); under explicit model control
+        taking requests is enough (models load on request, and a server that is not ready gets none)."""
+        return self.accepting and (self.repo.explicit or bool(self.repo.models()))
 
     def model_ready(self, served: ServedVersion) -> bool:
         """Taking requests, and ``served``'s worker is alive (KServe's ModelReady)."""
@@ -213,5 +218,8 @@ class Inference:
                 logging.ERROR if internal else logging.WARNING, "%s", message, exc_info=e if internal else None,
                 extra={"method": outcome.method, "model": outcome.model, "version": outcome.version, "status": status},
             )
+        seconds = time.monotonic() - started
         self.metrics.requests.labels(outcome.method, outcome.model, outcome.version, status).inc()
-        self.metrics.latency.labels(outcome.model).observe(time.monotonic() - started)
+        self.metrics.latency.labels(outcome.model, outcome.version).observe(seconds)
+        if outcome.method in INFER_METHODS and outcome.model != UNROUTED:
+            self.metrics.observe_request(outcome.model, outcome.version, e is None, seconds)

@@ -16,6 +16,7 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
+import asyncio
 from typing import Any, Dict, List, Optional, Tuple
 
 import grpc
@@ -153,9 +154,88 @@ def model_metadata(served: ServedVersion, versions: Optional[List[int]] = None) 
 def server_metadata() -> dict:
     from recship import __version__
 
-    # only what is implemented: the repository extension would promise load/unload, which recship lacks (its
-    # RepositoryIndex is served all the same); REST adds binary_tensor_data (serving/rest.py)
-    return {"name": "recship", "version": __version__, "extensions": []}
+    # Triton's extension names, only those implemented; REST adds binary_tensor_data (serving/rest.py)
+    return {"name": "recship", "version": __version__, "extensions": ["model_repository", "model_configuration", "statistics"]}
+
+
+_TYPES = {"INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32"}
+
+
+def model_config(served: ServedVersion) -> dict:
+    """Triton's ModelConfig of a served version, as JSON (REST answers it as is; gRPC parses it into the message).
+
+    ``dims`` are the inputs' and outputs' whole shapes as ModelMetadata gives them, -1 for the batch (and for a
+    sparse input's id count): recship's inputs are ragged, not [batch] + fixed dims. ``parameters`` carry what
+    Triton's schema has no field for: the batching switch, queue size, threads, file format, id policy per feature."""
+    m, s = served.manifest, served.settings
+    policy = s.version_policy
+    version_policy = ({"latest": {"num_versions": policy[1]}} if policy[0] == "latest" else {"all": {}} if policy[0] == "all"
+                      else {"specific": {"versions": list(policy[1])}})
+    parameters = {"batching": str(s.batching).lower(), "max_queue": str(s.max_queue),
+                  "torch_threads": str(s.torch_threads or "auto"), "format": served.format,
+                  **{f"id_policy.{f.name}": ("modulo" if served.spec.modulo[f.name] else "reject") for f in m.sparse_features}}
+    config = {
+        "name": served.name,
+        "platform": PLATFORM,
+        "backend": "recship",
+        "version_policy": version_policy,
+        "max_batch_size": s.max_batch_size,
+        "input": [{"name": n, "data_type": _TYPES[d], "dims": shape, "allow_ragged_batch": not n.startswith("dense")}
+                  for n, d, shape in input_metadata(m)],
+        "output": [{"name": k, "data_type": "TYPE_FP32", "dims": shape} for k, shape in output_shapes(m).items()],
+        "instance_group": [{"name": served.name, "count": 1, "kind": "KIND_GPU" if served.batcher.device.type == "cuda" else "KIND_CPU"}],
+        "parameters": {k: {"string_value": v} for k, v in parameters.items()},
+    }
+    if s.batching:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": int(round(s.max_delay_ms * 1000))}
+    return config
+
+
+def model_statistics(repo: ModelRepository, metrics, name: str, version: str) -> dict:
+    """Triton's ModelStatisticsResponse as JSON: the served versions of model ``name`` ("": of every model), or its
+    ``version``; ModelNotFound if that is not served. Counts cover requests since the server started, the C++
+    front's included."""
+    if name:
+        number = parse_version(version)
+        chosen = [repo.get(name, number)] if number else repo.versions(name)
+        if not chosen:
+            repo.get(name)  # raises ModelNotFound with the served models listed
+    elif version:
+        raise InvalidRequest("a statistics request naming a version must name its model too")
+    else:
+        chosen = repo.versions()
+    out = []
+    for served in chosen:
+        st = metrics.stats(served.name, str(served.version))
+
+        def d(pair):
+            return {"count": pair[0], "ns": pair[1]}
+
+        zero = {"count": 0, "ns": 0}
+        out.append({
+            "name": served.name, "version": str(served.version), "last_inference": st.last_inference_ms,
+            "inference_count": st.inference_count, "execution_count": st.execution_count,
+            "inference_stats": {"success": d(st.success), "fail": d(st.fail), "queue": d(st.queue), "compute_input": zero,
+                                "compute_infer": d(st.compute), "compute_output": zero, "cache_hit": zero, "cache_miss": zero},
+            "batch_stats": [{"batch_size": size, "compute_input": zero, "compute_infer": {"count": n, "ns": ns}, "compute_output": zero}
+                            for size, (n, ns) in sorted(st.batches.items())],
+            "memory_usage": [],
+        })
+    return {"model_stats": out}
+
+
+def control_parameters(parameters: Dict[str, Any], what: str) -> None:
+    """Load/unload parameters recship takes: none, but Triton's unload_dependents (a recship model has no dependents);
+    anything else is refused rather than ignored (a ``config`` override would otherwise silently not apply)."""
+    unknown = sorted(k for k in parameters if not (what == "unload" and k == "unload_dependents"))
+    if unknown:
+        raise InvalidRequest(f"{what} parameters {shown(unknown)} are not supported: a model's settings come from "
+                             "its config.yaml in the repository")
+
+
+def _repository_name(name: str) -> None:
+    if name:
+        raise ModelNotFound(f"repository {shown(name)} is not served: recship serves one repository, named \"\"")
 
 
 async def model_infer(
@@ -230,10 +310,41 @@ class KServeServicer:
 
     async def RepositoryIndex(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def respond(request, outcome, R):
-            return R(models=[R.ModelIndex(name=m["name"], version=m["version"], state=m["state"], reason=m["reason"])
-                             for m in repository_index(self.repo)])
+            _repository_name(request.repository_name)
+            return R(models=[R.ModelIndex(**m) for m in repository_index(self.repo, request.ready)])
 
         return await self._answer("RepositoryIndex", data, context, respond)
+
+    async def RepositoryModelLoad(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def respond(request, outcome, R):
+            _repository_name(request.repository_name)
+            control_parameters(dict(request.parameters), "load")
+            await asyncio.get_running_loop().run_in_executor(None, self.repo.load, request.model_name)
+            return R()
+
+        return await self._answer("RepositoryModelLoad", data, context, respond)
+
+    async def RepositoryModelUnload(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def respond(request, outcome, R):
+            _repository_name(request.repository_name)
+            control_parameters(dict(request.parameters), "unload")
+            await asyncio.get_running_loop().run_in_executor(None, self.repo.unload, request.model_name)
+            return R()
+
+        return await self._answer("RepositoryModelUnload", data, context, respond)
+
+    async def ModelConfig(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def respond(request, outcome, R):
+            served = self.inference.route(request.name, parse_version(request.version), outcome)
+            return R(config=json_format.ParseDict(model_config(served), message("ModelConfig")()))
+
+        return await self._answer("ModelConfig", data, context, respond)
+
+    async def ModelStatistics(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        async def respond(request, outcome, R):
+            return json_format.ParseDict(model_statistics(self.repo, self.inference.metrics, request.name, request.version), R())
+
+        return await self._answer("ModelStatistics", data, context, respond)
 
     async def ModelInfer(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
@@ -245,12 +356,17 @@ class KServeServicer:
         return await grpc_status.answer(self.inference, context, "ModelInfer", work)
 
 
-def repository_index(repo: ModelRepository) -> List[dict]:
+def repository_index(repo: ModelRepository, ready: bool = False) -> List[dict]:
     """Every served version (READY) and every refused version, folder or config.yaml (UNAVAILABLE, with its reason;
-    a refused config.yaml or model folder has the version "")."""
+    a refused config.yaml or model folder has the version ""). Under explicit model control also the repository's
+    models that are not loaded: UNAVAILABLE "unloaded" after an unload, no state if never loaded (as Triton lists them).
+    ``ready``: only the READY versions."""
     index = [{"name": s.name, "version": str(s.version), "state": "READY" if s.batcher.alive else "UNAVAILABLE",
               "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.versions()]
     index += [{"name": u.model, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason} for u in repo.unavailable()]
+    index += [{"name": n, "version": "", "state": "UNAVAILABLE" if why else "", "reason": why} for n, why in repo.not_loaded()]
+    if ready:
+        index = [m for m in index if m["state"] == "READY"]
     return sorted(index, key=lambda m: (m["name"], m["version"]))
 
 
@@ -268,7 +384,8 @@ def _response(request, served, outputs):
     return response
 
 
-_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex")
+_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex",
+            "RepositoryModelLoad", "RepositoryModelUnload", "ModelConfig", "ModelStatistics")
 
 
 def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:

@@ -12,6 +12,11 @@ defaults of what it leaves out. It is reread on every scan: a change restarts th
 served versions with the new settings (new batchers started, then swapped in, the old ones
 retired after their queued requests).
 
+With ``--model-control explicit`` nothing loads on its own: ``load(name)`` reads a model
+from the repository (again, picking up new versions and config), ``unload(name)`` retires
+it (queued requests finish first), and the watcher only restarts dead workers; this is
+Triton's RepositoryModelLoad / RepositoryModelUnload.
+
 Nothing in the repository can stop the others from loading: every model is scanned on
 its own, and a version that fails for any reason (a bad folder name, a manifest of the
 wrong shape, a checksum, a self-check, a model.pt not on the ``trusted`` list) is
@@ -57,6 +62,10 @@ _CONFIG_KEYS = ("max_batch_size", "max_delay_ms", "batching", "max_queue", "torc
 
 class ModelNotFound(LookupError):
     """No such model or version is served (ErrorKind.NOT_FOUND)."""
+
+
+class ControlRefused(RuntimeError):
+    """A load or unload the server's model control does not allow (polling), or a load that served no version."""
 
 
 class ConfigError(ValueError):
@@ -239,7 +248,7 @@ class ServedVersion:
         config, metrics, name, version, s = self._repo.config, self._repo.metrics, self.name, self.version, self.settings
         return Batcher(
             self.model, s.max_batch_size, s.max_delay_ms / 1000.0, s.max_queue,
-            observe=functools.partial(metrics.observe_batch, name), name=f"{name}-{version}",
+            observe=functools.partial(metrics.observe_batch, name, str(version)), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
             device_lock=self._repo.device_lock, threads=s.torch_threads or default_torch_threads(),
             on_death=lambda e: self._repo.worker_died(self), batching=s.batching,
@@ -297,6 +306,11 @@ class ModelRepository:
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
         self.front: Optional["CppFront"] = None  # the C++ front (serving/front.py), told of every version that starts or stops serving
+        self.explicit = getattr(config, "model_control", "poll") == "explicit"
+        self._loaded: set = set()  # explicit control: the models asked for (by --load-model or a load request)
+        self._unloaded: set = set()  # explicit control: the models unloaded by a request (the index says so)
+        metrics.queue_depth = lambda: {(s.name, str(s.version)): s.batcher.pending for s in self.versions()}
+        metrics.readiness = self._readiness
 
     # -- reading (any thread) ------------------------------------------------
 
@@ -333,36 +347,115 @@ class ModelRepository:
 
     def scan(self) -> None:
         """One pass over the repository: apply each model's config and version policy, roll back removed versions,
-        restart dead workers."""
+        restart dead workers. Under explicit model control only the last: models change by ``load`` and ``unload``."""
         with self._scanning:
+            if not self.explicit:
+                self._scan_all()
+            self._restart_dead()
+
+    def start_explicit(self, names: List[str]) -> None:
+        """Explicit model control: loads ``names`` at start-up ("*": every model in the repository); a name with
+        no folder is a ValueError, a model that does not load is listed UNAVAILABLE with its reason."""
+        wanted = set(names)
+        if "*" in wanted:
+            wanted = {e.name for e in self.root.iterdir() if e.is_dir() and MODEL_NAME.fullmatch(e.name)} | (wanted - {"*"})
+        missing = sorted(n for n in wanted if not (MODEL_NAME.fullmatch(n) and (self.root / n).is_dir()))
+        if missing:
+            raise ValueError(f"--load-model {', '.join(missing)}: no such model folder in {self.root}")
+        for name in sorted(wanted):
+            try:
+                self.load(name)
+            except ControlRefused as e:
+                log.error("%s", e, extra={"model": name})
+
+    def load(self, name: str) -> None:
+        """Explicit model control: (re)loads model ``name`` from the repository, as its config and version policy say.
+
+        ModelNotFound if the repository has no such model; ControlRefused under polling, or if no version of it serves
+        (the reasons are in the message and in the index)."""
+        if not self.explicit:
+            raise ControlRefused("models are loaded by polling the repository; start the server with "
+                                 "--model-control explicit to load and unload them on request")
+        model_dir = self.root / name
+        if not MODEL_NAME.fullmatch(name) or not model_dir.is_dir():
+            raise ModelNotFound(f"no model {shown(name)} in the repository {self.root}")
+        with self._scanning:
+            self._loaded.add(name)
+            self._unloaded.discard(name)
             trusted = read_trusted(self.config.trusted_sha256) if self.config.trusted_sha256 is not None else None
-            present = set()
-            for entry in sorted(self.root.iterdir()):
-                if not entry.is_dir():
-                    continue
-                if not MODEL_NAME.fullmatch(entry.name):
-                    self._refuse(entry.name, "", None, "model folder names are 1-128 of A-Z a-z 0-9 _ . - (not starting with _ . -)")
-                    continue
-                present.add(entry.name)
-                try:
-                    self._scan_model(entry.name, entry, trusted)
-                except Exception as e:  # e.g. a folder removed mid-scan: this model waits for the next pass
-                    log.error("scanning model %s failed: %s: %s", entry.name, type(e).__name__, e, extra={"model": entry.name})
-            for name in [n for n in self._serving if n not in present]:
-                self._install(name, {}, {v: "its folder was removed" for v in self._serving[name]})
-            for name in [n for n in self._configs if n not in present]:
-                self._configs.pop(name, None)
-                self._settings.pop(name, None)
-            with self._lock:  # forget refusals whose folders are gone
-                for key, u in list(self._unavailable.items()):
-                    if not (self.root / u.model / u.version).exists():
-                        del self._unavailable[key]
-            for served in self.versions():
-                if served.batcher.died is not None:
-                    served.batcher = served.start_batcher()
-                    log.warning("restarted the worker of %s version %d", served.name, served.version,
-                                extra={"model": served.name, "version": served.version})
-                    self._on_change(served.name, True)
+            self._scan_model(name, model_dir, trusted)
+            if not self.versions(name):
+                reasons = [f"version {u.version}: {u.reason}" if u.version else u.reason for u in self.unavailable() if u.model == name]
+                raise ControlRefused(f"model {name} did not load: {'; '.join(reasons) or 'it has no version folders'}")
+
+    def unload(self, name: str) -> None:
+        """Explicit model control: stops serving model ``name`` (queued requests finish first). Unloading a model
+        that is not loaded does nothing; ModelNotFound if neither served nor in the repository."""
+        if not self.explicit:
+            raise ControlRefused("models are unloaded by removing them from the repository under polling; start the "
+                                 "server with --model-control explicit to load and unload them on request")
+        with self._scanning:
+            served = {s.version: s for s in self.versions(name)}
+            if not served and not (MODEL_NAME.fullmatch(name) and (self.root / name).is_dir()):
+                raise ModelNotFound(f"no model {shown(name)} is loaded or in the repository {self.root}")
+            self._loaded.discard(name)
+            self._unloaded.add(name)
+            self._configs.pop(name, None)  # a later load reads config.yaml again
+            self._settings.pop(name, None)
+            with self._lock:
+                for key in [k for k in self._unavailable if k[0] == name]:
+                    del self._unavailable[key]
+            self._install(name, {}, {v: "unloaded by request" for v in served})
+
+    def not_loaded(self) -> List[Tuple[str, str]]:
+        """Explicit model control: (model, reason) of the repository's models that do not serve and have no refusal
+        listed: "unloaded" (by request), or "" (never asked for)."""
+        if not self.explicit:
+            return []
+        with self._lock:
+            listed = set(self._serving) | {u.model for u in self._unavailable.values()}
+        names = {e.name for e in self.root.iterdir() if e.is_dir() and MODEL_NAME.fullmatch(e.name)} | self._unloaded
+        return [(n, "unloaded" if n in self._unloaded else "") for n in sorted(names - listed)]
+
+    def _readiness(self) -> Dict[Tuple[str, str], int]:
+        """(model, version) -> 1 serving / 0 not, for every served and every refused version (the metrics' gauge)."""
+        out = {(u.model, u.version): 0 for u in self.unavailable()
+               if MODEL_NAME.fullmatch(u.model) and (u.version == "" or VERSION_NAME.fullmatch(u.version))}
+        out.update({(s.name, str(s.version)): int(s.batcher.alive) for s in self.versions()})
+        return out
+
+    def _scan_all(self) -> None:
+        """Polling: every model folder as its config and version policy say; models whose folders are gone unload."""
+        trusted = read_trusted(self.config.trusted_sha256) if self.config.trusted_sha256 is not None else None
+        present = set()
+        for entry in sorted(self.root.iterdir()):
+            if not entry.is_dir():
+                continue
+            if not MODEL_NAME.fullmatch(entry.name):
+                self._refuse(entry.name, "", None, "model folder names are 1-128 of A-Z a-z 0-9 _ . - (not starting with _ . -)")
+                continue
+            present.add(entry.name)
+            try:
+                self._scan_model(entry.name, entry, trusted)
+            except Exception as e:  # e.g. a folder removed mid-scan: this model waits for the next pass
+                log.error("scanning model %s failed: %s: %s", entry.name, type(e).__name__, e, extra={"model": entry.name})
+        for name in [n for n in self._serving if n not in present]:
+            self._install(name, {}, {v: "its folder was removed" for v in self._serving[name]})
+        for name in [n for n in self._configs if n not in present]:
+            self._configs.pop(name, None)
+            self._settings.pop(name, None)
+        with self._lock:  # forget refusals whose folders are gone
+            for key, u in list(self._unavailable.items()):
+                if not (self.root / u.model / u.version).exists():
+                    del self._unavailable[key]
+
+    def _restart_dead(self) -> None:
+        for served in self.versions():
+            if served.batcher.died is not None:
+                served.batcher = served.start_batcher()
+                log.warning("restarted the worker of %s version %d", served.name, served.version,
+                            extra={"model": served.name, "version": served.version})
+                self._on_change(served.name, True)
 
     def _model_settings(self, name: str, model_dir: Path) -> Optional[ModelSettings]:
         """The model's settings from its config.yaml (the server's flags without one); a bad file is refused
@@ -534,6 +627,7 @@ class ModelRepository:
             known = self._unavailable.get(key)
             self._unavailable[key] = Unavailable(model, version, reason, signature)
         if known is None or known.signature != signature:  # one line per refusal, not one per scan
+            self.metrics.load_failures.labels(model if MODEL_NAME.fullmatch(model) else "-").inc()
             where = f"{shown(model)} version {shown(version)}" if version else shown(model)
             log.error("refusing %s: %s", where, reason, extra={"model": model[:128], "version": version[:32]})
 

@@ -6,7 +6,10 @@
     GET  /v2/models/M[/versions/V]                model metadata (the same inputs as gRPC KServe)
     GET  /v2/models/M[/versions/V]/ready          200 / 503
     POST /v2/models/M[/versions/V]/infer          {"inputs": [{"name", "shape", "datatype", "data"}], ...}
-    POST /v2/repository/index                     every version, READY or UNAVAILABLE with its reason
+    POST /v2/repository/index                     every version, READY or UNAVAILABLE with its reason ({"ready": true}: READY only)
+    POST /v2/repository/models/M/load             explicit model control: (re)load M; unload likewise
+    GET  /v2/models/M[/versions/V]/config         Triton's model configuration (kserve.model_config)
+    GET  /v2/models[/M[/versions/V]]/stats        Triton's statistics (kserve.model_statistics)
 
 Requests go through the same request path (``serving/inference.py``: validation, batcher,
 metrics) as gRPC. Errors are ``{"error": message}`` with the HTTP status of the core's
@@ -60,9 +63,11 @@ HTTP_STATUS = {
     ErrorKind.DEADLINE: 504,
     ErrorKind.CLIENT_TIMEOUT: 408,
     ErrorKind.CANCELLED: 500,  # never sent: the client is gone
+    ErrorKind.REFUSED: 400,  # as Triton answers a load it refuses
     ErrorKind.INTERNAL: 500,
 }
-_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/infer)?$")
+_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/infer|/config|/stats)?$")
+_CONTROL = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 _TIMEOUT_S = 30.0  # an HTTP request has no gRPC deadline: this bounds the wait for its batch
 _SHUTDOWN_GRACE_S = 5.0
 _MAX_DIMS = 8
@@ -132,6 +137,8 @@ class RestFront:
             method, route, name, version = _route(request.method, request.path)
             if route == "infer":
                 status, doc = await self.inference.call(method, lambda o: self._http_infer(request, name, version, o))
+            elif method == "http.repository_index" or route in ("load", "unload"):
+                status, doc = await self.inference.call(method, lambda o: self._repository(request, route, name))
             else:
                 status, doc = await self.inference.call(method, lambda o: self._get(route, name, version, o))
         except RouteError as e:
@@ -156,13 +163,37 @@ class RestFront:
         if route == "server_metadata":
             meta = kserve.server_metadata()
             return 200, {**meta, "extensions": meta["extensions"] + EXTENSIONS}
-        if route == "repository_index":
-            return 200, kserve.repository_index(self.repo)
+        if route == "stats":
+            return 200, kserve.model_statistics(self.repo, self.inference.metrics, name, version)
         served = self.inference.route(name, kserve.parse_version(version), outcome)
+        if route == "config":
+            return 200, kserve.model_config(served)
         if route == "model_ready":
             ready = self.inference.model_ready(served)
             return (200 if ready else 503), {"name": served.name, "ready": ready}
         return 200, kserve.model_metadata(served, [s.version for s in self.repo.versions(served.name)])
+
+    async def _repository(self, request: web.Request, route: str, name: str) -> Tuple[int, Any]:
+        """The repository extension: the index, and explicit load / unload of model ``name``; the body is optional JSON
+        ({"ready": bool} for the index, {"parameters": {...}} for load and unload)."""
+        body = await self._read_body(request)
+        doc: Any = {}
+        if body.strip():
+            try:
+                doc = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise InvalidRequest(f"the body is not JSON: {e}") from None
+            if not isinstance(doc, dict):
+                raise InvalidRequest(f"the body must be a JSON object, got {type(doc).__name__}")
+        if route == "repository_index":
+            ready = doc.get("ready", False)
+            if not isinstance(ready, bool):
+                raise InvalidRequest(f"ready must be true or false, got {shown(ready)}")
+            return 200, kserve.repository_index(self.repo, ready)
+        kserve.control_parameters(_parameters(doc, "the request"), route)
+        action = self.repo.load if route == "load" else self.repo.unload
+        await asyncio.get_running_loop().run_in_executor(None, action, name)
+        return 200, {}
 
     async def _http_infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, Any]:
         declared = request.content_length
@@ -206,11 +237,20 @@ def _route(method: str, path: str) -> Tuple[str, str, str, str]:
     fixed = {("GET", "/v2/health/live"): "live", ("GET", "/v2/health/ready"): "ready", ("GET", "/v2"): "server_metadata",
              ("POST", "/v2/repository/index"): "repository_index"}
     match = _MODEL.match(path)
+    control = _CONTROL.match(path)
     if (method, path) in fixed:
         route, name, version = fixed[(method, path)], "", ""
+    elif path == "/v2/models/stats":
+        route, name, version = "stats", "", ""
+        if method != "GET":
+            raise RouteError(405, f"{shown(method, 16)} is not allowed on {shown(path)}")
+    elif control is not None:
+        route, name, version = control.group(2), control.group(1), ""
+        if method != "POST":
+            raise RouteError(405, f"{shown(method, 16)} is not allowed on {shown(path)}")
     elif match is not None:
         name, version, tail = match.group(1), match.group(2) or "", match.group(3)
-        route = {None: "model_metadata", "/ready": "model_ready", "/infer": "infer"}[tail]
+        route = {None: "model_metadata", "/ready": "model_ready", "/infer": "infer", "/config": "config", "/stats": "stats"}[tail]
         if method != ("POST" if route == "infer" else "GET"):
             raise RouteError(405, f"{shown(method, 16)} is not allowed on {shown(path)}")
     elif method not in ("GET", "POST"):

@@ -161,7 +161,10 @@ class Server:
 
         self.repo = ModelRepository(config, self.metrics, on_change)
         # loading runs the self-checks: off the loop, so it never stalls a request
-        await loop.run_in_executor(None, self.repo.scan)
+        if config.model_control == "explicit":
+            await loop.run_in_executor(None, self.repo.start_explicit, config.load_models)
+        else:
+            await loop.run_in_executor(None, self.repo.scan)
         # the transport admits twice the limit so that an oversized request gets our
         # INVALID_ARGUMENT naming the size rather than gRPC's generic RESOURCE_EXHAUSTED
         options = [
@@ -170,6 +173,7 @@ class Server:
         ]
         self.grpc = grpc.aio.server(options=options)
         self.inference = Inference(self.repo, self.metrics, config.max_inflight_bytes)
+        self.metrics.inflight_bytes = lambda: self.inference.inflight_bytes
         predictor.add_to_server(predictor.PredictorServicer(self.inference), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         kserve.add_to_server(kserve.KServeServicer(self.inference), self.grpc)
@@ -186,7 +190,7 @@ class Server:
 
             self._backend = address
             front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
-            self.front, self.port, self.metrics.extra = front, front.port, front.samples
+            self.front, self.port, self.metrics.extra, self.metrics.extra_stats = front, front.port, front.samples, front.model_stats
             await loop.run_in_executor(None, self.repo.attach_front, front)
         elif config.tls_cert is not None:
             assert config.tls_key is not None  # ServerConfig checks that cert and key come together
@@ -237,7 +241,7 @@ class Server:
                 front.stop(0)
                 return
             self.front = front
-            self.metrics.extra = front.samples
+            self.metrics.extra, self.metrics.extra_stats = front.samples, front.model_stats
             self.repo.attach_front(front)
             log.warning("the C++ front is back on port %d", self.port)
 
@@ -263,7 +267,7 @@ class Server:
         self._stopping.set()
         if self.front is not None:
             self.front.stop(0)  # (already stopped after stop(): this returns at once)
-            self.metrics.extra = None
+            self.metrics.extra = self.metrics.extra_stats = None
         if hasattr(self, "repo"):
             self.repo.stop()
         if self._backend_dir is not None:

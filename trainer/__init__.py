@@ -1,58 +1,71 @@
-"""Training side: embedding tables and their configs, sharding plans, sharded modules, DMP."""
+"""Training side: embedding tables and their configs, sharding plans, sharded modules, DMP.
 
-from recship.trainer.distributed import ShardedEmbeddingBagCollection
-from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
-from recship.trainer.distributed.types import LazyAwaitable, ModuleSharder, ShardingEnv
-from recship.trainer.embedding_configs import (
-    BaseEmbeddingConfig,
-    EmbeddingBagConfig,
-    EmbeddingConfig,
-)
-from recship.trainer.embedding_modules import (
-    EmbeddingBagCollection,
-    EmbeddingCollection,
-    materialize,
-)
-from recship.trainer.fused_optim import (
-    CombinedOptimizer,
-    EmbOptimType,
-    FusedOptimizerConfig,
-    KeyedOptimizer,
-    RowWiseAdagrad,
-)
-from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
-from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
-from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
-from recship.trainer.types import DataType, PoolingType
+Names load on first use (PEP 562): ``recship train --help`` imports ``recship.trainer.config``
+without torch, and ``from recship.trainer import EmbeddingBagCollection`` still works.
+"""
 
-__all__ = [
-    "BaseEmbeddingConfig",
-    "CombinedOptimizer",
-    "DataType",
-    "DistributedModelParallel",
-    "EmbOptimType",
-    "EmbeddingBagCollection",
-    "EmbeddingBagCollectionSharder",
-    "EmbeddingBagConfig",
-    "EmbeddingCollection",
-    "EmbeddingComputeKernel",
-    "EmbeddingConfig",
-    "EmbeddingShardingPlanner",
-    "FusedOptimizerConfig",
-    "KeyedOptimizer",
-    "LazyAwaitable",
-    "ModuleSharder",
-    "ParameterConstraints",
-    "ParameterSharding",
-    "PoolingType",
-    "RowWiseAdagrad",
-    "ShardMetadata",
-    "ShardedEmbeddingBagCollection",
-    "ShardingEnv",
-    "ShardingPlan",
-    "ShardingType",
-    "Topology",
-    "get_default_sharders",
-    "in_backward_optimizer_filter",
-    "materialize",
-]
+import importlib
+from typing import TYPE_CHECKING, Any, List
+
+# public name -> the module that defines it
+_NAMES = {
+    "ShardedEmbeddingBagCollection": "recship.trainer.distributed",
+    **dict.fromkeys(["EmbeddingBagCollectionSharder", "get_default_sharders"], "recship.trainer.distributed.sharders"),
+    **dict.fromkeys(["LazyAwaitable", "ModuleSharder", "ShardingEnv"], "recship.trainer.distributed.types"),
+    **dict.fromkeys(["BaseEmbeddingConfig", "EmbeddingBagConfig", "EmbeddingConfig"], "recship.trainer.embedding_configs"),
+    **dict.fromkeys(["EmbeddingBagCollection", "EmbeddingCollection", "materialize"], "recship.trainer.embedding_modules"),
+    **dict.fromkeys(
+        ["CombinedOptimizer", "EmbOptimType", "FusedOptimizerConfig", "KeyedOptimizer", "RowWiseAdagrad"], "recship.trainer.fused_optim"
+    ),
+    **dict.fromkeys(["DistributedModelParallel", "in_backward_optimizer_filter"], "recship.trainer.model_parallel"),
+    **dict.fromkeys(
+        [
+            "EmbeddingComputeKernel", "EmbeddingShardingPlanner", "ParameterConstraints", "ParameterSharding",
+            "ShardingPlan", "ShardingType", "ShardMetadata", "Topology",
+        ],
+        "recship.trainer.planner",
+    ),
+    **dict.fromkeys(["DataType", "PoolingType"], "recship.trainer.types"),
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    try:  # a submodule used as an attribute (recship.trainer.planner) before anything imported it
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_NAMES))
+
+
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
+    from recship.trainer.distributed import ShardedEmbeddingBagCollection as ShardedEmbeddingBagCollection
+    from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder as EmbeddingBagCollectionSharder
+    from recship.trainer.distributed.sharders import get_default_sharders as get_default_sharders
+    from recship.trainer.distributed.types import LazyAwaitable as LazyAwaitable, ModuleSharder as ModuleSharder
+    from recship.trainer.distributed.types import ShardingEnv as ShardingEnv
+    from recship.trainer.embedding_configs import BaseEmbeddingConfig as BaseEmbeddingConfig
+    from recship.trainer.embedding_configs import EmbeddingBagConfig as EmbeddingBagConfig, EmbeddingConfig as EmbeddingConfig
+    from recship.trainer.embedding_modules import EmbeddingBagCollection as EmbeddingBagCollection
+    from recship.trainer.embedding_modules import EmbeddingCollection as EmbeddingCollection, materialize as materialize
+    from recship.trainer.fused_optim import CombinedOptimizer as CombinedOptimizer, EmbOptimType as EmbOptimType
+    from recship.trainer.fused_optim import FusedOptimizerConfig as FusedOptimizerConfig, KeyedOptimizer as KeyedOptimizer
+    from recship.trainer.fused_optim import RowWiseAdagrad as RowWiseAdagrad
+    from recship.trainer.model_parallel import DistributedModelParallel as DistributedModelParallel
+    from recship.trainer.model_parallel import in_backward_optimizer_filter as in_backward_optimizer_filter
+    from recship.trainer.planner import EmbeddingComputeKernel as EmbeddingComputeKernel
+    from recship.trainer.planner import EmbeddingShardingPlanner as EmbeddingShardingPlanner
+    from recship.trainer.planner import ParameterConstraints as ParameterConstraints, ParameterSharding as ParameterSharding
+    from recship.trainer.planner import ShardingPlan as ShardingPlan, ShardingType as ShardingType
+    from recship.trainer.planner import ShardMetadata as ShardMetadata, Topology as Topology
+    from recship.trainer.types import DataType as DataType, PoolingType as PoolingType

@@ -2,6 +2,6 @@
 
 import sys
 
-from recship.trainer.train import main
+from recship.trainer.cli import main
 
 sys.exit(main())

@@ -7,7 +7,8 @@
   regenerated, which is what makes resume exact.
 - ``CriteoTSV``: the real Criteo format (label, 13 integers, 26 hex ids, tab
   separated, empty fields allowed); ids are hashed into each table's rows.
-  Malformed lines are counted and skipped with a warning naming the line.
+  Malformed lines are skipped: the first few of a file are logged with their line numbers, and
+  each pass over the file ends with one warning giving the total.
 - ``prefetch``: a background thread keeps the next batches ready.
 """
 
@@ -17,7 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Optional, Union
+from typing import Any, Callable, Iterator, List, Optional, TypeVar, Union
 
 import torch
 
@@ -156,7 +157,8 @@ class CriteoTSV:
         self.rank = rank
         self.world_size = world_size
         self.feature_names = feature_names or [f"cat_{i}" for i in range(self.NUM_SPARSE)]
-        self.malformed = 0
+        self.malformed = 0  # malformed lines (of this rank's share) in the current or last pass
+        self._passes = 0
 
     def _parse(self, line: str, number: int):
         fields = line.rstrip("\n").split("\t")
@@ -172,27 +174,38 @@ class CriteoTSV:
         ]
         return label, dense, ids
 
+    SHOWN_MALFORMED = 5  # malformed lines logged one by one, in the first pass only; the rest are counted
+
     def __iter__(self) -> Iterator[Batch]:
         self.malformed = 0
+        self._passes += 1
         labels, dense, ids = [], [], []
-        with self.path.open() as f:
-            for number, line in enumerate(f, start=1):
-                if (number - 1) % self.world_size != self.rank:
-                    continue
-                try:
-                    label, d, i = self._parse(line, number)
-                except ValueError as e:
-                    self.malformed += 1
-                    log.warning("%s:%d: skipping malformed line (%s)", self.path, number, e)
-                    continue
-                labels.append(label)
-                dense.append(d)
-                ids.append(i)
-                if len(labels) == self.batch_size:
-                    yield self._batch(labels, dense, ids)
-                    labels, dense, ids = [], [], []
-        if labels:
-            yield self._batch(labels, dense, ids)
+        read = 0
+        try:
+            with self.path.open() as f:
+                for number, line in enumerate(f, start=1):
+                    if (number - 1) % self.world_size != self.rank:
+                        continue
+                    read += 1
+                    try:
+                        label, d, i = self._parse(line, number)
+                    except ValueError as e:
+                        self.malformed += 1
+                        if self._passes == 1 and self.malformed <= self.SHOWN_MALFORMED:
+                            more = "; further ones are counted, not shown" if self.malformed == self.SHOWN_MALFORMED else ""
+                            log.warning("%s:%d: skipping malformed line (%s)%s", self.path, number, e, more)
+                        continue
+                    labels.append(label)
+                    dense.append(d)
+                    ids.append(i)
+                    if len(labels) == self.batch_size:
+                        yield self._batch(labels, dense, ids)
+                        labels, dense, ids = [], [], []
+            if labels:
+                yield self._batch(labels, dense, ids)
+        finally:  # the end of the pass, or a reader that stopped early (an evaluation's few batches)
+            if self.malformed:
+                log.warning("%s: skipped %d malformed line(s) of the %d read in pass %d over the file", self.path, self.malformed, read, self._passes)
 
     def _batch(self, labels, dense, ids) -> Batch:
         lengths = [len(example[f]) for f in range(self.NUM_SPARSE) for example in ids]
@@ -208,7 +221,10 @@ class CriteoTSV:
         )
 
 
-def prefetch(batches: Iterator[Batch], depth: int = 4) -> Iterator[Batch]:
+T = TypeVar("T")
+
+
+def prefetch(batches: Iterator[T], depth: int = 4) -> Iterator[T]:
     """Produces batches in a background thread, ``depth`` ahead, so loading overlaps training."""
     q: "queue.Queue" = queue.Queue(maxsize=depth)
     done = object()

@@ -32,6 +32,13 @@ class EmbOptimType(Enum):
     PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
     LAMB = "lamb"
 
+    @classmethod
+    def _missing_(cls, value: object) -> Optional["EmbOptimType"]:
+        """``EmbOptimType("EXACT_SGD")`` is ``EmbOptimType("exact_sgd")``: the name works as well as the value."""
+        if isinstance(value, str):
+            return cls._value2member_map_.get(value.lower())  # type: ignore[return-value]
+        return None
+
     @property
     def cpu_supported(self) -> bool:
         return self in _CPU_OPTIMIZERS

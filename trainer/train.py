@@ -1,112 +1,45 @@
-"""``recship train``: train a DLRM with sharded tables on one or more ranks, with checkpoints.
+"""Training: a DLRM (or an entry-point model) with sharded tables on one or more ranks, with checkpoints.
 
-    recship train --out runs/demo                         # 1 rank, synthetic data, defaults
-    recship train --out runs/demo --nproc-per-node 2      # spawns 2 local gloo ranks
-    torchrun --nproc-per-node 2 -m recship.trainer --out runs/demo
-    recship train --config train.yaml --resume            # YAML or JSON with the same fields
+    launch(TrainConfig(out="runs/demo", steps=300))       # what ``recship train`` (recship.trainer.cli) runs
 
-Rank 0 shows a progress bar (step, samples/s, loss), evaluates log loss and AUC
-on held-out data every ``eval_every`` steps, and prints a summary at the end.
+Rank 0 shows a progress bar (step, samples/s, loss, epoch of a data file), evaluates log loss
+and AUC on held-out data every ``eval_every`` steps, and prints a summary at the end; warnings
+and epoch changes go through the ``recship.trainer`` logger (recship.logs formats them).
 """
 
-import argparse
 import itertools
 import json
+import logging
 import os
 import shutil
 import socket
-import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
-from recship.trainer.metrics import auc
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
-from recship.trainer.data import CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.trainer.config import TrainConfig
+from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
+from recship.trainer.dlrm import DLRM
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.entry_point import build_model, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.metrics import auc
 from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
+__all__ = ["TrainConfig", "launch", "train"]
+
+log = logging.getLogger(__name__)
+
 EVAL_STREAM = 1_000_000  # synthetic eval batches come from rank ids past this: never trained on
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run needs; the CLI, YAML/JSON files and tests fill it."""
-
-    out: str = "runs/recship"
-    steps: int = 300
-    batch_size: int = 256  # examples per rank per step
-    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * 26)
-    embedding_dim: int = 16
-    dense_arch: List[int] = field(default_factory=lambda: [64])
-    over_arch: List[int] = field(default_factory=lambda: [64, 32])
-    optimizer: str = "exact_rowwise_adagrad"
-    embedding_lr: float = 0.05
-    dense_lr: float = 0.05
-    sharding: Optional[str] = None  # force one sharding type for every table; None: the planner decides
-    data: str = "synthetic"  # or a Criteo TSV file, or a data function package.module:function (see trainer/data.py)
-    eval_data: Optional[str] = None  # the same kinds, for evaluation (synthetic data has its own held-out stream)
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    resume: bool = False  # continue from the newest complete checkpoint in out/checkpoints
-    overwrite: bool = False  # delete out/checkpoints and start over (refused without it or --resume)
-    keep_last: int = 0  # keep only the newest N checkpoints (0: keep all)
-    seed: int = 0
-    # the model: an entry point package.module:factory and its keyword arguments (--model-args JSON);
-    # None trains the built-in DLRM shaped by the fields above
-    model: Optional[str] = None
-    model_args: Dict[str, Any] = field(default_factory=dict)
-    nproc_per_node: int = 1
-    device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r of its host) or "auto" (cuda when available)
-    progress: bool = True
-
-    def use_cuda(self) -> bool:
-        return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
-
-    def model_config(self) -> DLRMConfig:
-        return DLRMConfig(
-            num_embeddings_per_feature=list(self.num_embeddings_per_feature),
-            embedding_dim=self.embedding_dim,
-            dense_arch=list(self.dense_arch),
-            over_arch=list(self.over_arch),
-        )
-
-    def __post_init__(self) -> None:
-        if self.steps < 0 or self.batch_size < 1:
-            raise ValueError("steps must be >= 0 and batch_size >= 1")
-        if self.model is not None and any(d is not None and d != "synthetic" and not is_entry_point(d) for d in (self.data, self.eval_data)):
-            raise ValueError("--model trains on synthetic data sized from the model's tables or on a data function "
-                             "(--data package.module:function); Criteo TSV files feed the built-in DLRM only")
-        if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
-        if self.keep_last < 0:
-            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
-        try:
-            EmbOptimType(self.optimizer)
-        except ValueError:
-            valid = ", ".join(o.value for o in EmbOptimType)
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; expected one of {valid}") from None
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
-        if self.sharding is not None:
-            try:
-                ShardingType(self.sharding)
-            except ValueError:
-                valid = ", ".join(s.value for s in ShardingType)
-                raise ValueError(f"unknown sharding {self.sharding!r}; expected one of {valid}") from None
 
 
 class _Trainer:
@@ -166,11 +99,13 @@ class _Trainer:
             return DataFunction(data, c.batch_size, self.rank, self.world_size, self.features, self.weighted)
         return CriteoTSV(data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
 
-    def _train_batches(self, start: int):
+    def _train_batches(self, start: int) -> Iterator[Tuple[Optional[int], Batch]]:
+        """(epoch, batch) from batch ``start`` on: a data file or function is repeated, epoch 1, 2, ...;
+        synthetic data is one endless stream (epoch None)."""
         c = self.config
         if c.data == "synthetic":
-            return prefetch(self._synthetic().batches(start=start, rank=self.rank))
-        return prefetch(_skip(_repeat(self._reader(c.data)), start))
+            return prefetch((None, b) for b in self._synthetic().batches(start=start, rank=self.rank))
+        return prefetch(itertools.islice(_repeat(self._reader(c.data)), start, None))
 
     def _eval_batches(self):
         c = self.config
@@ -256,30 +191,38 @@ class _Trainer:
         batches = self._train_batches(self.next_batch)
         evals: List[Dict[str, float]] = []
         last_checkpoint = None
+        epoch: Optional[int] = None
         started, seen = time.perf_counter(), 0
-        while self.step < c.steps:
-            b = next(batches, None)
-            if b is None:
-                break
-            b = b.to(self.device, non_blocking=True)
-            loss = self._loss(self.model(b.dense, b.sparse), b.labels)
-            loss.backward()  # the sharded tables are updated inside backward
-            self.dense_optimizer.step()
-            self.dense_optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            self.next_batch += 1
-            self.losses.append(float(loss.detach()))
-            seen += len(b) * self.world_size
-            rate = seen / max(time.perf_counter() - started, 1e-9)
-            bar.update(1)
-            bar.set_postfix(loss=f"{self.losses[-1]:.4f}", samples_per_s=f"{rate:.0f}", refresh=False)
-            if c.eval_every and self.step % c.eval_every == 0:
-                evals.append({"step": self.step, **self.evaluate()})
-                if show:
-                    bar.write(f"step {self.step}: eval {evals[-1]}")
-            if c.checkpoint_every and self.step % c.checkpoint_every == 0:
-                last_checkpoint = self.checkpoint()
-        bar.close()
+        # log lines (malformed data, epochs) are written above the bar, not into it
+        with _logging_above(bar):
+            while self.step < c.steps:
+                item = next(batches, None)
+                if item is None:
+                    break
+                if item[0] != epoch:
+                    if epoch is not None and self.rank == 0:
+                        log.info("epoch %d of %s begins at step %d", item[0], c.data, self.step + 1)
+                    epoch = item[0]
+                b = item[1].to(self.device, non_blocking=True)
+                loss = self._loss(self.model(b.dense, b.sparse), b.labels)
+                loss.backward()  # the sharded tables are updated inside backward
+                self.dense_optimizer.step()
+                self.dense_optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                self.next_batch += 1
+                self.losses.append(float(loss.detach()))
+                seen += len(b) * self.world_size
+                rate = seen / max(time.perf_counter() - started, 1e-9)
+                bar.update(1)
+                postfix = {"loss": f"{self.losses[-1]:.4f}", "samples_per_s": f"{rate:.0f}"}
+                bar.set_postfix(refresh=False, **(postfix if epoch is None else {**postfix, "epoch": epoch}))
+                if c.eval_every and self.step % c.eval_every == 0:
+                    evals.append({"step": self.step, **self.evaluate()})
+                    if show:
+                        bar.write(f"step {self.step}: eval {evals[-1]}")
+                if c.checkpoint_every and self.step % c.checkpoint_every == 0:
+                    last_checkpoint = self.checkpoint()
+            bar.close()
         train_seconds = time.perf_counter() - started
         save_started = time.perf_counter()
         if last_checkpoint is None or not last_checkpoint.name.endswith(f"{self.step:08d}"):
@@ -296,26 +239,22 @@ class _Trainer:
             "evals": evals,
             "final_eval": final_eval,
             "checkpoint": str(last_checkpoint),
+            "epochs": epoch,  # the data file's pass the run ended in (None: synthetic data)
             "samples_per_s": seen / max(train_seconds, 1e-9),
             "final_save_seconds": save_seconds,
             "load_seconds": self.load_seconds,
         }
 
 
-def _repeat(reader):
-    while True:
+def _repeat(reader) -> Iterator[Tuple[int, Batch]]:
+    """(epoch, batch) over ``reader`` read again and again: epoch 1, 2, ..."""
+    for epoch in itertools.count(1):
         yielded = False
         for b in reader:
             yielded = True
-            yield b
+            yield epoch, b
         if not yielded:
             raise ValueError(f"{reader.path} gives no batch")
-
-
-def _skip(it, n: int):
-    for i, b in enumerate(it):
-        if i >= n:
-            yield b
 
 
 class _NoBar:
@@ -333,6 +272,15 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
 
+def _logging_above(bar: Any) -> Any:
+    """While a tqdm bar shows, the console log handlers write through tqdm.write (above the bar)."""
+    if isinstance(bar, _NoBar):
+        return nullcontext()
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    return logging_redirect_tqdm()
+
+
 # ---------------------------------------------------------------------------
 # entry points
 # ---------------------------------------------------------------------------
@@ -347,7 +295,10 @@ def train(config: TrainConfig) -> Dict[str, Any]:
 
 def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out: str) -> None:
     """One local rank; spawned ranks are separate processes, a single rank runs in this one."""
-    if world_size > 1:
+    if world_size > 1:  # a spawned process: its log lines look like the parent's
+        from recship.logs import configure_logging
+
+        configure_logging(config.log_format)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
         os.environ["LOCAL_RANK"] = str(rank)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -405,89 +356,8 @@ def _check_run_folder(config: TrainConfig, delete: bool) -> None:
     if not config.overwrite:
         raise ValueError(
             f"{config.out} already holds checkpoints (newest: {newest.name}); pass --resume to continue them "
-            "or --overwrite to delete them and start over"
+            "or --overwrite to delete them and start over (resume=True or overwrite=True in TrainConfig)"
         )
     if delete:
         shutil.rmtree(root)
         print(f"--overwrite: deleted the checkpoints in {root}", flush=True)
-
-
-def _json_object(text: str) -> Dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML or JSON file with TrainConfig fields (flags override it)")
-    defaults = TrainConfig()
-    for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        value = getattr(defaults, f.name)
-        if isinstance(value, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=f"(default {value})")
-        elif isinstance(value, dict):
-            parser.add_argument(flag, type=_json_object, default=None, help="a JSON object (default {})")
-        elif isinstance(value, list):
-            parser.add_argument(flag, type=int, nargs="+", default=None, help=f"(default {value[:4]}{'...' if len(value) > 4 else ''})")
-        else:
-            kind = float if isinstance(value, float) else int if isinstance(value, int) else str
-            parser.add_argument(flag, type=kind, default=None, help=f"(default {value})")
-
-
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values: Dict[str, Any] = {}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        text = path.read_text()
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text) or {}
-        else:
-            values = json.loads(text)
-        unknown = sorted(set(values) - {f.name for f in fields(TrainConfig)})
-        if unknown:
-            raise ValueError(f"{path}: unknown fields {unknown}")
-    for f in fields(TrainConfig):
-        v = getattr(args, f.name, None)
-        if v is not None:
-            values[f.name] = v
-    return TrainConfig(**values)
-
-
-def run(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    summary = launch(config)
-    if summary["rank"] != 0:
-        return 0
-    done = summary["steps_this_run"]
-    if done == 0:
-        print(f"nothing to train: the run is already at step {summary['steps']} (--steps {config.steps}); checkpoint {summary['checkpoint']}")
-        return 0
-    final = summary["final_eval"]
-    first = sum(summary["losses"][:10]) / max(1, len(summary["losses"][:10]))
-    last = sum(summary["losses"][-10:]) / max(1, len(summary["losses"][-10:]))
-    print(
-        f"trained {done} steps (steps {summary['steps'] - done + 1}-{summary['steps']}) on {summary['world_size']} rank(s): "
-        f"loss {first:.4f} -> {last:.4f} (mean of first/last 10 steps), "
-        + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}, " if final else "")
-        + f"{summary['samples_per_s']:.0f} samples/s; checkpoint {summary['checkpoint']}"
-    )
-    return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="recship.trainer", description="Train a DLRM with sharded embedding tables.")
-    add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"recship train: error: {e}", file=sys.stderr)
-        return 2

@@ -88,9 +88,23 @@ struct Histogram {
   json to_json() const { return {{"bounds", *bounds}, {"counts", counts}, {"sum", sum}}; }
 };
 
+// A count and a total in nanoseconds: Triton's StatisticDuration.
+struct Duration {
+  int64_t count = 0, ns = 0;
+  void add(int64_t n, double seconds) {
+    count += n;
+    ns += static_cast<int64_t>(seconds * 1e9) * n;
+  }
+  json to_json() const { return {count, ns}; }
+};
+
+// One served version's counts: the Prometheus histograms and Triton's ModelStatistics (serving/metrics.py ModelStats).
 struct ModelStats {
   Histogram latency, queue, compute, batch{kBatchBuckets};
   int64_t ids = 0;
+  Duration success, fail, queued, computed;
+  int64_t inference_count = 0, execution_count = 0, last_inference_ms = 0;
+  std::map<int64_t, Duration> batches;  // examples per forward -> (forwards, compute ns)
 };
 
 class Stats {
@@ -98,31 +112,50 @@ class Stats {
   void request(const std::string& model, int64_t version, const std::string& status, double seconds) {
     std::lock_guard<std::mutex> lock(mu_);
     requests_[{model, version, status}] += 1;
-    models_[model].latency.observe(seconds);
+    ModelStats& m = models_[{model, version}];
+    m.latency.observe(seconds);
+    (status == "OK" ? m.success : m.fail).add(1, seconds);
   }
-  void batch(const std::string& model, int64_t examples, const std::vector<double>& queue_s, double compute_s, int64_t ids) {
+  void batch(const std::string& model, int64_t version, int64_t examples, const std::vector<double>& queue_s, double compute_s,
+             int64_t ids) {
     std::lock_guard<std::mutex> lock(mu_);
-    ModelStats& m = models_[model];
+    ModelStats& m = models_[{model, version}];
     m.batch.observe(static_cast<double>(examples));
     m.compute.observe(compute_s);
-    for (double q : queue_s) m.queue.observe(q);
+    for (double q : queue_s) {
+      m.queue.observe(q);
+      m.queued.add(1, q);
+    }
+    m.computed.add(static_cast<int64_t>(queue_s.size()), compute_s);
     m.ids += ids;
+    m.inference_count += examples;
+    m.execution_count += 1;
+    m.last_inference_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::system_clock::now().time_since_epoch()).count();
+    m.batches[examples].add(1, compute_s);
   }
   json to_json() {
     std::lock_guard<std::mutex> lock(mu_);
-    json requests = json::array(), models = json::object();
+    json requests = json::array(), models = json::array();
     for (const auto& [key, n] : requests_)
       requests.push_back({{"model", std::get<0>(key)}, {"version", std::get<1>(key)}, {"status", std::get<2>(key)}, {"count", n}});
-    for (const auto& [name, m] : models_)
-      models[name] = {{"latency", m.latency.to_json()}, {"queue", m.queue.to_json()}, {"compute", m.compute.to_json()},
-                      {"batch", m.batch.to_json()}, {"ids", m.ids}};
+    for (const auto& [key, m] : models_) {
+      json batches = json::array();
+      for (const auto& [size, d] : m.batches) batches.push_back({size, d.count, d.ns});
+      models.push_back({{"model", key.first}, {"version", key.second}, {"latency", m.latency.to_json()},
+                        {"queue", m.queue.to_json()}, {"compute", m.compute.to_json()}, {"batch", m.batch.to_json()},
+                        {"ids", m.ids}, {"success", m.success.to_json()}, {"fail", m.fail.to_json()},
+                        {"queued", m.queued.to_json()}, {"computed", m.computed.to_json()},
+                        {"inference_count", m.inference_count}, {"execution_count", m.execution_count},
+                        {"last_inference_ms", m.last_inference_ms}, {"batches", batches}});
+    }
     return {{"requests", requests}, {"models", models}};
   }
 
  private:
   std::mutex mu_;
   std::map<std::tuple<std::string, int64_t, std::string>, int64_t> requests_;
-  std::map<std::string, ModelStats> models_;
+  std::map<std::pair<std::string, int64_t>, ModelStats> models_;
 };
 
 // -- the served versions ---------------------------------------------------------------------------------------------
@@ -564,7 +597,7 @@ void Batcher::run(const std::vector<Call*>& batch) {
     examples += call->prepared().batch_size;
     ids += static_cast<int64_t>(call->prepared().ids.size());
   }
-  front_->stats.batch(name, examples, waits, compute, ids);
+  front_->stats.batch(name, version, examples, waits, compute, ids);
   for (size_t i = 0; i < live.size(); ++i) live[i]->answer(outputs[i], name, version);
 }
 

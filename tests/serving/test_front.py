@@ -194,7 +194,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(cpp, model):
             requests.append(r)
             want.append(w)
     logits = np.array([w["logit"][0, 0] for w in want])
-    before, python_before = _scrape(cpp), _python_count(cpp)
+    before, python_before, stats_before = _scrape(cpp), _python_count(cpp), cpp.metrics.stats("dlrm", "1")
     start = threading.Barrier(threads)
     with PredictClient(f"127.0.0.1:{cpp.port}") as client:
 
@@ -215,13 +215,19 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(cpp, model):
     after = _scrape(cpp)
     assert _ok(after) - _ok(before) == len(requests)  # exactly the requests sent, merged into the same family
     assert _python_count(cpp) == python_before
-    forwards = _sample(after, "recship_batch_examples_count", model="dlrm") - _sample(before, "recship_batch_examples_count", model="dlrm")
-    examples = _sample(after, "recship_batch_examples_sum", model="dlrm") - _sample(before, "recship_batch_examples_sum", model="dlrm")
-    single = (_sample(after, "recship_batch_examples_bucket", model="dlrm", le="1.0")
-              - _sample(before, "recship_batch_examples_bucket", model="dlrm", le="1.0"))
+    forwards = _sample(after, "recship_batch_examples_count", model="dlrm", version="1") - _sample(before, "recship_batch_examples_count", model="dlrm", version="1")
+    examples = _sample(after, "recship_batch_examples_sum", model="dlrm", version="1") - _sample(before, "recship_batch_examples_sum", model="dlrm", version="1")
+    single = (_sample(after, "recship_batch_examples_bucket", model="dlrm", version="1", le="1.0")
+              - _sample(before, "recship_batch_examples_bucket", model="dlrm", version="1", le="1.0"))
     assert examples == len(requests)  # every example ran exactly once
     assert forwards < len(requests)
     assert single < forwards  # some forward held more than one request's example (each request has one)
+    # Triton's statistics (ModelStatistics) include what the front served, and agree with the metrics
+    stats = cpp.metrics.stats("dlrm", "1")
+    assert stats.success[0] - stats_before.success[0] == len(requests)
+    assert stats.inference_count - stats_before.inference_count == examples
+    assert stats.execution_count - stats_before.execution_count == forwards
+    assert sum(n for n, _ in stats.batches.values()) == stats.execution_count
 
 
 def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo, model):
@@ -238,8 +244,8 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
                 time.sleep(0.03)
             answers = [outputs_of(f.result()) for f in futures]
         after = _scrape(server)
-        assert _sample(after, "recship_batch_examples_count", model="dlrm") - _sample(before, "recship_batch_examples_count", model="dlrm") == 1
-        assert _sample(after, "recship_batch_examples_sum", model="dlrm") - _sample(before, "recship_batch_examples_sum", model="dlrm") == 16
+        assert _sample(after, "recship_batch_examples_count", model="dlrm", version="1") - _sample(before, "recship_batch_examples_count", model="dlrm", version="1") == 1
+        assert _sample(after, "recship_batch_examples_sum", model="dlrm", version="1") - _sample(before, "recship_batch_examples_sum", model="dlrm", version="1") == 16
         whole = _in_process(model, *_concat(requests))
         row = 0
         for r, got in zip(requests, answers):

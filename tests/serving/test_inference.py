@@ -8,7 +8,7 @@ import pytest
 from recship.serving.batcher import DeadlineExpired, QueueFull, Unloaded, WorkerDied
 from recship.serving.grpc_status import CODES
 from recship.serving.inference import MAX_MESSAGE_CHARS, ClientTimeout, ErrorKind, Overloaded, error_of
-from recship.serving.repository import ModelNotFound
+from recship.serving.repository import ControlRefused, ModelNotFound
 from recship.serving.requests import IdOutOfRange, InvalidRequest, RequestTooLarge
 from recship.serving.rest import HTTP_STATUS
 
@@ -26,6 +26,7 @@ CASES = [
     (asyncio.TimeoutError(), ErrorKind.DEADLINE, "DEADLINE_EXCEEDED", grpc.StatusCode.DEADLINE_EXCEEDED, 504),
     (ClientTimeout("slow body"), ErrorKind.CLIENT_TIMEOUT, "DEADLINE_EXCEEDED", grpc.StatusCode.DEADLINE_EXCEEDED, 408),
     (asyncio.CancelledError(), ErrorKind.CANCELLED, "CANCELLED", grpc.StatusCode.CANCELLED, 500),
+    (ControlRefused("polling"), ErrorKind.REFUSED, "FAILED_PRECONDITION", grpc.StatusCode.FAILED_PRECONDITION, 400),
     (KeyError("x"), ErrorKind.INTERNAL, "INTERNAL", grpc.StatusCode.INTERNAL, 500),
 ]
 

@@ -69,7 +69,7 @@ def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
 def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
     model, _ = open_artifact(repo / "dlrm" / "1")
     requests = [_request(100 + i, 1 + i % 7) for i in range(64)]
-    before = server.metrics.batch.labels("dlrm")._sum.get()
+    before = server.metrics.batch.labels("dlrm", "1")._sum.get()
     count_before = _histogram_count(server, "recship_batch_examples")
     with PredictClient(f"127.0.0.1:{server.port}") as client:
         start = threading.Barrier(64)
@@ -85,7 +85,7 @@ def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
         np.testing.assert_allclose(got["logit"], want["logit"], rtol=1e-5, atol=1e-6)
     forwards = _histogram_count(server, "recship_batch_examples") - count_before
     assert forwards < 64  # requests were merged into shared batches
-    assert server.metrics.batch.labels("dlrm")._sum.get() - before == sum(len(r[1]) for r in requests)
+    assert server.metrics.batch.labels("dlrm", "1")._sum.get() - before == sum(len(r[1]) for r in requests)
 
 
 def _histogram_count(server, name):
