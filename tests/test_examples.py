@@ -58,7 +58,11 @@ def test_sharded_training_example_trains_like_plain_torch_on_the_whole_batch(tmp
     args = ["examples/sharded_training.py", "--out", str(tmp_path), "--steps", str(steps), "--batch-size", str(batch),
             "--lr", str(lr), "--seed", str(seed)]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
-    result = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    try:
+        result = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=40)
+    except subprocess.TimeoutExpired as e:
+        print("TIMEOUT", e.stdout.decode()[-800:] if e.stdout else None, e.stderr.decode()[-3000:] if e.stderr else None)
+        raise
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == nproc and len(summary["losses"]) == steps

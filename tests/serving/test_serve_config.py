@@ -29,7 +29,7 @@ def test_every_flag_can_come_from_the_file_in_either_spelling(tmp_path):
         "http_port": 9003, "max-batch-size": 77, "max_delay_ms": 0.5, "batching": False, "max-queue": 9, "poll-interval": 0.7,
         "torch_threads": 1, "max-message-mb": 3.0, "max_inflight_mb": 5.0, "device": "cpu", "log-format": "text",
         "reflection": False, "model_format": "torchscript", "front": "cpp", "trusted-sha256": "allow.txt",
-        "tls-cert": "c.pem", "tls_key": "k.pem", "tls-client-ca": "ca.pem",
+        "tls-cert": "c.pem", "tls_key": "k.pem", "tls-client-ca": "ca.pem", "model-control": "explicit", "load_model": ["a", "b"],
     }
     assert {k.replace("-", "_") for k in values} == set(_flags()), "the test names every flag of recship serve"
     config = tmp_path / "serve.yaml"
@@ -61,6 +61,7 @@ def test_command_line_flags_override_the_file_and_defaults_fill_the_rest(tmp_pat
     ("batching: 'no'\n", "batching: --batching takes true or false, got 'no'"),
     ("- port\n", "expected a mapping of flags to values, got list"),
     ("port: [1, 2]\n", "port: --port takes an integer, got [1, 2]"),
+    ("model-control: manual\n", "model-control: --model-control must be one of poll, explicit, got 'manual'"),
     ("port: 1\n  bad indent: x\n", "not valid YAML"),
 ])
 def test_bad_files_are_refused_with_the_key_named(tmp_path, text, message):
