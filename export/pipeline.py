@@ -17,6 +17,7 @@ import ctypes
 import dataclasses
 import errno
 import functools
+import logging
 import os
 import re
 import shutil
@@ -44,6 +45,9 @@ from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
     from recship.trainer.dlrm import DLRMConfig
+
+log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
+
 
 class ExportError(ValueError):
     """The export cannot proceed; the message names the problem."""
@@ -758,8 +762,7 @@ def _wants_aoti(config: ExportConfig) -> bool:
         return False
     if config.format == "auto" and not compiler_available():
         if config.progress:
-            print("note: no C++ compiler found (or RECSHIP_AOTI=0): writing model.pt (TorchScript) only, no AOTInductor "
-                  "model.pt2", file=sys.stderr)
+            log.warning("no C++ compiler found (or RECSHIP_AOTI=0): writing model.pt (TorchScript) only, no AOTInductor model.pt2")
         return False
     import shutil
 

@@ -234,15 +234,14 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 def _route(method: str, path: str) -> Tuple[str, str, str, str]:
     """(metric method name, route, model, version) of a request, or RouteError (404 / 405)."""
-    fixed = {("GET", "/v2/health/live"): "live", ("GET", "/v2/health/ready"): "ready", ("GET", "/v2"): "server_metadata",
-             ("POST", "/v2/repository/index"): "repository_index"}
+    fixed = {"/v2/health/live": ("GET", "live"), "/v2/health/ready": ("GET", "ready"), "/v2": ("GET", "server_metadata"),
+             "/v2/repository/index": ("POST", "repository_index"), "/v2/models/stats": ("GET", "stats")}
     match = _MODEL.match(path)
     control = _CONTROL.match(path)
-    if (method, path) in fixed:
-        route, name, version = fixed[(method, path)], "", ""
-    elif path == "/v2/models/stats":
-        route, name, version = "stats", "", ""
-        if method != "GET":
+    if path in fixed:
+        allowed, route = fixed[path]
+        name, version = "", ""
+        if method != allowed:
             raise RouteError(405, f"{shown(method, 16)} is not allowed on {shown(path)}")
     elif control is not None:
         route, name, version = control.group(2), control.group(1), ""

@@ -311,3 +311,80 @@ def test_the_grafana_dashboard_charts_only_metrics_the_server_exports(repo, tmp_
         server.stop()
     assert used and used <= exported, sorted(used - exported)
     assert {"recship_queue_depth", "recship_model_ready", "recship_model_load_failures_total"} <= used
+
+
+# -- the REST repository routes under mutated input ----------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from serving_helpers import http_request  # noqa: E402
+
+_json = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=4),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+_body = st.one_of(
+    st.just(b""), st.just(b"  \n"), st.binary(max_size=16),
+    _json.map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(st.sampled_from(["ready", "parameters", "x"]), _json, max_size=2).map(lambda v: json.dumps(v).encode()),
+    st.dictionaries(st.sampled_from(["unload_dependents", "config", "x"]), _json, max_size=2)
+    .map(lambda p: json.dumps({"parameters": p}).encode()),
+)
+_route = st.one_of(
+    st.tuples(st.sampled_from(["POST", "GET", "PUT"]), st.just("index"), st.just("")),
+    st.tuples(st.sampled_from(["POST", "POST", "POST", "GET"]), st.sampled_from(["load", "unload"]),
+              st.sampled_from(["b", "broken", "nope", "-x", "A" * 200, "a.b"])),
+)
+
+
+def _expected(method: str, route: str, name: str, body: bytes, repo: Path) -> int:
+    """The HTTP status the repository routes must answer, worked out from the protocol, not from the server."""
+    if method != "POST":
+        return 405
+    doc: object = {}
+    if body.strip():
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return 400
+        if not isinstance(doc, dict):
+            return 400
+    assert isinstance(doc, dict)
+    if route == "index":
+        return 200 if isinstance(doc.get("ready", False), bool) else 400
+    parameters = doc.get("parameters", {})
+    if not isinstance(parameters, dict) or any(not (route == "unload" and k == "unload_dependents") for k in parameters):
+        return 400
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", name) or not (repo / name).is_dir():
+        return 404
+    return 400 if (route == "load" and name == "broken") else 200
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(route=_route, body=_body)
+def test_rest_repository_routes_mutated(explicit_module, repo, route, body):
+    """Any method, body and model name on the repository routes gets exactly the status the protocol says, and
+    model a (never named) keeps answering exactly meanwhile."""
+    server = explicit_module
+    method, kind, name = route
+    path = "/v2/repository/index" if kind == "index" else f"/v2/repository/models/{name}/{kind}"
+    status, _, answer = http_request(server.rest.port, method, path, body)
+    assert status == _expected(method, kind, name, body, repo), answer
+    doc = json.loads(answer)
+    if status == 200 and kind == "index":
+        assert {"name", "version", "state", "reason"} >= set().union(*[set(m) for m in doc])
+        assert ("a", "2", "READY") in {(m["name"], m["version"], m["state"]) for m in doc}
+    elif status != 200:
+        assert isinstance(doc["error"], str) and len(doc["error"]) <= 1100
+    if status == 200 and kind != "index":
+        assert (name in {s.name for s in server.repo.versions()}) == (kind == "load")
+    sparse, dense = _request(len(body))
+    got = Client("http", server).infer("a", sparse, dense)
+    np.testing.assert_array_equal(got["prob"], _in_process(repo / "a" / "2", sparse, dense)["prob"])
+
+
+@pytest.fixture(scope="module")
+def explicit_module(repo):
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1,
+                                 model_control="explicit", load_models=["a"]))
+    yield server
+    server.stop()
