@@ -28,6 +28,7 @@ from recship.export.artifact import Manifest
 from recship.serving import grpc_status
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
+from recship.serving.metrics import Metrics
 from recship.serving.repository import VERSION_NAME, ModelNotFound, ModelRepository, ServedVersion
 from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes, shown
 from recship.serving.v1 import kserve_descriptor
@@ -169,12 +170,12 @@ def model_config(served: ServedVersion) -> dict:
     Triton's schema has no field for: the batching switch, queue size, threads, file format, id policy per feature."""
     m, s = served.manifest, served.settings
     policy = s.version_policy
-    version_policy = ({"latest": {"num_versions": policy[1]}} if policy[0] == "latest" else {"all": {}} if policy[0] == "all"
+    version_policy: Dict[str, Any] = ({"latest": {"num_versions": policy[1]}} if policy[0] == "latest" else {"all": {}} if policy[0] == "all"
                       else {"specific": {"versions": list(policy[1])}})
     parameters = {"batching": str(s.batching).lower(), "max_queue": str(s.max_queue),
                   "torch_threads": str(s.torch_threads or "auto"), "format": served.format,
                   **{f"id_policy.{f.name}": ("modulo" if served.spec.modulo[f.name] else "reject") for f in m.sparse_features}}
-    config = {
+    config: Dict[str, Any] = {
         "name": served.name,
         "platform": PLATFORM,
         "backend": "recship",
@@ -191,7 +192,7 @@ def model_config(served: ServedVersion) -> dict:
     return config
 
 
-def model_statistics(repo: ModelRepository, metrics, name: str, version: str) -> dict:
+def model_statistics(repo: ModelRepository, metrics: Metrics, name: str, version: str) -> dict:
     """Triton's ModelStatisticsResponse as JSON: the served versions of model ``name`` ("": of every model), or its
     ``version``; ModelNotFound if that is not served. Counts cover requests since the server started, the C++
     front's included."""

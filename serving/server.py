@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import shutil
 import signal
