@@ -178,8 +178,10 @@ def test_cli_repo_mode_reaches_the_config(tmp_path, monkeypatch):
 
     seen = []
     monkeypatch.setattr(cli, "export_model", lambda source, config: seen.append((source, config)))
-    assert main(["export", "ckpt", "--repo", str(tmp_path), "--name", "dlrm", "--dtype", "int4"]) == 0
-    assert main(["export", "ckpt", "--out", str(tmp_path / "a")]) == 0
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()  # the CLI refuses a missing checkpoint before it loads torch
+    assert main(["export", str(ckpt), "--repo", str(tmp_path), "--name", "dlrm", "--dtype", "int4"]) == 0
+    assert main(["export", str(ckpt), "--out", str(tmp_path / "a")]) == 0
     (_, repo_mode), (_, out_mode) = seen
     assert (repo_mode.repo, repo_mode.out, repo_mode.model_name, repo_mode.dtype) == (str(tmp_path), None, "dlrm", "int4")
     assert (out_mode.repo, out_mode.model_name, out_mode.model_version) == (None, "model", 1)

@@ -1,0 +1,154 @@
+"""``recship train``: train a DLRM with sharded tables on one or more ranks, with checkpoints.
+
+    recship train --out runs/demo                         # 1 rank, synthetic data, defaults
+    recship train --out runs/demo --nproc-per-node 2      # spawns 2 local gloo ranks
+    torchrun --nproc-per-node 2 -m recship.trainer --out runs/demo
+    recship train --config train.yaml --resume            # YAML or JSON: TrainConfig's fields, as fields or flags
+
+The flags are TrainConfig's fields (recship.trainer.config); torch is imported when the run starts.
+"""
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+from typing import Any, Dict, List, Optional
+
+from recship.cli import FlagError, one_of, read_config_file
+from recship.trainer.config import CHOICES, HELP, TrainConfig, default_of
+
+
+def _json_object(text: str) -> Dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
+def _default_text(name: str) -> str:
+    value = default_of(name)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if name == "num_embeddings_per_feature" and len(set(value)) == 1:
+        return f"{value[0]} for each of the {len(value)} features"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def help_text(name: str) -> str:
+    """Field ``name``'s flag help: its sentence (lower-case, no full stop) and, unless it says it, the default."""
+    text = HELP[name].rstrip(".")
+    text = text[0].lower() + text[1:]  # argparse's style, as recship serve's flags
+    return text if "default" in text else f"{text} (default {_default_text(name)})"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML or JSON file of TrainConfig's fields, keys spelled as fields (batch_size) or "
+                                         "flags (batch-size); flags given on the command line override it (default: none)")
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        value = default_of(f.name)
+        kw: Dict[str, Any] = {"default": None, "help": help_text(f.name)}  # None: not given, the file or TrainConfig decides
+        if f.name in CHOICES:
+            names = CHOICES[f.name]
+            parser.add_argument(flag, type=one_of(names, f.name.replace("_", " ")), choices=names, **kw)
+        elif isinstance(value, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        elif isinstance(value, dict):
+            parser.add_argument(flag, type=_json_object, metavar="JSON", **kw)
+        elif isinstance(value, list):
+            parser.add_argument(flag, type=int, nargs="+", metavar="N", **kw)
+        else:
+            kind = float if isinstance(value, float) else int if isinstance(value, int) else str
+            parser.add_argument(flag, type=kind, **kw)
+
+
+def _checked(file: str, key: str, name: str, value: Any) -> Any:
+    """A config file's ``value`` for field ``name`` if it has the field's type, else a ValueError naming both."""
+    default = default_of(name)
+    kinds = {bool: "true or false", int: "an integer", float: "a number", list: "a list of integers (or one integer)",
+             dict: "a mapping", str: "a string"}
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        list: lambda v: isinstance(v, (int, list)) and not isinstance(v, bool),
+        dict: lambda v: isinstance(v, dict),
+        str: lambda v: isinstance(v, str),
+    }
+    kind = type(default) if default is not None else str
+    if value is not None and not ok[kind](value):
+        raise ValueError(f"--config {file}: {key} takes {kinds[kind]}, got {value!r}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed flags over a ``--config`` file's values over TrainConfig's defaults."""
+    names = [f.name for f in fields(TrainConfig)]
+    values: Dict[str, Any] = {}
+    if args.config:
+        given = read_config_file(args.config)
+        unknown = [key for key in given if str(key).replace("-", "_") not in names]
+        if unknown:
+            raise ValueError(f"--config {args.config}: unknown fields {unknown}; the keys are TrainConfig's fields, "
+                             f"spelled as fields or flags: {', '.join(n.replace('_', '-') for n in names)}")
+        for key, value in given.items():
+            name = str(key).replace("-", "_")
+            if name in values:
+                raise ValueError(f"--config {args.config}: {key!r} given twice (as {name} and {name.replace('_', '-')})")
+            values[name] = _checked(args.config, key, name, value)
+    for name in names:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    return TrainConfig(**values)
+
+
+def run(args: argparse.Namespace) -> int:
+    from recship.logs import configure_logging
+    from recship.trainer.train import launch  # torch, from here on
+
+    config = config_from_args(args)
+    configure_logging(config.log_format)
+    summary = launch(config)
+    if summary["rank"] != 0:
+        return 0
+    done = summary["steps_this_run"]
+    if done == 0:
+        print(f"nothing to train: the run is already at step {summary['steps']} (--steps {config.steps}); checkpoint {summary['checkpoint']}")
+        _print_curves(summary)
+        return 0
+    final = summary["final_eval"]
+    first = sum(summary["losses"][:10]) / max(1, len(summary["losses"][:10]))
+    last = sum(summary["losses"][-10:]) / max(1, len(summary["losses"][-10:]))
+    print(
+        f"trained {done} steps (steps {summary['steps'] - done + 1}-{summary['steps']}) on {summary['world_size']} rank(s): "
+        f"loss {first:.4f} -> {last:.4f} (mean of first/last 10 steps), "
+        + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}, " if final else "")
+        + (f"{summary['epochs']} epoch(s) of {config.data}, " if summary.get("epochs") else "")
+        + f"{summary['samples_per_s']:.0f} samples/s; checkpoint {summary['checkpoint']}"
+    )
+    _print_curves(summary)
+    return 0
+
+
+def _print_curves(summary: Dict[str, Any]) -> None:
+    if summary.get("curves"):
+        print(f"curves: {summary['curves']}")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m recship.trainer`` (what torchrun runs): the same as ``recship train``."""
+    parser = argparse.ArgumentParser(prog="recship train", description="Train a DLRM with sharded embedding tables.")
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except (ValueError, FileNotFoundError, FlagError) as e:
+        print(f"recship train: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,164 @@
+"""TrainConfig: everything a training run needs, filled by the CLI, YAML/JSON files and tests.
+
+This module imports neither torch nor the rest of the trainer, so ``recship train --help`` and
+argument errors answer at once; ``recship.trainer.train`` runs the config.
+"""
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+
+if TYPE_CHECKING:
+    from recship.trainer.dlrm import DLRMConfig
+
+# The names ``--optimizer``, ``--sharding`` and ``--device`` take: EmbOptimType's and ShardingType's
+# values, repeated here so that no enum module (and torch with it) is imported to list them;
+# tests/test_cli.py checks that they agree with the enums.
+OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb")
+CPU_OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")  # fbgemm's CPU kernels; the others need CUDA
+SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
+DEVICES = ("auto", "cpu", "cuda")
+LOG_FORMATS = ("text", "json")
+CRITEO_NUM_SPARSE = 26  # the built-in DLRM's categorical features (recship.trainer.dlrm.CRITEO_NUM_SPARSE)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; ``HELP`` below says what each field means.
+
+    ``num_embeddings_per_feature`` with one value (or a bare int) gives every one of the DLRM's 26
+    features that many rows. ``optimizer``, ``sharding`` and ``device`` take their names in either
+    case (``EXACT_SGD`` or ``exact_sgd``) and are stored lower-case.
+    """
+
+    out: str = "runs/recship"
+    steps: int = 300
+    batch_size: int = 256
+    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * CRITEO_NUM_SPARSE)
+    embedding_dim: int = 16
+    dense_arch: List[int] = field(default_factory=lambda: [64])
+    over_arch: List[int] = field(default_factory=lambda: [64, 32])
+    optimizer: str = "exact_rowwise_adagrad"
+    embedding_lr: float = 0.05
+    dense_lr: float = 0.05
+    sharding: Optional[str] = None
+    data: str = "synthetic"
+    eval_data: Optional[str] = None
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    resume: bool = False
+    overwrite: bool = False
+    keep_last: int = 0
+    seed: int = 0
+    model: Optional[str] = None
+    model_args: Dict[str, Any] = field(default_factory=dict)
+    nproc_per_node: int = 1
+    device: str = "auto"
+    progress: bool = True
+    plot: bool = True
+    log_format: str = "text"
+
+    def use_cuda(self) -> bool:
+        if self.device == "auto":
+            import torch
+
+            return torch.cuda.is_available()
+        return self.device == "cuda"
+
+    def model_config(self) -> "DLRMConfig":
+        """The built-in DLRM's DLRMConfig (imports torch)."""
+        from recship.trainer.dlrm import DLRMConfig
+
+        return DLRMConfig(
+            num_embeddings_per_feature=list(self.num_embeddings_per_feature),
+            embedding_dim=self.embedding_dim,
+            dense_arch=list(self.dense_arch),
+            over_arch=list(self.over_arch),
+        )
+
+    def __post_init__(self) -> None:
+        self.num_embeddings_per_feature = table_sizes(self.num_embeddings_per_feature)
+        if self.steps < 0 or self.batch_size < 1:
+            raise ValueError(f"--steps must be >= 0 and --batch-size >= 1, got {self.steps} and {self.batch_size}")
+        if self.model is not None and any(d is not None and d != "synthetic" and not _is_entry_point(d) for d in (self.data, self.eval_data)):
+            raise ValueError("--model trains on synthetic data sized from the model's tables or on a data function "
+                             "(--data package.module:function); Criteo TSV files feed the built-in DLRM only")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
+        if self.keep_last < 0:
+            raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
+        self.optimizer = name_in(self.optimizer, OPTIMIZERS, "optimizer")
+        self.device = name_in(self.device, DEVICES, "device")
+        self.log_format = name_in(self.log_format, LOG_FORMATS, "log format")
+        if self.sharding is not None:
+            self.sharding = name_in(self.sharding, SHARDINGS, "sharding")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+
+
+# Each field's help: a sentence, and TrainConfig's default is appended to it.
+HELP = {
+    "out": "The run folder: checkpoints go to OUT/checkpoints, each rank's summary to OUT/summary_rank<r>.json, "
+           "the loss and eval history to OUT/history.jsonl.",
+    "steps": "Train until this global step; with --resume, the steps already done count.",
+    "batch_size": "Examples per rank per step.",
+    "num_embeddings_per_feature": "Rows of each sparse feature's table, one value per feature; one value gives every one of "
+                                  f"the DLRM's {CRITEO_NUM_SPARSE} features that many rows.",
+    "embedding_dim": "Width of every embedding table and of the dense arch's output (a multiple of 4).",
+    "dense_arch": "Hidden widths of the DLRM's dense MLP.",
+    "over_arch": "Hidden widths of the DLRM's over MLP (its output is one logit).",
+    "optimizer": "The fused embedding optimizer, in either case; on CPU only " + ", ".join(CPU_OPTIMIZERS) + " run.",
+    "embedding_lr": "Learning rate of the fused embedding optimizer.",
+    "dense_lr": "Learning rate of the dense layers' Adagrad.",
+    "sharding": "Shard every table this way, in either case (default: the planner picks per table).",
+    "data": "Training data: synthetic, a Criteo TSV file (repeated epoch after epoch), or a data function package.module:function.",
+    "eval_data": "Evaluation data of the same kinds (default: synthetic data's own held-out stream; none for a file).",
+    "eval_every": "Evaluate log loss and AUC every this many steps; 0 evaluates at the end only.",
+    "eval_batches": "Batches per rank in each evaluation.",
+    "checkpoint_every": "Save a checkpoint every this many steps; 0 saves at the end only.",
+    "resume": "Continue from the newest complete checkpoint in OUT/checkpoints.",
+    "overwrite": "Delete OUT/checkpoints and start over (a run refuses to train over checkpoints without --resume or this).",
+    "keep_last": "Keep only the newest N checkpoints; 0 keeps all.",
+    "seed": "Random seed of the model's initialisation and of synthetic data.",
+    "model": "The model to train, an entry point package.module:factory (default: the built-in DLRM shaped by the flags above).",
+    "model_args": "Keyword arguments of --model's factory, a JSON object.",
+    "nproc_per_node": "Local ranks to spawn (gloo on CPU, nccl on CUDA); under torchrun the launcher decides.",
+    "device": "Where ranks train: cuda puts rank r on cuda:r of its host, auto picks cuda when torch sees one.",
+    "progress": "Show rank 0's progress bar (step, loss, samples/s, epoch) and the final summary.",
+    "plot": "Draw OUT/curves.png (train loss, eval log loss and AUC per step, over the whole run across resumes) at each "
+            "evaluation and at the end; it needs matplotlib (pip install 'recship[plots]'), without which a run warns once.",
+    "log_format": "Log lines (warnings, epochs) as text (time, level, logger, message) or json (one object per line, "
+                  "as recship serve writes them).",
+}
+
+CHOICES = {"optimizer": OPTIMIZERS, "sharding": SHARDINGS, "device": DEVICES, "log_format": LOG_FORMATS}
+
+
+def default_of(name: str) -> Any:
+    """TrainConfig's default for field ``name``, without building a TrainConfig."""
+    f = next(f for f in fields(TrainConfig) if f.name == name)
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
+def name_in(value: Any, names: "tuple[str, ...]", what: str) -> str:
+    """``value`` lower-cased if it is one of ``names`` (given in either case), else a ValueError listing them."""
+    if not isinstance(value, str) or value.lower() not in names:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(names)} (either case)")
+    return value.lower()
+
+
+def table_sizes(value: Union[int, List[int]]) -> List[int]:
+    """Rows per sparse feature: one value (an int or a one-element list) is every DLRM feature's size."""
+    sizes = [value] if isinstance(value, int) else list(value)
+    if not sizes or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in sizes):
+        raise ValueError(f"--num-embeddings-per-feature takes positive integers, got {value!r}")
+    return sizes * CRITEO_NUM_SPARSE if len(sizes) == 1 else sizes
+
+
+def _is_entry_point(data: str) -> bool:
+    from recship.trainer.data import is_entry_point  # with torch: only a run with --model asks
+
+    return is_entry_point(data)
