@@ -201,7 +201,7 @@ def export_any_model(
 
     def quantize(target: nn.Module, weights=None, on_table=None):
         return quantize_embeddings(  # in place: ``target`` is this export's own model
-            target, inplace=True, weights=weights, on_table=on_table, dtype=config.dtype, per_table=dict(config.table_dtypes),
+            target, inplace=True, weights=weights, on_table=on_table, dtype=config.dtype, table_dtypes=dict(config.table_dtypes),
             error_budget=config.error_budget or 0.01, error_minimizing=config.error_minimizing,
             id_policy=dict(config.id_policy), seed=config.seed,
         )

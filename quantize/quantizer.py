@@ -1,11 +1,10 @@
 """Quantize a float EmbeddingBagCollection, table by table, with an error report.
 
-    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4",
-                                                                      per_table={"small": "fp16"}))
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int4", table_dtypes={"small": "fp16"}))
     print(report)                      # per table: type, bytes before/after, row and pooled errors
     report.to_json()                   # what the export manifest carries
 
-``data_type="auto"`` picks, per table, the smallest type whose measured error (on a
+``dtype="auto"`` picks, per table, the smallest type whose measured error (on a
 sample of the table's rows and on sample pooled lookups) stays within
 ``error_budget``. Rows are processed ``chunk_rows`` at a time, so tables of any
 size quantize with bounded extra memory.
@@ -22,7 +21,7 @@ and quantizes them straight into inference shards):
 import copy
 import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
 import torch
@@ -62,8 +61,9 @@ class QuantConfig:
     """How to quantize.
 
     Args:
-        data_type: the default for every table: a DataType, its name, or "auto" (default INT8).
-        per_table: table name -> type (or "auto"), overriding the default.
+        dtype: the default for every table: a DataType, its name, or "auto" (default INT8); the
+            same name as ``recship export --dtype`` and ExportConfig.dtype.
+        table_dtypes: table name -> type (or "auto"), overriding the default (``--table-dtype``).
         error_budget: for "auto", the largest acceptable relative error.
         error_minimizing: for INT4/INT2, search clipping ranges per row (never worse
             than min/max on any row).
@@ -76,17 +76,20 @@ class QuantConfig:
         activation, weight, per_table_weight_dtype: TorchRec's way to say the same
             (``QuantConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
             weight=PlaceholderObserver.with_args(dtype=torch.int8))``): observer factories
-            whose dtypes give the output type (float32 only) and ``data_type``, and
-            table -> torch dtype entries for ``per_table`` (``DataType.from_quant_dtype``).
+            whose dtypes give the output type (float32 only) and ``dtype``, and
+            table -> torch dtype entries for ``table_dtypes`` (``DataType.from_quant_dtype``).
             Pass them by keyword; a type they give must agree with one given directly.
+        data_type, per_table: the earlier names of ``dtype`` and ``table_dtypes``, still accepted
+            as keywords (and readable as attributes); giving both spellings with different values
+            is a ValueError.
     """
 
     # torch's quantize_dynamic treats a qconfig with ``_fields == ("activation", "weight")``
     # as its own QConfig namedtuple and rebuilds it; anything else is passed through untouched
     _fields: ClassVar[Tuple[str, ...]] = ()  # set below to the field names, as a namedtuple's
 
-    data_type: Union[str, DataType, None] = None
-    per_table: Dict[str, Union[str, DataType]] = field(default_factory=dict)
+    dtype: Union[str, DataType, None] = None
+    table_dtypes: Dict[str, Union[str, DataType]] = field(default_factory=dict)
     error_budget: float = 0.01
     error_minimizing: bool = True
     device: str = "cpu"
@@ -100,20 +103,32 @@ class QuantConfig:
     activation: Optional[Callable[[], Any]] = None
     weight: Optional[Callable[[], Any]] = None
     per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
+    data_type: InitVar[Union[str, DataType, None]] = None  # the earlier name of dtype
+    per_table: InitVar[Optional[Dict[str, Union[str, DataType]]]] = None  # the earlier name of table_dtypes
 
-    def __post_init__(self) -> None:
-        if callable(self.data_type) and not isinstance(self.data_type, (str, DataType)):
+    def __post_init__(self, data_type: Union[str, DataType, None], per_table: Optional[Dict[str, Union[str, DataType]]]) -> None:
+        if data_type is not None:
+            if self.dtype is not None and self.dtype != data_type:
+                raise ValueError(f"dtype={self.dtype!r} and data_type={data_type!r} (its earlier name) disagree; give one "
+                                 "(dataclasses.replace changing dtype: pass data_type=None too)")
+            self.dtype = data_type
+        if per_table is not None:
+            if self.table_dtypes and self.table_dtypes != per_table:
+                raise ValueError("table_dtypes and per_table (its earlier name) disagree; give one "
+                                 "(dataclasses.replace changing table_dtypes: pass per_table=None too)")
+            self.table_dtypes = dict(per_table)
+        if callable(self.dtype) and not isinstance(self.dtype, (str, DataType)):
             raise TypeError(
-                "QuantConfig's first argument is data_type; pass TorchRec's observers by keyword: "
+                "QuantConfig's first argument is dtype; pass TorchRec's observers by keyword: "
                 "QuantConfig(activation=..., weight=...)"
             )
-        data_type = None if self.data_type is None else _parse_type(self.data_type, "data_type")
+        parsed = None if self.dtype is None else _parse_type(self.dtype, "dtype")
         if self.weight is not None:
             from_weight = _observed_type(_observer_dtype(self.weight, "weight"), "weight")
-            if data_type is not None and data_type != from_weight:
-                raise ValueError(f"data_type {_name(data_type)} disagrees with the weight observer's {_name(from_weight)}")
-            data_type = from_weight
-        self.data_type = DataType.INT8 if data_type is None else data_type
+            if parsed is not None and parsed != from_weight:
+                raise ValueError(f"dtype {_name(parsed)} disagrees with the weight observer's {_name(from_weight)}")
+            parsed = from_weight
+        self.dtype = DataType.INT8 if parsed is None else parsed
         if self.activation is not None:
             out = _observer_dtype(self.activation, "activation")
             if out != torch.float32:
@@ -121,12 +136,12 @@ class QuantConfig:
                     f"activation dtype {out}: recship's quantized collections output float32 only; "
                     "use PlaceholderObserver.with_args(dtype=torch.float)"
                 )
-        self.per_table = {t: _parse_type(v, f"table {t!r}") for t, v in self.per_table.items()}
+        self.table_dtypes = {t: _parse_type(v, f"table {t!r}") for t, v in self.table_dtypes.items()}
         for t, dtype in (self.per_table_weight_dtype or {}).items():
             dt = _observed_type(dtype, f"per_table_weight_dtype[{t!r}]")
-            if self.per_table.get(t, dt) != dt:
-                raise ValueError(f"table {t!r}: per_table says {_name(self.per_table[t])}, per_table_weight_dtype {_name(dt)}")
-            self.per_table[t] = dt
+            if self.table_dtypes.get(t, dt) != dt:
+                raise ValueError(f"table {t!r}: table_dtypes says {_name(self.table_dtypes[t])}, per_table_weight_dtype {_name(dt)}")
+            self.table_dtypes[t] = dt
         if self.error_budget <= 0:
             raise ValueError(f"error_budget must be > 0, got {self.error_budget}")
         if self.chunk_rows < 1:
@@ -141,6 +156,9 @@ class QuantConfig:
 
 # what torch's quantize_dynamic reads to tell a namedtuple QConfig (see the comment above)
 QuantConfig._fields = tuple(f.name for f in dataclasses.fields(QuantConfig))
+# the earlier names, readable as before (set after the class: the dataclass took their defaults as InitVars)
+QuantConfig.data_type = property(lambda self: self.dtype, doc="the earlier name of dtype")  # type: ignore[assignment]
+QuantConfig.per_table = property(lambda self: self.table_dtypes, doc="the earlier name of table_dtypes")  # type: ignore[assignment]
 
 
 def _observer_dtype(factory: Any, what: str) -> torch.dtype:
@@ -299,7 +317,7 @@ class BlockView:
 
 
 def choose_types(tables: Sequence[BaseEmbeddingConfig], weight: TableLoader, config: QuantConfig) -> Dict[str, TypeChoice]:
-    """Every table's stored type: ``config.per_table``, else ``config.data_type``.
+    """Every table's stored type: ``config.table_dtypes``, else ``config.dtype``.
 
     For "auto", the smallest of AUTO_CANDIDATES whose relative error on sample rows and
     sample pooled lookups of the float table stays within ``config.error_budget`` (else
@@ -307,19 +325,19 @@ def choose_types(tables: Sequence[BaseEmbeddingConfig], weight: TableLoader, con
     for auto tables, in ``tables`` order, so a streaming reader loads one table at a time.
     The sample of table ``tables[i]`` is seeded by ``config.seed`` and ``i``.
 
-    Raises ValueError when ``config.per_table`` names a table not in ``tables``.
+    Raises ValueError when ``config.table_dtypes`` names a table not in ``tables``.
     """
-    unknown = sorted(set(config.per_table) - {t.name for t in tables})
+    unknown = sorted(set(config.table_dtypes) - {t.name for t in tables})
     if unknown:
-        raise ValueError(f"per_table names tables the module does not have: {unknown}")
+        raise ValueError(f"table_dtypes names tables the module does not have: {unknown}")
     choices: Dict[str, TypeChoice] = {}
     for index, t in enumerate(tables):
-        choice = config.per_table.get(t.name, config.data_type)
+        choice = config.table_dtypes.get(t.name, config.dtype)
         if choice == AUTO:
             data_type, trials = _choose_auto(t, weight(t.name), config, index)
             choices[t.name] = TypeChoice(data_type, "auto", trials)
         elif isinstance(choice, DataType):
-            choices[t.name] = TypeChoice(choice, "per_table" if t.name in config.per_table else "default")
+            choices[t.name] = TypeChoice(choice, "per_table" if t.name in config.table_dtypes else "default")
         else:  # QuantConfig parses every type when built; this one was set on it afterwards
             raise TypeError(f"table {t.name!r}: type {choice!r} is neither a DataType nor {AUTO!r}")
     return choices
@@ -472,7 +490,7 @@ def _quantize(
 def quantize_embeddings(
     module: nn.Module,
     dtype: Union[str, DataType, None] = None,
-    per_table: Optional[Dict[str, Union[str, DataType]]] = None,
+    table_dtypes: Optional[Dict[str, Union[str, DataType]]] = None,
     inplace: bool = False,
     weights: Optional[Callable[[str, str], torch.Tensor]] = None,
     on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
@@ -485,7 +503,7 @@ def quantize_embeddings(
             ModuleDicts too), several, weighted or not. A collection reached by two paths
             (shared between towers) is quantized once and both paths get the same module.
         dtype: every table's type (a DataType, its name, or "auto"); default INT8.
-        per_table: table -> type, overriding ``dtype``. A key is a table name, or
+        table_dtypes: table -> type, overriding ``dtype`` (``per_table=``, its earlier name, works too). A key is a table name, or
             "<collection path>.<table>" where two collections have a table of that name.
         inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
         weights: ``weights(collection path, table)`` loads an EmbeddingBagCollection table's
@@ -512,14 +530,14 @@ def quantize_embeddings(
         collections.setdefault(id(m), (path, m))
     tables = {key: _configs(m) for key, (_, m) in collections.items()}
     id_policy: Dict[str, str] = options.pop("id_policy", None) or {}
-    config = QuantConfig(data_type=dtype, per_table=dict(per_table or {}), **options)
-    assigned = _assign(config.per_table, "per_table", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
+    config = QuantConfig(dtype=dtype, table_dtypes=dict(table_dtypes or {}), **options)
+    assigned = _assign(config.table_dtypes, "table_dtypes", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
     policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
     reports: List[TableReport] = []
     swapped: Dict[int, nn.Module] = {}
     for key, (path, m) in collections.items():
-        # per_table_weight_dtype is already in config.per_table, and split among the collections
-        sub = dataclasses.replace(config, per_table=assigned[key], per_table_weight_dtype=None, id_policy=policies[key])
+        # per_table_weight_dtype is already in config.table_dtypes, and split among the collections
+        sub = dataclasses.replace(config, table_dtypes=assigned[key], per_table=None, per_table_weight_dtype=None, id_policy=policies[key])
         if isinstance(m, EmbeddingBagCollection):
             load = None if weights is None else (lambda name, path=path: weights(path, name))
             hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
@@ -579,7 +597,7 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
         qconfig,
         device=str(next(iter(devices))),
         row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
-        per_table={t: v for t, v in qconfig.per_table.items() if t in names or t not in shared},
+        table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared}, per_table=None,
         per_table_weight_dtype=None,
     )
     if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)

@@ -229,8 +229,25 @@ def test_config_errors():
         QuantConfig(data_type="bf16")
     with pytest.raises(ValueError, match="unknown data type 'int3'"):
         QuantConfig(data_type="int3")
-    with pytest.raises(ValueError, match="per_table names tables the module does not have"):
+    with pytest.raises(ValueError, match="table_dtypes names tables the module does not have"):
         quantize_embedding_bag_collection(_ebc(), QuantConfig(per_table={"nope": "int8"}))
+
+
+def test_dtype_and_table_dtypes_are_the_names_and_the_earlier_ones_still_work():
+    """QuantConfig speaks ExportConfig's and the CLI's names (dtype, table_dtypes); data_type / per_table are aliases."""
+    new = QuantConfig(dtype="int4", table_dtypes={"t0": "fp16"})
+    old = QuantConfig(data_type="int4", per_table={"t0": "fp16"})
+    assert (new.dtype, new.table_dtypes) == (old.dtype, old.table_dtypes) == (DataType.INT4, {"t0": DataType.FP16})
+    assert (old.data_type, old.per_table) == (DataType.INT4, {"t0": DataType.FP16})  # still readable
+    assert QuantConfig("int2").dtype == DataType.INT2  # first positional argument
+    with pytest.raises(ValueError, match="dtype='int8' and data_type='int4'"):
+        QuantConfig(dtype="int8", data_type="int4")
+    with pytest.raises(ValueError, match="table_dtypes and per_table"):
+        QuantConfig(table_dtypes={"t0": "int8"}, per_table={"t0": "int4"})
+    q_new, r_new = quantize_embedding_bag_collection(_ebc(), new)
+    q_old, r_old = quantize_embedding_bag_collection(_ebc(), old)
+    assert [(t.table, t.data_type) for t in r_new.tables] == [(t.table, t.data_type) for t in r_old.tables]
+    assert [t.data_type for t in r_new.tables] == ["FP16", "INT4", "INT4"]
 
 
 def test_quantized_embedding_collection_returns_each_ids_row():

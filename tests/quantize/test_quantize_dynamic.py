@@ -209,9 +209,9 @@ def test_bad_configs_are_refused_by_name():
         _qconfig(torch.bfloat16)
     with pytest.raises(ValueError, match="activation dtype torch.float16"):
         QuantConfig(activation=quant.PlaceholderObserver.with_args(dtype=torch.half), weight=quant.PlaceholderObserver.with_args(dtype=torch.int8))
-    with pytest.raises(ValueError, match="data_type INT4 disagrees with the weight observer's INT8"):
+    with pytest.raises(ValueError, match="dtype INT4 disagrees with the weight observer's INT8"):
         _qconfig(torch.int8, data_type="int4")
-    with pytest.raises(ValueError, match="table 't1': per_table says FP16, per_table_weight_dtype INT8"):
+    with pytest.raises(ValueError, match="table 't1': table_dtypes says FP16, per_table_weight_dtype INT8"):
         _qconfig(torch.int8, per_table={"t1": "fp16"}, per_table_weight_dtype={"t1": torch.qint8})
     with pytest.raises(ValueError, match="per_table_weight_dtype\\['t1'\\]"):
         _qconfig(torch.int8, per_table_weight_dtype={"t1": torch.uint8})

@@ -107,7 +107,7 @@ def test_bad_arguments_name_the_problem():
         quantize_embeddings(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"'t0' is in several collections; name one of \['user.ebc.t0', 'user.history.t0'\]"):
         quantize_embeddings(TwoTowers(), per_table={"t0": "int4"})
-    with pytest.raises(ValueError, match="per_table names 'nope'"):
+    with pytest.raises(ValueError, match="table_dtypes names 'nope'"):
         quantize_embeddings(TwoTowers(), per_table={"nope": "int4"})
     with pytest.raises(ValueError, match="id_policy names 'nope'"):
         quantize_embeddings(TwoTowers(), id_policy={"nope": "modulo"})
