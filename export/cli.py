@@ -100,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validate on this data: a Criteo TSV file (13 dense, 26 sparse features), or a "
                              "function(batch_size, rank, world_size) returning (dense, KeyedJaggedTensor, labels or None) "
                              "batches (default: synthetic batches drawn like the training run's)")
+    parser.add_argument("--plot", action=argparse.BooleanOptionalAction, default=None,
+                        help="put tables.png in the artifact: each table's bytes and quantization error as a chart; --plot "
+                             "makes a missing matplotlib (pip install 'recship[plots]') an error, --no-plot skips the chart "
+                             "(default: drawn when matplotlib is installed)")
     parser.add_argument("--log-format", default="text", type=one_of(LOG_FORMATS, "log format"), choices=LOG_FORMATS,
                         help="log lines as text (time, level, logger, message) or json (one object per line, as recship "
                              "serve writes them) (default text)")
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         eval_data=args.eval_data,
         format=args.format,
         target_isa=args.target_isa,
+        plot=args.plot,
     )
     with logging_redirect_tqdm():  # log lines go above the stage bar, not into it
         export_model(args.checkpoint, config)

@@ -1,10 +1,14 @@
-"""``recship inspect DIR``: the manifest as tables, the checksum, and the sample self-check."""
+"""``recship inspect DIR [--plot PNG]``: the manifest as tables, the checksum, the sample self-check,
+and on request the chart of its tables (recship/plots.py)."""
 
 import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="the exported artifact directory to describe and self-check (required)")
+    parser.add_argument("--plot", metavar="PNG",
+                        help="also write the chart of the artifact's tables (bytes and quantization error) to this PNG "
+                             "file; needs matplotlib, pip install 'recship[plots]' (default: no chart)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -13,6 +17,10 @@ def run(args: argparse.Namespace) -> int:
     from recship.export.pipeline import report_text
     from recship.trainer.text import text_table
 
+    if args.plot:
+        from recship.plots import require
+
+        require()  # before the report: a chart that cannot be drawn is the one-line error, not a trailing one
     model, m = open_artifact(args.artifact, check=False, format="torchscript")
     info, versions = m.model, m.versions
     print(f"model {info.name} version {info.version} ({info.kind}), format {m.format}")
@@ -24,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     s = m.sharding
     print(f"sharding: {s.num_devices} {s.device} device(s), row alignment {s.row_alignment}, {len(s.shards)} shards")
     print(report_text(m.to_dict()))
+    if args.plot:
+        from recship.plots import plot_artifact
+
+        print(f"chart: {plot_artifact(args.plot, m.to_dict())}")
     print("checksum: ok (sha256 matches the manifest)")
     worst = self_check(model, args.artifact, m)
     print(f"sample self-check: ok (model.pt, batch {m.sample.batch_size}, max abs difference {worst:.3g})")

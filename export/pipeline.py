@@ -57,6 +57,7 @@ class ExportError(ValueError):
 # does not import serving, so they are repeated here and a test checks that they agree).
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 VERSION_NAME = re.compile(r"[0-9]{1,18}")
+TABLES_CHART = "tables.png"  # the artifact's optional chart of its tables (ExportConfig.plot)
 
 
 @dataclass
@@ -79,6 +80,10 @@ class ExportConfig:
         (loaders prefer it where it runs; model.pt stays as the fallback); "auto": both where a
         C++ compiler is present, else torchscript with a one-line note.
     target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
+    plot: whether the artifact also gets ``tables.png``, each table's bytes and quantization
+        error as a chart (recship/plots.py; a picture beside the contract's files, read by no
+        loader): False (default) none; True one, matplotlib missing being an error up front;
+        None one if matplotlib is installed, else a warning (``recship export`` without --plot).
     """
 
     out: Optional[str] = None
@@ -105,6 +110,7 @@ class ExportConfig:
     format: str = "auto"  # torchscript | aoti | both | auto (both where a C++ compiler is present)
     target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
     repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
+    plot: Optional[bool] = False  # tables.png in the artifact: False no, True yes (or an error), None if matplotlib is there
 
     def __post_init__(self) -> None:
         if (self.out is None) == (self.repo is None):
@@ -135,6 +141,10 @@ class ExportConfig:
             raise ExportError(str(e)) from None
         if self.error_budget is not None and self.error_budget <= 0:
             raise ExportError(f"error_budget must be > 0, got {self.error_budget}")
+        if self.plot is True:  # asked for: refuse now, not after the export's work
+            from recship.plots import require
+
+            require()
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig(
@@ -672,6 +682,13 @@ def write_artifact(
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
         manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti)
+        if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
+            from recship.plots import plot_artifact, plot_or_warn
+
+            if config.plot:
+                plot_artifact(tmp / TABLES_CHART, manifest.to_dict())
+            else:
+                plot_or_warn(plot_artifact, tmp / TABLES_CHART, manifest.to_dict())
         if config.repo is not None:
             def stamp(version: int) -> None:  # the manifest names the version folder it goes into
                 manifest.model.version = version
@@ -846,9 +863,12 @@ def _print_summary(manifest: Dict[str, Any], out: Path, config: ExportConfig) ->
         print(f"validation: error {v['error']:.3g}{extra}")
     if config.repo is not None:
         version = manifest["model"]["version"]
-        print(f"wrote {out / str(version)} (version {version})")
+        out = out / str(version)
+        print(f"wrote {out} (version {version})")
     else:
         print(f"artifact: {out}")
+    if (out / TABLES_CHART).is_file():
+        print(f"chart: {out / TABLES_CHART}")
 
 
 def report_text(manifest: Dict[str, Any]) -> str:

@@ -157,8 +157,8 @@ class QuantConfig:
 # what torch's quantize_dynamic reads to tell a namedtuple QConfig (see the comment above)
 QuantConfig._fields = tuple(f.name for f in dataclasses.fields(QuantConfig))
 # the earlier names, readable as before (set after the class: the dataclass took their defaults as InitVars)
-QuantConfig.data_type = property(lambda self: self.dtype, doc="the earlier name of dtype")  # type: ignore[assignment]
-QuantConfig.per_table = property(lambda self: self.table_dtypes, doc="the earlier name of table_dtypes")  # type: ignore[assignment]
+setattr(QuantConfig, "data_type", property(lambda self: self.dtype, doc="the earlier name of dtype"))
+setattr(QuantConfig, "per_table", property(lambda self: self.table_dtypes, doc="the earlier name of table_dtypes"))
 
 
 def _observer_dtype(factory: Any, what: str) -> torch.dtype:
@@ -572,7 +572,7 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
 
     With torch's quantize_dynamic one qconfig serves every collection of the model, so
     ``per_table_weight_dtype`` may name tables of other collections; those entries are
-    skipped here (an unknown name in ``per_table`` is still an error).
+    skipped here (an unknown name in ``table_dtypes`` is still an error).
     """
     from torch.ao.quantization import QConfig
 

@@ -185,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
     reader = CheckpointReader(summary["checkpoint"])
     n_tables = sum(1 for _ in reader.table_configs())
     _expect(reader.step == 200 and n_tables == 26, f"checkpoint {summary['checkpoint']} holds step 200 and 26 tables")
+    if summary["curves"] is None:  # matplotlib is an optional extra (make demo installs it)
+        print("   curves: not drawn, matplotlib is not installed (pip install 'recship[plots]')")
+    else:
+        curves = Path(summary["curves"])
+        _expect(curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"training curves (loss, eval log loss, AUC): {curves}")
 
     _step("Quantize the tutorial's product/user tables to INT8 (fbgemm inference TBE)")
     from recship.quantize import QuantConfig, quantize_embedding_bag_collection
@@ -220,10 +225,13 @@ def run(args: argparse.Namespace) -> int:
         # INT8: model.pt2 too where a C++ compiler is present (auto); INT4: model.pt only, to keep the demo short
         if dtype == "int8":  # into service in one step: the next version folder of the repository, written atomically
             print(f"   recship export {summary['checkpoint']} --repo {repo} --name dlrm --dtype int8 --shards 2")
+            # plot=None: tables.png in the artifact as `recship export` draws it (when matplotlib is installed)
             written = export_model(summary["checkpoint"], ExportConfig(repo=str(repo), model_name="dlrm", dtype=dtype, shards=2,
-                                                                       progress=False))
+                                                                       progress=False, plot=None))
             out = str(repo / "dlrm" / str(written["model"]["version"]))
             print(f"   wrote {out} (version {written['model']['version']})")
+            if (Path(out) / "tables.png").is_file():
+                print(f"   chart of its tables (bytes, quantization error): {Path(out) / 'tables.png'}")
             _expect(out == str(served_artifact), f"the empty repository's first version is {served_artifact}")
         else:
             out = f"{args.out}/artifacts/dlrm_{dtype}"

@@ -4,7 +4,7 @@
 
 Rank 0 shows a progress bar (step, samples/s, loss, epoch of a data file), evaluates log loss
 and AUC on held-out data every ``eval_every`` steps, and prints a summary at the end; warnings
-and epoch changes go through the ``recship.trainer`` logger (recship.logs formats them).
+and epoch changes go through the ``recship.trainer.*`` loggers (recship.logs formats them).
 """
 
 import itertools
@@ -31,11 +31,10 @@ from recship.trainer.dlrm import DLRM
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.entry_point import build_model, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.history import History
 from recship.trainer.metrics import auc
 from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
-
-__all__ = ["TrainConfig", "launch", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -182,9 +181,28 @@ class _Trainer:
             print(f"resumed from step {self.step} (world {meta.get('world_size', '?')} -> {self.world_size}): {path}", flush=True)
         return path
 
+    def _curves(self, history: History) -> Optional[Path]:
+        """Draws OUT/curves.png from the run's whole history (rank 0); None with --no-plot or without matplotlib."""
+        if not self.config.plot:
+            return None
+        from recship.plots import plot_or_warn, plot_training_curves
+
+        out = Path(self.config.out)
+        return plot_or_warn(plot_training_curves, out / "curves.png", history.steps, history.loss_values, history.evals,
+                            title=f"{out.name}: {self.step} steps on {self.world_size} rank(s)")
+
     def run(self) -> Dict[str, Any]:
+        resumed = self.resume() if self.config.resume else None
+        # rank 0 keeps the loss/eval history, cut back to the step the run starts from (0, or the checkpoint's)
+        history = History(self.config.out, keep_until=self.step) if self.rank == 0 else None
+        try:
+            return self._run(resumed, history)
+        finally:
+            if history is not None:
+                history.close()
+
+    def _run(self, resumed: Optional[Path], history: Optional[History]) -> Dict[str, Any]:
         c = self.config
-        resumed = self.resume() if c.resume else None
         first_step = self.step
         show = self.rank == 0 and c.progress
         bar = _progress(total=c.steps, initial=self.step, enabled=show)
@@ -211,15 +229,22 @@ class _Trainer:
                 self.step += 1
                 self.next_batch += 1
                 self.losses.append(float(loss.detach()))
+                if history is not None:
+                    history.add_loss(self.step, self.losses[-1])
                 seen += len(b) * self.world_size
                 rate = seen / max(time.perf_counter() - started, 1e-9)
                 bar.update(1)
                 postfix = {"loss": f"{self.losses[-1]:.4f}", "samples_per_s": f"{rate:.0f}"}
                 bar.set_postfix(refresh=False, **(postfix if epoch is None else {**postfix, "epoch": epoch}))
                 if c.eval_every and self.step % c.eval_every == 0:
-                    evals.append({"step": self.step, **self.evaluate()})
+                    metrics = self.evaluate()
+                    evals.append({"step": self.step, **metrics})
                     if show:
                         bar.write(f"step {self.step}: eval {evals[-1]}")
+                    if history is not None:
+                        history.add_eval(self.step, metrics)
+                        if self.step < c.steps:  # the end draws it anyway
+                            self._curves(history)  # refreshed at each evaluation: a long run can be watched
                 if c.checkpoint_every and self.step % c.checkpoint_every == 0:
                     last_checkpoint = self.checkpoint()
             bar.close()
@@ -229,6 +254,10 @@ class _Trainer:
             last_checkpoint = self.checkpoint()
         save_seconds = time.perf_counter() - save_started
         final_eval = self.evaluate()
+        curves = None
+        if history is not None:
+            history.add_eval(self.step, final_eval)
+            curves = self._curves(history)
         return {
             "rank": self.rank,
             "world_size": self.world_size,
@@ -243,6 +272,8 @@ class _Trainer:
             "samples_per_s": seen / max(train_seconds, 1e-9),
             "final_save_seconds": save_seconds,
             "load_seconds": self.load_seconds,
+            "history": str(history.path) if history is not None else None,  # rank 0's
+            "curves": str(curves) if curves is not None else None,  # rank 0's, with --plot and matplotlib
         }
 
 
