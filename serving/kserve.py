@@ -230,8 +230,9 @@ def control_parameters(parameters: Dict[str, Any], what: str) -> None:
     anything else is refused rather than ignored (a ``config`` override would otherwise silently not apply)."""
     unknown = sorted(k for k in parameters if not (what == "unload" and k == "unload_dependents"))
     if unknown:
-        raise InvalidRequest(f"{what} parameters {shown(unknown)} are not supported: a model's settings come from "
-                             "its config.yaml in the repository")
+        names = ", ".join(shown(k) for k in unknown[:8])
+        raise InvalidRequest(f"{what} parameter{'s' if len(unknown) > 1 else ''} {names} not supported: a model's settings "
+                             "come from its config.yaml in the repository")
 
 
 def _repository_name(name: str) -> None:
