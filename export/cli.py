@@ -7,12 +7,11 @@ so ``--help`` and argument errors answer at once.
 """
 
 import argparse
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from recship.cli import one_of
+from recship.cli import json_object, one_of
 
 if TYPE_CHECKING:
     from recship.export.pipeline import ExportConfig
@@ -44,16 +43,6 @@ def _pairs(items: Optional[List[str]]) -> Dict[str, str]:
         name, _, value = item.partition("=")
         out[name] = value
     return out
-
-
-def _json_object(text: str) -> Dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                         help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
                              "checkpoints of the built-in DLRM need none)")
-    parser.add_argument("--model-args", type=_json_object, default={}, metavar="JSON",
+    parser.add_argument("--model-args", type=json_object, default={}, metavar="JSON",
                         help="keyword arguments of --model's factory, a JSON object (default {})")
     parser.add_argument("--format", default="auto", type=one_of(FORMATS, "format"), choices=FORMATS,
                         help="model files: torchscript (model.pt), both or aoti (model.pt and the AOTInductor model.pt2, "

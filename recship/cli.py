@@ -47,6 +47,17 @@ def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
     return parse
 
 
+def json_object(text: str) -> Dict[str, Any]:
+    """An argparse ``type``: a JSON object (``--model-args '{"rows": 10}'``); anything else is an argument error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
 def read_config_file(path: str) -> Dict[str, Any]:
     """A ``--config`` file's mapping: YAML (.yaml, .yml) or JSON; ValueError/FileNotFoundError naming the file."""
     file = Path(path)

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 log = logging.getLogger("recship.plots")
 
@@ -155,6 +155,23 @@ def _bar_height(rows: int) -> float:
     return min(60.0, 1.8 + 0.3 * rows)  # inches; capped so thousands of tables stay a sane PNG
 
 
+def _paired_bars(ax: Any, y: List[int], first: Tuple[List[float], str, str], second: Tuple[List[float], str, str], xlabel: str,
+                 small: bool = False) -> None:
+    """Two horizontal bars per row (values, legend label, colour each), log-scaled when the values span decades;
+    ``small``: values like 1e-4, labelled in scientific notation on a linear axis."""
+    half = 0.4
+    for (values, label, color), shift in ((first, -half / 2), (second, half / 2)):
+        ax.barh([i + shift for i in y], values, height=half, color=color, label=label)
+    if _spans_decades(first[0] + second[0]):
+        ax.set_xscale("log")
+    elif small:  # errors of 1e-4 would print as 0.0001, 0.0002, ... side by side
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+    ax.set_xlabel(xlabel)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)
+    ax.grid(axis="x", alpha=0.3)
+
+
+
 def plot_table_report(path: Union[str, Path], tables: Sequence[Mapping[str, Any]], title: str = "tables") -> Path:
     """Writes ``path`` (PNG, 1000 pixels wide): per table, its bytes as float32 and as stored (left,
     log scale when the sizes span two decades) and its quantization error (right: max and mean
@@ -174,29 +191,12 @@ def plot_table_report(path: Union[str, Path], tables: Sequence[Mapping[str, Any]
     fig = _figure(BAR_WIDTH, _bar_height(len(tables)))
     size_ax, err_ax = fig.subplots(1, 2, sharey=True)
     y = list(range(len(tables)))
-    half = 0.4
-    before = [float(t["float_bytes"]) for t in tables]
-    after = [float(t["quantized_bytes"]) for t in tables]
-    size_ax.barh([i - half / 2 for i in y], before, height=half, color="lightgray", label="float32")
-    size_ax.barh([i + half / 2 for i in y], after, height=half, color="tab:blue", label="stored")
-    if _spans_decades(before + after):
-        size_ax.set_xscale("log")
-    size_ax.set_xlabel("bytes")
+    _paired_bars(size_ax, y, ([float(t["float_bytes"]) for t in tables], "float32", "lightgray"),
+                 ([float(t["quantized_bytes"]) for t in tables], "stored", "tab:blue"), "bytes")
     size_ax.set_yticks(y, labels)
     size_ax.invert_yaxis()  # the first table on top, as in the printed report
-    size_ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)
-    size_ax.grid(axis="x", alpha=0.3)
-    worst = [float(t["max_abs_error"]) for t in tables]
-    mean = [float(t["mean_abs_error"]) for t in tables]
-    err_ax.barh([i - half / 2 for i in y], worst, height=half, color="tab:orange", label="max |error|")
-    err_ax.barh([i + half / 2 for i in y], mean, height=half, color="tab:red", label="mean |error|")
-    if _spans_decades(worst + mean):
-        err_ax.set_xscale("log")
-    else:  # errors of 1e-4 would print as 0.0001, 0.0002, ... side by side
-        err_ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
-    err_ax.set_xlabel("quantization error of a weight")
-    err_ax.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)
-    err_ax.grid(axis="x", alpha=0.3)
+    _paired_bars(err_ax, y, ([float(t["max_abs_error"]) for t in tables], "max |error|", "tab:orange"),
+                 ([float(t["mean_abs_error"]) for t in tables], "mean |error|", "tab:red"), "quantization error of a weight", small=True)
     fig.suptitle(title)
     return _save(fig, path)
 

@@ -14,18 +14,8 @@ import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
-from recship.cli import FlagError, one_of, read_config_file
+from recship.cli import FlagError, json_object, one_of, read_config_file
 from recship.trainer.config import CHOICES, HELP, TrainConfig, default_of
-
-
-def _json_object(text: str) -> Dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
-    return value
 
 
 def _default_text(name: str) -> str:
@@ -61,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         elif isinstance(value, dict):
-            parser.add_argument(flag, type=_json_object, metavar="JSON", **kw)
+            parser.add_argument(flag, type=json_object, metavar="JSON", **kw)
         elif isinstance(value, list):
             parser.add_argument(flag, type=int, nargs="+", metavar="N", **kw)
         else:
