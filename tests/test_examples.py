@@ -4,6 +4,8 @@ examples/sharded_training.py ("Sharded training"), examples/request.json and pre
 import ast
 import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +50,24 @@ def _reference_forward(tables, over, dense, lengths, ids):
     return over(torch.cat(pooled + [dense], dim=1)).squeeze(1)
 
 
+def _run_group(command, timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that leaves nothing behind on timeout: SIGTERM first (torchrun then stops its ranks, each
+    in a session of its own), then SIGKILL to the whole process group. A rank hung at exit would otherwise stay
+    behind, spinning gloo threads."""
+    p = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        try:
+            out, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        pytest.fail(f"{' '.join(map(str, command))} did not finish in {timeout:g} s; its stderr ends:\n{err[-3000:]}")
+    return subprocess.CompletedProcess(command, p.returncode, out, err)
+
+
 @pytest.mark.parametrize("nproc", [2, 1])
 def test_sharded_training_example_trains_like_plain_torch_on_the_whole_batch(tmp_path, nproc):
     """The script on `nproc` gloo ranks (torchrun) against a single-process plain-torch replay of the same run: from
@@ -59,7 +79,7 @@ def test_sharded_training_example_trains_like_plain_torch_on_the_whole_batch(tmp
     args = ["examples/sharded_training.py", "--out", str(tmp_path), "--steps", str(steps), "--batch-size", str(batch),
             "--lr", str(lr), "--seed", str(seed)]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
-    result = subprocess.run(launch + args, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    result = _run_group(launch + args, timeout=90)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["world_size"] == nproc and len(summary["losses"]) == steps
