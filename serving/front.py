@@ -191,4 +191,10 @@ class CppFront:
                 samples.append((f"{family}_sum", {"model": model, "version": version}, float(h["sum"])))
         for model, n in ids.items():
             out.setdefault("recship_ids", []).append(("recship_ids_total", {"model": model}, n))
+        gauges = stats.get("gauges", {})
+        for g in gauges.get("pending", []):  # added to the Python process's own gauges of the same name
+            labels = {"model": g["model"], "version": str(g["version"])}
+            out.setdefault("recship_queue_depth", []).append(("recship_queue_depth", labels, float(g["pending"])))
+        if "inflight_bytes" in gauges:
+            out.setdefault("recship_inflight_bytes", []).append(("recship_inflight_bytes", {}, float(gauges["inflight_bytes"])))
         return out

@@ -177,6 +177,10 @@ class Batcher {
   }
   Submitted submit(Call* call);
   void stop();  // runs what is queued, then ends the thread; later submits get kStopped
+  int64_t pending() {  // calls waiting for a forward (the metrics' queue depth)
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int64_t>(queue_.size()) + (carry_ != nullptr ? 1 : 0);
+  }
 
   const std::string name;
   const int64_t version;
@@ -257,6 +261,14 @@ class Front {
     return false;
   }
   void release(int64_t n) { inflight_.fetch_sub(n); }
+
+  // The gauges' values now: calls waiting per served version, and request bytes in flight.
+  json gauges() {
+    json pending = json::array();
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    for (const auto& [name, b] : served_) pending.push_back({{"model", name}, {"version", b->version}, {"pending", b->pending()}});
+    return {{"pending", pending}, {"inflight_bytes", inflight_.load()}};
+  }
 
   const Config config;
   Stats stats;
@@ -706,7 +718,9 @@ int main(int argc, char** argv) {
         front.unload(cmd.at("model").get<std::string>());
         reply({{"ok", true}});
       } else if (op == "stats") {
-        reply({{"ok", true}, {"stats", front.stats.to_json()}});
+        json stats = front.stats.to_json();
+        stats["gauges"] = front.gauges();
+        reply({{"ok", true}, {"stats", stats}});
       } else if (op == "stop") {
         grace = cmd.value("grace_s", 5.0);
         break;

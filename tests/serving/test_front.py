@@ -715,3 +715,23 @@ def test_many_concurrent_forwarded_calls_do_not_crash_the_front(repo):
         assert proc.poll() is None and server.front._proc is proc  # neither crashed nor restarted
     finally:
         server.stop()
+
+
+def test_the_fronts_gauges_are_added_to_the_servers(cpp, monkeypatch):
+    """The front reports its own queue depth per served version and its request bytes in flight; a scrape adds them
+    to the Python process's gauges of the same names (at rest both are 0; a stand-in count shows the sum)."""
+    samples = cpp.front.samples()
+    assert [(n, l, v) for n, l, v in samples["recship_queue_depth"]] == [("recship_queue_depth", {"model": "dlrm", "version": "1"}, 0.0)]
+    assert samples["recship_inflight_bytes"] == [("recship_inflight_bytes", {}, 0.0)]
+    assert _sample(_scrape(cpp), "recship_queue_depth", model="dlrm", version="1") == 0.0
+
+    def busier():
+        out = cpp.front.samples()
+        out["recship_queue_depth"] = [(n, l, 3.0) for n, l, _ in out["recship_queue_depth"]]
+        out["recship_inflight_bytes"] = [("recship_inflight_bytes", {}, 4096.0)]
+        return out
+
+    monkeypatch.setattr(cpp.metrics, "extra", busier)
+    scraped = _scrape(cpp)
+    assert _sample(scraped, "recship_queue_depth", model="dlrm", version="1") == 3.0
+    assert _sample(scraped, "recship_inflight_bytes") == 4096.0
