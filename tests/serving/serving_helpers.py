@@ -3,10 +3,30 @@
 import socket
 from typing import Dict, Optional, Tuple
 
+import numpy as np
 import pytest
 
 ROWS = [20 + i for i in range(26)]  # table sizes of the 26 features cat_0..cat_25
 NUM_DENSE = 13
+FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
+
+
+def random_request(seed: int):
+    """(sparse {feature: [ids per example]}, dense [B, 13]) of a valid request for the small DLRM, 1-5 examples."""
+    g = np.random.default_rng(seed)
+    b = int(g.integers(1, 6))
+    sparse = {f: [list(map(int, g.integers(0, ROWS[i], size=g.integers(0, 3)))) for _ in range(b)] for i, f in enumerate(FEATURES)}
+    return sparse, g.random((b, NUM_DENSE), dtype=np.float32)
+
+
+def kserve_tensors(sparse, dense):
+    """[(input name, KServe datatype, numpy array)] of a request, in the order the requests send them."""
+    out = []
+    for name, rows in sparse.items():
+        out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
+        out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
+    out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
+    return out
 
 
 def http_request(port: int, method: str, path: str, body: Optional[bytes] = None, headers: Optional[Dict[str, str]] = None,

@@ -18,9 +18,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from recship.export.artifact import open_artifact  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
-from serving_helpers import NUM_DENSE, ROWS  # noqa: E402
+from serving_helpers import FEATURES, kserve_tensors, random_request  # noqa: E402
 
-FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
 MAX_BATCH = 64
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "recship.json"
 
@@ -71,7 +70,7 @@ class Client:
     def infer(self, model, sparse, dense):
         mod = tg if self.protocol == "grpc" else th
         inputs = []
-        for name, dtype, data in _tensors(sparse, dense):
+        for name, dtype, data in kserve_tensors(sparse, dense):
             t = mod.InferInput(name, list(data.shape), dtype)
             t.set_data_from_numpy(data)
             inputs.append(t)
@@ -87,22 +86,6 @@ def client(request, explicit):
     c = Client(request.param, explicit)
     yield c
     c.close()
-
-
-def _request(seed):
-    g = np.random.default_rng(seed)
-    b = int(g.integers(1, 6))
-    sparse = {f: [list(map(int, g.integers(0, ROWS[i], size=g.integers(0, 3)))) for _ in range(b)] for i, f in enumerate(FEATURES)}
-    return sparse, g.random((b, NUM_DENSE), dtype=np.float32)
-
-
-def _tensors(sparse, dense):
-    out = []
-    for name, rows in sparse.items():
-        out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
-        out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
-    out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
-    return out
 
 
 def _in_process(path, sparse, dense):
@@ -129,7 +112,7 @@ def test_explicit_load_unload_and_the_index(client, explicit, repo):
     assert ("a", "1") not in index and index[("b", "")] == ("", "") and index[("broken", "")] == ("", "")
     assert client.index(ready=True) == {("a", "2"): ("READY", "")}
     assert not client.c.is_model_ready("b")
-    sparse, dense = _request(1)
+    sparse, dense = random_request(1)
     message = _refused(lambda: client.infer("b", sparse, dense), "StatusCode.NOT_FOUND", "404")
     assert "'b' is not served" in message
 
@@ -198,10 +181,10 @@ def test_statistics_count_what_was_served(explicit):
     before = {s["version"]: s for s in clients[0].stats("a")}["2"]
     examples = 0
     for seed in range(12):
-        sparse, dense = _request(100 + seed)
+        sparse, dense = random_request(100 + seed)
         clients[seed % 2].infer("a", sparse, dense)
         examples += len(dense)
-    bad, dense = _request(7)
+    bad, dense = random_request(7)
     bad["cat_0"] = [[10_000]] + bad["cat_0"][1:]  # out of range: refused after routing, counted as a failure
     _refused(lambda: clients[0].infer("a", bad, dense), "StatusCode.INVALID_ARGUMENT", "400")
     for c in clients:
@@ -276,7 +259,7 @@ def test_metrics_gauges_and_version_labels(repo, tmp_path):
     server = Server(ServerConfig(model_repo=str(root), port=0, metrics_port=0, max_delay_ms=1))
     try:
         client = Client("grpc", server)
-        sparse, dense = _request(3)
+        sparse, dense = random_request(3)
         client.infer("a", sparse, dense)
         client.close()
         text = _scrape(server)
@@ -301,8 +284,8 @@ def test_the_grafana_dashboard_charts_only_metrics_the_server_exports(repo, tmp_
     server = Server(ServerConfig(model_repo=str(root), port=0, metrics_port=0, max_delay_ms=1))
     try:
         client = Client("grpc", server)
-        client.infer("a", *_request(4))
-        bad, dense = _request(5)
+        client.infer("a", *random_request(4))
+        bad, dense = random_request(5)
         bad["cat_0"] = [[10_000]] + bad["cat_0"][1:]
         _refused(lambda: client.infer("a", bad, dense), "StatusCode.INVALID_ARGUMENT", "400")
         client.close()
@@ -377,7 +360,7 @@ def test_rest_repository_routes_mutated(explicit_module, repo, route, body):
         assert isinstance(doc["error"], str) and len(doc["error"]) <= 1100
     if status == 200 and kind != "index":
         assert (name in {s.name for s in server.repo.versions()}) == (kind == "load")
-    sparse, dense = _request(len(body))
+    sparse, dense = random_request(len(body))
     got = Client("http", server).infer("a", sparse, dense)
     np.testing.assert_array_equal(got["prob"], _in_process(repo / "a" / "2", sparse, dense)["prob"])
 

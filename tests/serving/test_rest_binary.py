@@ -19,9 +19,8 @@ th = pytest.importorskip("tritonclient.http")
 
 from recship.export.artifact import open_artifact  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
-from serving_helpers import NUM_DENSE, ROWS, http_request  # noqa: E402
+from serving_helpers import FEATURES, NUM_DENSE, ROWS, kserve_tensors, random_request, http_request  # noqa: E402
 
-FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
 OUTPUTS = ("logit", "prob")
 HEADER = "Inference-Header-Content-Length"
 INFER = "/v2/models/dlrm/infer"
@@ -40,23 +39,6 @@ def served(small_artifact, tmp_path_factory):
     server.stop()
 
 
-def _parts(seed: int):
-    g = np.random.default_rng(seed)
-    b = int(g.integers(1, 6))
-    sparse = {f: [list(map(int, g.integers(0, ROWS[i], size=g.integers(0, 3)))) for _ in range(b)] for i, f in enumerate(FEATURES)}
-    return sparse, g.random((b, NUM_DENSE), dtype=np.float32)
-
-
-def _tensors(sparse, dense):
-    """[(input name, datatype, numpy array)] in the order the requests send them."""
-    out = []
-    for name, rows in sparse.items():
-        out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
-        out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
-    out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
-    return out
-
-
 def _in_process(model, sparse, dense):
     lengths = [len(r) for f in FEATURES for r in sparse[f]]
     values = [i for f in FEATURES for r in sparse[f] for i in r]
@@ -68,9 +50,9 @@ def _in_process(model, sparse, dense):
 
 def binary_request(seed: int, json_inputs=(), outputs=None, binary_output=None):
     """(JSON document, [binary chunk per binary input]) of a valid request: every input binary except ``json_inputs``."""
-    sparse, dense = _parts(seed)
+    sparse, dense = random_request(seed)
     inputs, chunks = [], []
-    for name, datatype, data in _tensors(sparse, dense):
+    for name, datatype, data in kserve_tensors(sparse, dense):
         tensor = {"name": name, "shape": list(data.shape), "datatype": datatype}
         if name in json_inputs:
             tensor["data"] = data.tolist()
@@ -127,7 +109,7 @@ def good_request_still_exact(server, model, seed: int) -> None:
     assert status == 200, body
     got, binary = read_answer(headers, body)
     assert binary == {"prob": True, "logit": False}
-    want = _in_process(model, *_parts(seed))
+    want = _in_process(model, *random_request(seed))
     for k in OUTPUTS:
         np.testing.assert_array_equal(got[k], want[k])
 
@@ -136,7 +118,7 @@ def good_request_still_exact(server, model, seed: int) -> None:
 
 def _triton_inputs(sparse, dense, json_inputs=()):
     inputs = []
-    for name, datatype, data in _tensors(sparse, dense):
+    for name, datatype, data in kserve_tensors(sparse, dense):
         t = th.InferInput(name, list(data.shape), datatype)
         t.set_data_from_numpy(data, binary_data=name not in json_inputs)  # binary is tritonclient's default
         inputs.append(t)
@@ -161,10 +143,10 @@ def test_tritonclient_http_health_metadata_and_infer_bitwise(served):
             ([Out("prob")], (), {"prob": True}),
             ([Out("prob", binary_data=False)], (), {"prob": False}),
             ([Out("logit", binary_data=False), Out("prob")], ("dense", "cat_3.values"), {"logit": False, "prob": True}),
-            ([Out("prob"), Out("logit")], tuple(n for n, _, _ in _tensors(*_parts(0))), {"prob": True, "logit": True}),
+            ([Out("prob"), Out("logit")], tuple(n for n, _, _ in kserve_tensors(*random_request(0))), {"prob": True, "logit": True}),
         ]
         for seed, (outputs, json_inputs, binary) in enumerate(cases):
-            sparse, dense = _parts(100 + seed)
+            sparse, dense = random_request(100 + seed)
             result = client.infer("dlrm", _triton_inputs(sparse, dense, json_inputs), outputs=outputs, request_id=f"t{seed}",
                                   model_version="1" if seed % 2 else "")
             response = result.get_response()
@@ -175,7 +157,7 @@ def test_tritonclient_http_health_metadata_and_infer_bitwise(served):
                 got = result.as_numpy(name)
                 assert got.dtype == np.float32
                 np.testing.assert_array_equal(got, want[name])  # lone requests: bitwise
-        sparse, dense = _parts(7)
+        sparse, dense = random_request(7)
         sparse["cat_4"] = [[ROWS[4] + 3]] + sparse["cat_4"][1:]
         with pytest.raises(th.InferenceServerException) as err:
             client.infer("dlrm", _triton_inputs(sparse, dense))
@@ -286,7 +268,7 @@ def test_valid_framings_answer_exactly(served):
         assert status == 200, answer
         got, was_binary = read_answer(answer_headers, answer)
         assert was_binary == binary and (HEADER.lower() in answer_headers) == any(binary.values())
-        want = _in_process(model, *_parts(seed))
+        want = _in_process(model, *random_request(seed))
         for name in binary:
             np.testing.assert_array_equal(got[name], want[name])
     # the JSON-only request without the header is unchanged
@@ -294,7 +276,7 @@ def test_valid_framings_answer_exactly(served):
     status, answer_headers, answer = post(server, json.dumps(doc).encode())
     assert status == 200 and HEADER.lower() not in answer_headers
     got, _ = read_answer(answer_headers, answer)
-    for name, value in _in_process(model, *_parts(9)).items():
+    for name, value in _in_process(model, *random_request(9)).items():
         np.testing.assert_array_equal(got[name], value)
     status, _, answer = http_request(server.rest.port, "GET", "/v2")
     assert status == 200 and json.loads(answer)["extensions"].count("binary_tensor_data") == 1
