@@ -168,6 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # train() keeps the sharded model to itself, so the model is gone before its process group
         # (destroying the group while the model still lived hung rank 0 at exit about one run in four)
         summary = train(args)
+        dist.barrier()  # neither rank tears the group down while the other still talks
     finally:
         dist.destroy_process_group()
     if rank == 0:

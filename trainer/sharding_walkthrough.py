@@ -44,10 +44,8 @@ def _batch(seed: int, examples: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=list(TABLES), values=values, lengths=lengths)
 
 
-def _rank_main(rank: int, port: int, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+def _rank_errors(rank: int) -> dict:
+    """Max abs difference between the sharded and the unsharded forward, per sharding type."""
     errors = {}
     for st in ShardingType:
         torch.manual_seed(0)
@@ -57,7 +55,18 @@ def _rank_main(rank: int, port: int, queue) -> None:
         local = [KeyedJaggedTensor.from_jt_dict({k: _slice(jt, r) for k, jt in full.to_dict().items()}) for r in range(WORLD_SIZE)]
         want = ebc(full).values()[2 * rank : 2 * rank + 2]
         errors[st.value] = float((sharded(local[rank]).values() - want).abs().max().detach())
-    queue.put((rank, errors))
+    return errors
+
+
+def _rank_main(rank: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    # the sharded modules (which hold the process group) live only inside _rank_errors, so they are
+    # gone before the group is destroyed; the barrier keeps either rank from tearing down while the
+    # other still talks (a rank once died in gloo's teardown, SIGABRT, on a CI run)
+    queue.put((rank, _rank_errors(rank)))
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -340,6 +340,7 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
     try:
         summary = train(config)
         Path(out, f"summary_rank{rank}.json").write_text(json.dumps(summary))
+        dist.barrier()  # neither rank tears the group down while the other still talks
     finally:
         dist.destroy_process_group()
 
@@ -360,7 +361,9 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
         if not dist.is_initialized():
             dist.init_process_group(backend)
         try:
-            return train(config)
+            summary = train(config)
+            dist.barrier()  # neither rank tears the group down while the other still talks
+            return summary
         finally:
             dist.destroy_process_group()
     with socket.socket() as s:
