@@ -58,26 +58,33 @@ def json_object(text: str) -> Dict[str, Any]:
     return value
 
 
-def read_config_file(path: str) -> Dict[str, Any]:
-    """A ``--config`` file's mapping: YAML (.yaml, .yml) or JSON; ValueError/FileNotFoundError naming the file."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"--config: no such file: {file}")
-    text = file.read_text()
+def parse_mapping(text: str, *, yaml_format: bool = True, holds: str = "settings") -> Dict[str, Any]:
+    """``text`` (YAML, or JSON) as a mapping; an empty document is {}. ValueError saying what is wrong."""
     try:
-        if file.suffix in (".yaml", ".yml"):
+        if yaml_format:
             import yaml
 
             values = yaml.safe_load(text)
         else:
             values = json.loads(text)
     except Exception as e:
-        raise ValueError(f"--config {file}: not valid {'YAML' if file.suffix in ('.yaml', '.yml') else 'JSON'}: {e}") from None
+        raise ValueError(f"not valid {'YAML' if yaml_format else 'JSON'}: {e}") from None
     if values is None:
-        values = {}
+        return {}
     if not isinstance(values, dict):
-        raise ValueError(f"--config {file}: expected a mapping of flags to values, got {type(values).__name__}")
+        raise ValueError(f"expected a mapping of {holds} to values, got {type(values).__name__}")
     return values
+
+
+def read_config_file(path: str) -> Dict[str, Any]:
+    """A ``--config`` file's mapping: YAML (.yaml, .yml) or JSON; ValueError/FileNotFoundError naming the file."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--config: no such file: {file}")
+    try:
+        return parse_mapping(file.read_text(), yaml_format=file.suffix in (".yaml", ".yml"), holds="flags")
+    except ValueError as e:
+        raise ValueError(f"--config {file}: {e}") from None
 
 
 def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
+from recship.cli import parse_mapping
 from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
@@ -118,16 +119,10 @@ class ModelSettings:
 
 def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSettings:
     """A model's config.yaml (its ``text``) over ``defaults``; ConfigError naming the file and the key if it is bad."""
-    import yaml
-
     try:
-        values = yaml.safe_load(text)
-    except Exception as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if values is None:
-        values = {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a mapping of settings to values, got {type(values).__name__}")
+        values = parse_mapping(text)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     settings: Dict[str, Any] = {}
     for key, value in values.items():
         dest = str(key).replace("-", "_")
