@@ -79,6 +79,8 @@ class AotiPackage:
     dynamic: Dict[str, List[int]]  # input dim -> [min, max]
     compile_seconds: float
     size_bytes: int
+    # fqn -> tensor of each constant the package takes at load (it was compiled without them)
+    constants: Dict[str, torch.Tensor]
 
 
 @contextmanager
@@ -119,6 +121,9 @@ def compile_package(
             weights [N] float32 or None); B and N are dynamic in the package (any B in
             [1, max_batch], N in [0, max_ids]); whether weights are given is fixed.
         target_isa: -march of the compiled kernels (None: the build machine's, ``native``).
+
+    The package holds no constants (``aot_inductor.package_constants_in_so`` off): the tables and
+    the dense weights go into the artifact's tables file, and ``load_package`` takes them back.
     """
     from torch.export import Dim
 
@@ -140,7 +145,7 @@ def compile_package(
             program = torch.export.export(module, (dense, lengths, values, weights), dynamic_shapes=dynamic, strict=False)
     except Exception as e:  # any capture failure ends with its reason
         raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-    options: Dict[str, object] = {}
+    options: Dict[str, object] = {"aot_inductor.package_constants_in_so": False}
     if target_isa is not None:
         options["cpp.march"] = target_isa
         if target_isa in _ISA_VECTOR_BITS:
@@ -155,17 +160,40 @@ def compile_package(
     return AotiPackage(
         Path(built), target_isa or "native",
         {"dense.0": [1, max_batch], "lengths.0": [num_features, num_features * max_batch], "values.0": [0, max_ids]},
-        seconds, Path(built).stat().st_size,
+        seconds, Path(built).stat().st_size, _needed_constants(Path(built), program),
     )
 
 
-def load_package(path: Path, target_isa: str) -> Any:
+def _needed_constants(path: Path, program: Any) -> Dict[str, torch.Tensor]:
+    """fqn -> tensor of the constants the compiled package at ``path`` asks for, from the exported program."""
+    import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops the package calls)
+
+    available = {**program.state_dict, **program.constants}
+    with _quiet():
+        fqns = torch._inductor.aoti_load_package(str(path)).get_constant_fqns()
+    missing = [f for f in fqns if not isinstance(available.get(f), torch.Tensor)]
+    if missing:
+        raise AotiError(f"AOTInductor asks for constants the exported program lacks: {missing[:5]}")
+    return {f: available[f] for f in fqns}
+
+
+def load_package(path: Path, target_isa: str, constants: Optional[Dict[str, torch.Tensor]] = None) -> Any:
     """The compiled model of ``path`` (callable like the TorchScript one, positional tensors in,
-    Dict[str, Tensor] out); AotiError if this CPU cannot run ``target_isa``."""
+    Dict[str, Tensor] out); AotiError if this CPU cannot run ``target_isa``.
+
+    ``constants``: fqn -> tensor for a package compiled without its constants (every one it asks
+    for). The package uses the tensors themselves, not copies (mapped tables stay mapped): the
+    caller keeps them alive as long as the model."""
     ok, missing = cpu_supports(target_isa)
     if not ok:
         raise AotiError(f"{path} was compiled for {target_isa}; this CPU lacks {missing}: use model.pt (TorchScript)")
     import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops the package calls)
 
     with _quiet():
-        return torch._inductor.aoti_load_package(str(path))
+        compiled = torch._inductor.aoti_load_package(str(path))
+    if constants is not None:
+        try:
+            compiled.load_constants(constants, check_full_update=True, user_managed=True)
+        except RuntimeError as e:
+            raise AotiError(f"{path}: its constants do not fit: {str(e).splitlines()[0]}") from e
+    return compiled

@@ -26,7 +26,10 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
-FORMAT = "recship.artifact/1"
+from recship.export.tables import PINNED_NAME, TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables
+
+FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
+FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded
 # What a C++ process must dlopen (from fbgemm_gpu's folder, RTLD_NOW | RTLD_GLOBAL) before torch::jit::load:
 # TorchScript resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
@@ -203,6 +206,7 @@ class Manifest:
     model_sha256: str
     format: str = FORMAT
     aoti: Optional[AotiSpec] = None
+    tables: Optional[TablesSpec] = None  # format 2: the tables file (None only in format 1 artifacts)
 
     @property
     def feature_names(self) -> List[str]:
@@ -229,6 +233,7 @@ class Manifest:
             "sample": self.sample.to_dict(),
             "model_sha256": self.model_sha256,
             **({"aoti": self.aoti.to_dict()} if self.aoti is not None else {}),
+            **({"tables": self.tables.to_dict()} if self.tables is not None else {}),
         }
 
     @staticmethod
@@ -263,6 +268,7 @@ class Manifest:
             model_sha256=m["model_sha256"],
             format=m["format"],
             aoti=AotiSpec(**m["aoti"]) if "aoti" in m else None,
+            tables=TablesSpec.from_dict(m["tables"]) if "tables" in m else None,
         )
         if m["inputs"] != out.inputs():
             raise ArtifactError(f"{path}/manifest.json: inputs must be {out.inputs()} (from num_dense and weighted), "
@@ -271,7 +277,8 @@ class Manifest:
 
     @staticmethod
     def from_fields(fields: Dict[str, Any], output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
-                    versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None) -> "Manifest":
+                    versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None,
+                    tables: Optional[TablesSpec] = None) -> "Manifest":
         """The manifest an exporter writes. ``fields``: model, num_dense, weighted, sparse_features,
         sharding, quantization and validation as JSON objects; ``output_dims``: output -> its shape
         after the batch dimension; ``versions``: default the running torch / fbgemm_gpu / python."""
@@ -293,6 +300,7 @@ class Manifest:
             "sample": sample.to_dict(),
             "model_sha256": model_sha256,
             **({"aoti": aoti.to_dict()} if aoti is not None else {}),
+            **({"tables": tables.to_dict()} if tables is not None else {}),
         }
         return Manifest.from_dict(manifest, "the exported artifact")
 
@@ -356,8 +364,12 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
 
     if not isinstance(manifest, dict):
         fail(f"must be a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in (FORMAT, FORMAT_V1):
         fail(f"unknown artifact format {str(manifest.get('format'))[:80]!r}, expected {FORMAT!r}")
+    if manifest["format"] == FORMAT:
+        check_spec(manifest.get("tables"), fail)
+    elif "tables" in manifest:
+        fail(f"tables needs format {FORMAT!r}")
     if not re.fullmatch(r"[0-9a-f]{64}", str(manifest.get("model_sha256"))):
         fail("model_sha256 must be 64 lowercase hex digits")
     features = need(manifest, "sparse_features", list, "")
@@ -520,10 +532,15 @@ def open_artifact(
     if format not in FORMATS:
         raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
     manifest = Manifest.read(path)
-    if format == "aoti" or (format == "auto" and manifest.aoti is not None and aoti_runs_here(manifest)[0]):
-        model = _open_aoti(Path(path), manifest, trusted)
-    else:
-        model = _open_torchscript(Path(path), manifest, trusted)
+    aoti = format == "aoti" or (format == "auto" and manifest.aoti is not None and aoti_runs_here(manifest)[0])
+    if aoti:
+        _aoti_runs_or_fail(Path(path), manifest)
+    try:
+        # the tables first: verified (or shared with a loaded version whose tables are equal), then the program
+        tables = map_tables(path, manifest.tables) if manifest.tables is not None else {}
+        model = _open_aoti(Path(path), manifest, trusted, tables) if aoti else _open_torchscript(Path(path), manifest, trusted, tables)
+    except TablesError as e:
+        raise ArtifactError(str(e)) from None
     if check:
         self_check(model, path, manifest)
     return model, manifest
@@ -541,11 +558,18 @@ def _verified_bytes(file: Path, want: str, trusted: Optional[Collection[str]]) -
     return data
 
 
-def _open_torchscript(path: Path, manifest: Manifest, trusted: Optional[Collection[str]]) -> Any:
+def _open_torchscript(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:
     data = _verified_bytes(path / "model.pt", manifest.model_sha256, trusted)
     # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
     on_cuda = manifest.sharding.device == "cuda"
-    return torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu")
+    extra: Dict[str, Any] = {PINNED_NAME: ""} if manifest.tables is not None else {}
+    module = torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu", _extra_files=extra)
+    del data
+    if manifest.tables is not None:
+        pinned = extra[PINNED_NAME]
+        check_pinned(pinned.decode() if isinstance(pinned, bytes) else pinned, manifest.tables, f"{path}/model.pt")
+        attach_torchscript(module, manifest.tables, tables, str(path))
+    return module
 
 
 def aoti_runs_here(manifest: Manifest) -> Tuple[bool, str]:
@@ -562,22 +586,41 @@ def aoti_runs_here(manifest: Manifest) -> Tuple[bool, str]:
     return True, ""
 
 
-def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]]) -> Any:
+def _aoti_runs_or_fail(path: Path, manifest: Manifest) -> None:
+    runs, why = aoti_runs_here(manifest)
+    if not runs:
+        raise ArtifactError(f"{path}: {why}")
+
+
+def pt2_pinned(data: bytes) -> Optional[str]:
+    """The tables spec a model.pt2 carries (``PINNED_NAME`` under its archive's extra/), or None."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next((n for n in z.namelist() if n.endswith("/extra/" + PINNED_NAME)), None)
+            return None if name is None else z.read(name).decode()
+    except (zipfile.BadZipFile, UnicodeDecodeError):
+        return None
+
+
+def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:
     import tempfile
 
     from recship.export.aoti import load_package
 
-    runs, why = aoti_runs_here(manifest)
-    if not runs:
-        raise ArtifactError(f"{path}: {why}")
-    assert manifest.aoti is not None  # aoti_runs_here says so
+    assert manifest.aoti is not None  # _aoti_runs_or_fail says so
     data = _verified_bytes(path / manifest.aoti.file, manifest.aoti.sha256, trusted)
+    constants = None
+    if manifest.tables is not None:
+        check_pinned(pt2_pinned(data), manifest.tables, f"{path}/model.pt2")
+        constants = aoti_constants(manifest.tables, tables)
     # load the hashed bytes, not the file again: a private copy that nobody else can swap
     with tempfile.TemporaryDirectory(prefix="recship-aoti-") as tmp:
         copy = Path(tmp) / "model.pt2"
         copy.write_bytes(data)
         del data
-        return AotiModel(load_package(copy, manifest.aoti.target_isa), manifest)
+        return AotiModel(load_package(copy, manifest.aoti.target_isa, constants), manifest, constants)
 
 
 class AotiModel:
@@ -587,9 +630,10 @@ class AotiModel:
 
     format = "aoti"
 
-    def __init__(self, compiled: Any, manifest: Manifest) -> None:
+    def __init__(self, compiled: Any, manifest: Manifest, constants: Optional[Dict[str, torch.Tensor]] = None) -> None:
         assert manifest.aoti is not None  # only artifacts with model.pt2 get here
         self._compiled = compiled
+        self._constants = constants  # the package holds raw pointers into these (mapped tables): keep them alive
         # the package's flat entry point (positional tensors in input_order, outputs in output_order):
         # skips the pytree round trip of compiled(...), ~80 us a call at batch 1 here
         self._run = getattr(getattr(compiled, "loader", None), "run", None)

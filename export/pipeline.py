@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch import nn
 
-from recship.export.artifact import Manifest, file_sha256, write_sample
+from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
+from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter
 from recship.quantize.flat import FlatPooledLookup
 from recship.quantize.modules import ID_POLICIES
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
@@ -44,6 +45,7 @@ from recship.trainer.planner.types import ShardingType
 from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
+    from recship.export.aoti import AotiPackage
     from recship.trainer.dlrm import DLRMConfig
 
 log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
@@ -663,7 +665,6 @@ def write_artifact(
         tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        torch.jit.save(scripted, str(tmp / "model.pt"))
         dense, kjt, _ = sample
         inputs = {
             "dense": dense.float().contiguous(),
@@ -676,12 +677,23 @@ def write_artifact(
             outputs = {
                 k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
             }
-        aoti = None
+        # the tables go into tables.bin once; model.pt and model.pt2 take them from it at load
+        tables = TablesWriter()
+        tables.add_torchscript(scripted)
+        package = None
         if exported is not None and _wants_aoti(config):
-            aoti = _write_aoti(tmp, exported, fields, inputs, outputs, config)
+            package = _compile_aoti(tmp, exported, fields, config)
+            tables.add_aoti(package.constants)
+        spec = tables.spec()
+        tables.write(tmp, spec)
+        with tables.emptied(scripted):
+            torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
+        aoti = None
+        if package is not None:
+            aoti = _finish_aoti(package, fields, inputs, outputs, spec)
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
-        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti)
+        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti, tables=spec)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
             from recship.plots import plot_artifact, plot_or_warn
 
@@ -788,11 +800,9 @@ def _wants_aoti(config: ExportConfig) -> bool:
     return True
 
 
-def _write_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], inputs: Dict[str, torch.Tensor],
-                outputs: Dict[str, torch.Tensor], config: ExportConfig):
-    """Compiles ``exported`` into tmp/model.pt2 and checks it against the TorchScript outputs of the sample."""
-    from recship.export.aoti import AotiError, compile_package, load_package
-    from recship.export.artifact import AotiSpec
+def _compile_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], config: ExportConfig) -> "AotiPackage":
+    """Compiles ``exported`` into tmp/model.pt2 (without its constants: they go into the tables file)."""
+    from recship.export.aoti import AotiError, compile_package
 
     num_features = len(fields["sparse_features"])
     weighted = bool(fields["weighted"])
@@ -805,10 +815,27 @@ def _write_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], inputs: 
         raise ExportError("an AOTInductor model needs at least one sparse feature")
     isa = None if config.target_isa == "native" else config.target_isa
     try:
-        package = compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa)
-        compiled = load_package(package.path, package.target_isa)
+        return compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa)
     except AotiError as e:
         raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
+
+
+def _finish_aoti(package: "AotiPackage", fields: Dict[str, Any], inputs: Dict[str, torch.Tensor],
+                 outputs: Dict[str, torch.Tensor], tables: TablesSpec) -> AotiSpec:
+    """Adds the tables spec to model.pt2 (so it pins the tables), checks it against the TorchScript
+    outputs of the sample, and returns the manifest's ``aoti``."""
+    import zipfile
+
+    from recship.export.aoti import AotiError, load_package
+
+    with zipfile.ZipFile(package.path, "a") as archive:  # torch's loaders read by name: an extra entry is ignored
+        root = archive.namelist()[0].split("/", 1)[0]
+        archive.writestr(f"{root}/extra/{PINNED_NAME}", tables.pinned())
+    try:
+        compiled = load_package(package.path, package.target_isa, package.constants)
+    except AotiError as e:
+        raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
+    weighted = bool(fields["weighted"])
     spec = AotiSpec(
         file="model.pt2", sha256=file_sha256(package.path), target_isa=package.target_isa, torch=torch.__version__,
         dynamic=package.dynamic, input_order=["dense", "lengths", "values"] + (["weights"] if weighted else []),

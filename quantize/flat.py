@@ -74,6 +74,10 @@ class FlatTBE(nn.Module):
         self.fp8_exponent_bits = int(getattr(tbe, "fp8_exponent_bits"))
         self.fp8_exponent_bias = int(getattr(tbe, "fp8_exponent_bias"))
         self.device_name = str(device)
+        # which table each row block of ``weights`` (or ``weights_uvm``) is: the artifact's tables file names them
+        specs = getattr(tbe, "embedding_specs")
+        self.table_names: List[str] = [str(s[0]) for s in specs]
+        self.table_rows: List[int] = [int(s[1]) for s in specs]
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """indices [N] int64, offsets [T*B + 1] int64 (T: the TBE's features), weights [N] float32 or None

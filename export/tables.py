@@ -1,0 +1,447 @@
+"""The tables file: each table's quantized rows stored once, page-aligned, mapped at load.
+
+An artifact of format ``recship.artifact/2`` keeps its large tensors in ``tables.bin``:
+every ``FlatTBE``'s rows (``weights``, and ``weights_uvm`` where tables are placed in
+managed memory) and, when it has a model.pt2, the other constants AOTInductor takes at
+load (the dense layers' weights: small). model.pt holds those buffers as empty
+placeholders and model.pt2 is compiled with its constants kept out of the package; both
+take the tensors from the file when they load.
+
+Layout: each tensor's bytes at an offset that is a multiple of ``ALIGN`` (4096), in the
+order of the manifest's ``tables.tensors``; zeros between them. Each tensor is split into
+segments, one per table of a TBE (or the whole tensor for a dense constant), each with its
+sha256, so a corrupt or swapped file is refused with the table named.
+
+Loading maps the file read-only and copy-on-write (``torch.from_file(shared=False)``:
+MAP_PRIVATE): the rows live in the page cache, one copy shared by every process that maps
+the file, and never on the heap; verifying reads each segment once, in parallel. A tensor
+whose segments' sha256s equal those of a tensor another loaded version already mapped and
+verified is taken from that version: two versions with equal tables share their pages and
+the second reads nothing.
+
+model.pt and model.pt2 each carry a copy of the tensor list with its checksums
+(``PINNED_NAME``), so an allow-listed model file pins the tables as it did when they were
+inside it.
+"""
+
+import hashlib
+import json
+import math
+import os
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+TABLES_FILE = "tables.bin"
+ALIGN = 4096
+PINNED_NAME = "recship/tables.json"  # inside model.pt (an extra file) and model.pt2 (an extra archive entry)
+DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "float32": torch.float32,
+          "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# fbgemm's EmbeddingLocation: DEVICE 0 and HOST 3 rows live in ``weights``, MANAGED 1 / MANAGED_CACHING 2 in ``weights_uvm``
+_UVM_PLACEMENTS = (1, 2)
+
+
+class TablesError(ValueError):
+    """A missing, truncated or corrupt tables file; the message names the table."""
+
+
+@dataclass
+class Segment:
+    """Bytes [offset, offset + bytes) of one tensor (offset relative to the tensor): one table's
+    rows (``rows`` of ``row_bytes``, padding included) or a whole dense constant."""
+
+    name: str
+    offset: int
+    bytes: int
+    sha256: str
+    rows: Optional[int] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"name": self.name, "offset": self.offset, "bytes": self.bytes, "sha256": self.sha256}
+        if self.rows is not None:
+            out["rows"] = self.rows
+        return out
+
+
+@dataclass
+class TableTensor:
+    """One tensor of the tables file: at byte ``offset`` of the file, ``dtype`` [``shape``] with ``stride``.
+    ``torchscript``: the model.pt buffer it fills (a dotted module path), ``aoti``: the model.pt2
+    constant it is (its fqn); either may be None."""
+
+    name: str
+    dtype: str
+    shape: List[int]
+    stride: List[int]
+    offset: int
+    bytes: int
+    segments: List[Segment]
+    torchscript: Optional[str] = None
+    aoti: Optional[str] = None
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "stride": list(self.stride),
+                "offset": self.offset, "bytes": self.bytes, "torchscript": self.torchscript, "aoti": self.aoti,
+                "segments": [s.to_dict() for s in self.segments]}
+
+    def key(self) -> Tuple[Any, ...]:
+        """What makes two tensors interchangeable: their layout and every segment's checksum."""
+        return (self.dtype, tuple(self.shape), tuple(self.stride), tuple((s.offset, s.bytes, s.sha256) for s in self.segments))
+
+
+@dataclass
+class TablesSpec:
+    """The manifest's ``tables``: the file and its tensors."""
+
+    file: str
+    bytes: int
+    tensors: List[TableTensor] = field(default_factory=list)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"file": self.file, "bytes": self.bytes, "tensors": [t.to_dict() for t in self.tensors]}
+
+    def pinned(self) -> str:
+        """The copy model.pt / model.pt2 carry (canonical JSON)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @staticmethod
+    def from_dict(d: Dict[str, Any]) -> "TablesSpec":
+        """Assumes ``check_spec`` passed."""
+        return TablesSpec(d["file"], d["bytes"], [
+            TableTensor(t["name"], t["dtype"], list(t["shape"]), list(t["stride"]), t["offset"], t["bytes"],
+                        [Segment(s["name"], s["offset"], s["bytes"], s["sha256"], s.get("rows")) for s in t["segments"]],
+                        t.get("torchscript"), t.get("aoti"))
+            for t in d["tensors"]
+        ])
+
+    def total_table_bytes(self) -> int:
+        return sum(t.bytes for t in self.tensors)
+
+
+def check_spec(spec: Any, fail: Any) -> None:
+    """Calls ``fail(message)`` (which raises) unless ``spec`` is a well-formed manifest ``tables``: every
+    tensor inside the file, aligned, not overlapping another, its segments covering it exactly."""
+
+    def integer(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(spec, dict):
+        fail("tables must be an object")
+    if spec.get("file") != TABLES_FILE:
+        fail(f"tables.file must be {TABLES_FILE!r}")
+    if not integer(spec.get("bytes")):
+        fail("tables.bytes must be an integer >= 0")
+    tensors = spec.get("tensors")
+    if not isinstance(tensors, list):
+        fail("tables.tensors must be a list")
+    end = 0
+    names = set()
+    for i, t in enumerate(tensors):
+        where = f"tables.tensors[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t["name"] in names:
+            fail(f"{where}.name must be a string, unique")
+        names.add(t["name"])
+        if t.get("dtype") not in DTYPES:
+            fail(f"{where}.dtype must be one of {sorted(DTYPES)}")
+        shape, stride = t.get("shape"), t.get("stride")
+        if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+                and all(map(integer, shape)) and all(map(integer, stride))):
+            fail(f"{where}.shape and .stride must be lists of sizes of the same length")
+        for key in ("offset", "bytes"):
+            if not integer(t.get(key)):
+                fail(f"{where}.{key} must be an integer >= 0")
+        item = torch.empty((), dtype=DTYPES[t["dtype"]]).element_size()
+        if t["bytes"] != item * _span(shape, stride):
+            fail(f"{where}.bytes must be the bytes its shape and stride span")
+        if t["offset"] % ALIGN or t["offset"] < end or t["offset"] + t["bytes"] > spec["bytes"]:
+            fail(f"{where}.offset must be a multiple of {ALIGN}, after the tensor before it and inside the file")
+        end = t["offset"] + t["bytes"]
+        for key in ("torchscript", "aoti"):
+            if t.get(key) is not None and not isinstance(t[key], str):
+                fail(f"{where}.{key} must be a string or null")
+        segments = t.get("segments")
+        if not isinstance(segments, list):
+            fail(f"{where}.segments must be a list")
+        at = 0
+        for j, s in enumerate(segments):
+            if not (isinstance(s, dict) and isinstance(s.get("name"), str) and integer(s.get("offset"))
+                    and integer(s.get("bytes")) and isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64
+                    and all(c in "0123456789abcdef" for c in s["sha256"]) and s["offset"] == at
+                    and (s.get("rows") is None or integer(s["rows"]))):
+                fail(f"{where}.segments[{j}] must be {{name, offset, bytes, sha256[, rows]}}, following the one before")
+            at += s["bytes"]
+        if at != t["bytes"]:
+            fail(f"{where}.segments must cover its {t['bytes']} bytes exactly")
+
+
+def _span(shape: List[int], stride: List[int]) -> int:
+    """Elements a tensor of ``shape`` and ``stride`` reaches (0 if empty)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
+
+
+def _flat_tbes(module: torch.nn.Module) -> Iterable[Tuple[str, Any]]:
+    """(path, module) of each FlatTBE in an nn.Module or a TorchScript module."""
+    from recship.quantize.flat import FlatTBE
+
+    for path, m in module.named_modules():
+        if isinstance(m, FlatTBE) or getattr(m, "original_name", None) == "FlatTBE":
+            yield path, m
+
+
+def _tbe_segments(tbe: Any, uvm: bool, total: int) -> List[Tuple[str, int, int, int]]:
+    """(table name, start, end, rows) of each table whose rows live in the TBE's ``weights``
+    (``uvm`` False) or ``weights_uvm``, in offset order; together they cover [0, total)."""
+    placements = [int(p) for p in tbe.weights_placements.tolist()]
+    offsets = [int(o) for o in tbe.weights_offsets.tolist()]
+    names, rows = list(tbe.table_names), list(tbe.table_rows)
+    mine = sorted((offsets[t], names[t], rows[t]) for t in range(len(names)) if (placements[t] in _UVM_PLACEMENTS) == uvm)
+    out = []
+    for k, (start, name, n) in enumerate(mine):
+        end = mine[k + 1][0] if k + 1 < len(mine) else total
+        out.append((name, start, end, n))
+    if out and out[0][1] != 0:  # bytes before the first table: its own segment, still checked
+        out.insert(0, ("(padding)", 0, out[0][1], 0))
+    return out
+
+
+def _hash(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()  # hashlib releases the GIL for large buffers: threads hash in parallel
+
+
+def _threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+class TablesWriter:
+    """Collects an artifact's table tensors, then writes tables.bin and returns its ``TablesSpec``.
+
+    ``add_torchscript(scripted)`` takes every FlatTBE's rows from a TorchScript module (which
+    shares them with the nn.Module it was scripted from); ``add_aoti(constants)`` the constants
+    a model.pt2 compiled without them needs (a tensor already added is referenced, not added
+    twice); ``write(folder)``; ``emptied(scripted)`` swaps the TorchScript buffers for empty
+    placeholders while model.pt is saved.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: List[Tuple[TableTensor, torch.Tensor, List[Tuple[str, int, int, Optional[int]]]]] = []
+        self._by_storage: Dict[Tuple[int, int, Tuple[int, ...], torch.dtype], TableTensor] = {}
+
+    @staticmethod
+    def _identity(t: torch.Tensor) -> Tuple[int, int, Tuple[int, ...], torch.dtype]:
+        return (t.data_ptr(), t.numel(), tuple(t.stride()), t.dtype)
+
+    def _add(self, name: str, t: torch.Tensor, parts: List[Tuple[str, int, int, Optional[int]]]) -> TableTensor:
+        if t.dtype not in _DTYPE_NAMES:
+            raise TablesError(f"{name}: dtype {t.dtype} cannot go into the tables file")
+        entry = TableTensor(name, _DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), 0,
+                            t.element_size() * _span(list(t.shape), list(t.stride())), [])
+        self._tensors.append((entry, t, parts))
+        self._by_storage[self._identity(t)] = entry
+        return entry
+
+    def add_torchscript(self, scripted: torch.nn.Module) -> None:
+        for path, tbe in _flat_tbes(scripted):
+            for buffer, uvm in (("weights", False), ("weights_uvm", True)):
+                t = getattr(tbe, buffer)
+                if t.numel() == 0:
+                    continue
+                parts: List[Tuple[str, int, int, Optional[int]]] = [
+                    (name, start, end, rows) for name, start, end, rows in _tbe_segments(tbe, uvm, t.numel())]
+                entry = self._add(f"{path}.{buffer}", t, parts)
+                entry.torchscript = f"{path}.{buffer}"
+
+    def add_aoti(self, constants: Dict[str, torch.Tensor]) -> None:
+        """``constants``: fqn -> tensor, exactly those the compiled package asks for."""
+        for fqn, t in constants.items():
+            entry = self._by_storage.get(self._identity(t))
+            if entry is None:
+                entry = self._add(fqn, t, [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
+            if entry.aoti is not None:  # one tensor serving as two constants: store it again under the second name
+                entry = self._add(fqn, t.clone(), [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
+            entry.aoti = fqn
+
+    def spec(self) -> TablesSpec:
+        """The spec without checksums' order dependence: offsets and sha256s filled (hashes the tensors)."""
+        offset = 0
+        jobs = []
+        for entry, t, parts in self._tensors:
+            offset = _align(offset)
+            entry.offset = offset
+            offset += entry.bytes
+            raw = _raw(t)
+            entry.segments = [Segment(name, start, end - start, "", rows) for name, start, end, rows in parts]
+            jobs.extend((seg, raw[seg.offset: seg.offset + seg.bytes]) for seg in entry.segments)
+        with ThreadPoolExecutor(_threads()) as pool:
+            for seg, digest in zip([j[0] for j in jobs], pool.map(lambda job: _hash(job[1]), jobs)):
+                seg.sha256 = digest
+        return TablesSpec(TABLES_FILE, offset, [entry for entry, _, _ in self._tensors])
+
+    def write(self, folder: Path, spec: TablesSpec) -> None:
+        """Writes ``folder``/tables.bin as ``spec`` (from ``self.spec()``) lays it out."""
+        with open(Path(folder) / TABLES_FILE, "wb") as f:
+            for entry, t, _ in self._tensors:
+                f.write(b"\0" * (entry.offset - f.tell()))
+                f.write(_raw(t))
+            f.write(b"\0" * (spec.bytes - f.tell()))
+
+    def emptied(self, scripted: torch.nn.Module) -> "_Emptied":
+        return _Emptied(scripted, [e.torchscript for e, _, _ in self._tensors if e.torchscript])
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """The bytes a tensor spans in its storage (on the CPU), without a copy where it is already there."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    span = _span(list(t.shape), list(t.stride()))
+    flat = torch.as_strided(t, (span,), (1,)) if span else t.reshape(0)
+    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+class _Emptied:
+    """Context: the TorchScript module's table buffers are empty placeholders (same dtype and device) inside."""
+
+    def __init__(self, scripted: torch.nn.Module, paths: List[str]) -> None:
+        self._scripted = scripted
+        self._paths = paths
+        self._saved: List[Tuple[Any, str, torch.Tensor]] = []
+
+    def __enter__(self) -> None:
+        for path in self._paths:
+            owner, leaf = _owner(self._scripted, path)
+            t = getattr(owner, leaf)
+            self._saved.append((owner, leaf, t))
+            setattr(owner, leaf, torch.empty(0, dtype=t.dtype, device=t.device))
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, leaf, t in reversed(self._saved):
+            setattr(owner, leaf, t)
+        self._saved.clear()
+
+
+def _owner(module: Any, path: str) -> Tuple[Any, str]:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        module = getattr(module, p)
+    return module, leaf
+
+
+# tensors mapped and verified in this process, by TableTensor.key(): a version whose tables equal a live one's shares them
+_LIVE: Dict[Tuple[Any, ...], "weakref.ref[torch.Tensor]"] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) -> Dict[str, torch.Tensor]:
+    """name -> tensor of each tensor of ``folder``/tables.bin, mapped read-only (copy-on-write).
+
+    With ``verify`` every segment's sha256 is checked (in parallel) unless an equal, verified
+    tensor is already live in this process, which is then returned instead (no new pages).
+    TablesError names the table of the first problem: the file missing, shorter or longer
+    than the manifest says, or a segment whose bytes differ.
+    """
+    folder = Path(folder)
+    file = folder / spec.file
+    try:
+        size = file.stat().st_size
+    except OSError as e:
+        raise TablesError(f"{folder}: {spec.file} cannot be read ({e.strerror}): the artifact is incomplete") from None
+    if size != spec.bytes:
+        short = next((f"table {s.name!r} of {t.name} needs bytes up to {t.offset + s.offset + s.bytes}"
+                      for t in spec.tensors for s in t.segments if t.offset + s.offset + s.bytes > size), None)
+        raise TablesError(f"{file}: {size} bytes, the manifest says {spec.bytes}"
+                          + (f" (truncated: {short})" if short else "") + "; re-copy or re-export the artifact")
+    out: Dict[str, torch.Tensor] = {}
+    todo: List[TableTensor] = []
+    with _LIVE_LOCK:
+        for t in spec.tensors:
+            ref = _LIVE.get(t.key())
+            live = ref() if ref is not None else None
+            if live is not None and verify:
+                out[t.name] = live
+            else:
+                todo.append(t)
+    if not todo:
+        return out
+    storage = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+    tensors = {t.name: storage[t.offset: t.offset + t.bytes] for t in todo}
+    if verify:
+        jobs = [(t, s) for t in todo for s in t.segments]
+
+        def check(job: Tuple[TableTensor, Segment]) -> Optional[str]:
+            t, s = job
+            raw = tensors[t.name][s.offset: s.offset + s.bytes]
+            digest = _hash(memoryview(raw.numpy()))
+            if digest != s.sha256:
+                what = f"table {s.name!r}" if s.rows is not None else f"constant {s.name!r}"
+                return (f"{file}: {what} (bytes {t.offset + s.offset}..{t.offset + s.offset + s.bytes} of {t.name}) "
+                        f"has sha256 {digest}, the manifest says {s.sha256}: the file is corrupt or from another artifact")
+            return None
+
+        with ThreadPoolExecutor(min(_threads(), len(jobs)) or 1) as pool:
+            problems = [p for p in pool.map(check, jobs) if p]
+        if problems:
+            raise TablesError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    with _LIVE_LOCK:
+        for t in todo:
+            typed = _typed(tensors[t.name], t)
+            out[t.name] = typed
+            if verify and typed.data_ptr() == tensors[t.name].data_ptr():  # a mapped view, not a copy: shareable
+                _LIVE[t.key()] = weakref.ref(typed)
+        for key in [k for k, r in _LIVE.items() if r() is None]:
+            del _LIVE[key]
+    return out
+
+
+def _typed(raw: torch.Tensor, t: TableTensor) -> torch.Tensor:
+    """The uint8 bytes ``raw`` as the tensor ``t`` describes (a view where the layout allows)."""
+    dtype = DTYPES[t.dtype]
+    if math.prod(t.shape) == 0:
+        return torch.empty_strided(t.shape, t.stride, dtype=dtype)
+    flat = raw.view(dtype)
+    return torch.as_strided(flat, t.shape, t.stride)
+
+
+def attach_torchscript(module: Any, spec: TablesSpec, tensors: Dict[str, torch.Tensor], where: str) -> None:
+    """Fills the empty placeholder buffers of a loaded model.pt with the mapped tensors (copied to the
+    placeholder's device when that is not the CPU)."""
+    for t in spec.tensors:
+        if t.torchscript is None:
+            continue
+        try:
+            owner, leaf = _owner(module, t.torchscript)
+            placeholder = getattr(owner, leaf)
+        except AttributeError:
+            raise TablesError(f"{where}: model.pt has no buffer {t.torchscript} for {t.name}") from None
+        if not isinstance(placeholder, torch.Tensor) or placeholder.numel() != 0 or placeholder.dtype != DTYPES[t.dtype]:
+            raise TablesError(f"{where}: model.pt's {t.torchscript} is not an empty {t.dtype} placeholder")
+        value = tensors[t.name]
+        setattr(owner, leaf, value if placeholder.device.type == "cpu" else value.to(placeholder.device))
+
+
+def aoti_constants(spec: TablesSpec, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """fqn -> tensor of every constant model.pt2 takes from the tables file."""
+    return {t.aoti: tensors[t.name] for t in spec.tensors if t.aoti is not None}
+
+
+def check_pinned(pinned: Optional[str], spec: TablesSpec, file: str) -> None:
+    """The model file's copy of the tables spec must equal the manifest's (so a trusted model file pins the tables)."""
+    if pinned is None or not pinned.strip():
+        raise TablesError(f"{file} does not say which tables it was exported with ({PINNED_NAME} is missing)")
+    if json.loads(pinned) != json.loads(spec.pinned()):
+        raise TablesError(f"{file} was exported with other tables than manifest.json describes: "
+                          "the manifest or tables.bin belongs to another artifact")
