@@ -182,8 +182,8 @@ def load_package(path: Path, target_isa: str, constants: Optional[Dict[str, torc
     Dict[str, Tensor] out); AotiError if this CPU cannot run ``target_isa``.
 
     ``constants``: fqn -> tensor for a package compiled without its constants (every one it asks
-    for). The package uses the tensors themselves, not copies (mapped tables stay mapped): the
-    caller keeps them alive as long as the model."""
+    for). The package uses their memory, not copies (mapped tables stay mapped), through aliases
+    that do not own it (``unowned``): the caller keeps ``constants`` alive as long as the model."""
     ok, missing = cpu_supports(target_isa)
     if not ok:
         raise AotiError(f"{path} was compiled for {target_isa}; this CPU lacks {missing}: use model.pt (TorchScript)")
@@ -192,8 +192,10 @@ def load_package(path: Path, target_isa: str, constants: Optional[Dict[str, torc
     with _quiet():
         compiled = torch._inductor.aoti_load_package(str(path))
     if constants is not None:
+        from recship.export.tables import unowned
+
         try:
-            compiled.load_constants(constants, check_full_update=True, user_managed=True)
+            compiled.load_constants(unowned(constants), check_full_update=True, user_managed=True)
         except RuntimeError as e:
             raise AotiError(f"{path}: its constants do not fit: {str(e).splitlines()[0]}") from e
     return compiled

@@ -400,7 +400,7 @@ def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) 
         for t in todo:
             typed = _typed(tensors[t.name], t)
             out[t.name] = typed
-            if verify and typed.data_ptr() == tensors[t.name].data_ptr():  # a mapped view, not a copy: shareable
+            if verify and typed.numel() and typed.data_ptr() == tensors[t.name].data_ptr():  # a mapped view: shareable
                 _LIVE[t.key()] = weakref.ref(typed)
         for key in [k for k, r in _LIVE.items() if r() is None]:
             del _LIVE[key]
@@ -436,6 +436,30 @@ def attach_torchscript(module: Any, spec: TablesSpec, tensors: Dict[str, torch.T
 def aoti_constants(spec: TablesSpec, tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """fqn -> tensor of every constant model.pt2 takes from the tables file."""
     return {t.aoti: tensors[t.name] for t in spec.tensors if t.aoti is not None}
+
+
+def unowned(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Aliases of CPU ``tensors`` that do not keep their memory alive: what AOTInductor's
+    ``load_constants(user_managed=True)`` gets.
+
+    torch 2.13's AOTI runtime takes a new reference to each user-managed constant and never drops
+    it (``MaybeOwningAtenTensorHandle``), so handing it the mapped tensors themselves would keep
+    every loaded version's tables mapped for the life of the process. The aliases it leaks own
+    nothing; the caller keeps ``tensors`` alive exactly as long as the model that uses them.
+    """
+    import ctypes
+
+    import numpy as np
+
+    out = {}
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or t.numel() == 0:
+            out[name] = t
+            continue
+        span = t.element_size() * _span(list(t.shape), list(t.stride()))
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(t.data_ptr()))
+        out[name] = torch.as_strided(torch.from_numpy(raw).view(t.dtype), t.shape, t.stride())
+    return out
 
 
 def check_pinned(pinned: Optional[str], spec: TablesSpec, file: str) -> None:

@@ -35,6 +35,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
@@ -241,13 +242,50 @@ class ServedVersion:
 
     def start_batcher(self) -> Batcher:
         config, metrics, name, version, s = self._repo.config, self._repo.metrics, self.name, self.version, self.settings
+        me = weakref.ref(self)  # not self: the batcher must not keep its version (and its tables) alive in a cycle
+
+        def died(e: BaseException) -> None:
+            served = me()
+            if served is not None:
+                served._repo.worker_died(served)
+
         return Batcher(
             self.model, s.max_batch_size, s.max_delay_ms / 1000.0, s.max_queue,
             observe=functools.partial(metrics.observe_batch, name, str(version)), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
             device_lock=self._repo.device_lock, threads=s.torch_threads or default_torch_threads(),
-            on_death=lambda e: self._repo.worker_died(self), batching=s.batching,
+            on_death=died, batching=s.batching,
         )
+
+
+def _retire(versions: List[ServedVersion]) -> None:
+    """Stops the batchers of versions no longer served (their queued requests finish first), drops them
+    and hands the freed memory back: a replaced version must cost nothing once it is gone."""
+    for served in versions:
+        served.batcher.stop()
+    versions.clear()
+    release_memory()
+
+
+def release_memory() -> None:
+    """Collects garbage now and returns free heap to the OS (glibc ``malloc_trim``): glibc keeps what a
+    thread freed in that thread's arena, so without it a replaced model's heap stays in RSS."""
+    import gc
+
+    gc.collect()
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=None)
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def default_torch_threads() -> int:
@@ -565,7 +603,7 @@ class ModelRepository:
                 log.warning("unloaded %s version %d: %s", name, version, why.get(version, "unknown"),
                             extra={"model": name, "version": version})
             # queued requests finish on the old version, then it goes
-            threading.Thread(target=served.batcher.stop, daemon=True, name=f"unload-{name}-{version}").start()
+            threading.Thread(target=_retire, args=([served],), daemon=True, name=f"unload-{name}-{version}").start()
         self._on_change(name, bool(chosen))
 
     def attach_front(self, front: "CppFront") -> None:

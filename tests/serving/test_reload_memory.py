@@ -1,0 +1,146 @@
+"""A replaced or unloaded version is freed: RSS stays flat across hot reloads, in every format and front.
+
+A real ``recship serve`` process (and its C++ front, with ``--front cpp``) serves a model of ~20 MB of
+INT8 tables; versions 2..6 each replace the one before (two different exports, alternating, so no
+version can share its tables with the one it replaces), the old folder removed. After the last
+reload: no mapping of a removed version's tables.bin is left in either process (/proc/PID/maps
+lists a removed file as "(deleted)"), and RSS grew by less than 0.2x the table bytes over the
+first version's. The same for explicit unload + load (``RepositoryModelUnload`` / ``Load``).
+"""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from recship.export.artifact import Manifest
+from serving_helpers import front_binary, http_request
+
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                    reason="AOTInductor needs a C++ compiler (g++)")
+ROWS = 70_000  # 4 tables x 70,000 x 64 INT8: 4 * 70,000 * 68 bytes = 19 MB of tables
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """``exports(format) -> [Path, Path]``: two exports of the same DLRM shape with different weights."""
+    from recship.export import ExportConfig, export_model
+    from recship.trainer.dlrm import DLRM, DLRMConfig
+
+    made = {}
+
+    def build(format: str) -> List[Path]:
+        if format not in made:
+            made[format] = []
+            for seed in (1, 2):
+                torch.manual_seed(seed)
+                model = DLRM(DLRMConfig(num_embeddings_per_feature=[ROWS] * 4, embedding_dim=64, dense_arch=[64], over_arch=[16]))
+                out = tmp_path_factory.mktemp("reload") / f"{format}-{seed}"
+                export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, format=format))
+                made[format].append(out)
+        return made[format]
+
+    return build
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kib(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{key} not in /proc/{pid}/status")
+
+
+def _children(pid: int) -> List[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _deleted_tables(pid: int) -> List[str]:
+    return sorted({line.split(None, 5)[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines()
+                   if "tables.bin" in line and "(deleted)" in line})
+
+
+def _copy_version(src: Path, model_dir: Path, version: int) -> None:
+    """``src`` as version ``version`` of the model (its manifest says so), appearing at once."""
+    tmp = model_dir / f".tmp-{version}"
+    shutil.copytree(src, tmp)
+    manifest = Manifest.read(tmp)
+    manifest.model.version = version
+    manifest.write(tmp)
+    os.rename(tmp, model_dir / str(version))
+
+
+def _ready(port: int, version: int) -> bool:
+    try:
+        return http_request(port, "GET", f"/v2/models/dlrm/versions/{version}/ready", timeout=5)[0] == 200
+    except OSError:
+        return False
+
+
+def _wait(what, timeout: float = 120.0, proc=None) -> None:
+    end = time.monotonic() + timeout
+    while not what():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+        if time.monotonic() > end:
+            raise AssertionError("timed out")
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("format, front, control", [
+    ("torchscript", "python", "poll"),
+    pytest.param("aoti", "python", "poll", marks=needs_compiler),
+    pytest.param("aoti", "cpp", "poll", marks=needs_compiler),
+    ("torchscript", "python", "explicit"),
+])
+def test_hot_reloads_free_the_replaced_version(exports, tmp_path, format, front, control):
+    if front == "cpp":
+        front_binary()  # skips where gRPC C++ is missing
+    arts = exports("both" if format == "aoti" else "torchscript")
+    table_bytes = Manifest.read(arts[0]).tables.bytes
+    repo, http = tmp_path / "repo", _free_port()
+    (repo / "dlrm").mkdir(parents=True)
+    _copy_version(arts[0], repo / "dlrm", 1)
+    args = [sys.executable, "-m", "recship.cli", "serve", "--model-repo", str(repo), "--port", str(_free_port()),
+            "--http-port", str(http), "--poll-interval", "0.2", "--model-format", format, "--front", front,
+            "--max-delay-ms", "0"]
+    if control == "explicit":
+        args += ["--model-control", "explicit", "--load-model", "dlrm"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: _ready(http, 1), proc=proc)
+        pids = [proc.pid] + (_children(proc.pid) if front == "cpp" else [])
+        base = 0
+        for version in range(2, 8):
+            _copy_version(arts[(version - 1) % 2], repo / "dlrm", version)
+            if control == "explicit":  # unload, then load: the newest version
+                assert http_request(http, "POST", "/v2/repository/models/dlrm/unload", b"{}")[0] == 200
+                assert http_request(http, "POST", "/v2/repository/models/dlrm/load", b"{}")[0] == 200
+            _wait(lambda: _ready(http, version), proc=proc)
+            shutil.rmtree(repo / "dlrm" / str(version - 1))
+            _wait(lambda: not _ready(http, version - 1), proc=proc)
+            if version == 2:  # the baseline: after one reload (its first run imports and starts what reloads use)
+                base = sum(_kib(p, "VmRSS") for p in pids)
+        time.sleep(1.0)  # the retired version's batcher finishes and frees it in the background
+        leftovers = {p: _deleted_tables(p) for p in pids}
+        assert not any(leftovers.values()), f"removed versions' tables are still mapped: {leftovers}"
+        grown = sum(_kib(p, "VmRSS") for p in pids) - base
+        assert grown * 1024 < 0.2 * table_bytes, f"RSS grew by {grown} KiB over 5 reloads ({table_bytes / 1024:.0f} KiB of tables)"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
