@@ -144,37 +144,49 @@ def check_spec(spec: Any, fail: Any) -> None:
     names = set()
     for i, t in enumerate(tensors):
         where = f"tables.tensors[{i}]"
-        if not isinstance(t, dict) or not isinstance(t.get("name"), str) or t["name"] in names:
+        if not isinstance(t, dict):
+            fail(f"{where} must be an object")
+        if not isinstance(t.get("name"), str) or t["name"] in names:
             fail(f"{where}.name must be a string, unique")
         names.add(t["name"])
         if t.get("dtype") not in DTYPES:
             fail(f"{where}.dtype must be one of {sorted(DTYPES)}")
-        shape, stride = t.get("shape"), t.get("stride")
-        if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
-                and all(map(integer, shape)) and all(map(integer, stride))):
-            fail(f"{where}.shape and .stride must be lists of sizes of the same length")
+        for key in ("shape", "stride"):
+            if not (isinstance(t.get(key), list) and all(map(integer, t[key]))):
+                fail(f"{where}.{key} must be a list of sizes")
+        if len(t["shape"]) != len(t["stride"]):
+            fail(f"{where}.stride must have one entry per dimension of its shape")
         for key in ("offset", "bytes"):
             if not integer(t.get(key)):
                 fail(f"{where}.{key} must be an integer >= 0")
         item = torch.empty((), dtype=DTYPES[t["dtype"]]).element_size()
-        if t["bytes"] != item * _span(shape, stride):
+        if t["bytes"] != item * _span(t["shape"], t["stride"]):
             fail(f"{where}.bytes must be the bytes its shape and stride span")
         if t["offset"] % ALIGN or t["offset"] < end or t["offset"] + t["bytes"] > spec["bytes"]:
             fail(f"{where}.offset must be a multiple of {ALIGN}, after the tensor before it and inside the file")
         end = t["offset"] + t["bytes"]
         for key in ("torchscript", "aoti"):
-            if t.get(key) is not None and not isinstance(t[key], str):
+            if key not in t or not (t[key] is None or isinstance(t[key], str)):
                 fail(f"{where}.{key} must be a string or null")
         segments = t.get("segments")
         if not isinstance(segments, list):
             fail(f"{where}.segments must be a list")
         at = 0
         for j, s in enumerate(segments):
-            if not (isinstance(s, dict) and isinstance(s.get("name"), str) and integer(s.get("offset"))
-                    and integer(s.get("bytes")) and isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64
-                    and all(c in "0123456789abcdef" for c in s["sha256"]) and s["offset"] == at
-                    and (s.get("rows") is None or integer(s["rows"]))):
-                fail(f"{where}.segments[{j}] must be {{name, offset, bytes, sha256[, rows]}}, following the one before")
+            at_where = f"{where}.segments[{j}]"
+            if not isinstance(s, dict):
+                fail(f"{at_where} must be an object")
+            if not isinstance(s.get("name"), str):
+                fail(f"{at_where}.name must be a string")
+            for key in ("offset", "bytes"):
+                if not integer(s.get(key)):
+                    fail(f"{at_where}.{key} must be an integer >= 0")
+            if not (isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64 and all(c in "0123456789abcdef" for c in s["sha256"])):
+                fail(f"{at_where}.sha256 must be 64 lowercase hex digits")
+            if s.get("rows") is not None and not integer(s["rows"]):
+                fail(f"{at_where}.rows must be an integer >= 0")
+            if s["offset"] != at:
+                fail(f"{at_where}.offset must be {at}, where the segment before it ends")
             at += s["bytes"]
         if at != t["bytes"]:
             fail(f"{where}.segments must cover its {t['bytes']} bytes exactly")

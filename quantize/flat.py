@@ -82,6 +82,9 @@ class FlatTBE(nn.Module):
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """indices [N] int64, offsets [T*B + 1] int64 (T: the TBE's features), weights [N] float32 or None
         -> [B, total_D] float32 (pooled) or [N, D] (unpooled)."""
+        if self.weights.numel() == 0 and self.weights_uvm.numel() == 0:  # a model.pt loaded without its tables.bin
+            raise RuntimeError("this TBE has no rows: an artifact's model.pt takes its tables from tables.bin at load "
+                               "(recship.export.artifact.open_artifact, or the README's 'Loading an artifact without recship')")
         return torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function(
             dev_weights=self.weights,
             uvm_weights=self.weights_uvm,

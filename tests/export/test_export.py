@@ -91,7 +91,7 @@ def test_column_wise_artifact_stays_within_quantization_error(tmp_path):
 def test_artifact_from_checkpoint_loads_without_recship(tmp_path, checkpoint):
     export_model(checkpoint, _config(tmp_path, "art", dtype="int4", table_dtypes={"t_cat_0": "fp16"}))
     art = tmp_path / "art"
-    assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample"]
+    assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample", "tables.bin"]
     manifest = Manifest.read(art)
     assert manifest.feature_names == [f"cat_{i}" for i in range(26)]
     assert [f.weight_type for f in manifest.sparse_features][:2] == ["FP16", "INT4"]
@@ -105,6 +105,22 @@ def test_artifact_from_checkpoint_loads_without_recship(tmp_path, checkpoint):
         art = {str(art)!r}
         m = torch.jit.load(art + "/model.pt")
         man = json.load(open(art + "/manifest.json"))
+        try:  # without its tables, model.pt refuses to run (it must not crash)
+            m(torch.zeros(1, 13), torch.zeros(26, dtype=torch.int32), torch.zeros(0, dtype=torch.int64), None)
+            raise SystemExit("ran without tables")
+        except torch.jit.Error as e:
+            assert "tables.bin" in str(e), e
+        # the README's recipe: map tables.bin, fill each empty buffer the manifest names
+        t = man["tables"]
+        data = torch.from_file(art + "/" + t["file"], shared=False, size=t["bytes"], dtype=torch.uint8)
+        for spec in t["tensors"]:
+            if spec["torchscript"]:
+                *path, leaf = spec["torchscript"].split(".")
+                owner = m
+                for p in path:
+                    owner = getattr(owner, p)
+                raw = data[spec["offset"]: spec["offset"] + spec["bytes"]].view(getattr(torch, spec["dtype"]))
+                setattr(owner, leaf, raw.as_strided(spec["shape"], spec["stride"]))
         def read(spec):
             return torch.from_numpy(np.fromfile(art + "/" + spec["file"], dtype="<" + {{"float32": "f4", "int32": "i4", "int64": "i8"}}[spec["dtype"]]).reshape(spec["shape"]))
         ins = {{k: read(v) for k, v in man["sample"]["inputs"].items()}}

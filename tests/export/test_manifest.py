@@ -7,6 +7,7 @@ import shutil
 import pytest
 
 from recship.export.artifact import ArtifactError, Manifest, open_artifact, read_sample, write_sample
+from recship.export.tables import TablesSpec
 
 KINDS = [("dlrm", "int8"), ("emb", "int4")]  # unweighted with dense inputs; weighted, no dense, a modulo feature
 
@@ -97,7 +98,9 @@ def test_an_optional_field_missing_is_accepted(artifact, manifest_schema):
     (lambda m: m["sharding"]["shards"][0].update(rows="7"), "sharding.shards[0].rows"),
     (lambda m: m.update(num_dense=-1), "num_dense"),
     (lambda m: m.update(model_sha256="ABC"), "model_sha256"),
-    (lambda m: m.update(format="recship.artifact/2"), "format"),
+    (lambda m: m.update(format="recship.artifact/3"), "format"),
+    (lambda m: m["tables"]["tensors"][0].update(offset=-1), "tables.tensors[0].offset"),
+    (lambda m: m["tables"]["tensors"][0]["segments"][0].update(sha256="x" * 64), "tables.tensors[0].segments[0].sha256"),
     (lambda m: m["outputs"]["logit"].update(shape=[4, 1]), "outputs['logit'].shape"),
     (lambda m: m["sample"]["inputs"]["values"].update(file="../../etc/passwd"), "sample.inputs['values'].file"),
     (lambda m: m["sample"]["inputs"]["values"].update(file="/etc/passwd"), "sample.inputs['values'].file"),
@@ -151,5 +154,6 @@ def test_from_fields_and_write_sample_rebuild_the_exported_manifest_and_sample(a
     for spec in [*raw["sample"]["inputs"].values(), *raw["sample"]["outputs"].values()]:
         assert (tmp_path / spec["file"]).read_bytes() == (artifact / spec["file"]).read_bytes()
     fields = {k: raw[k] for k in ("model", "num_dense", "weighted", "sparse_features", "sharding", "quantization", "validation")}
-    built = Manifest.from_fields(fields, {k: list(v.shape[1:]) for k, v in outputs.items()}, sample, raw["model_sha256"])
+    built = Manifest.from_fields(fields, {k: list(v.shape[1:]) for k, v in outputs.items()}, sample, raw["model_sha256"],
+                                 tables=TablesSpec.from_dict(raw["tables"]))
     assert json.dumps(built.to_dict(), indent=2) == (artifact / "manifest.json").read_text()
