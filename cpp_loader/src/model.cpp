@@ -2,9 +2,9 @@
 #include "recship/model.h"
 
 #include <dlfcn.h>
-#include <openssl/evp.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <ATen/Parallel.h>
+#include <caffe2/serialize/read_adapter_interface.h>
 #include <torch/script.h>
 #include <torch/version.h>
 #include <unistd.h>
@@ -23,6 +23,8 @@
 #include <set>
 #include <sstream>
 #include <thread>
+
+#include "tables.h"
 
 #ifndef RECSHIP_FBGEMM_DIR
 #define RECSHIP_FBGEMM_DIR ""
@@ -46,14 +48,24 @@ std::string read_file(const std::string& path, const char* what) {
   return s.str();
 }
 
-std::string sha256_hex(const std::string& data) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int n = 0;
-  if (EVP_Digest(data.data(), data.size(), digest, &n, EVP_sha256(), nullptr) != 1) throw Error("sha256 failed");
-  std::ostringstream s;
-  for (unsigned int i = 0; i < n; ++i) s << std::hex << std::setw(2) << std::setfill('0') << int(digest[i]);
-  return s.str();
-}
+std::string sha256_hex(const std::string& data) { return tables::sha256_hex(data.data(), data.size()); }
+
+// The verified bytes of a model file as torch::jit::load's input, without the copy an istringstream makes.
+class BytesAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BytesAdapter(const std::string& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* what = "") const override {
+    (void)what;
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<size_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::string& bytes_;
+};
 
 // "2.13.0+cpu" -> "2.13.0"
 std::string release(const std::string& v) { return v.substr(0, v.find_first_of("+ ")); }
@@ -76,6 +88,10 @@ std::vector<T> read_raw(const std::string& path) {
   return out;
 }
 
+const std::string kFormat = "recship.artifact/2";    // the tables in tables.bin (export/tables.py)
+const std::string kFormatV1 = "recship.artifact/1";  // the tables inside model.pt / model.pt2: still loaded
+const std::string kPinnedName = "recship/tables.json";  // model.pt's extra file, model.pt2's <root>/extra/ entry
+
 // The fields of protos/recship/artifact/v1/manifest.schema.json's "required" lists, with their JSON
 // types, so that a manifest missing one is refused naming it (not a json::type_error later on).
 // tests/cpp_loader checks this against the schema: each required field, removed, must be named here.
@@ -95,8 +111,15 @@ void check_manifest(const json& m, const std::string& file) {
     return *it;
   };
   if (!m.is_object()) throw ArtifactError(file + ": must be a JSON object");
-  if (need(m, "format", Kind::String, "") != "recship.artifact/1")
-    throw ArtifactError(file + ": unknown artifact format '" + m["format"].get<std::string>() + "'");
+  const std::string& format = need(m, "format", Kind::String, "").get_ref<const std::string&>();
+  if (format != kFormat && format != kFormatV1)
+    throw ArtifactError(file + ": unknown artifact format '" + format + "', expected '" + kFormat + "'");
+  if (format == kFormat) {  // the tables live in tables.bin (export/tables.py check_spec's rules)
+    need(m, "tables", Kind::Object, "");
+    tables::parse_spec(m["tables"], file);
+  } else if (m.contains("tables")) {
+    throw ArtifactError(file + ": tables needs format '" + kFormat + "'");
+  }
   need(m, "model_sha256", Kind::String, "");
   const json& model = need(m, "model", Kind::Object, "");
   need(model, "name", Kind::String, "model.");
@@ -227,7 +250,11 @@ std::string aoti_blocker(const json& m, int64_t max_batch_size) {
 
 // AOTIModelPackageLoader reads a path, not bytes: the verified bytes go to a private copy (a fresh mkdtemp
 // folder, mode 0700) removed once loaded, so a model.pt2 swapped after the checksum cannot slip in.
-std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_aoti(const std::string& bytes, const std::string& file) {
+// constants: fqn -> tensor for a package compiled without its constants (format 2: every one it asks for, mapped
+// from tables.bin, as aliases that own nothing: tables::aoti_constants); the package uses their memory itself
+// (user-managed), so the caller keeps the mapped tensors alive as long as the loader.
+std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_aoti(const std::string& bytes, const std::string& file,
+                                                                   std::unordered_map<std::string, at::Tensor>* constants) {
   const char* tmp = std::getenv("TMPDIR");
   std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/recship-aoti-XXXXXX";
   if (!mkdtemp(pattern.data())) throw ArtifactError("cannot create a private folder for " + file + ": " + std::strerror(errno));
@@ -250,6 +277,17 @@ std::unique_ptr<torch::inductor::AOTIModelPackageLoader> load_aoti(const std::st
       error = file + " cannot be loaded: " + e.what();
     }
   }
+  if (error.empty() && constants != nullptr) {
+    try {
+      loader->load_constants(*constants, /*use_inactive=*/false, /*check_full_update=*/true, /*user_managed=*/true);
+    } catch (const c10::Error& e) {
+      std::string what = e.what_without_backtrace();
+      error = file + ": its constants do not fit: " + what.substr(0, what.find('\n'));
+    } catch (const std::exception& e) {
+      std::string what = e.what();
+      error = file + ": its constants do not fit: " + what.substr(0, what.find('\n'));
+    }
+  }
   std::remove(copy.c_str());
   rmdir(pattern.c_str());
   if (!error.empty()) throw ArtifactError(error);
@@ -269,6 +307,10 @@ struct Model::Impl {
   json manifest;
   std::string format;       // "torchscript" | "aoti"
   std::string format_note;  // why "auto" left model.pt2 unused
+  // format 2: the tensors mapped from tables.bin (each keeps the mapping alive) and the constants model.pt2 was
+  // given; declared before the models, so they outlive them (model.pt2 holds raw pointers into them)
+  std::map<std::string, at::Tensor> tables;
+  std::unordered_map<std::string, at::Tensor> aoti_constants;
   mutable torch::jit::Module module;                                 // format "torchscript"
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> aoti;     // format "aoti"
   std::vector<std::string> aoti_outputs;                             // its flat outputs' names, in order
@@ -315,11 +357,6 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   const bool aoti = m.format == "aoti";
   const std::string file = aoti ? "model.pt2" : "model.pt";
   const std::string want = aoti ? m.manifest["aoti"]["sha256"].get<std::string>() : m.manifest["model_sha256"].get<std::string>();
-  std::string model_bytes = read_file(artifact_dir + "/" + file, file.c_str());
-  std::string digest = sha256_hex(model_bytes);
-  if (digest != want)
-    throw ArtifactError(artifact_dir + "/" + file + ": sha256 " + digest + " does not match the manifest's " + want);
-
   std::string fbgemm_dir = options.fbgemm_dir.empty() ? RECSHIP_FBGEMM_DIR : options.fbgemm_dir;
   if (options.check_versions) {
     std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
@@ -331,6 +368,18 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     if (!found.empty() && release(found) != release(built_fbgemm))
       throw VersionMismatch("artifact built with fbgemm_gpu " + built_fbgemm + ", " + fbgemm_dir + " holds " + found);
   }
+  // format 2: the tables first (mapped, verified, or taken from a live version whose tables are equal), then the
+  // model file, as export/artifact.py open_artifact does
+  std::optional<tables::Spec> spec;
+  if (m.manifest.contains("tables")) {
+    spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");
+    m.tables = tables::map_tables(artifact_dir, *spec);
+  }
+  // the model file is small beside its tables (format 2): read whole, hashed, and loaded from these very bytes
+  std::string model_bytes = read_file(artifact_dir + "/" + file, file.c_str());
+  std::string digest = sha256_hex(model_bytes);
+  if (digest != want)
+    throw ArtifactError(artifact_dir + "/" + file + ": sha256 " + digest + " does not match the manifest's " + want);
   for (const auto& lib : m.manifest["op_libraries"]) {
     std::string path = fbgemm_dir + "/" + lib.get<std::string>();
     if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
@@ -339,15 +388,24 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     }
   }
   if (aoti) {
-    m.aoti = load_aoti(model_bytes, artifact_dir + "/model.pt2");
+    if (spec) {
+      tables::check_pinned(tables::zip_entry(model_bytes, "/extra/" + kPinnedName), *spec, artifact_dir + "/model.pt2");
+      m.aoti_constants = tables::aoti_constants(*spec, m.tables);
+    }
+    m.aoti = load_aoti(model_bytes, artifact_dir + "/model.pt2", spec ? &m.aoti_constants : nullptr);
     m.aoti_outputs = m.manifest["aoti"]["output_order"].get<std::vector<std::string>>();
   } else {
+    torch::jit::ExtraFilesMap extra;
+    if (spec) extra[kPinnedName] = "";
     try {
-      std::istringstream stream(model_bytes);
-      m.module = torch::jit::load(stream, torch::kCPU);
+      m.module = torch::jit::load(std::make_shared<BytesAdapter>(model_bytes), torch::kCPU, extra);
       m.module.eval();
     } catch (const c10::Error& e) {
       throw ArtifactError(artifact_dir + "/model.pt cannot be loaded: " + e.what_without_backtrace());
+    }
+    if (spec) {
+      tables::check_pinned(extra[kPinnedName], *spec, artifact_dir + "/model.pt");
+      tables::attach_torchscript(m.module, *spec, m.tables, artifact_dir);
     }
   }
   model_bytes.clear();

@@ -1,4 +1,4 @@
-// recship C++ loader: run an exported recship artifact (model.pt + manifest.json + sample/) without Python,
+// recship C++ loader: run an exported recship artifact (model.pt + tables.bin + manifest.json + sample/) without Python,
 // or its AOTInductor package (model.pt2, the manifest's "aoti") where it runs here.
 #pragma once
 
@@ -77,8 +77,10 @@ void set_intra_op_threads(int threads);
 
 class Model {
  public:
-  // Reads manifest.json, picks the format (LoadOptions::format), verifies the model file's sha256, loads
-  // the op libraries, loads the model from the verified bytes and (by default) runs the sample self-check.
+  // Reads manifest.json, picks the format (LoadOptions::format), maps tables.bin (format recship.artifact/2:
+  // copy-on-write, every table's sha256 verified; a format 1 artifact keeps its tables inside the model file),
+  // verifies the model file's sha256, loads the op libraries, loads the model from the verified bytes with the
+  // mapped tables and (by default) runs the sample self-check. The tables stay mapped while the Model lives.
   static std::unique_ptr<Model> load(const std::string& artifact_dir, const LoadOptions& options = {});
   ~Model();
 

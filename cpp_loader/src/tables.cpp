@@ -1,0 +1,459 @@
+// The tables file: the manifest's "tables" checked, tables.bin mapped and verified, the tensors handed to the model.
+#include "tables.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <torch/script.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <iomanip>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "recship/model.h"
+
+namespace recship::tables {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr int64_t kAlign = 4096;  // export/tables.py ALIGN
+constexpr const char* kTablesFile = "tables.bin";
+constexpr const char* kPinnedName = "recship/tables.json";
+
+struct DType {
+  c10::ScalarType type;
+  int64_t size;
+};
+
+// export/tables.py DTYPES
+const std::map<std::string, DType>& dtypes() {
+  static const std::map<std::string, DType> map = {
+      {"uint8", {c10::kByte, 1}},    {"int8", {c10::kChar, 1}},       {"int32", {c10::kInt, 4}},
+      {"int64", {c10::kLong, 8}},    {"float32", {c10::kFloat, 4}},   {"float16", {c10::kHalf, 2}},
+      {"bfloat16", {c10::kBFloat16, 2}}, {"bool", {c10::kBool, 1}},
+  };
+  return map;
+}
+
+// Python's repr() of a str, as the messages of export/tables.py print names ('t_cat_0@0').
+std::string py_repr(const std::string& s) {
+  const char quote = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (unsigned char c : s) {
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) out += '\\', out += static_cast<char>(c);
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else out += static_cast<char>(c);
+  }
+  return out + quote;
+}
+
+// check_spec's integer(): a JSON integer >= 0 (here also one that fits int64: sizes and offsets of a file)
+bool integer(const json& v) {
+  if (!v.is_number_integer()) return false;
+  if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
+  return v.get<int64_t>() >= 0;
+}
+
+// Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
+unsigned __int128 span(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride) {
+  for (int64_t n : shape)
+    if (n == 0) return 0;
+  const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 100;
+  unsigned __int128 total = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    unsigned __int128 term = static_cast<unsigned __int128>(shape[i] - 1) * static_cast<unsigned __int128>(stride[i]);
+    total = std::min(cap, total + std::min(cap, term));
+  }
+  return total;
+}
+
+int threads_available() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// tables.bin mapped: released (munmap) when the last tensor made from it goes.
+struct Mapping {
+  char* data = nullptr;
+  size_t size = 0;
+  Mapping() = default;
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping() {
+    if (data != nullptr) munmap(data, size);
+  }
+};
+
+// Tensors mapped and verified in this process, by their key (TableTensor.key() in export/tables.py): a version
+// whose tables equal those of a live one takes them from its mapping.
+struct Live {
+  std::weak_ptr<Mapping> mapping;
+  char* data;
+};
+std::mutex live_mutex;
+std::map<std::string, Live> live;
+
+std::string key(const TableTensor& t) {
+  json segments = json::array();
+  for (const auto& s : t.segments) segments.push_back({s.offset, s.bytes, s.sha256});
+  return json{t.dtype, t.shape, t.stride, segments}.dump();
+}
+
+// A tensor viewing `data` as t describes, keeping `mapping` alive as long as it (or a view of it) lives.
+at::Tensor typed(char* data, const TableTensor& t, const std::shared_ptr<Mapping>& mapping) {
+  const auto options = at::TensorOptions().dtype(dtypes().at(t.dtype).type).device(at::kCPU);
+  if (span(t.shape, t.stride) == 0) return at::empty_strided(t.shape, t.stride, options);
+  return at::from_blob(data, t.shape, t.stride, [mapping](void*) {}, options);
+}
+
+// One stored entry's bytes in a zip archive (the local header at `local`), or nullopt where it does not fit.
+std::optional<std::string> stored_entry(const std::string& a, uint64_t local, uint64_t size) {
+  auto u16 = [&a](uint64_t at) { return static_cast<uint32_t>(static_cast<unsigned char>(a[at])) | static_cast<uint32_t>(static_cast<unsigned char>(a[at + 1])) << 8; };
+  auto u32 = [&a, &u16](uint64_t at) { return u16(at) | u16(at + 2) << 16; };
+  if (local > a.size() || a.size() - local < 30 || u32(local) != 0x04034b50) return std::nullopt;
+  const uint64_t start = local + 30 + u16(local + 26) + u16(local + 28);
+  if (start > a.size() || a.size() - start < size) return std::nullopt;
+  return a.substr(start, size);
+}
+
+}  // namespace
+
+std::string sha256_hex(const void* data, size_t n) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(data, n, digest, &len, EVP_sha256(), nullptr) != 1) throw Error("sha256 failed");
+  static const char* hex = "0123456789abcdef";
+  std::string out(2 * len, '0');
+  for (unsigned int i = 0; i < len; ++i) {
+    out[2 * i] = hex[digest[i] >> 4];
+    out[2 * i + 1] = hex[digest[i] & 15];
+  }
+  return out;
+}
+
+json Spec::to_json() const {
+  json tensors_json = json::array();
+  for (const auto& t : tensors) {
+    json segments = json::array();
+    for (const auto& s : t.segments) {
+      json seg = {{"name", s.name}, {"offset", s.offset}, {"bytes", s.bytes}, {"sha256", s.sha256}};
+      if (s.rows) seg["rows"] = *s.rows;
+      segments.push_back(std::move(seg));
+    }
+    tensors_json.push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"stride", t.stride},
+                            {"offset", t.offset}, {"bytes", t.bytes},
+                            {"torchscript", t.torchscript ? json(*t.torchscript) : json(nullptr)},
+                            {"aoti", t.aoti ? json(*t.aoti) : json(nullptr)}, {"segments", std::move(segments)}});
+  }
+  return {{"file", file}, {"bytes", bytes}, {"tensors", std::move(tensors_json)}};
+}
+
+Spec parse_spec(const json& spec, const std::string& manifest_file) {
+  auto fail = [&manifest_file](const std::string& what) { throw ArtifactError(manifest_file + ": " + what); };
+  auto present = [&fail](const json& obj, const char* key, const std::string& where) {
+    if (!obj.contains(key)) fail(where + key + " is missing");
+  };
+  if (!spec.is_object()) fail("tables must be an object");
+  Spec out;
+  present(spec, "file", "tables.");
+  if (spec["file"] != kTablesFile) fail(std::string("tables.file must be ") + py_repr(kTablesFile));
+  out.file = kTablesFile;
+  present(spec, "bytes", "tables.");
+  if (!integer(spec["bytes"])) fail("tables.bytes must be an integer >= 0");
+  out.bytes = spec["bytes"].get<int64_t>();
+  present(spec, "tensors", "tables.");
+  if (!spec["tensors"].is_array()) fail("tables.tensors must be a list");
+  std::string dtype_list;  // Python's repr of sorted(DTYPES)
+  for (const auto& [name, _] : dtypes()) dtype_list += (dtype_list.empty() ? "" : ", ") + py_repr(name);
+  int64_t end = 0;
+  std::set<std::string> names;
+  const json& tensors = spec["tensors"];
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const json& t = tensors[i];
+    const std::string where = "tables.tensors[" + std::to_string(i) + "]";
+    if (t.is_object()) present(t, "name", where + ".");
+    if (!t.is_object() || !t["name"].is_string() || names.count(t["name"].get<std::string>()))
+      fail(where + ".name must be a string, unique");
+    TableTensor entry;
+    entry.name = t["name"].get<std::string>();
+    names.insert(entry.name);
+    present(t, "dtype", where + ".");
+    if (!t["dtype"].is_string() || !dtypes().count(t["dtype"].get<std::string>()))
+      fail(where + ".dtype must be one of [" + dtype_list + "]");
+    entry.dtype = t["dtype"].get<std::string>();
+    present(t, "shape", where + ".");
+    present(t, "stride", where + ".");
+    const json &shape = t["shape"], &stride = t["stride"];
+    bool sizes = shape.is_array() && stride.is_array() && shape.size() == stride.size();
+    for (size_t d = 0; sizes && d < shape.size(); ++d) sizes = integer(shape[d]) && integer(stride[d]);
+    if (!sizes) fail(where + ".shape and .stride must be lists of sizes of the same length");
+    entry.shape = shape.get<std::vector<int64_t>>();
+    entry.stride = stride.get<std::vector<int64_t>>();
+    for (const char* key : {"offset", "bytes"}) {
+      present(t, key, where + ".");
+      if (!integer(t[key])) fail(where + "." + key + " must be an integer >= 0");
+    }
+    entry.offset = t["offset"].get<int64_t>();
+    entry.bytes = t["bytes"].get<int64_t>();
+    if (static_cast<unsigned __int128>(entry.bytes) != dtypes().at(entry.dtype).size * span(entry.shape, entry.stride))
+      fail(where + ".bytes must be the bytes its shape and stride span");
+    if (entry.offset % kAlign || entry.offset < end ||
+        static_cast<__int128>(entry.offset) + entry.bytes > static_cast<__int128>(out.bytes))
+      fail(where + ".offset must be a multiple of " + std::to_string(kAlign) + ", after the tensor before it and inside the file");
+    end = entry.offset + entry.bytes;
+    for (const char* key : {"torchscript", "aoti"}) {
+      present(t, key, where + ".");  // the schema requires both (null where the model file does not take it)
+      if (t[key].is_null()) continue;
+      if (!t[key].is_string()) fail(where + "." + key + " must be a string or null");
+      (std::string(key) == "aoti" ? entry.aoti : entry.torchscript) = t[key].get<std::string>();
+    }
+    present(t, "segments", where + ".");
+    if (!t["segments"].is_array()) fail(where + ".segments must be a list");
+    int64_t at = 0;
+    const json& segments = t["segments"];
+    for (size_t j = 0; j < segments.size(); ++j) {
+      const json& s = segments[j];
+      const std::string seg = where + ".segments[" + std::to_string(j) + "]";
+      if (s.is_object())
+        for (const char* key : {"name", "offset", "bytes", "sha256"}) present(s, key, seg + ".");
+      bool ok = s.is_object() && s["name"].is_string() && integer(s["offset"]) && integer(s["bytes"]) && s["sha256"].is_string();
+      if (ok) {
+        const std::string& digest = s["sha256"].get_ref<const std::string&>();
+        ok = digest.size() == 64 && digest.find_first_not_of("0123456789abcdef") == std::string::npos &&
+             s["offset"].get<int64_t>() == at && (!s.contains("rows") || s["rows"].is_null() || integer(s["rows"]));
+      }
+      if (!ok) fail(seg + " must be {name, offset, bytes, sha256[, rows]}, following the one before");
+      Segment segment{s["name"].get<std::string>(), at, s["bytes"].get<int64_t>(), s["sha256"].get<std::string>(), std::nullopt};
+      if (s.contains("rows") && !s["rows"].is_null()) segment.rows = s["rows"].get<int64_t>();
+      if (__builtin_add_overflow(at, segment.bytes, &at)) at = INT64_MAX;  // then it cannot cover the tensor
+      entry.segments.push_back(std::move(segment));
+    }
+    if (at != entry.bytes) fail(where + ".segments must cover its " + std::to_string(entry.bytes) + " bytes exactly");
+    out.tensors.push_back(std::move(entry));
+  }
+  return out;
+}
+
+std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec& spec) {
+  const std::string file = dir + "/" + spec.file;
+  const int fd = open(file.c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
+    const int error = fd < 0 ? errno : S_ISDIR(st.st_mode) ? EISDIR : errno;
+    if (fd >= 0) close(fd);
+    throw ArtifactError(dir + ": " + spec.file + " cannot be read (" + std::strerror(error) + "): the artifact is incomplete");
+  }
+  const int64_t size = st.st_size;
+  if (size != spec.bytes) {
+    close(fd);
+    std::string short_of;  // the first table the file is too short for
+    for (const auto& t : spec.tensors) {
+      for (const auto& s : t.segments)
+        if (t.offset + s.offset + s.bytes > size) {
+          short_of = "table " + py_repr(s.name) + " of " + t.name + " needs bytes up to " + std::to_string(t.offset + s.offset + s.bytes);
+          break;
+        }
+      if (!short_of.empty()) break;
+    }
+    throw ArtifactError(file + ": " + std::to_string(size) + " bytes, the manifest says " + std::to_string(spec.bytes) +
+                        (short_of.empty() ? "" : " (truncated: " + short_of + ")") + "; re-copy or re-export the artifact");
+  }
+
+  std::map<std::string, at::Tensor> out;
+  std::vector<const TableTensor*> todo;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    for (const auto& t : spec.tensors) {
+      auto it = live.find(key(t));
+      std::shared_ptr<Mapping> mapping = it == live.end() ? nullptr : it->second.mapping.lock();
+      if (mapping) out[t.name] = typed(it->second.data, t, mapping);
+      else todo.push_back(&t);
+    }
+  }
+  if (todo.empty()) {
+    close(fd);
+    return out;
+  }
+  // copy-on-write, as torch.from_file(shared=False): the pages are the page cache's, shared by every process
+  // mapping the file, until someone writes to one (nobody does: the model reads its tables)
+  auto mapping = std::make_shared<Mapping>();
+  if (size > 0) {
+    void* data = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+    if (data == MAP_FAILED) {
+      const int error = errno;
+      close(fd);
+      throw ArtifactError(file + " cannot be mapped (" + std::strerror(error) + ")");
+    }
+    mapping->data = static_cast<char*>(data);
+    mapping->size = static_cast<size_t>(size);
+  }
+  close(fd);  // the mapping stays valid without it
+
+  struct Job {
+    const TableTensor* tensor;
+    const Segment* segment;
+    std::string problem;
+  };
+  std::vector<Job> jobs;
+  for (const TableTensor* t : todo)
+    for (const auto& s : t->segments) jobs.push_back({t, &s, ""});
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < jobs.size(); i = next++) {
+      const TableTensor& t = *jobs[i].tensor;
+      const Segment& s = *jobs[i].segment;
+      const std::string digest = sha256_hex(mapping->data + t.offset + s.offset, static_cast<size_t>(s.bytes));
+      if (digest != s.sha256)
+        jobs[i].problem = file + ": " + (s.rows ? "table " : "constant ") + py_repr(s.name) + " (bytes " +
+                          std::to_string(t.offset + s.offset) + ".." + std::to_string(t.offset + s.offset + s.bytes) + " of " +
+                          t.name + ") has sha256 " + digest + ", the manifest says " + s.sha256 +
+                          ": the file is corrupt or from another artifact";
+    }
+  };
+  const size_t threads = std::min<size_t>(static_cast<size_t>(threads_available()), jobs.size());
+  std::vector<std::thread> pool;
+  for (size_t i = 1; i < threads; ++i) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+  std::string first;
+  size_t problems = 0;
+  for (const auto& job : jobs)
+    if (!job.problem.empty() && problems++ == 0) first = job.problem;
+  if (problems > 0)
+    throw ArtifactError(first + (problems > 1 ? " (and " + std::to_string(problems - 1) + " more)" : ""));
+
+  std::lock_guard<std::mutex> lock(live_mutex);
+  for (const TableTensor* t : todo) {
+    char* data = mapping->data + t->offset;
+    out[t->name] = typed(data, *t, mapping);
+    if (span(t->shape, t->stride) > 0) live[key(*t)] = {mapping, data};
+  }
+  for (auto it = live.begin(); it != live.end();) it = it->second.mapping.expired() ? live.erase(it) : std::next(it);
+  return out;
+}
+
+void check_pinned(const std::optional<std::string>& pinned, const Spec& spec, const std::string& file) {
+  if (!pinned || pinned->find_first_not_of(" \t\r\n\f\v") == std::string::npos)
+    throw ArtifactError(file + " does not say which tables it was exported with (" + kPinnedName + " is missing)");
+  json copy;
+  try {
+    copy = json::parse(*pinned);
+  } catch (const json::exception&) {
+    throw ArtifactError(file + ": its " + kPinnedName + " is not valid JSON");
+  }
+  if (copy != spec.to_json())
+    throw ArtifactError(file + " was exported with other tables than manifest.json describes: "
+                        "the manifest or tables.bin belongs to another artifact");
+}
+
+std::optional<std::string> zip_entry(const std::string& a, const std::string& suffix) {
+  auto u16 = [&a](uint64_t at) -> uint64_t { return static_cast<unsigned char>(a[at]) | static_cast<uint64_t>(static_cast<unsigned char>(a[at + 1])) << 8; };
+  auto u32 = [&u16](uint64_t at) -> uint64_t { return u16(at) | u16(at + 2) << 16; };
+  auto u64 = [&u32](uint64_t at) -> uint64_t { return u32(at) | u32(at + 4) << 32; };
+  // the end of central directory record: the last one, within its 22 bytes plus a comment of up to 64 KiB
+  if (a.size() < 22) return std::nullopt;
+  uint64_t eocd = a.size() - 22;
+  const uint64_t lowest = a.size() > 22 + 65535 ? a.size() - 22 - 65535 : 0;
+  while (u32(eocd) != 0x06054b50) {
+    if (eocd == lowest) return std::nullopt;
+    --eocd;
+  }
+  uint64_t entries = u16(eocd + 10), cd = u32(eocd + 16);
+  if ((entries == 0xffff || cd == 0xffffffff) && eocd >= 20 && u32(eocd - 20) == 0x07064b50) {  // zip64
+    const uint64_t record = u64(eocd - 20 + 8);
+    if (record > a.size() || a.size() - record < 56 || u32(record) != 0x06064b50) return std::nullopt;
+    entries = u64(record + 32);
+    cd = u64(record + 48);
+  }
+  uint64_t at = cd;
+  for (uint64_t i = 0; i < entries; ++i) {
+    if (at > a.size() || a.size() - at < 46 || u32(at) != 0x02014b50) return std::nullopt;
+    const uint64_t method = u16(at + 10), name_len = u16(at + 28), extra_len = u16(at + 30), comment_len = u16(at + 32);
+    uint64_t csize = u32(at + 20), usize = u32(at + 24), local = u32(at + 42);
+    if (a.size() - at - 46 < name_len + extra_len + comment_len) return std::nullopt;
+    const std::string name = a.substr(at + 46, name_len);
+    if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+      // the zip64 extra field holds, in this order, the sizes and offset whose 32-bit fields are all ones
+      for (uint64_t x = at + 46 + name_len; x + 4 <= at + 46 + name_len + extra_len;) {
+        const uint64_t id = u16(x), len = u16(x + 2);
+        uint64_t f = x + 4;
+        if (id == 1) {
+          if (usize == 0xffffffff && f + 8 <= x + 4 + len) usize = u64(f), f += 8;
+          if (csize == 0xffffffff && f + 8 <= x + 4 + len) csize = u64(f), f += 8;
+          if (local == 0xffffffff && f + 8 <= x + 4 + len) local = u64(f), f += 8;
+        }
+        x += 4 + len;
+      }
+      if (method != 0 || csize != usize) return std::nullopt;  // stored entries only (zipfile's default)
+      return stored_entry(a, local, usize);
+    }
+    at += 46 + name_len + extra_len + comment_len;
+  }
+  return std::nullopt;
+}
+
+void attach_torchscript(torch::jit::Module& module, const Spec& spec, const std::map<std::string, at::Tensor>& tensors,
+                        const std::string& where) {
+  for (const auto& t : spec.tensors) {
+    if (!t.torchscript) continue;
+    const std::string& path = *t.torchscript;
+    std::vector<std::string> parts;
+    for (size_t start = 0;;) {
+      const size_t dot = path.find('.', start);
+      parts.push_back(path.substr(start, dot - start));
+      if (dot == std::string::npos) break;
+      start = dot + 1;
+    }
+    torch::jit::Module owner = module;  // a handle: setattr on it changes the loaded module
+    bool found = true;
+    for (size_t i = 0; found && i + 1 < parts.size(); ++i) {
+      found = owner.hasattr(parts[i]) && owner.attr(parts[i]).isObject();
+      if (found) owner = torch::jit::Module(owner.attr(parts[i]).toObject());
+    }
+    if (!found || !owner.hasattr(parts.back()))
+      throw ArtifactError(where + ": model.pt has no buffer " + path + " for " + t.name);
+    const c10::IValue placeholder = owner.attr(parts.back());
+    if (!placeholder.isTensor() || placeholder.toTensor().numel() != 0 ||
+        placeholder.toTensor().scalar_type() != dtypes().at(t.dtype).type)
+      throw ArtifactError(where + ": model.pt's " + path + " is not an empty " + t.dtype + " placeholder");
+    const at::Tensor& value = tensors.at(t.name);
+    const c10::Device device = placeholder.toTensor().device();
+    try {
+      owner.setattr(parts.back(), device.is_cpu() ? value : value.to(device));
+    } catch (const c10::Error& e) {
+      throw ArtifactError(where + ": model.pt's " + path + " cannot take " + t.name + ": " + e.what_without_backtrace());
+    }
+  }
+}
+
+std::unordered_map<std::string, at::Tensor> aoti_constants(const Spec& spec, const std::map<std::string, at::Tensor>& tensors) {
+  std::unordered_map<std::string, at::Tensor> out;
+  for (const auto& t : spec.tensors) {
+    if (!t.aoti) continue;
+    const at::Tensor& value = tensors.at(t.name);
+    // an alias that owns nothing: torch 2.13's AOTI runtime keeps a reference to each user-managed constant it is
+    // given and never drops it, which would keep the mapping (and its pages) for the life of the process
+    out[*t.aoti] = value.numel() == 0 ? value : at::from_blob(value.data_ptr(), value.sizes(), value.strides(), value.options());
+  }
+  return out;
+}
+
+}  // namespace recship::tables

@@ -1,0 +1,84 @@
+// The tables file of a "recship.artifact/2" artifact (export/tables.py): each table's rows once in tables.bin,
+// page-aligned, described by the manifest's "tables"; mapped copy-on-write at load, each segment's sha256
+// verified in parallel, then handed to model.pt (its empty placeholder buffers) or model.pt2 (its constants).
+// Internal to the loader: messages are export/tables.py's, word for word, where the tests compare them.
+#pragma once
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch::jit {
+struct Module;
+}
+
+namespace recship::tables {
+
+// Bytes [offset, offset + bytes) of one tensor (offset relative to the tensor): one table's rows (rows set) or a
+// whole dense constant (rows unset).
+struct Segment {
+  std::string name;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  std::string sha256;
+  std::optional<int64_t> rows;
+};
+
+// One tensor of the file: dtype [shape] with stride at byte offset; torchscript: the model.pt buffer it fills
+// (a dotted path), aoti: the model.pt2 constant it is (its fqn).
+struct TableTensor {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> stride;
+  int64_t offset = 0;
+  int64_t bytes = 0;
+  std::vector<Segment> segments;
+  std::optional<std::string> torchscript;
+  std::optional<std::string> aoti;
+};
+
+struct Spec {
+  std::string file;
+  int64_t bytes = 0;
+  std::vector<TableTensor> tensors;
+
+  // TablesSpec.to_dict(): what model.pt / model.pt2 carry as recship/tables.json (compared as parsed JSON).
+  nlohmann::json to_json() const;
+};
+
+// The manifest's "tables", checked with export/tables.py check_spec's rules (a field that is absent is "missing",
+// as the rest of the manifest's fields); ArtifactError "<manifest_file>: <what>" names the first problem.
+Spec parse_spec(const nlohmann::json& tables, const std::string& manifest_file);
+
+// name -> tensor of every tensor of dir/tables.bin, mapped (MAP_PRIVATE: copy-on-write, never on the heap), every
+// segment's sha256 verified on several threads. A tensor whose layout and checksums equal one this process
+// mapped and verified before, still mapped, is taken from that mapping (nothing read again). ArtifactError names
+// the table of the first problem with export/tables.py map_tables' message.
+std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec& spec);
+
+// The copy of the tables spec a model file carries must equal the manifest's (check_pinned); file names the model file.
+void check_pinned(const std::optional<std::string>& pinned, const Spec& spec, const std::string& file);
+
+// The first stored (uncompressed) entry of the zip archive `archive` whose name ends with `suffix`, or nullopt
+// (no such entry, a compressed one, or not a zip archive).
+std::optional<std::string> zip_entry(const std::string& archive, const std::string& suffix);
+
+// Fills model.pt's empty placeholder buffers with the mapped tensors (attach_torchscript); where: the artifact folder.
+void attach_torchscript(torch::jit::Module& module, const Spec& spec, const std::map<std::string, at::Tensor>& tensors,
+                        const std::string& where);
+
+// fqn -> tensor of every constant model.pt2 takes from the tables file, as aliases that do not own their memory
+// (AOTI keeps a reference to each user-managed constant for good): the caller keeps `tensors` alive while the model is.
+std::unordered_map<std::string, at::Tensor> aoti_constants(const Spec& spec, const std::map<std::string, at::Tensor>& tensors);
+
+// Lowercase hex sha256 of n bytes (OpenSSL EVP).
+std::string sha256_hex(const void* data, size_t n);
+
+}  // namespace recship::tables
