@@ -29,6 +29,7 @@
 #include <deque>
 #include <fstream>
 #include <iostream>
+#include <malloc.h>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -68,6 +69,13 @@ void log_line(const std::string& level, const std::string& message) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   std::cerr << json{{"level", level}, {"logger", "recship.front"}, {"message", message}}.dump() << std::endl;
+}
+
+// Returns the heap's free memory to the OS (glibc; elsewhere nothing to do).
+void release_memory() {
+#ifdef __GLIBC__
+  malloc_trim(0);
+#endif
 }
 
 // -- metrics: the Python server's families (serving/metrics.py), merged into its /metrics ------------------------
@@ -218,7 +226,21 @@ class Front {
     recship::LoadOptions options;
     options.format = format;
     options.max_batch_size = settings.max_batch_size;
-    std::shared_ptr<const recship::Model> model = recship::Model::load(path, options);
+    // the version is freed when its last holder lets go: the batcher, once retired, and the calls it answered
+    // (each holds the batcher until gRPC is done with it); then its heap goes back to the OS, as the Python
+    // server's release_memory does (glibc keeps what a thread freed in that thread's arena otherwise)
+    std::unique_ptr<recship::Model> loaded;
+    try {
+      loaded = recship::Model::load(path, options);
+    } catch (...) {  // what the failed load allocated is freed: hand it back too
+      release_memory();
+      throw;
+    }
+    std::shared_ptr<const recship::Model> model(loaded.release(), [name, version](const recship::Model* m) {
+      delete m;
+      release_memory();
+      log_line("INFO", "freed " + name + " version " + std::to_string(version));
+    });
     auto batcher = std::make_shared<Batcher>(this, model, name, version, settings);
     std::shared_ptr<Batcher> old;
     {
@@ -344,6 +366,7 @@ class Call : public grpc::ServerGenericBidiReactor {
     }
     // a client that sent nothing or is gone, another method, or a Predict the front does not take: the Python server
     if (ok && !cancelled_ && ctx_->method() == kPredict && serve_natively()) return;
+    batcher_.reset();  // routed but not taken: a proxied call must not keep that version (and its model) alive
     start_proxy(ok);
   }
 

@@ -735,3 +735,33 @@ def test_the_fronts_gauges_are_added_to_the_servers(cpp, monkeypatch):
     scraped = _scrape(cpp)
     assert _sample(scraped, "recship_queue_depth", model="dlrm", version="1") == 3.0
     assert _sample(scraped, "recship_inflight_bytes") == 4096.0
+
+
+def test_a_replaced_version_is_freed_once_its_calls_are_answered(repo, small_artifacts, tmp_path, caplog):
+    """The front holds a version only through its batcher and the calls it answers: once replaced (and again once
+    removed) the version's Model is destroyed, which the front logs, and its tables.bin is no longer mapped."""
+    root = tmp_path / "repo"
+    shutil.copytree(repo / "dlrm" / "1", root / "dlrm" / "1")
+    sparse, dense = _request(31, 3)
+
+    def mapping(version: int) -> bool:  # whether a recship_front child of this process maps that version's tables
+        path = str(root / "dlrm" / str(version) / "tables.bin")
+        return any(path in Path(f"/proc/{pid}/maps").read_text() for pid in _front_children())
+
+    with caplog.at_level(logging.INFO, logger="recship.front"):
+        server = Server(ServerConfig(model_repo=str(root), port=0, max_delay_ms=1, poll_interval_s=0.1, front="cpp"))
+        try:
+            with PredictClient(f"127.0.0.1:{server.port}") as client:
+                assert client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version == 1
+                assert mapping(1)
+                shutil.copytree(small_artifacts(dtype="fp16"), root / "dlrm" / ".incoming")
+                (root / "dlrm" / ".incoming").rename(root / "dlrm" / "2")
+                _wait(lambda: "freed dlrm version 1" in caplog.messages, what="the front to free version 1")
+                assert not mapping(1) and mapping(2)
+                assert client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version == 2
+                assert "freed dlrm version 2" not in caplog.messages
+                shutil.rmtree(root / "dlrm")
+                _wait(lambda: "freed dlrm version 2" in caplog.messages, what="the front to free version 2")
+                assert not mapping(2)
+        finally:
+            server.stop()
