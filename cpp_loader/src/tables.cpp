@@ -189,9 +189,9 @@ Spec parse_spec(const json& spec, const std::string& manifest_file) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const json& t = tensors[i];
     const std::string where = "tables.tensors[" + std::to_string(i) + "]";
-    if (t.is_object()) present(t, "name", where + ".");
-    if (!t.is_object() || !t["name"].is_string() || names.count(t["name"].get<std::string>()))
-      fail(where + ".name must be a string, unique");
+    if (!t.is_object()) fail(where + " must be an object");
+    present(t, "name", where + ".");
+    if (!t["name"].is_string() || names.count(t["name"].get<std::string>())) fail(where + ".name must be a string, unique");
     TableTensor entry;
     entry.name = t["name"].get<std::string>();
     names.insert(entry.name);
@@ -199,14 +199,15 @@ Spec parse_spec(const json& spec, const std::string& manifest_file) {
     if (!t["dtype"].is_string() || !dtypes().count(t["dtype"].get<std::string>()))
       fail(where + ".dtype must be one of [" + dtype_list + "]");
     entry.dtype = t["dtype"].get<std::string>();
-    present(t, "shape", where + ".");
-    present(t, "stride", where + ".");
-    const json &shape = t["shape"], &stride = t["stride"];
-    bool sizes = shape.is_array() && stride.is_array() && shape.size() == stride.size();
-    for (size_t d = 0; sizes && d < shape.size(); ++d) sizes = integer(shape[d]) && integer(stride[d]);
-    if (!sizes) fail(where + ".shape and .stride must be lists of sizes of the same length");
-    entry.shape = shape.get<std::vector<int64_t>>();
-    entry.stride = stride.get<std::vector<int64_t>>();
+    for (const char* key : {"shape", "stride"}) {
+      present(t, key, where + ".");
+      bool sizes = t[key].is_array();
+      for (size_t d = 0; sizes && d < t[key].size(); ++d) sizes = integer(t[key][d]);
+      if (!sizes) fail(where + "." + key + " must be a list of sizes");
+    }
+    entry.shape = t["shape"].get<std::vector<int64_t>>();
+    entry.stride = t["stride"].get<std::vector<int64_t>>();
+    if (entry.shape.size() != entry.stride.size()) fail(where + ".stride must have one entry per dimension of its shape");
     for (const char* key : {"offset", "bytes"}) {
       present(t, key, where + ".");
       if (!integer(t[key])) fail(where + "." + key + " must be an integer >= 0");
@@ -220,7 +221,7 @@ Spec parse_spec(const json& spec, const std::string& manifest_file) {
       fail(where + ".offset must be a multiple of " + std::to_string(kAlign) + ", after the tensor before it and inside the file");
     end = entry.offset + entry.bytes;
     for (const char* key : {"torchscript", "aoti"}) {
-      present(t, key, where + ".");  // the schema requires both (null where the model file does not take it)
+      present(t, key, where + ".");  // required, null where the model file does not take the tensor
       if (t[key].is_null()) continue;
       if (!t[key].is_string()) fail(where + "." + key + " must be a string or null");
       (std::string(key) == "aoti" ? entry.aoti : entry.torchscript) = t[key].get<std::string>();
@@ -232,17 +233,22 @@ Spec parse_spec(const json& spec, const std::string& manifest_file) {
     for (size_t j = 0; j < segments.size(); ++j) {
       const json& s = segments[j];
       const std::string seg = where + ".segments[" + std::to_string(j) + "]";
-      if (s.is_object())
-        for (const char* key : {"name", "offset", "bytes", "sha256"}) present(s, key, seg + ".");
-      bool ok = s.is_object() && s["name"].is_string() && integer(s["offset"]) && integer(s["bytes"]) && s["sha256"].is_string();
-      if (ok) {
-        const std::string& digest = s["sha256"].get_ref<const std::string&>();
-        ok = digest.size() == 64 && digest.find_first_not_of("0123456789abcdef") == std::string::npos &&
-             s["offset"].get<int64_t>() == at && (!s.contains("rows") || s["rows"].is_null() || integer(s["rows"]));
+      if (!s.is_object()) fail(seg + " must be an object");
+      present(s, "name", seg + ".");
+      if (!s["name"].is_string()) fail(seg + ".name must be a string");
+      for (const char* key : {"offset", "bytes"}) {
+        present(s, key, seg + ".");
+        if (!integer(s[key])) fail(seg + "." + key + " must be an integer >= 0");
       }
-      if (!ok) fail(seg + " must be {name, offset, bytes, sha256[, rows]}, following the one before");
+      present(s, "sha256", seg + ".");
+      if (!s["sha256"].is_string() || s["sha256"].get_ref<const std::string&>().size() != 64 ||
+          s["sha256"].get_ref<const std::string&>().find_first_not_of("0123456789abcdef") != std::string::npos)
+        fail(seg + ".sha256 must be 64 lowercase hex digits");
+      const bool has_rows = s.contains("rows") && !s["rows"].is_null();
+      if (has_rows && !integer(s["rows"])) fail(seg + ".rows must be an integer >= 0");
+      if (s["offset"].get<int64_t>() != at) fail(seg + ".offset must be " + std::to_string(at) + ", where the segment before it ends");
       Segment segment{s["name"].get<std::string>(), at, s["bytes"].get<int64_t>(), s["sha256"].get<std::string>(), std::nullopt};
-      if (s.contains("rows") && !s["rows"].is_null()) segment.rows = s["rows"].get<int64_t>();
+      if (has_rows) segment.rows = s["rows"].get<int64_t>();
       if (__builtin_add_overflow(at, segment.bytes, &at)) at = INT64_MAX;  // then it cannot cover the tensor
       entry.segments.push_back(std::move(segment));
     }

@@ -1,0 +1,329 @@
+"""The C++ loader on format recship.artifact/2 (tables.bin): refusals with Python's exact messages, outputs bitwise.
+
+References: Python's ``open_artifact`` / ``Manifest.read`` on the very same folders (their ArtifactError is the
+message recship_predict must print), Python's own model of each format on the same requests, and the same
+artifact rewritten in format 1 (model.pt with its tables inside, no tables.bin).
+"""
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, aoti_runs_here, file_sha256, open_artifact
+from recship.export.tables import PINNED_NAME, TABLES_FILE
+
+AOTI_CASES = [("dlrm", 1), ("emb", 2)]  # as tests/cpp_loader/test_cpp_aoti.py compiles them (shared in the session)
+
+
+def _run(binary, *args):
+    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def other(small_artifact, tmp_path_factory):
+    """The small DLRM of tests/conftest.py exported from other weights (seed 1): same layout, other tables."""
+    from recship.export import ExportConfig, export_model
+    from recship.trainer.dlrm import DLRM, DLRMConfig
+
+    rows = [f.rows for f in Manifest.read(small_artifact).sparse_features]
+    torch.manual_seed(1)
+    module = DLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    out = tmp_path_factory.mktemp("other") / "dlrm_seed1"
+    export_model(module, ExportConfig(out=str(out), dtype="int8", device="cpu", progress=False, validation_batches=1,
+                                      batch_size_hint=32, format="torchscript", plot=False))
+    return out
+
+
+def _aoti_artifact(small_artifacts, name="dlrm", shards=1):
+    art = small_artifacts(name, "int8", "cpu", "both", shards)
+    if not (art / "model.pt2").is_file():
+        pytest.skip("the export wrote no model.pt2 (no compiler for AOTInductor)")
+    runs, why = aoti_runs_here(Manifest.read(art))
+    if not runs:
+        pytest.skip(f"model.pt2 cannot run here: {why}")
+    return art
+
+
+def _python_error(art, **kwargs) -> str:
+    """Python's refusal of the artifact (no model of it is left alive: an equal live tensor would be shared unread)."""
+    gc.collect()
+    with pytest.raises(ArtifactError) as e:
+        open_artifact(art, **kwargs)
+    return str(e.value)
+
+
+def _assert_same_refusal(binary, art, fmt="torchscript", check=True):
+    result = _run(binary, art, "--format", fmt)
+    want = _python_error(art, format=fmt, check=check)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == f"recship_predict: error: {want}"
+    return want
+
+
+def _table_segments(manifest):
+    return [(t, s) for t in manifest.tables.tensors for s in t.segments if s.rows is not None]
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+# -- 1. a corrupt, short, missing or foreign tables.bin: refused naming the table, in Python's words -----------------
+
+def test_a_flipped_byte_in_a_table_is_refused_naming_it(binary, small_artifact, tmp_path):
+    art = tmp_path / "flipped"
+    shutil.copytree(small_artifact, art)
+    tensor, segment = _table_segments(Manifest.read(art))[3]
+    _flip(art / TABLES_FILE, tensor.offset + segment.offset + segment.bytes // 2)
+    message = _assert_same_refusal(binary, art)
+    start, end = tensor.offset + segment.offset, tensor.offset + segment.offset + segment.bytes
+    assert f"table '{segment.name}' (bytes {start}..{end} of {tensor.name}) has sha256 " in message
+    assert message.endswith(f", the manifest says {segment.sha256}: the file is corrupt or from another artifact")
+
+
+def test_a_truncated_or_missing_tables_file_is_refused_naming_the_table(binary, small_artifact, tmp_path):
+    art = tmp_path / "short"
+    shutil.copytree(small_artifact, art)
+    manifest = Manifest.read(art)
+    tensor, segment = _table_segments(manifest)[2]
+    os.truncate(art / TABLES_FILE, tensor.offset + segment.offset + 10)
+    message = _assert_same_refusal(binary, art)
+    assert f"the manifest says {manifest.tables.bytes} (truncated: table '{segment.name}' of {tensor.name} needs bytes up to" in message
+    (art / TABLES_FILE).unlink()
+    message = _assert_same_refusal(binary, art)
+    assert message == f"{art}: {TABLES_FILE} cannot be read (No such file or directory): the artifact is incomplete"
+
+
+def test_another_exports_tables_file_is_refused_naming_the_table(binary, small_artifact, other, tmp_path):
+    art = tmp_path / "foreign"
+    shutil.copytree(small_artifact, art)
+    shutil.copy(other / TABLES_FILE, art / TABLES_FILE)
+    assert (art / TABLES_FILE).stat().st_size == Manifest.read(art).tables.bytes  # same layout: only the bytes differ
+    first = _table_segments(Manifest.read(art))[0][1]
+    message = _assert_same_refusal(binary, art)
+    assert f"table '{first.name}' " in message and "the file is corrupt or from another artifact (and " in message
+
+
+def test_a_flipped_byte_in_a_dense_constant_of_model_pt2_is_refused_naming_it(binary, small_artifacts, tmp_path):
+    art = tmp_path / "constant"
+    shutil.copytree(_aoti_artifact(small_artifacts), art)
+    constants = [(t, s) for t in Manifest.read(art).tables.tensors for s in t.segments if s.rows is None and s.bytes]
+    assert constants  # model.pt2's dense weights live in tables.bin too
+    tensor, segment = constants[-1]
+    _flip(art / TABLES_FILE, tensor.offset + segment.offset)
+    for fmt in ("aoti", "torchscript"):  # the tables are verified before either model file is read
+        assert f"constant '{segment.name}' " in _assert_same_refusal(binary, art, fmt)
+
+
+# -- 2. the model file pins its tables: a manifest that describes others is refused -------------------------------
+
+def test_a_manifest_rewritten_for_other_tables_is_refused_by_model_pt(binary, small_artifact, other, tmp_path):
+    art = tmp_path / "rewritten"
+    shutil.copytree(small_artifact, art)
+    shutil.copy(other / TABLES_FILE, art / TABLES_FILE)
+    raw = json.loads((art / "manifest.json").read_text())
+    raw["tables"] = json.loads((other / "manifest.json").read_text())["tables"]
+    (art / "manifest.json").write_text(json.dumps(raw))
+    message = _assert_same_refusal(binary, art, check=False)
+    assert message == (f"{art}/model.pt was exported with other tables than manifest.json describes: "
+                       "the manifest or tables.bin belongs to another artifact")
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "aoti"])
+def test_a_renamed_table_in_the_manifest_is_refused_by_the_model_file(binary, small_artifacts, tmp_path, fmt):
+    """The bytes still verify (only a name changed), but the model file's recship/tables.json says otherwise."""
+    art = tmp_path / "renamed"
+    shutil.copytree(_aoti_artifact(small_artifacts) if fmt == "aoti" else small_artifacts(), art)
+    raw = json.loads((art / "manifest.json").read_text())
+    raw["tables"]["tensors"][0]["segments"][0]["name"] = "renamed"
+    (art / "manifest.json").write_text(json.dumps(raw))
+    file = "model.pt2" if fmt == "aoti" else "model.pt"
+    assert _assert_same_refusal(binary, art, fmt).startswith(f"{art}/{file} was exported with other tables than manifest.json")
+
+
+@pytest.mark.parametrize("fmt", ["torchscript", "aoti"])
+def test_a_model_file_without_its_pinned_tables_is_refused(binary, small_artifacts, tmp_path, fmt):
+    art = tmp_path / "unpinned"
+    shutil.copytree(_aoti_artifact(small_artifacts) if fmt == "aoti" else small_artifacts(), art)
+    raw = json.loads((art / "manifest.json").read_text())
+    if fmt == "aoti":  # the archive again, every entry but the pinned copy
+        with zipfile.ZipFile(art / "model.pt2") as src, zipfile.ZipFile(art / "new.pt2", "w") as dst:
+            for info in src.infolist():
+                if not info.filename.endswith("/extra/" + PINNED_NAME):
+                    dst.writestr(info, src.read(info))
+        os.replace(art / "new.pt2", art / "model.pt2")
+        raw["aoti"]["sha256"] = file_sha256(art / "model.pt2")
+    else:  # saved again without its extra file (the placeholders stay empty)
+        import fbgemm_gpu  # noqa: F401  (registers the TBE ops model.pt calls)
+
+        torch.jit.save(torch.jit.load(str(art / "model.pt")), str(art / "model.pt"))
+        raw["model_sha256"] = file_sha256(art / "model.pt")
+    (art / "manifest.json").write_text(json.dumps(raw))
+    file = "model.pt2" if fmt == "aoti" else "model.pt"
+    message = _assert_same_refusal(binary, art, fmt)
+    assert message == f"{art}/{file} does not say which tables it was exported with ({PINNED_NAME} is missing)"
+
+
+# -- 3. the manifest's tables: check_spec's rules and words ---------------------------------------------------------
+
+def _set(keys, value):
+    def change(raw):
+        node = raw["tables"]
+        for k in keys[:-1]:
+            node = node[k]
+        node[keys[-1]] = value(node[keys[-1]]) if callable(value) else value
+    return change
+
+
+def _duplicate_name(raw):
+    raw["tables"]["tensors"].append(json.loads(json.dumps(raw["tables"]["tensors"][0])))
+
+
+def _drop_last_segment(raw):
+    raw["tables"]["tensors"][0]["segments"].pop()
+
+
+def _file_too_short(raw):
+    raw["tables"]["bytes"] = raw["tables"]["tensors"][-1]["offset"]
+
+
+def _format_1_with_tables(raw):
+    raw["format"] = FORMAT_V1
+
+
+SPEC_CHANGES = {
+    "unaligned offset": _set(("tensors", 0, "offset"), lambda v: v + 1),
+    "bytes past the span": _set(("tensors", 0, "bytes"), lambda v: v + 1),
+    "unknown dtype": _set(("tensors", 0, "dtype"), "complex64"),
+    "shape and stride differ in length": _set(("tensors", 0, "stride"), [1, 1]),
+    "negative size": _set(("tensors", 0, "shape"), [-1]),
+    "tensor not an object": _set(("tensors", 0), 5),
+    "duplicate name": _duplicate_name,
+    "segment not an object": _set(("tensors", 0, "segments", 0), []),
+    "segment name not a string": _set(("tensors", 0, "segments", 0, "name"), 3),
+    "sha256 not hex": _set(("tensors", 0, "segments", 0, "sha256"), "X" * 64),
+    "segment not following": _set(("tensors", 0, "segments", 1, "offset"), lambda v: v + 1),
+    "negative rows": _set(("tensors", 0, "segments", 0, "rows"), -1),
+    "segments short": _drop_last_segment,
+    "tensor past the file": _file_too_short,
+    "other file name": _set(("file",), "other.bin"),
+    "torchscript not a string": _set(("tensors", 0, "torchscript"), 5),
+    "tensors not a list": _set(("tensors",), {}),
+    "format 1 with tables": _format_1_with_tables,
+}
+
+
+@pytest.mark.parametrize("name", list(SPEC_CHANGES))
+def test_a_malformed_tables_spec_is_refused_in_pythons_words(binary, small_artifact, tmp_path, name):
+    art = tmp_path / "spec"
+    shutil.copytree(small_artifact, art)
+    raw = json.loads((art / "manifest.json").read_text())
+    SPEC_CHANGES[name](raw)
+    (art / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(ArtifactError) as want:
+        Manifest.read(art)
+    result = _run(binary, art)
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"recship_predict: error: {want.value}"
+
+
+def test_a_format_2_manifest_without_tables_is_refused(binary, small_artifact, tmp_path):
+    art = tmp_path / "no_tables"
+    shutil.copytree(small_artifact, art)
+    raw = json.loads((art / "manifest.json").read_text())
+    del raw["tables"]
+    (art / "manifest.json").write_text(json.dumps(raw))
+    result = _run(binary, art)
+    assert result.returncode == 1 and result.stderr.strip() == f"recship_predict: error: {art}/manifest.json: tables is missing"
+
+
+# -- 4. outputs: bitwise Python's, in each format; format 1 still loads ---------------------------------------------
+
+def _requests(manifest, seed):
+    """(sparse, dense, weights) in recship_predict's JSON form: batch 1, 7, 64, then batch 2 with no ids at all."""
+    g = np.random.default_rng(seed)
+    feats = manifest.sparse_features
+    for batch in (1, 7, 64, 2):
+        most = 0 if batch == 2 else 4
+        sparse = {f.name: [[int(i) for i in g.integers(0, f.rows, size=g.integers(0, most + 1))] for _ in range(batch)] for f in feats}
+        weights = {f.name: [[float(x) for x in g.random(len(r))] for r in sparse[f.name]] for f in feats if f.weighted} or None
+        dense = g.random((batch, manifest.num_dense)).tolist() if manifest.num_dense else None
+        yield sparse, dense, weights
+
+
+def _request_file(path, sparse, dense, weights):
+    body = {"sparse": sparse, **({"dense": dense} if dense is not None else {}), **({"weights": weights} if weights else {})}
+    path.write_text(json.dumps(body))
+    return path
+
+
+def _python_outputs(model, manifest, sparse, dense, weights):
+    names = manifest.feature_names
+    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
+    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
+    w = None
+    if manifest.weighted:  # unweighted features' ids weigh 1, as the loader fills them
+        w = torch.tensor([x for n in names for k, r in enumerate(sparse[n])
+                          for x in (weights[n][k] if weights and n in weights else [1.0] * len(r))], dtype=torch.float32)
+    b = len(sparse[names[0]])
+    d = torch.tensor(dense, dtype=torch.float32) if dense is not None else torch.zeros(b, 0)
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in model(d, lengths, values, w).items()}
+
+
+def _assert_cpp_equals(binary, art, fmt, model, manifest, tmp_path, seed):
+    for i, (sparse, dense, weights) in enumerate(_requests(manifest, seed)):
+        want = _python_outputs(model, manifest, sparse, dense, weights)
+        result = _run(binary, art, "--request", _request_file(tmp_path / f"r{i}.json", sparse, dense, weights), "--format", fmt)
+        assert result.returncode == 0, result.stderr
+        got = json.loads(result.stdout)
+        assert set(got) == set(want)
+        for k in want:
+            np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k], err_msg=f"{fmt} {k}")
+
+
+@pytest.mark.parametrize("name", ["dlrm", "emb"])
+def test_model_pt_outputs_equal_pythons_bitwise(binary, small_artifacts, tmp_path, name):
+    art = small_artifacts(name)
+    model, manifest = open_artifact(art, format="torchscript")
+    assert manifest.tables is not None and (art / TABLES_FILE).is_file()
+    _assert_cpp_equals(binary, art, "torchscript", model, manifest, tmp_path, seed=7)
+
+
+@pytest.mark.parametrize("name, shards", AOTI_CASES)
+def test_model_pt2_outputs_equal_pythons_bitwise(binary, small_artifacts, tmp_path, name, shards):
+    art = _aoti_artifact(small_artifacts, name, shards)
+    model, manifest = open_artifact(art, format="aoti")
+    assert any(t.aoti is not None and t.torchscript is None for t in manifest.tables.tensors)  # constants of model.pt2 only
+    _assert_cpp_equals(binary, art, "aoti", model, manifest, tmp_path, seed=8)
+    del model
+    scripted, _ = open_artifact(art, format="torchscript")  # the same artifact's model.pt, with the same tables.bin
+    _assert_cpp_equals(binary, art, "torchscript", scripted, manifest, tmp_path, seed=9)
+
+
+def test_a_format_1_artifact_still_loads_and_gives_the_same_outputs(binary, small_artifacts, tmp_path):
+    """The artifact as format 1 wrote it (tables inside model.pt, no tables.bin): loaded as before, same answers."""
+    src = small_artifacts("emb")
+    model, manifest = open_artifact(src, format="torchscript")
+    old = tmp_path / "v1"
+    old.mkdir()
+    torch.jit.save(model, str(old / "model.pt"))
+    shutil.copytree(src / "sample", old / "sample")
+    raw = manifest.to_dict()
+    raw.update(format=FORMAT_V1, model_sha256=file_sha256(old / "model.pt"))
+    del raw["tables"]
+    (old / "manifest.json").write_text(json.dumps(raw))
+    assert _run(binary, old, "--threads", 2).returncode == 0
+    _assert_cpp_equals(binary, old, "torchscript", model, manifest, tmp_path, seed=10)
