@@ -607,7 +607,7 @@ def pt2_pinned(data: bytes) -> Optional[str]:
 def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:
     import tempfile
 
-    from recship.export.aoti import load_package
+    from recship.export.aoti import AotiError, load_package
 
     assert manifest.aoti is not None  # _aoti_runs_or_fail says so
     data = _verified_bytes(path / manifest.aoti.file, manifest.aoti.sha256, trusted)
@@ -620,7 +620,11 @@ def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]
         copy = Path(tmp) / "model.pt2"
         copy.write_bytes(data)
         del data
-        return AotiModel(load_package(copy, manifest.aoti.target_isa, constants), manifest, constants)
+        try:
+            compiled = load_package(copy, manifest.aoti.target_isa, constants)
+        except AotiError as e:
+            raise ArtifactError(f"{path}/{manifest.aoti.file}: {str(e).replace(str(copy) + ': ', '')}") from None
+        return AotiModel(compiled, manifest, constants)
 
 
 class AotiModel:

@@ -478,6 +478,10 @@ def check_pinned(pinned: Optional[str], spec: TablesSpec, file: str) -> None:
     """The model file's copy of the tables spec must equal the manifest's (so a trusted model file pins the tables)."""
     if pinned is None or not pinned.strip():
         raise TablesError(f"{file} does not say which tables it was exported with ({PINNED_NAME} is missing)")
-    if json.loads(pinned) != json.loads(spec.pinned()):
+    try:
+        theirs = json.loads(pinned)
+    except ValueError:
+        raise TablesError(f"{file}: its {PINNED_NAME} is not valid JSON") from None
+    if theirs != json.loads(spec.pinned()):
         raise TablesError(f"{file} was exported with other tables than manifest.json describes: "
                           "the manifest or tables.bin belongs to another artifact")
