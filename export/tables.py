@@ -284,9 +284,9 @@ class TablesWriter:
             entry.aoti = fqn
 
     def spec(self) -> TablesSpec:
-        """The spec without checksums' order dependence: offsets and sha256s filled (hashes the tensors)."""
+        """The spec: each tensor's offset and each segment's sha256 filled (hashes the tensors, in parallel)."""
         offset = 0
-        jobs = []
+        jobs: List[Tuple[Segment, memoryview]] = []
         for entry, t, parts in self._tensors:
             offset = _align(offset)
             entry.offset = offset
@@ -322,7 +322,7 @@ def _raw(t: torch.Tensor) -> memoryview:
         t = t.cpu()
     span = _span(list(t.shape), list(t.stride()))
     flat = torch.as_strided(t, (span,), (1,)) if span else t.reshape(0)
-    return memoryview(flat.contiguous().view(torch.uint8).numpy()).cast("B")
+    return flat.contiguous().view(torch.uint8).numpy().data.cast("B")
 
 
 class _Emptied:
@@ -397,7 +397,7 @@ def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) 
         def check(job: Tuple[TableTensor, Segment]) -> Optional[str]:
             t, s = job
             raw = tensors[t.name][s.offset: s.offset + s.bytes]
-            digest = _hash(memoryview(raw.numpy()))
+            digest = _hash(raw.numpy().data)
             if digest != s.sha256:
                 what = f"table {s.name!r}" if s.rows is not None else f"constant {s.name!r}"
                 return (f"{file}: {what} (bytes {t.offset + s.offset}..{t.offset + s.offset + s.bytes} of {t.name}) "

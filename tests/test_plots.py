@@ -235,7 +235,7 @@ def test_export_puts_the_table_chart_in_the_artifact(tmp_path):
 
     manifest = export_model(_small_dlrm(), _export_config(out=str(tmp_path / "art"), plot=True))
     art = tmp_path / "art"
-    assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample", TABLES_CHART]
+    assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample", "tables.bin", TABLES_CHART]
     assert _read_png(art / TABLES_CHART).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.BAR_WIDTH * plots.DPI)
     _, loaded = open_artifact(art)  # still a valid, self-checking artifact
     assert loaded.to_dict() == manifest
@@ -251,7 +251,7 @@ def test_export_without_matplotlib(tmp_path, no_matplotlib):
     with pytest.raises(plots.PlotsUnavailable, match=r"recship\[plots\]"):
         _export_config(out=str(tmp_path / "asked"), plot=True)  # asked for: refused before any work
     export_model(_small_dlrm(), _export_config(out=str(tmp_path / "art"), plot=None))  # not asked: no chart, no failure
-    assert sorted(p.name for p in (tmp_path / "art").iterdir()) == ["manifest.json", "model.pt", "sample"]
+    assert sorted(p.name for p in (tmp_path / "art").iterdir()) == ["manifest.json", "model.pt", "sample", "tables.bin"]
 
 
 def test_recship_export_prints_the_chart_and_inspect_draws_one(tmp_path, capsys, small_artifact):
