@@ -26,7 +26,8 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from recship.export.tables import PINNED_NAME, TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables
+from recship.export.tables import (PINNED_NAME, TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec,
+                                   map_tables, pt2_pinned)
 
 FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
 FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded
@@ -590,18 +591,6 @@ def _aoti_runs_or_fail(path: Path, manifest: Manifest) -> None:
     runs, why = aoti_runs_here(manifest)
     if not runs:
         raise ArtifactError(f"{path}: {why}")
-
-
-def pt2_pinned(data: bytes) -> Optional[str]:
-    """The tables spec a model.pt2 carries (``PINNED_NAME`` under its archive's extra/), or None."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            name = next((n for n in z.namelist() if n.endswith("/extra/" + PINNED_NAME)), None)
-            return None if name is None else z.read(name).decode()
-    except (zipfile.BadZipFile, UnicodeDecodeError):
-        return None
 
 
 def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:

@@ -33,7 +33,7 @@ from torch import nn
 from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
-from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter
+from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter, pin_pt2
 from recship.quantize.flat import FlatPooledLookup
 from recship.quantize.modules import ID_POLICIES
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
@@ -684,8 +684,7 @@ def write_artifact(
         if exported is not None and _wants_aoti(config):
             package = _compile_aoti(tmp, exported, fields, config)
             tables.add_aoti(package.constants)
-        spec = tables.spec()
-        tables.write(tmp, spec)
+        spec = tables.write(tmp)
         with tables.emptied(scripted):
             torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
         aoti = None
@@ -824,13 +823,9 @@ def _finish_aoti(package: "AotiPackage", fields: Dict[str, Any], inputs: Dict[st
                  outputs: Dict[str, torch.Tensor], tables: TablesSpec) -> AotiSpec:
     """Adds the tables spec to model.pt2 (so it pins the tables), checks it against the TorchScript
     outputs of the sample, and returns the manifest's ``aoti``."""
-    import zipfile
-
     from recship.export.aoti import AotiError, load_package
 
-    with zipfile.ZipFile(package.path, "a") as archive:  # torch's loaders read by name: an extra entry is ignored
-        root = archive.namelist()[0].split("/", 1)[0]
-        archive.writestr(f"{root}/extra/{PINNED_NAME}", tables.pinned())
+    pin_pt2(package.path, tables)
     try:
         compiled = load_package(package.path, package.target_isa, package.constants)
     except AotiError as e:

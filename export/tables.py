@@ -241,7 +241,7 @@ class TablesWriter:
     ``add_torchscript(scripted)`` takes every FlatTBE's rows from a TorchScript module (which
     shares them with the nn.Module it was scripted from); ``add_aoti(constants)`` the constants
     a model.pt2 compiled without them needs (a tensor already added is referenced, not added
-    twice); ``write(folder)``; ``emptied(scripted)`` swaps the TorchScript buffers for empty
+    twice); ``write(folder)`` writes tables.bin and returns its spec; ``emptied(scripted)`` swaps the TorchScript buffers for empty
     placeholders while model.pt is saved.
     """
 
@@ -283,29 +283,23 @@ class TablesWriter:
                 entry = self._add(fqn, t.clone(), [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
             entry.aoti = fqn
 
-    def spec(self) -> TablesSpec:
-        """The spec: each tensor's offset and each segment's sha256 filled (hashes the tensors, in parallel)."""
+    def write(self, folder: Path) -> TablesSpec:
+        """Writes ``folder``/tables.bin and returns its spec: one pass over the tables, each tensor's
+        segments hashed on worker threads while the next tensor is written."""
         offset = 0
-        jobs: List[Tuple[Segment, memoryview]] = []
-        for entry, t, parts in self._tensors:
-            offset = _align(offset)
-            entry.offset = offset
-            offset += entry.bytes
-            raw = _raw(t)
-            entry.segments = [Segment(name, start, end - start, "", rows) for name, start, end, rows in parts]
-            jobs.extend((seg, raw[seg.offset: seg.offset + seg.bytes]) for seg in entry.segments)
-        with ThreadPoolExecutor(_threads()) as pool:
-            for seg, digest in zip([j[0] for j in jobs], pool.map(lambda job: _hash(job[1]), jobs)):
-                seg.sha256 = digest
+        hashing = []
+        with ThreadPoolExecutor(_threads()) as pool, open(Path(folder) / TABLES_FILE, "wb") as f:
+            for entry, t, parts in self._tensors:
+                entry.offset = _align(offset)
+                f.write(b"\0" * (entry.offset - offset))
+                raw = _raw(t)
+                entry.segments = [Segment(name, start, end - start, "", rows) for name, start, end, rows in parts]
+                hashing += [(seg, pool.submit(_hash, raw[seg.offset: seg.offset + seg.bytes])) for seg in entry.segments]
+                f.write(raw)
+                offset = entry.offset + entry.bytes
+            for seg, digest in hashing:
+                seg.sha256 = digest.result()
         return TablesSpec(TABLES_FILE, offset, [entry for entry, _, _ in self._tensors])
-
-    def write(self, folder: Path, spec: TablesSpec) -> None:
-        """Writes ``folder``/tables.bin as ``spec`` (from ``self.spec()``) lays it out."""
-        with open(Path(folder) / TABLES_FILE, "wb") as f:
-            for entry, t, _ in self._tensors:
-                f.write(b"\0" * (entry.offset - f.tell()))
-                f.write(_raw(t))
-            f.write(b"\0" * (spec.bytes - f.tell()))
 
     def emptied(self, scripted: torch.nn.Module) -> "_Emptied":
         return _Emptied(scripted, [e.torchscript for e, _, _ in self._tensors if e.torchscript])
@@ -472,6 +466,29 @@ def unowned(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(t.data_ptr()))
         out[name] = torch.as_strided(torch.from_numpy(raw).view(t.dtype), t.shape, t.stride())
     return out
+
+
+def pin_pt2(path: Path, spec: TablesSpec) -> None:
+    """Adds the tables spec to the model.pt2 at ``path`` as ``<root>/extra/PINNED_NAME`` (stored, not
+    compressed); torch's loaders read an archive by name, so they ignore the extra entry."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "a") as archive:
+        root = archive.namelist()[0].split("/", 1)[0]
+        archive.writestr(f"{root}/extra/{PINNED_NAME}", spec.pinned())
+
+
+def pt2_pinned(data: bytes) -> Optional[str]:
+    """The tables spec a model.pt2's bytes carry (``pin_pt2``), or None."""
+    import io
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            name = next((n for n in z.namelist() if n.endswith("/extra/" + PINNED_NAME)), None)
+            return None if name is None else z.read(name).decode()
+    except (zipfile.BadZipFile, UnicodeDecodeError):
+        return None
 
 
 def check_pinned(pinned: Optional[str], spec: TablesSpec, file: str) -> None:
