@@ -33,7 +33,7 @@ from torch import nn
 from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
-from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter, pin_pt2
+from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
 from recship.quantize.flat import FlatPooledLookup
 from recship.quantize.modules import ID_POLICIES
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
@@ -685,6 +685,10 @@ def write_artifact(
             package = _compile_aoti(tmp, exported, fields, config)
             tables.add_aoti(package.constants)
         spec = tables.write(tmp)
+        if config.repo is not None:  # the newest version's tables, unchanged: one file, hard-linked
+            newest = next_version(out) - 1
+            if newest > 0:
+                link_if_unchanged(tmp, spec, out / str(newest))
         with tables.emptied(scripted):
             torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
         aoti = None

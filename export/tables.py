@@ -14,10 +14,11 @@ sha256, so a corrupt or swapped file is refused with the table named.
 
 Loading maps the file read-only and copy-on-write (``torch.from_file(shared=False)``:
 MAP_PRIVATE): the rows live in the page cache, one copy shared by every process that maps
-the file, and never on the heap; verifying reads each segment once, in parallel. A tensor
-whose segments' sha256s equal those of a tensor another loaded version already mapped and
-verified is taken from that version: two versions with equal tables share their pages and
-the second reads nothing.
+the file, and never on the heap; verifying reads each segment once, in parallel, and a
+process does not verify the same file (device, inode, size, mtime) twice. A tensor whose
+segments' sha256s equal those of a tensor another loaded version already uses is taken from
+that version once this version's own file has verified: two versions with equal tables share
+their pages.
 
 model.pt and model.pt2 each carry a copy of the tensor list with its checksums
 (``PINNED_NAME``), so an allow-listed model file pins the tables as it did when they were
@@ -349,49 +350,45 @@ def _owner(module: Any, path: str) -> Tuple[Any, str]:
 
 # tensors mapped and verified in this process, by TableTensor.key(): a version whose tables equal a live one's shares them
 _LIVE: Dict[Tuple[Any, ...], "weakref.ref[torch.Tensor]"] = {}
+# segments verified in this process, by the identity of the file that holds them (device, inode, size, mtime):
+# the same file (a version loaded again, a tables.bin hard-linked into the next version) is not hashed twice
+_VERIFIED: Dict[Tuple[int, int, int, int], set] = {}
 _LIVE_LOCK = threading.Lock()
 
 
 def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) -> Dict[str, torch.Tensor]:
     """name -> tensor of each tensor of ``folder``/tables.bin, mapped read-only (copy-on-write).
 
-    With ``verify`` every segment's sha256 is checked (in parallel) unless an equal, verified
-    tensor is already live in this process, which is then returned instead (no new pages).
+    With ``verify`` every segment's sha256 is checked (in parallel), unless this process already
+    verified the same file (same device, inode, size and mtime). A tensor equal to one a loaded
+    version already uses (same layout and checksums) is returned as that tensor, so the two
+    share their pages and this file's mapping is dropped once checked.
     TablesError names the table of the first problem: the file missing, shorter or longer
     than the manifest says, or a segment whose bytes differ.
     """
     folder = Path(folder)
     file = folder / spec.file
     try:
-        size = file.stat().st_size
+        stat = file.stat()
     except OSError as e:
         raise TablesError(f"{folder}: {spec.file} cannot be read ({e.strerror}): the artifact is incomplete") from None
+    size = stat.st_size
     if size != spec.bytes:
         short = next((f"table {s.name!r} of {t.name} needs bytes up to {t.offset + s.offset + s.bytes}"
                       for t in spec.tensors for s in t.segments if t.offset + s.offset + s.bytes > size), None)
         raise TablesError(f"{file}: {size} bytes, the manifest says {spec.bytes}"
                           + (f" (truncated: {short})" if short else "") + "; re-copy or re-export the artifact")
-    out: Dict[str, torch.Tensor] = {}
-    todo: List[TableTensor] = []
-    with _LIVE_LOCK:
-        for t in spec.tensors:
-            ref = _LIVE.get(t.key())
-            live = ref() if ref is not None else None
-            if live is not None and verify:
-                out[t.name] = live
-            else:
-                todo.append(t)
-    if not todo:
-        return out
     storage = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-    tensors = {t.name: storage[t.offset: t.offset + t.bytes] for t in todo}
+    views = {t.name: storage[t.offset: t.offset + t.bytes] for t in spec.tensors}
     if verify:
-        jobs = [(t, s) for t in todo for s in t.segments]
+        identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        with _LIVE_LOCK:
+            done = set(_VERIFIED.get(identity, ()))
+        jobs = [(t, s) for t in spec.tensors for s in t.segments if (t.offset + s.offset, s.bytes, s.sha256) not in done]
 
         def check(job: Tuple[TableTensor, Segment]) -> Optional[str]:
             t, s = job
-            raw = tensors[t.name][s.offset: s.offset + s.bytes]
-            digest = _hash(raw.numpy().data)
+            digest = _hash(views[t.name][s.offset: s.offset + s.bytes].numpy().data)
             if digest != s.sha256:
                 what = f"table {s.name!r}" if s.rows is not None else f"constant {s.name!r}"
                 return (f"{file}: {what} (bytes {t.offset + s.offset}..{t.offset + s.offset + s.bytes} of {t.name}) "
@@ -402,15 +399,42 @@ def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) 
             problems = [p for p in pool.map(check, jobs) if p]
         if problems:
             raise TablesError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+        with _LIVE_LOCK:
+            _VERIFIED.setdefault(identity, set()).update((t.offset + s.offset, s.bytes, s.sha256) for t, s in jobs)
+    out: Dict[str, torch.Tensor] = {}
     with _LIVE_LOCK:
-        for t in todo:
-            typed = _typed(tensors[t.name], t)
+        for t in spec.tensors:
+            ref = _LIVE.get(t.key()) if verify else None
+            live = ref() if ref is not None else None
+            if live is not None:
+                out[t.name] = live
+                continue
+            typed = _typed(views[t.name], t)
             out[t.name] = typed
-            if verify and typed.numel() and typed.data_ptr() == tensors[t.name].data_ptr():  # a mapped view: shareable
+            if verify and typed.numel() and typed.data_ptr() == views[t.name].data_ptr():  # a mapped view: shareable
                 _LIVE[t.key()] = weakref.ref(typed)
         for key in [k for k, r in _LIVE.items() if r() is None]:
             del _LIVE[key]
     return out
+
+
+def link_if_unchanged(folder: Path, spec: TablesSpec, previous: Path) -> bool:
+    """Replaces ``folder``/tables.bin by a hard link to ``previous``/tables.bin when the previous
+    version's manifest describes exactly these tables and its file verifies: a retrain that changed
+    only the dense layers then costs no disk, and loaders that verified that file (same inode) do
+    not read it again. Returns whether it linked; any problem (no such version, other tables, a
+    corrupt file, a filesystem without hard links) keeps the file just written."""
+    try:
+        theirs = json.loads((previous / "manifest.json").read_bytes()).get("tables")
+        if theirs != json.loads(spec.pinned()):
+            return False
+        map_tables(previous, spec)  # every segment's sha256, on the previous version's bytes
+        link = Path(folder) / (TABLES_FILE + ".link")
+        os.link(previous / TABLES_FILE, link)
+        os.replace(link, Path(folder) / TABLES_FILE)
+        return True
+    except (OSError, ValueError):  # TablesError is a ValueError
+        return False
 
 
 def _typed(raw: torch.Tensor, t: TableTensor) -> torch.Tensor:

@@ -174,3 +174,38 @@ def test_a_format_1_artifact_still_loads(small_artifact, tmp_path):
     assert not (old / TABLES_FILE).exists()
     model, manifest = open_artifact(old)
     assert manifest.format == FORMAT_V1 and manifest.tables is None
+
+
+def test_a_corrupt_copy_of_live_tables_is_refused(medium, tmp_path):
+    """Sharing pages with a loaded version never skips checking a version's own file."""
+    v1, v2 = medium(), _copy(medium(), tmp_path / "2")
+    first, manifest = open_artifact(v1)
+    tensor, segment = _segment(manifest, 1)
+    with open(v2 / TABLES_FILE, "r+b") as f:
+        f.seek(tensor.offset + segment.offset)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ArtifactError, match=rf"table '{segment.name}'"):
+        open_artifact(v2)
+
+
+def test_an_unchanged_export_into_a_repository_links_the_tables_file(tmp_path):
+    torch.manual_seed(3)
+    model = DLRM(DLRMConfig(num_embeddings_per_feature=[500] * 3, embedding_dim=16, dense_arch=[8], over_arch=[8]))
+    config = dict(repo=str(tmp_path), model_name="m", dtype="int8", progress=False, validation_batches=1, format="torchscript",
+                  plot=False)
+    export_model(model, ExportConfig(**config))
+    export_model(model, ExportConfig(**config))
+    v1, v2 = tmp_path / "m" / "1" / TABLES_FILE, tmp_path / "m" / "2" / TABLES_FILE
+    assert v1.stat().st_ino == v2.stat().st_ino and v1.stat().st_nlink == 2
+    with torch.no_grad():
+        model.over_arch[0].bias += 1.0  # only the dense layers change: still one file
+    export_model(model, ExportConfig(**config))
+    assert (tmp_path / "m" / "3" / TABLES_FILE).stat().st_ino == v1.stat().st_ino
+    open_artifact(tmp_path / "m" / "3")
+    with torch.no_grad():
+        next(iter(model.sparse_arch.parameters())).add_(1.0)
+    export_model(model, ExportConfig(**config))  # other tables: a file of its own
+    assert (tmp_path / "m" / "4" / TABLES_FILE).stat().st_ino != v1.stat().st_ino
+    open_artifact(tmp_path / "m" / "4")
