@@ -40,7 +40,7 @@ def _compare_formats(path: str, manifest) -> None:
     scripted, _ = open_artifact(path, format="torchscript")
     g = torch.Generator().manual_seed(0)
     rows = [f.rows for f in manifest.sparse_features]
-    same = True
+    worst = 0.0
     timings: Dict[str, List[float]] = {"model.pt": [], "model.pt2": []}
     with torch.inference_mode():
         for batch in (1, 7, 64):
@@ -49,7 +49,7 @@ def _compare_formats(path: str, manifest) -> None:
             values = (torch.rand(int(lengths.sum()), generator=g) * limit).long()
             inputs = (torch.rand(batch, manifest.num_dense, generator=g), lengths.to(torch.int32), values, None)
             want, got = scripted(*inputs), compiled(*inputs)
-            same = same and all(torch.equal(got[k], want[k]) for k in want)
+            worst = max([worst] + [float((got[k] - want[k]).abs().max()) for k in want])
             if batch == 1:
                 for _ in range(100):
                     for name, model in (("model.pt", scripted), ("model.pt2", compiled)):
@@ -57,8 +57,11 @@ def _compare_formats(path: str, manifest) -> None:
                         model(*inputs)
                         timings[name].append(time.perf_counter() - start)
     us = {k: statistics.median(v) * 1e6 for k, v in timings.items()}
-    _expect(same, f"model.pt2 (AOTInductor, {manifest.aoti.target_isa}, compiled in {manifest.aoti.compile_seconds:.0f} s) equals "
-                  f"model.pt bitwise at batch 1, 7, 64; batch-1 forward {us['model.pt2']:.0f} us vs {us['model.pt']:.0f} us (TorchScript)")
+    # across formats to a tolerance: inductor's own kernels (the sigmoid) can round differently from ATen's by an ulp,
+    # e.g. where this CPU runs ATen's AVX-512 code and model.pt2 was compiled for AVX2
+    _expect(worst <= 1e-6, f"model.pt2 (AOTInductor, {manifest.aoti.target_isa}, compiled in {manifest.aoti.compile_seconds:.0f} s) equals "
+                           f"model.pt at batch 1, 7, 64 (max |difference| {worst:.1e}); batch-1 forward {us['model.pt2']:.0f} us "
+                           f"vs {us['model.pt']:.0f} us (TorchScript)")
 
 
 def _expect(ok: bool, what: str) -> None:
