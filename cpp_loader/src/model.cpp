@@ -368,8 +368,8 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     if (!found.empty() && release(found) != release(built_fbgemm))
       throw VersionMismatch("artifact built with fbgemm_gpu " + built_fbgemm + ", " + fbgemm_dir + " holds " + found);
   }
-  // format 2: the tables first (mapped, verified, or taken from a live version whose tables are equal), then the
-  // model file, as export/artifact.py open_artifact does
+  // format 2: the tables first (mapped and verified, then shared with a live version where its tables are equal),
+  // then the model file, as export/artifact.py open_artifact does
   std::optional<tables::Spec> spec;
   if (m.manifest.contains("tables")) {
     spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");

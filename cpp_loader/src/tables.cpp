@@ -19,6 +19,7 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include "recship/model.h"
 
@@ -103,13 +104,19 @@ struct Mapping {
 };
 
 // Tensors mapped and verified in this process, by their key (TableTensor.key() in export/tables.py): a version
-// whose tables equal those of a live one takes them from its mapping.
+// whose tables equal those of a live one takes them from its mapping once its own file has verified.
 struct Live {
   std::weak_ptr<Mapping> mapping;
   char* data;
 };
-std::mutex live_mutex;
+// Segments verified in this process, by the identity of the file that holds them (st_dev, st_ino, st_size,
+// st_mtime in ns, as export/tables.py _VERIFIED): the same file is not hashed twice. Each entry: the segment's
+// offset in the file, its bytes and its sha256.
+using Identity = std::tuple<uint64_t, uint64_t, int64_t, int64_t>;
+using Verified = std::tuple<int64_t, int64_t, std::string>;
+std::mutex live_mutex;  // guards live and verified
 std::map<std::string, Live> live;
+std::map<Identity, std::set<Verified>> verified;
 
 std::string key(const TableTensor& t) {
   json segments = json::array();
@@ -283,21 +290,6 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
                         (short_of.empty() ? "" : " (truncated: " + short_of + ")") + "; re-copy or re-export the artifact");
   }
 
-  std::map<std::string, at::Tensor> out;
-  std::vector<const TableTensor*> todo;
-  {
-    std::lock_guard<std::mutex> lock(live_mutex);
-    for (const auto& t : spec.tensors) {
-      auto it = live.find(key(t));
-      std::shared_ptr<Mapping> mapping = it == live.end() ? nullptr : it->second.mapping.lock();
-      if (mapping) out[t.name] = typed(it->second.data, t, mapping);
-      else todo.push_back(&t);
-    }
-  }
-  if (todo.empty()) {
-    close(fd);
-    return out;
-  }
   // copy-on-write, as torch.from_file(shared=False): the pages are the page cache's, shared by every process
   // mapping the file, until someone writes to one (nobody does: the model reads its tables)
   auto mapping = std::make_shared<Mapping>();
@@ -313,14 +305,25 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
   }
   close(fd);  // the mapping stays valid without it
 
+  // every segment this file holds is verified, but for those this process already verified in the very same
+  // file (same device, inode, size and mtime: a version loaded again, a tables.bin hard-linked into the next)
+  const Identity identity{static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), size,
+                          static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+  std::set<Verified> done;
+  {
+    std::lock_guard<std::mutex> lock(live_mutex);
+    auto it = verified.find(identity);
+    if (it != verified.end()) done = it->second;
+  }
   struct Job {
     const TableTensor* tensor;
     const Segment* segment;
     std::string problem;
   };
   std::vector<Job> jobs;
-  for (const TableTensor* t : todo)
-    for (const auto& s : t->segments) jobs.push_back({t, &s, ""});
+  for (const auto& t : spec.tensors)
+    for (const auto& s : t.segments)
+      if (!done.count(Verified{t.offset + s.offset, s.bytes, s.sha256})) jobs.push_back({&t, &s, ""});
   std::atomic<size_t> next{0};
   auto work = [&] {
     for (size_t i = next++; i < jobs.size(); i = next++) {
@@ -346,11 +349,24 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
   if (problems > 0)
     throw ArtifactError(first + (problems > 1 ? " (and " + std::to_string(problems - 1) + " more)" : ""));
 
+  // only now that this file verified: a tensor equal to one a live version uses (same layout and checksums) is
+  // taken from that version's mapping, so the two share their pages; this file's mapping goes (munmap) with the
+  // last tensor made from it, at once where none is
+  std::map<std::string, at::Tensor> out;
   std::lock_guard<std::mutex> lock(live_mutex);
-  for (const TableTensor* t : todo) {
-    char* data = mapping->data + t->offset;
-    out[t->name] = typed(data, *t, mapping);
-    if (span(t->shape, t->stride) > 0) live[key(*t)] = {mapping, data};
+  auto& mine = verified[identity];
+  for (const auto& job : jobs) mine.insert(Verified{job.tensor->offset + job.segment->offset, job.segment->bytes, job.segment->sha256});
+  for (const auto& t : spec.tensors) {
+    const std::string k = key(t);
+    auto it = live.find(k);
+    std::shared_ptr<Mapping> shared = it == live.end() ? nullptr : it->second.mapping.lock();
+    if (shared) {
+      out[t.name] = typed(it->second.data, t, shared);
+      continue;
+    }
+    char* data = mapping->data + t.offset;
+    out[t.name] = typed(data, t, mapping);
+    if (span(t.shape, t.stride) > 0) live[k] = {mapping, data};
   }
   for (auto it = live.begin(); it != live.end();) it = it->second.mapping.expired() ? live.erase(it) : std::next(it);
   return out;

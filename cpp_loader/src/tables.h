@@ -58,9 +58,11 @@ struct Spec {
 Spec parse_spec(const nlohmann::json& tables, const std::string& manifest_file);
 
 // name -> tensor of every tensor of dir/tables.bin, mapped (MAP_PRIVATE: copy-on-write, never on the heap), every
-// segment's sha256 verified on several threads. A tensor whose layout and checksums equal one this process
-// mapped and verified before, still mapped, is taken from that mapping (nothing read again). ArtifactError names
-// the table of the first problem with export/tables.py map_tables' message.
+// segment's sha256 verified on several threads, unless this process already verified the same file (same device,
+// inode, size and mtime). Once the file verified, a tensor whose layout and checksums equal one a live version
+// uses is taken from that version's mapping (the two share their pages), and this file's mapping is dropped where
+// no tensor of it is used. ArtifactError names the table of the first problem with export/tables.py map_tables'
+// message.
 std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec& spec);
 
 // The copy of the tables spec a model file carries must equal the manifest's (check_pinned); file names the model file.

@@ -127,6 +127,69 @@ def test_a_flipped_byte_in_a_dense_constant_of_model_pt2_is_refused_naming_it(bi
         assert f"constant '{segment.name}' " in _assert_same_refusal(binary, art, fmt)
 
 
+def _maps(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` maps the file at ``path``."""
+    return str(path) in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_a_corrupt_copy_of_live_tables_is_refused_by_the_process_serving_them(binary, small_artifact, tmp_path):
+    """One C++ process loads version 1, then a copy whose tables.bin has a flipped byte in a table: every tensor of
+    the copy equals one version 1 uses (same layout and checksums), yet the copy's own file is verified before any
+    is shared, so it is refused naming the table, in the words of Python (which, with version 1 alive too, refuses
+    it as well), and version 1 goes on serving. An intact copy loads and shares version 1's pages: its own mapping
+    is dropped. The process is the C++ front (cpp_loader/tools/recship_front.cpp), driven through its command pipe
+    as serving/front.py does (the server asks it to load only what Python loaded, so it is told directly here)."""
+    from recship.serving import PredictClient
+    from recship.serving.client import outputs_of
+    from recship.serving.front import CppFront, FrontError
+    from recship.serving.server import ServerConfig
+
+    front_bin = binary.parent / "recship_front"
+    if not front_bin.is_file():
+        pytest.skip("recship_front was not built here (gRPC C++ is missing)")
+    first = tmp_path / "1"
+    shutil.copytree(small_artifact, first)
+    corrupt, intact = tmp_path / "2", tmp_path / "3"
+    shutil.copytree(first, corrupt)
+    shutil.copytree(first, intact)
+    manifest = Manifest.read(first)
+    tensor, segment = _table_segments(manifest)[5]
+    _flip(corrupt / TABLES_FILE, tensor.offset + segment.offset + segment.bytes // 3)
+
+    model, _ = open_artifact(first, format="torchscript")  # version 1 alive in Python too: its tables are live
+    with pytest.raises(ArtifactError) as e:
+        open_artifact(corrupt, format="torchscript")
+    want = str(e.value)
+    start, end = tensor.offset + segment.offset, tensor.offset + segment.offset + segment.bytes
+    assert want.startswith(f"{corrupt / TABLES_FILE}: table '{segment.name}' (bytes {start}..{end} of {tensor.name}) has sha256 ")
+    assert want.endswith(f", the manifest says {segment.sha256}: the file is corrupt or from another artifact")
+
+    config = ServerConfig(model_repo=str(tmp_path), port=0, front="cpp", torch_threads=1)
+    front = CppFront(config, f"unix:{tmp_path / 'backend.sock'}", binary=front_bin)  # no backend: nothing is forwarded
+    try:
+        pid = front._proc.pid
+        assert front.load("dlrm", 1, first, "torchscript") == "torchscript"
+        assert _maps(pid, first / TABLES_FILE)
+        with pytest.raises(FrontError) as refused:
+            front.load("dlrm", 2, corrupt, "torchscript")
+        assert str(refused.value) == want
+        assert not _maps(pid, corrupt / TABLES_FILE)  # the refused copy's mapping is gone
+        assert front.load("copy", 3, intact, "torchscript") == "torchscript"
+        assert _maps(pid, first / TABLES_FILE) and not _maps(pid, intact / TABLES_FILE)  # verified, then shared
+        with PredictClient(f"127.0.0.1:{front.port}") as client:  # version 1 still serves, its own answers
+            for name in ("dlrm", "copy"):
+                for sparse, dense, weights in _requests(manifest, seed=11):
+                    response = client.stub.Predict(client.request(name, sparse, dense, weights), timeout=30)
+                    assert response.model_version == (1 if name == "dlrm" else 3)
+                    got, expected = outputs_of(response), _python_outputs(model, manifest, sparse, dense, weights)
+                    assert sorted(got) == sorted(expected)
+                    for k in expected:
+                        np.testing.assert_array_equal(got[k], expected[k], err_msg=f"{name} {k}")
+    finally:
+        front.stop(0)
+    assert front._proc.returncode == 0
+
+
 # -- 2. the model file pins its tables: a manifest that describes others is refused -------------------------------
 
 def test_a_manifest_rewritten_for_other_tables_is_refused_by_model_pt(binary, small_artifact, other, tmp_path):
