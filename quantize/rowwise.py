@@ -76,6 +76,18 @@ def _codes(w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, bits: int) 
     return torch.round((w - bias[:, None]) * inv[:, None]).clamp_(0, 2**bits - 1)
 
 
+def _fbgemm_layout(rows: int, dim: int, bits: int) -> bool:
+    """Whether fbgemm's fused row-wise ops (``[packed | fp16 scale | fp16 bias]``) take rows of ``dim``
+    values at ``bits``: a non-empty chunk whose rows pack into whole, even byte counts (they refuse
+    e.g. INT2 at dim 12 or INT4 at dim 3). Their bytes and floats equal this module's
+    (tests/quantize/test_rowwise.py)."""
+    if rows == 0 or (dim * bits) % 16:
+        return False
+    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
+
+    return True
+
+
 def _best_range(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``w`` [rows, dim] float32, the (scale, bias) [rows] float32 among the clipping grid with the least squared error.
 
@@ -218,7 +230,13 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
         if error_minimizing:
             scale, bias = _best_range(w, bits)
         else:
-            scale, bias = _qparams(*torch.aminmax(w, dim=1), bits)  # one pass over the rows
+            lo, hi = torch.aminmax(w, dim=1)  # one pass over the rows
+            # fbgemm's kernel gives the same bytes several times faster, except on rows with a NaN, an inf or a
+            # span that overflows (its NaN bits differ): a chunk with such a row takes the torch path whole
+            if _fbgemm_layout(w.shape[0], w.shape[1], bits) and bool(torch.isfinite(hi - lo).all()):
+                fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), bits)  # [packed | scale | bias]
+                return QuantizedRows(fused[:, :-4], fused[:, -4:])
+            scale, bias = _qparams(lo, hi, bits)
         data = _pack(_codes(w, scale, bias, bits), bits)
         scale_bias = torch.stack([scale.half(), bias.half()], dim=1).view(torch.uint8)
         return QuantizedRows(data, scale_bias)
@@ -247,6 +265,9 @@ def dequantize_rows(rows: QuantizedRows, data_type: DataType, dim: int) -> torch
     if data_type in (DataType.INT8, DataType.INT4, DataType.INT2):
         if rows.scale_bias is None:
             raise ValueError(f"{data_type.name} rows need their scale_bias; got QuantizedRows without one")
+        if rows.data.shape[1] == (dim * data_type.bits + 7) // 8 and _fbgemm_layout(rows.data.shape[0], dim, data_type.bits):
+            fused = torch.cat([rows.data, rows.scale_bias], dim=1)
+            return torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, data_type.bits)
         sb = rows.scale_bias.contiguous().view(torch.float16).float()
         codes = _unpack(rows.data, data_type.bits, dim).float()
         return codes * sb[:, 0:1] + sb[:, 1:2]

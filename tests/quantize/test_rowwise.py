@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from recship.quantize import rowwise
 from recship.quantize.rowwise import QuantizedRows, dequantize_rows, quantize_rows, row_bytes, row_chunks
 from recship.trainer import DataType
 
@@ -11,16 +12,37 @@ def _weights(rows=300, dim=64, seed=0):
     return torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)) * 0.1
 
 
-@pytest.mark.parametrize("data_type, bits", [(DataType.INT4, 4), (DataType.INT2, 2)])
-def test_min_max_nbit_is_bit_identical_to_fbgemm(data_type, bits):
+@pytest.mark.parametrize("data_type, bits", [(DataType.INT8, 8), (DataType.INT4, 4), (DataType.INT2, 2)])
+@pytest.mark.parametrize("dim", [8, 12, 64])
+def test_min_max_nbit_is_bit_identical_to_fbgemm(data_type, bits, dim):
+    """quantize_rows (fbgemm's kernel where it takes the layout) and recship's own torch path (used where it
+    does not: INT2 at dim 12) against fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf, on ordinary, tiny-range,
+    constant and huge rows."""
     import fbgemm_gpu  # noqa: F401
 
-    w = _weights()
-    ref = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w, bits)  # [data | scale | bias]
-    nbytes = 64 * bits // 8
+    w = torch.cat([_weights(dim=dim), _weights(rows=3, dim=dim) * 1e-5, torch.full((2, dim), 3.5), torch.zeros(2, dim),
+                   _weights(rows=3, dim=dim) * 1e5])
+    nbytes = (dim * bits + 7) // 8
+    own = rowwise._pack(rowwise._codes(w, *rowwise._qparams(*torch.aminmax(w, dim=1), bits), bits), bits)
     q = quantize_rows(w, data_type)
+    if nbytes % 2:  # fbgemm refuses an odd number of packed bytes: the torch path alone, against the formula's bounds
+        assert torch.equal(q.data, own)
+        return
+    ref = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w, bits)  # [data | scale | bias]
+    assert torch.equal(own, ref[:, :nbytes])
     assert torch.equal(q.data, ref[:, :nbytes])
     assert torch.equal(q.scale_bias, ref[:, nbytes:])  # TBE order: scale then bias (fp16 each)
+
+
+@pytest.mark.parametrize("data_type, bits", [(DataType.INT8, 8), (DataType.INT4, 4), (DataType.INT2, 2)])
+@pytest.mark.parametrize("dim", [8, 12, 64])
+def test_dequantize_equals_codes_times_scale_plus_bias_bitwise(data_type, bits, dim):
+    """dequantize_rows (fbgemm's kernel where it takes the layout) against the formula in plain torch."""
+    w = _weights(dim=dim)
+    q = quantize_rows(w, data_type, error_minimizing=True)
+    sb = q.scale_bias.view(torch.float16).float()
+    want = rowwise._unpack(q.data, bits, dim).float() * sb[:, 0:1] + sb[:, 1:2]
+    assert torch.equal(dequantize_rows(q, data_type, dim), want)
 
 
 def test_int8_codes_within_one_of_fbgemm_and_no_less_accurate():
