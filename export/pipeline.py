@@ -657,12 +657,15 @@ def write_artifact(
     versions and checksum (the artifact contract is export/artifact.py's). ``exported``: the
     module that was scripted, compiled into model.pt2 when ``config.format`` asks for it.
     """
+    # the staging folder names its exporter's pid: one left by a killed export (as large as the tables) is removed here
     if config.repo is not None:
         out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".version.tmp-{uuid.uuid4().hex[:8]}"
+        prefix = out / ".version.tmp-"
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        prefix = out.parent / f".{out.name}.tmp-"
+    _remove_abandoned(prefix)
+    tmp = Path(f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
         dense, kjt, _ = sample
@@ -719,6 +722,22 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest.to_dict()
+
+
+def _remove_abandoned(prefix: Path) -> None:
+    """Removes staging folders ``<prefix><pid>-<id>`` whose exporting process is gone (killed mid-export);
+    those of running exports, and names of any other shape, are left alone."""
+    for tmp in prefix.parent.glob(prefix.name + "*"):
+        pid = tmp.name[len(prefix.name):].split("-", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("removed %s, left by an export that did not finish", tmp)
+        except PermissionError:  # another user's live process
+            pass
 
 
 def next_version(model_dir: Path) -> int:

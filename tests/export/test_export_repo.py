@@ -185,3 +185,18 @@ def test_cli_repo_mode_reaches_the_config(tmp_path, monkeypatch):
     (_, repo_mode), (_, out_mode) = seen
     assert (repo_mode.repo, repo_mode.out, repo_mode.model_name, repo_mode.dtype) == (str(tmp_path), None, "dlrm", "int4")
     assert (out_mode.repo, out_mode.model_name, out_mode.model_version) == (None, "model", 1)
+
+
+def test_an_export_removes_what_a_killed_export_left(tmp_path):
+    """A staging folder names its exporter's pid; one whose process is gone goes, a live one's stays."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    model_dir = tmp_path / "m"
+    (model_dir / f".version.tmp-{dead.pid}-0a1b2c3d").mkdir(parents=True)
+    (model_dir / f".version.tmp-{os.getpid()}-live").mkdir()  # this process: alive
+    (model_dir / ".version.tmp-deadbeef").mkdir()  # not a pid: not ours to judge
+    pipeline._remove_abandoned(model_dir / ".version.tmp-")
+    assert sorted(p.name for p in model_dir.iterdir()) == [f".version.tmp-{os.getpid()}-live", ".version.tmp-deadbeef"]
