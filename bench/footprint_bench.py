@@ -62,8 +62,8 @@ def _kib(pid: int, key: str, file: str = "status") -> int:
 
 
 def _tree(pid: int) -> List[int]:
-    try:
-        kids = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    try:  # children of every thread: the C++ front is not started by the main thread
+        kids = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
     except OSError:
         return [pid]
     return [pid] + [p for k in kids for p in _tree(k)]
@@ -90,18 +90,22 @@ class Served:
 
     def __init__(self, python: str, repo: Path, *flags: str, wait_for: Optional[str] = "/v2/models/dlrm/ready") -> None:
         self.http = _free_port()
+        self.log = tempfile.TemporaryFile("w+")  # the server's log, for the error if it exits
         recship = str(Path(python).parent / "recship")
         self.start = time.perf_counter()
         self.proc = subprocess.Popen([recship, "serve", "--model-repo", str(repo), "--port", str(_free_port()),
                                       "--http-port", str(self.http), "--poll-interval", "0.2", *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         self.ready_s = self.wait(wait_for or "/v2/health/live")
 
     def wait(self, path: str, timeout: float = 600) -> float:
         end = time.monotonic() + timeout
         while not _ready(self.http, path):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"recship serve {'exited' if self.proc.poll() is not None else 'timed out'} waiting for {path}")
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"recship serve exited waiting for {path}: {self.log.read()[-2000:]}")
+            if time.monotonic() > end:
+                raise RuntimeError(f"recship serve timed out waiting for {path}")
             time.sleep(0.1)
         return time.perf_counter() - self.start
 
