@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
-from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes, row_chunks
+from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_rows, row_bytes, row_chunks, single_threaded_pool
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.text import text_table
@@ -383,23 +383,39 @@ def quantize_into(
     )
 
 
+# Rows one worker quantizes at a time: [rows, dim] float temporaries of 2 MB at dim 64 stay in cache.
+_BLOCK_ROWS = 8192
+
+
 def _fill(
     weight: torch.Tensor, dt: DataType, data: torch.Tensor, scale_bias: Optional[torch.Tensor], config: QuantConfig
 ) -> Tuple[float, float]:
-    """Quantizes ``weight`` [rows, cols] chunk by chunk into TBE row views; returns (max, sum) of |error|."""
-    max_err, sum_err = 0.0, 0.0
-    for start, end in row_chunks(weight.shape[0], config.chunk_rows):
-        rows = weight[start:end].detach().float().cpu()
-        q = quantize_rows(rows, dt, config.error_minimizing)
+    """Quantizes ``weight`` [rows, cols] into TBE row views; returns (max, sum) of |error|.
+
+    Blocks of at most ``_BLOCK_ROWS`` rows (their temporaries stay in cache) go to one
+    single-threaded worker per core: each quantizes its block, writes it into the views and
+    measures its error, so every row is read from memory about once.
+    """
+    if scale_bias is None and dt in (DataType.INT8, DataType.INT4, DataType.INT2):
+        raise ValueError(f"{dt.name} rows have scale/bias, but the block has no scale_bias storage")
+    def block(rows_range: Tuple[int, int]) -> Tuple[float, float]:
+        start, end = rows_range
+        q, worst, total = quantize_measured(weight[start:end].detach().float().cpu(), dt, config.error_minimizing)
         data[start:end].copy_(q.data)
         if scale_bias is not None:
             if q.scale_bias is None:
                 raise ValueError(f"{dt.name} rows have no scale/bias, but the block has scale_bias storage (None for FP types)")
             scale_bias[start:end].copy_(q.scale_bias)
-        err = (dequantize_rows(q, dt, rows.shape[1]) - rows).abs()
-        max_err = max(max_err, float(err.max()))
-        sum_err += float(err.double().sum())
-    return max_err, sum_err
+        return worst, total
+
+    blocks = list(row_chunks(weight.shape[0], min(config.chunk_rows, _BLOCK_ROWS)))
+    workers = min(torch.get_num_threads(), len(blocks))
+    if workers <= 1:
+        errors = [block(b) for b in blocks]
+    else:
+        with single_threaded_pool(workers) as pool:
+            errors = list(pool.map(block, blocks))
+    return max((e[0] for e in errors), default=0.0), sum(e[1] for e in errors)
 
 
 def quantize_embedding_bag_collection(

@@ -20,6 +20,7 @@ quantized with bounded extra memory, and all offsets are 64-bit.
 
 import contextlib
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
@@ -108,13 +109,13 @@ def _best_range(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]
         for block in blocks:
             search(block)
     else:
-        with _single_threaded_pool(workers) as pool:
+        with single_threaded_pool(workers) as pool:
             list(pool.map(search, blocks))
     return scale, bias
 
 
 @contextlib.contextmanager
-def _single_threaded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
+def single_threaded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
     """A pool of ``workers`` threads whose torch ops each run on one thread.
 
     The search is many small ops; split over intra-op threads, each op ends at a barrier,
@@ -252,6 +253,27 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
             torch.ops.fbgemm.FloatToHFP8Quantized(w.contiguous(), FP8_EXPONENT_BITS, FP8_EXPONENT_BIAS, max_pos), None
         )
     raise ValueError(f"cannot quantize to {data_type.name}")
+
+
+def quantize_measured(w: torch.Tensor, data_type: DataType, error_minimizing: bool = False) -> Tuple[QuantizedRows, float, float]:
+    """``quantize_rows(w, ...)`` and the (max, sum) of |dequantized - w| over the chunk.
+
+    Min/max rows in fbgemm's layout take its kernel without looking at the rows first: a row
+    with a NaN, an inf or an overflowing span shows as a non-finite error, and only then is
+    the chunk quantized again by ``quantize_rows`` (which routes it to the torch path).
+    """
+    w = w.detach().float()
+    bits = data_type.bits if data_type in (DataType.INT8, DataType.INT4, DataType.INT2) else 0
+    if bits and not error_minimizing and _fbgemm_layout(w.shape[0], w.shape[1], bits):
+        fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), bits)  # [packed | scale | bias]
+        err = torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits).sub_(w).abs_()
+        worst = float(err.max())
+        if math.isfinite(worst):
+            return QuantizedRows(fused[:, :-4], fused[:, -4:]), worst, float(err.sum(dtype=torch.float64))
+    q = quantize_rows(w, data_type, error_minimizing)
+    values = dequantize_rows(q, data_type, w.shape[1])
+    err = (values.sub_(w) if bits else values - w).abs_()  # FP32's values alias ``w``
+    return q, float(err.max()) if err.numel() else 0.0, float(err.sum(dtype=torch.float64))
 
 
 def _fp8_max() -> float:

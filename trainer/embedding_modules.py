@@ -167,6 +167,7 @@ class EmbeddingBagCollection(nn.Module):
                 t.embedding_dim,
                 mode=mode,
                 include_last_offset=True,
+                _weight=_meta_weight(t, device),
                 device=device,
                 dtype=t.data_type.to_torch_dtype(),
             )
@@ -264,6 +265,7 @@ class EmbeddingCollection(nn.Module):
             self.embeddings[t.name] = nn.Embedding(
                 t.num_embeddings,
                 t.embedding_dim,
+                _weight=_meta_weight(t, device),
                 device=device,
                 dtype=t.data_type.to_torch_dtype(),
             )
@@ -298,6 +300,14 @@ class EmbeddingCollection(nn.Module):
     def reset_parameters(self) -> None:
         for t in self._embedding_configs:
             t.init_weight(self.embeddings[t.name].weight)
+
+
+def _meta_weight(t: BaseEmbeddingConfig, device: Optional[Union[str, torch.device]]) -> Optional[torch.Tensor]:
+    """On meta, the table's weight handed to nn.EmbeddingBag/nn.Embedding so that they skip their own
+    init: torch's normal_ on meta costs ~1.5 s the first time (it loads its Python decompositions)."""
+    if torch.device(device or "cpu").type != "meta":
+        return None  # allocated by the module; reset_parameters then applies the config's init
+    return torch.empty(t.num_embeddings, t.embedding_dim, device="meta", dtype=t.data_type.to_torch_dtype())
 
 
 def materialize(module: nn.Module, device: Union[str, torch.device] = "cpu") -> nn.Module:
