@@ -33,9 +33,9 @@ from torch import nn
 from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
-from recship.export.tables import PINNED_NAME, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
+from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
 from recship.quantize.flat import FlatPooledLookup
-from recship.quantize.modules import ID_POLICIES
+from recship.quantize.modules import ID_POLICIES, host_rows_from
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -46,6 +46,7 @@ from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
     from recship.export.aoti import AotiPackage
+    from recship.trainer.data import SyntheticCriteo
     from recship.trainer.dlrm import DLRMConfig
 
 log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
@@ -170,6 +171,7 @@ class _Source:
     is_weighted: bool
     num_dense: int
     data_seed: Optional[int] = None  # the training run's seed: synthetic validation data is drawn like its own
+    synthetic: Optional["SyntheticCriteo"] = None  # that data's generator, once built
 
 
 def _dense_dlrm(config: "DLRMConfig", dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
@@ -245,7 +247,8 @@ def _module_from_checkpoint(
     if missing or unexpected:
         raise ExportError(f"{path} does not match {entry}({args}): missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     seed = ((reader.config or {}).get("train") or {}).get("seed")
-    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed, reader.table
+    # tables stream one at a time (each dropped before the next is loaded): they may share one buffer
+    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed, functools.partial(reader.table, reuse=True)
 
 
 def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
@@ -284,7 +287,7 @@ def _source(src: Union[str, Path, nn.Module]) -> _Source:
         paths = {cfg.name: mpath for mpath, cfg in reader.table_configs()}
         tables = [cfg for _, cfg in reader.table_configs()]
         seed = ((reader.config or {}).get("train") or {}).get("seed")
-        return _Source("dlrm", tables, lambda name: reader.table(paths[name], name), dense_model, model, False,
+        return _Source("dlrm", tables, lambda name: reader.table(paths[name], name, reuse=True), dense_model, model, False,
                        config.num_dense, seed)
     if isinstance(src, DLRM):
         ebc = src.sparse_arch
@@ -328,9 +331,10 @@ def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: 
         return eval_batches(config.eval_data, names, rows, source.num_dense, False, n, batch)
     if source.kind == "dlrm":
         seed = source.data_seed if source.data_seed is not None else config.seed
-        gen = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, batch_size=batch, seed=seed), names)
+        if source.synthetic is None or source.synthetic.config.seed != seed:  # built once: it holds a score per row
+            source.synthetic = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, seed=seed), names)
         for i in range(n):
-            b = gen.batch(i, 2_000_000 + stream)
+            b = source.synthetic.batch(i, 2_000_000 + stream, batch_size=batch)
             out.append((b.dense, b.sparse, b.labels))
         return out
     g = torch.Generator().manual_seed(config.seed * 7919 + stream)
@@ -407,6 +411,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             raise ExportError(f"{out} already exists; to replace it, pass --overwrite (overwrite=True in ExportConfig)")
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
+    made = out if config.repo is not None else out.parent  # a folder the export creates, removed again if it fails
+    made = made if not made.exists() else None
+    staging: Optional[Tuple[Path, StagedTables]] = None  # the staging folder, and the tables file quantized into
     try:
 
         bar.next("load")
@@ -421,11 +428,15 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             from recship.export.any_model import export_any_model
 
             assert isinstance(source, nn.Module)  # rebuilt from the checkpoint, or given as one
-            scripted, fields, sample, wrapped = export_any_model(
-                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
-            )
+            staging = _staging(out, config)
+            # rows go straight into the tables file, unless sharding copies the quantized module afterwards
+            straight = config.device == "cpu" and config.shards == 1 and not config.sharding
+            with host_rows_from(staging[1].allocate if straight else None):
+                scripted, fields, sample, wrapped = export_any_model(
+                    source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
+                )
             bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
-            manifest = write_artifact(out, scripted, fields, (*sample, None), config, wrapped)
+            manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, wrapped)
             bar.finish()
             bar.close()
             _print_summary(manifest, out, config)
@@ -453,7 +464,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         except ValueError as e:
             raise ExportError(str(e)) from None
         devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
-        sparse, views = shard_quantized(src.tables, types, plan, devices, src.is_weighted, config.id_policy, qconfig.alignment)
+        staging = _staging(out, config)
+        with host_rows_from(staging[1].allocate):  # CPU shards' rows are quantized straight into the tables file
+            sparse, views = shard_quantized(src.tables, types, plan, devices, src.is_weighted, config.id_policy, qconfig.alignment)
         float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
         quant_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
         reports: List[TableReport] = []
@@ -496,10 +509,18 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
         sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
         manifest = write_artifact(
-            out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config, exported
+            *staging, out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config, exported
         )
         bar.finish()
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging[0], ignore_errors=True)
+        if made is not None and made.is_dir() and not any(made.iterdir()):
+            made.rmdir()
+        raise
     finally:
+        if staging is not None:
+            staging[1].close()
         bar.close()
     _print_summary(manifest, out, config)
     return manifest
@@ -643,21 +664,15 @@ def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validati
     }
 
 
-def write_artifact(
-    out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig,
-    exported: Optional[nn.Module] = None,
-) -> Dict[str, Any]:
-    """Writes the artifact into a temporary sibling and renames it into place.
+def staging_folder(out: Path, config: ExportConfig) -> Path:
+    """A new, empty folder beside (or, with ``config.repo``, inside) ``out`` where the artifact is
+    written before ``write_artifact`` renames it into place.
 
-    With ``config.repo``, ``out`` is the model folder and the artifact becomes its next version
-    (``publish_version``); the temporary folder is hidden inside it (the server skips names
-    starting with "."), so a failed or killed export never leaves a version folder behind.
-    ``fields``: model, num_dense, weighted, sparse_features, sharding, quantization and
-    validation of the manifest; ``Manifest.from_fields`` adds the inputs, outputs, sample,
-    versions and checksum (the artifact contract is export/artifact.py's). ``exported``: the
-    module that was scripted, compiled into model.pt2 when ``config.format`` asks for it.
+    With ``config.repo``, ``out`` is the model folder and the staging folder is hidden inside it
+    (the server skips names starting with "."), so a failed or killed export never leaves a
+    version folder behind. Its name carries the exporter's pid: one left by a killed export (as
+    large as its tables) is removed here.
     """
-    # the staging folder names its exporter's pid: one left by a killed export (as large as the tables) is removed here
     if config.repo is not None:
         out.mkdir(parents=True, exist_ok=True)
         prefix = out / ".version.tmp-"
@@ -667,6 +682,28 @@ def write_artifact(
     _remove_abandoned(prefix)
     tmp = Path(f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
+    return tmp
+
+
+def _staging(out: Path, config: ExportConfig) -> Tuple[Path, StagedTables]:
+    tmp = staging_folder(out, config)
+    return tmp, StagedTables(tmp / TABLES_FILE)
+
+
+def write_artifact(
+    tmp: Path, staged: Optional[StagedTables], out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig,
+    exported: Optional[nn.Module] = None,
+) -> Dict[str, Any]:
+    """Writes the artifact into the staging folder ``tmp`` (``staging_folder``) and renames it into place.
+
+    With ``config.repo``, ``out`` is the model folder and the artifact becomes its next version
+    (``publish_version``), else ``out`` is the artifact's folder. ``fields``: model, num_dense,
+    weighted, sparse_features, sharding, quantization and validation of the manifest;
+    ``Manifest.from_fields`` adds the inputs, outputs, sample, versions and checksum (the
+    artifact contract is export/artifact.py's). ``exported``: the module that was scripted,
+    compiled into model.pt2 when ``config.format`` asks for it. ``staged``: ``tmp``/tables.bin
+    with the rows quantized into it (``StagedTables``), or None. ``tmp`` is removed if this fails.
+    """
     try:
         dense, kjt, _ = sample
         inputs = {
@@ -687,7 +724,7 @@ def write_artifact(
         if exported is not None and _wants_aoti(config):
             package = _compile_aoti(tmp, exported, fields, config)
             tables.add_aoti(package.constants)
-        spec = tables.write(tmp)
+        spec = tables.write(tmp, staged)
         if config.repo is not None:  # the newest version's tables, unchanged: one file, hard-linked
             newest = next_version(out) - 1
             if newest > 0:

@@ -28,6 +28,7 @@ inside it.
 import hashlib
 import json
 import math
+import mmap
 import os
 import threading
 import weakref
@@ -236,6 +237,48 @@ def _threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+class StagedTables:
+    """tables.bin while export fills it: TBE rows are allocated in it (``allocate``, for
+    ``recship.quantize.modules.host_rows_from``), each a writable shared mapping of a page-aligned
+    region, so rows are quantized straight into the page cache and never copied into the file.
+    ``TablesWriter.write`` then only appends the tensors not already in it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.size = 0
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._regions: List[Tuple[int, int, int]] = []  # (address, bytes, offset in the file)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A zero-filled uint8 tensor [nbytes] whose bytes are the file's at a new aligned offset."""
+        offset = _align(self.size)
+        # the disk space is taken now: a full disk fails here (OSError ENOSPC), not with a SIGBUS
+        # when a mapped page is first written; the new bytes read as zeros
+        os.posix_fallocate(self._fd, self.size, offset + nbytes - self.size)
+        self.size = offset + nbytes
+        region = torch.frombuffer(mmap.mmap(self._fd, nbytes, offset=offset), dtype=torch.uint8)  # lives as long as the tensor
+        self._regions.append((region.data_ptr(), nbytes, offset))
+        return region
+
+    def offset_of(self, t: torch.Tensor) -> Optional[int]:
+        """The file offset of a CPU tensor that spans exactly one whole region, else None."""
+        if t.device.type != "cpu":
+            return None
+        nbytes = t.element_size() * _span(list(t.shape), list(t.stride()))
+        for address, size, offset in self._regions:
+            if t.data_ptr() == address and nbytes == size:
+                return offset
+        return None
+
+    def regions(self) -> List[int]:
+        return [offset for _, _, offset in self._regions]
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
 class TablesWriter:
     """Collects an artifact's table tensors, then writes tables.bin and returns its ``TablesSpec``.
 
@@ -284,23 +327,45 @@ class TablesWriter:
                 entry = self._add(fqn, t.clone(), [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
             entry.aoti = fqn
 
-    def write(self, folder: Path) -> TablesSpec:
+    def write(self, folder: Path, staged: Optional[StagedTables] = None) -> TablesSpec:
         """Writes ``folder``/tables.bin and returns its spec: one pass over the tables, each tensor's
-        segments hashed on worker threads while the next tensor is written."""
-        offset = 0
+        segments hashed on worker threads while the next tensor is written.
+
+        ``staged``: that file as export filled it. Tensors that are its regions stay where they
+        are and the others are appended; if a region is left that no tensor uses (a module
+        copied after quantizing), the file is written anew instead.
+        """
+        path = Path(folder) / TABLES_FILE
+        placed: Dict[int, int] = {}  # id(entry) -> its offset in the staged file
+        if staged is not None and staged.path == path:
+            for entry, t, _ in self._tensors:
+                offset = staged.offset_of(t)
+                if offset is not None:
+                    placed[id(entry)] = offset
+            if sorted(placed.values()) != staged.regions():
+                placed = {}
+            staged.close()
+            if not placed:
+                path.unlink()  # regions still mapped keep their bytes until they are freed
+        offset = staged.size if placed and staged is not None else 0
         hashing = []
-        with ThreadPoolExecutor(_threads()) as pool, open(Path(folder) / TABLES_FILE, "wb") as f:
+        with ThreadPoolExecutor(_threads()) as pool, open(path, "r+b" if placed else "wb") as f:
+            f.seek(offset)
             for entry, t, parts in self._tensors:
-                entry.offset = _align(offset)
-                f.write(b"\0" * (entry.offset - offset))
                 raw = _raw(t)
+                if id(entry) in placed:
+                    entry.offset = placed[id(entry)]
+                else:
+                    entry.offset = _align(offset)
+                    f.write(b"\0" * (entry.offset - offset))
+                    f.write(raw)
+                    offset = entry.offset + entry.bytes
                 entry.segments = [Segment(name, start, end - start, "", rows) for name, start, end, rows in parts]
                 hashing += [(seg, pool.submit(_hash, raw[seg.offset: seg.offset + seg.bytes])) for seg in entry.segments]
-                f.write(raw)
-                offset = entry.offset + entry.bytes
             for seg, digest in hashing:
                 seg.sha256 = digest.result()
-        return TablesSpec(TABLES_FILE, offset, [entry for entry, _, _ in self._tensors])
+        size = path.stat().st_size
+        return TablesSpec(TABLES_FILE, size, sorted((entry for entry, _, _ in self._tensors), key=lambda e: e.offset))
 
     def emptied(self, scripted: torch.nn.Module) -> "_Emptied":
         return _Emptied(scripted, [e.torchscript for e, _, _ in self._tensors if e.torchscript])

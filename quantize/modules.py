@@ -19,7 +19,9 @@ padding for the integer types). The views are the only copy of the rows: state_d
 load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union, cast
+import contextlib
+import contextvars
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -127,6 +129,22 @@ def _prepare(
     return ids, offsets, per_sample_weights, counts
 
 
+
+# Where the TBEs built inside ``host_rows_from`` keep their host rows (``weights_host``):
+# ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g. a writable mapping of
+# the tables file export is writing, so that rows are quantized straight into it.
+_HOST_ROWS: "contextvars.ContextVar[Optional[Callable[[int], torch.Tensor]]]" = contextvars.ContextVar("recship_host_rows", default=None)
+
+
+@contextlib.contextmanager
+def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterator[None]:
+    """TBEs built inside take their host rows from ``allocate(nbytes)`` (None: their own zeros)."""
+    token = _HOST_ROWS.set(allocate)
+    try:
+        yield
+    finally:
+        _HOST_ROWS.reset(token)
+
 class _QuantTables(nn.Module):
     """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
 
@@ -195,6 +213,9 @@ class _QuantTables(nn.Module):
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
             tbe.initialize_weights()
+            allocate = _HOST_ROWS.get()
+            if allocate is not None and tbe.weights_host.numel():
+                tbe.weights_host = allocate(tbe.weights_host.numel())  # zeros, as fbgemm's own
             # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
             # rows in state_dict (mode 0: whole padded rows, scale/bias included)
             for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):

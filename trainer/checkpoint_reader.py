@@ -113,6 +113,7 @@ class CheckpointReader:
         self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None
         self.step = self.meta["step"]
         self._metadata: Any = None  # DCP's .metadata, read on the first table
+        self._reused = torch.empty(0)  # tables read with reuse=True that cannot be mapped as they are
 
     def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
         from recship.trainer.types import DataType, PoolingType
@@ -129,25 +130,37 @@ class CheckpointReader:
         for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
             yield mpath, cfg, self._load_table(mpath, cfg, key, t)
 
-    def table(self, mpath: str, name: str) -> torch.Tensor:
-        """One table's full float weight: table ``name`` of the collection at module path ``mpath``."""
+    def table(self, mpath: str, name: str, reuse: bool = False) -> torch.Tensor:
+        """One table's full float weight: table ``name`` of the collection at module path ``mpath``.
+
+        ``reuse``: the table may come back in a buffer that the next ``reuse=True`` call
+        overwrites (for a caller that streams one table at a time: no new memory per table).
+        """
         for (path, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
             if path == mpath and cfg.name == name:
-                return self._load_table(mpath, cfg, key, t)
+                return self._load_table(mpath, cfg, key, t, reuse)
         raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
 
-    def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any]) -> torch.Tensor:
+    def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any], reuse: bool = False) -> torch.Tensor:
         if t["data_parallel"]:
             name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
         else:
             name = f"tables/{key}/weight"
         shape = (cfg.num_embeddings, cfg.embedding_dim)
-        mapped = _mapped_tensor(self.path, self._dcp_metadata(), name, shape)
+        mapped = _mapped_tensor(self.path, self._dcp_metadata(), name, shape, self._buffer if reuse else torch.empty)
         if mapped is not None:
             return mapped
         weight = torch.empty(shape)
         load_tensors({name: weight}, self.path, no_dist=True)
         return weight
+
+    def _buffer(self, shape: Tuple[int, int]) -> torch.Tensor:
+        """A float32 tensor [shape] in this reader's reused buffer (grown when too small)."""
+        n = shape[0] * shape[1]
+        if self._reused.numel() < n:
+            self._reused = torch.empty(0)  # freed before the larger one is allocated
+            self._reused = torch.empty(n)
+        return self._reused[:n].view(shape)
 
     def _dcp_metadata(self) -> Any:
         if self._metadata is None:
@@ -233,10 +246,13 @@ def _chunk_location(fd: int, offset: int, length: int) -> Optional[Tuple[int, to
     return data + t.storage_offset() * t.element_size(), t
 
 
-def _mapped_tensor(path: Path, metadata: Any, name: str, shape: Tuple[int, int]) -> Optional[torch.Tensor]:
+def _mapped_tensor(
+    path: Path, metadata: Any, name: str, shape: Tuple[int, int], allocate: Callable[[Tuple[int, int]], torch.Tensor]
+) -> Optional[torch.Tensor]:
     """DCP tensor ``name`` [shape] float32 mapped copy-on-write from the page cache (no read, no
     copy) when it is one chunk whose first element is 4-byte aligned, else copied once from the
-    mapped chunks; None when its chunks are not plain torch.save records (dcp.load reads it then)."""
+    mapped chunks into ``allocate(shape)``; None when its chunks are not plain torch.save records
+    (dcp.load reads it then)."""
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     md = metadata.state_dict_metadata.get(name)
@@ -265,7 +281,7 @@ def _mapped_tensor(path: Path, metadata: Any, name: str, shape: Tuple[int, int])
         pieces.append((chunk, start, view))
     if len(pieces) == 1 and pieces[0][1] % 4 == 0 and pieces[0][2].numel():
         return pieces[0][2].view(torch.float32).view(shape)  # the mapping lives as long as the tensor
-    weight = torch.empty(shape)  # misaligned floats would break vectorised kernels; several chunks are joined
+    weight = allocate(shape)  # misaligned floats would break vectorised kernels; several chunks are joined
     for chunk, _, view in pieces:
         rows, cols = (slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
         weight[rows, cols].view(torch.uint8).copy_(view.view(len(range(rows.start, rows.stop)), -1))

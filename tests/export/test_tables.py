@@ -1,22 +1,28 @@
 """The tables file (export/tables.py): tables stored once, mapped, verified per table, shared between equal versions.
 
 References: the same artifact in the old layout (format 1: model.pt with its tables inside, rebuilt here
-from the format-2 one), plain file sizes, /proc/self/maps and VmRSS of this process.
+from the format-2 one) run in-process, plain file sizes, /proc/self/maps and VmRSS of this process.
 """
 
+import gc
+import importlib.util
 import json
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from recship.export import ExportConfig, export_model
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
 from recship.export.tables import TABLES_FILE
-from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from recship.models import TwoTower
 from recship.trainer.dlrm import DLRM, DLRMConfig
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +55,35 @@ def _segment(manifest: Manifest, index: int = 3):
 
 
 def _request(manifest: Manifest, batch: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(manifest.sparse_features) * batch,), generator=g, dtype=torch.int32)
-    rows = torch.tensor([f.rows for f in manifest.sparse_features]).repeat_interleave(batch).repeat_interleave(lengths.long())
-    values = (torch.rand(int(lengths.sum()), generator=g) * rows).long()
-    weights = torch.rand(values.numel(), generator=g) if manifest.weighted else None
-    return torch.rand(batch, manifest.num_dense, generator=g), lengths, values, weights
+    """(sparse {feature: [[ids of example 0], ...]}, dense [batch, num_dense] float32, weights {feature: [[...]]} or
+    None): 0-3 in-range ids per example, a weight per id of each weighted feature."""
+    g = np.random.default_rng(seed)
+    sparse = {f.name: [g.integers(0, f.rows, size=g.integers(0, 4)).tolist() for _ in range(batch)] for f in manifest.sparse_features}
+    weights = {f.name: [g.random(len(r), dtype=np.float32).tolist() for r in sparse[f.name]]
+               for f in manifest.sparse_features if f.weighted} or None
+    return sparse, g.random((batch, manifest.num_dense), dtype=np.float32), weights
+
+
+def _outputs(model, manifest: Manifest, sparse, dense, weights):
+    """{output: float32 array} of ``model`` run in-process on a request of ``_request``."""
+    names = manifest.feature_names
+    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
+    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
+    w = None
+    if manifest.weighted:  # the artifact takes a weight per id: 1 for an unweighted feature's ids (ignored)
+        w = torch.tensor([x for n in names for k, r in enumerate(sparse[n])
+                          for x in (weights[n][k] if n in weights else [1.0] * len(r))], dtype=torch.float32)
+    with torch.no_grad():
+        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, w).items()}
+
+
+def _assert_bitwise(got, want, where: str) -> None:
+    """The same outputs, each of the same shape and bits (torch.equal); a failure names the largest difference."""
+    assert got.keys() == want.keys(), where
+    for k in want:
+        a, b = torch.from_numpy(np.asarray(got[k], dtype=np.float32)), torch.from_numpy(want[k])
+        assert a.shape == b.shape, f"{where} {k}: shape {tuple(a.shape)}, want {tuple(b.shape)}"
+        assert torch.equal(a, b), f"{where} {k}: max |difference| {(a - b).abs().max().item():.3g}"
 
 
 def _as_format_1(src: Path, dst: Path) -> Path:
@@ -81,19 +110,104 @@ def test_the_folder_costs_its_tables_once(medium):
     assert (art / "model.pt").stat().st_size < 0.05 * rows  # the program and the dense layers only
 
 
-@pytest.mark.parametrize("batch", [1, 7, 513])
-@pytest.mark.parametrize("kind", ["dlrm", "weighted"])
-def test_outputs_equal_the_format_1_artifact_bitwise(medium, small_artifacts, tmp_path, kind, batch):
-    art = medium() if kind == "dlrm" else small_artifacts(model="emb")
-    old = _as_format_1(art, tmp_path / "v1")
+@pytest.fixture(scope="module")
+def two_tower(tmp_path_factory) -> Path:
+    """The example two-tower model (recship.models:TwoTower: 300 users, 500 items, dim 16; an EmbeddingCollection
+    beside two EmbeddingBagCollections), INT8, model.pt only."""
+    torch.manual_seed(0)
+    model = TwoTower(num_users=300, num_items=500, num_countries=20, num_categories=30, dim=16, num_dense=4)
+    out = tmp_path_factory.mktemp("tables") / "two_tower"
+    export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32,
+                                     format="torchscript", plot=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def kinds(medium, two_tower, small_artifacts, tmp_path_factory):
+    """{kind: (the format-2 artifact, the same rebuilt in format 1)} for the DLRM of ``medium``, the two-tower and
+    the weighted EmbeddingBagCollection of ``small_artifacts(model="emb")``. Read-only."""
+    root = tmp_path_factory.mktemp("format_1")
+    arts = {"dlrm": medium(), "two_tower": two_tower, "weighted": small_artifacts(model="emb")}
+    return {kind: (art, _as_format_1(art, root / kind)) for kind, art in arts.items()}
+
+
+BATCHES = [1, 7, 513]  # 513: past the default max_batch_size of the server and recship_predict (raised to 1024 below)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("kind", ["dlrm", "two_tower", "weighted"])
+def test_outputs_equal_the_format_1_artifact_bitwise(kinds, kind, batch):
+    """In-process Python: the format-2 artifact answers what its format-1 rebuild answers, bitwise."""
+    art, old = kinds[kind]
     new_model, manifest = open_artifact(art)
     old_model, _ = open_artifact(old)
-    dense, lengths, values, weights = _request(manifest, batch, seed=batch)
-    with torch.no_grad():
-        got, want = new_model(dense, lengths, values, weights), old_model(dense, lengths, values, weights)
-    assert got.keys() == want.keys()
-    for k in want:
-        assert torch.equal(got[k], want[k]), k
+    request = _request(manifest, batch, seed=batch)
+    _assert_bitwise(_outputs(new_model, manifest, *request), _outputs(old_model, manifest, *request), f"{kind} batch {batch}")
+
+
+@pytest.fixture(scope="module")
+def repo(kinds, tmp_path_factory) -> Path:
+    """A model repository of the three format-2 artifacts, each as version 1 of its kind. Read-only."""
+    root = tmp_path_factory.mktemp("tables-repo")
+    for kind, (art, _) in kinds.items():
+        shutil.copytree(art, root / kind / "1")
+    return root
+
+
+def _assert_answers_equal_format_1(kinds, answer) -> None:
+    """``answer(kind, sparse, dense, weights) -> {output: array}`` equals, bitwise, the kind's format-1 rebuild run
+    in-process, for every kind and batch."""
+    for kind, (_, old) in kinds.items():
+        old_model, manifest = open_artifact(old)
+        for batch in BATCHES:
+            request = _request(manifest, batch, seed=batch)
+            _assert_bitwise(answer(kind, *request), _outputs(old_model, manifest, *request), f"{kind} batch {batch}")
+
+
+@pytest.mark.parametrize("front", ["python", "cpp"])
+def test_served_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, front):
+    """``recship serve --front F`` on the repository of the three format-2 artifacts (one server for every kind and
+    batch) answers, bitwise, what each format-1 rebuild answers in-process here."""
+    from recship.serving import PredictClient
+    from recship.serving.front import FrontError, build_front
+    from recship.serving.server import Server, ServerConfig
+
+    if front == "cpp":
+        try:
+            build_front()
+        except FrontError as e:
+            pytest.skip(f"the C++ front cannot be built here: {e}")
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_batch_size=1024, max_delay_ms=1, front=front))
+    try:
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            _assert_answers_equal_format_1(kinds, lambda kind, sparse, dense, weights: client.predict(
+                kind, sparse, dense if dense.shape[1] else None, weights, timeout=60))
+        # the C++ front answered every Predict itself: one of a model it failed to load would reach the Python server
+        counted = {kind: server.metrics.requests.labels("Predict", kind, "1", "OK")._value.get() for kind in kinds}
+        assert counted == {kind: 0 if front == "cpp" else len(BATCHES) for kind in kinds}
+    finally:
+        server.stop()
+        del server
+        gc.collect()  # a stopped server holds its models in a reference cycle: tables equal to medium()'s, live (and shared)
+
+
+def test_cpp_loader_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, tmp_path):
+    """recship_predict (the C++ loader's CLI, built as tests/cpp_loader/conftest.py builds it) on each format-2 artifact
+    answers, bitwise, what its format-1 rebuild answers in-process here."""
+    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    binary = build.build() / "recship_predict"
+
+    def answer(kind, sparse, dense, weights):
+        body = {"sparse": sparse, **({"dense": dense.tolist()} if dense.shape[1] else {}), **({"weights": weights} if weights else {})}
+        (tmp_path / "request.json").write_text(json.dumps(body))
+        result = subprocess.run([str(binary), str(repo / kind / "1"), "--request", str(tmp_path / "request.json"),
+                                 "--max-batch-size", "1024"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)  # {output: nested lists of the output's shape}
+
+    _assert_answers_equal_format_1(kinds, answer)
 
 
 def test_a_flipped_byte_is_refused_naming_the_table(medium, tmp_path):
