@@ -136,6 +136,19 @@ def _prepare(
 _HOST_ROWS: "contextvars.ContextVar[Optional[Callable[[int], torch.Tensor]]]" = contextvars.ContextVar("recship_host_rows", default=None)
 
 
+def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tensor]]) -> None:
+    """``tbe.initialize_weights()``, with its host rows from ``allocate`` (if given) instead of its own zeros
+    (which would be filled and then dropped: seconds at GBs of rows)."""
+    host = int(tbe.host_size)
+    if allocate is None or host == 0:
+        tbe.initialize_weights()
+        return
+    # fbgemm 1.8's initialize_weights is _apply_split of these attributes; with no host bytes it allocates none
+    tbe._apply_split(tbe.dev_size, 0, tbe.uvm_size, tbe.weights_physical_placements, tbe.weights_physical_offsets, tbe.enforce_hbm)
+    tbe.host_size = host
+    tbe.weights_host = allocate(host)
+
+
 @contextlib.contextmanager
 def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterator[None]:
     """TBEs built inside take their host rows from ``allocate(nbytes)`` (None: their own zeros)."""
@@ -212,10 +225,7 @@ class _QuantTables(nn.Module):
                 fp8_exponent_bits=FP8_EXPONENT_BITS,
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
-            tbe.initialize_weights()
-            allocate = _HOST_ROWS.get()
-            if allocate is not None and tbe.weights_host.numel():
-                tbe.weights_host = allocate(tbe.weights_host.numel())  # zeros, as fbgemm's own
+            _initialize_weights(tbe, _HOST_ROWS.get())
             # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
             # rows in state_dict (mode 0: whole padded rows, scale/bias included)
             for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
