@@ -688,6 +688,10 @@ class ModelRepository:
             self._watcher.join(timeout=60)
         for served in self.versions():
             served.batcher.stop(drain=False)
+        with self._lock:  # nothing keeps a stopped repository's models: they are freed now, not at a later GC
+            self._serving.clear()
+            self._front_serves.clear()
+        release_memory()
 
 
 def _policy_text(policy: Tuple) -> str:

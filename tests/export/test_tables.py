@@ -186,9 +186,7 @@ def test_served_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, front):
         counted = {kind: server.metrics.requests.labels("Predict", kind, "1", "OK")._value.get() for kind in kinds}
         assert counted == {kind: 0 if front == "cpp" else len(BATCHES) for kind in kinds}
     finally:
-        server.stop()
-        del server
-        gc.collect()  # a stopped server holds its models in a reference cycle: tables equal to medium()'s, live (and shared)
+        server.stop()  # and frees its models (tables equal to medium()'s, which a later test must find unshared)
 
 
 def test_cpp_loader_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, tmp_path):
@@ -255,8 +253,9 @@ def test_a_manifest_rewritten_for_other_tables_is_refused_by_the_model_file(medi
         open_artifact(art, check=False)
 
 
-def _rss_kib() -> int:
-    return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")).split()[1])
+def _rss_file_kib() -> int:
+    """This process's resident file-backed pages (where mapped tables live; a model's program and heap are anonymous)."""
+    return int(next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("RssFile:")).split()[1])
 
 
 def _mapped(path: Path) -> bool:
@@ -267,9 +266,9 @@ def test_two_versions_with_equal_tables_share_their_pages(medium, tmp_path):
     v1, v2 = _copy(medium(), tmp_path / "1"), _copy(medium(), tmp_path / "2")
     table_kib = Manifest.read(v1).tables.bytes // 1024
     first, _ = open_artifact(v1)
-    before = _rss_kib()
+    before = _rss_file_kib()
     second, _ = open_artifact(v2)
-    grown = _rss_kib() - before
+    grown = _rss_file_kib() - before
     assert grown < 0.2 * table_kib, f"the second version added {grown} KiB ({table_kib} KiB of tables)"
     assert _mapped(v1) and not _mapped(v2)
     weights = {n: b.data_ptr() for n, b in first.named_buffers() if n.endswith("tbe.weights")}

@@ -146,3 +146,32 @@ def test_hot_reloads_free_the_replaced_version(exports, tmp_path, format, front,
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.parametrize("front", ["python", "cpp"])
+def test_a_stopped_server_frees_its_models(small_artifact, tmp_path, front):
+    """Server.stop() unloads every version: its models are freed at once, although the stopped Server object
+    lives on (its threads and handlers refer to it) until a later garbage collection."""
+    import gc
+    import weakref
+
+    from recship.serving.front import FrontError, build_front
+    from recship.serving.server import Server, ServerConfig
+
+    if front == "cpp":
+        try:
+            build_front()
+        except FrontError as e:
+            pytest.skip(f"the C++ front cannot be built here: {e}")
+    shutil.copytree(small_artifact, tmp_path / "repo" / "dlrm" / "1")
+    server = Server(ServerConfig(model_repo=str(tmp_path / "repo"), port=0, front=front))
+    served = server.repo.versions("dlrm")
+    assert len(served) == 1
+    model = weakref.ref(served[0].model)
+    del served
+    gc.disable()  # only stop() may free it, not a collection of the cycles around the Server
+    try:
+        server.stop()
+        assert model() is None, "the stopped server still holds its model"
+    finally:
+        gc.enable()
