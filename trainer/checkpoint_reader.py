@@ -263,7 +263,10 @@ def _mapped_tensor(
         info = metadata.storage_data.get(MetadataIndex(name, chunk.offsets))
         if info is None or info.transform_descriptors:
             return None
-        fd = os.open(path / info.relative_path, os.O_RDONLY)
+        try:
+            fd = os.open(path / info.relative_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None  # dcp.load's path says which file is missing
         try:
             found = _chunk_location(fd, info.offset, info.length)
             if found is None or found[1].dtype != torch.float32 or tuple(found[1].shape) != tuple(chunk.sizes):

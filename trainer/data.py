@@ -229,28 +229,46 @@ T = TypeVar("T")
 
 
 def prefetch(batches: Iterator[T], depth: int = 4) -> Iterator[T]:
-    """Produces batches in a background thread, ``depth`` ahead, so loading overlaps training."""
+    """Produces batches in a background thread, ``depth`` ahead, so loading overlaps training.
+
+    Closing the returned generator (or dropping it) stops the thread after the batch it is making:
+    a run that fails does not leave it working while the process exits.
+    """
     q: "queue.Queue" = queue.Queue(maxsize=depth)
     done = object()
     failure: List[BaseException] = []
+    stop = threading.Event()
 
     def produce() -> None:
         try:
             for b in batches:
-                q.put(b)
+                while not stop.is_set():
+                    try:
+                        q.put(b, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
         except BaseException as e:  # re-raised in the consumer
             failure.append(e)
         finally:
-            q.put(done)
+            if not stop.is_set():
+                q.put(done)
 
-    threading.Thread(target=produce, daemon=True, name="recship-prefetch").start()
-    while True:
-        item = q.get()
-        if item is done:
-            if failure:
-                raise failure[0]
-            return
-        yield item
+    thread = threading.Thread(target=produce, daemon=True, name="recship-prefetch")
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                if failure:
+                    raise failure[0]
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=30)
 
 
 def is_entry_point(data: str) -> bool:

@@ -7,13 +7,16 @@ and AUC on held-out data every ``eval_every`` steps, and prints a summary at the
 and epoch changes go through the ``recship.trainer.*`` loggers (recship.logs formats them).
 """
 
+import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import shutil
 import socket
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -37,6 +40,10 @@ from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(ValueError):
+    """The loss or the weights became NaN or infinite: training stops before saving them."""
 
 EVAL_STREAM = 1_000_000  # synthetic eval batches come from rank ids past this: never trained on
 
@@ -152,8 +159,39 @@ class _Trainer:
         log_loss = float(nn.functional.binary_cross_entropy_with_logits(s, l))
         return {"log_loss": log_loss, "auc": auc(s, l), "examples": l.numel()}
 
+    def _agreed(self, bad: bool) -> bool:
+        """Whether ``bad`` holds on any rank (every rank calls this at the same point)."""
+        if self.world_size == 1:
+            return bad
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _non_finite_weights(self) -> Optional[str]:
+        """What of this rank's weights holds a NaN or an inf (its table shards, then the dense parameters), or None."""
+        from recship.trainer.checkpoint import _sharded_modules
+
+        for path, module in _sharded_modules(self.model):
+            for (table, _), weight in module.local_shards().items():
+                if not bool(torch.isfinite(weight).all()):
+                    return f"table {path + '/' if path else ''}{table}"
+        for group in self.dense_optimizer.param_groups:
+            for p in group["params"]:
+                if not bool(torch.isfinite(p).all()):
+                    name = next((n for n, q in self.model.named_parameters() if q is p), "a dense parameter")
+                    return f"dense parameter {name}"
+        return None
+
+    def _diverged(self, what: str, last: Optional[Path]) -> TrainingDiverged:
+        kept = f"the last checkpoint, {last}, is the last good state" if last is not None else "no checkpoint was saved"
+        return TrainingDiverged(f"training diverged at step {self.step}: {what}; stopped without saving it ({kept}); "
+                                "lower --dense-lr / --embedding-lr, or check the data")
+
     def checkpoint(self) -> Path:
         root = Path(self.config.out) / "checkpoints"
+        bad = self._non_finite_weights()
+        if self._agreed(bad is not None):  # a checkpoint is never saved with NaN or inf weights
+            raise self._diverged(f"{bad or 'another rank'} holds NaN or inf values", latest_checkpoint(root))
         path = save_checkpoint(
             root,
             self.step,
@@ -212,7 +250,7 @@ class _Trainer:
         epoch: Optional[int] = None
         started, seen = time.perf_counter(), 0
         # log lines (malformed data, epochs) are written above the bar, not into it
-        with _logging_above(bar):
+        with _logging_above(bar), contextlib.closing(batches):  # (closing stops the prefetching thread)
             while self.step < c.steps:
                 item = next(batches, None)
                 if item is None:
@@ -223,12 +261,17 @@ class _Trainer:
                     epoch = item[0]
                 b = item[1].to(self.device, non_blocking=True)
                 loss = self._loss(self.model(b.dense, b.sparse), b.labels)
+                value = float(loss.detach())
+                if self._agreed(not math.isfinite(value)):  # before backward: the step does not update the model
+                    self.step += 1
+                    what = f"the loss is {value}" if not math.isfinite(value) else "another rank's loss is not finite"
+                    raise self._diverged(what, latest_checkpoint(Path(c.out) / "checkpoints"))
                 loss.backward()  # the sharded tables are updated inside backward
                 self.dense_optimizer.step()
                 self.dense_optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 self.next_batch += 1
-                self.losses.append(float(loss.detach()))
+                self.losses.append(value)
                 if history is not None:
                     history.add_loss(self.step, self.losses[-1])
                 seen += len(b) * self.world_size
@@ -321,7 +364,13 @@ def train(config: TrainConfig) -> Dict[str, Any]:
     """Trains on the already-initialised process group (one call per rank); returns this rank's summary."""
     if not dist.is_initialized():
         raise ValueError("train() needs torch.distributed initialised; use launch() to start ranks")
-    return _Trainer(config).run()
+    try:
+        return _Trainer(config).run()
+    except BaseException as e:
+        # the failed run's trainer (its model holds the process group) lives on in the traceback's frames;
+        # freed now, before the caller destroys the group: else gloo's threads abort the process at exit
+        traceback.clear_frames(e.__traceback__)
+        raise
 
 
 def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out: str) -> None:
@@ -377,7 +426,13 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     else:
         import torch.multiprocessing as mp
 
-        mp.spawn(_rank_entry, args=(n, port, config, config.out), nprocs=n)
+        try:
+            mp.spawn(_rank_entry, args=(n, port, config, config.out), nprocs=n)
+        except mp.ProcessRaisedException as e:  # a rank's own error, as one line: the ranks stop together
+            marker = f"{TrainingDiverged.__module__}.{TrainingDiverged.__name__}: "
+            if marker in str(e):
+                raise TrainingDiverged(str(e).rsplit(marker, 1)[1].strip()) from None
+            raise
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
 
 

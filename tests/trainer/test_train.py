@@ -257,3 +257,21 @@ def test_reader_maps_tables_equal_to_dcp_load(tmp_path, monkeypatch, sharding):
     again = CheckpointReader(summary["checkpoint"])
     first = next(iter(keys))
     assert not torch.equal(again.table(keys[first][0], first), tables[first])
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_diverging_run_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, nproc):
+    """Learning rates of 1e8 blow the loss up to NaN within a few steps: training stops with TrainingDiverged
+    naming the step, before that step updates the model, and no checkpoint with NaN or inf weights exists.
+    Reference: every saved checkpoint's tables and dense parameters, read back and checked with torch.isfinite."""
+    from recship.trainer.train import TrainingDiverged
+
+    with pytest.raises(TrainingDiverged, match=r"training diverged at step \d+: .*(the loss is nan|NaN or inf)") as e:
+        launch(small(tmp_path, steps=40, checkpoint_every=1, dense_lr=1e8, embedding_lr=1e8, nproc_per_node=nproc))
+    saved = sorted((tmp_path / "checkpoints").glob("step_*"))
+    assert "is the last good state" in str(e.value) or "no checkpoint was saved" in str(e.value)
+    for path in saved:
+        tables, dense = _tables(path)
+        assert all(bool(torch.isfinite(w).all()) for w in [*tables.values(), *dense.values()]), path
+    if saved:
+        assert str(saved[-1]) in str(e.value)
