@@ -181,7 +181,7 @@ def export_any_model(
     ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
     from a checkpoint one at a time (peak memory: one float table plus the quantized model).
     """
-    from recship.export.pipeline import ExportError, expand_id_policy
+    from recship.export.pipeline import ExportError, expand_id_policy, refuse_non_finite
     from recship.export.sharded import InferenceShard, shard_quant_model
     from recship.quantize import quantize_embeddings
 
@@ -219,6 +219,8 @@ def export_any_model(
         raise ExportError(f"the float model failed on a validation batch ({data}): {type(e).__name__}: {e}") from e
     single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
     float_outputs = [_as_dict(r, ExportError) for r in raw]
+    for outputs in float_outputs:
+        refuse_non_finite(outputs, "the float model", model)
     for k, v in float_outputs[0].items():
         if v.dim() == 0 or v.shape[0] != validation[0][0].shape[0]:
             raise ExportError(f"output {k!r} has shape {list(v.shape)}: outputs must be batch-first [B, ...]")
@@ -258,6 +260,7 @@ def export_any_model(
         for (dense, kjt, labels), want in zip(validation, float_outputs):
             args = (dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
             got, reference = scripted(*args), unsharded(*args)
+            refuse_non_finite(got, "the exported model", model)
             if labels is not None and score_name is not None:
                 scored.append((got[score_name].reshape(-1), want[score_name].reshape(-1), labels))
             for k, w in want.items():

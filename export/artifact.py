@@ -313,7 +313,7 @@ class Manifest:
     def write(self, path: Union[str, Path]) -> None:
         """Writes ``path``/manifest.json (after ``validate``)."""
         self.validate(path)
-        (Path(path) / "manifest.json").write_text(json.dumps(self.to_dict(), indent=2))
+        (Path(path) / "manifest.json").write_text(json.dumps(self.to_dict(), indent=2, allow_nan=False))  # JSON has no NaN
 
     def validate(self, path: Union[str, Path] = "artifact") -> None:
         """Raises ArtifactError naming the first field that breaks the contract (the rules of ``check_manifest``)."""

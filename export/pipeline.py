@@ -573,6 +573,17 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     return {"logit": logit, "prob": torch.sigmoid(logit)}
 
 
+def refuse_non_finite(outputs: Dict[str, torch.Tensor], which: str, model: Optional[nn.Module]) -> None:
+    """ExportError if an output of ``which`` model on a validation batch holds NaN or inf (naming ``model``'s
+    non-finite parameters, if any): nothing non-finite is exported."""
+    for name, value in outputs.items():
+        if not bool(torch.isfinite(value).all()):
+            params = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())] if model is not None else []
+            cause = (f"the dense parameters {params[:5]} hold NaN or inf (did the training run diverge?)" if params
+                     else "check the validation data and the model's forward")
+            raise ExportError(f"validation failed: output {name!r} of {which} holds NaN or inf on the validation batches; {cause}")
+
+
 def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, config: ExportConfig) -> Dict[str, Any]:
     """Exported vs float and vs the unsharded quantized model on held-out batches.
 
@@ -592,6 +603,8 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
             raw = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
             got = {k: v.cpu() for k, v in raw.items()}
             want = _dense_outputs(src, dense, kjt, pooled, names, dims)
+            refuse_non_finite(want, "the float model", src.dense_model)
+            refuse_non_finite(got, "the exported model", src.dense_model)
             quantized = _dense_outputs(src, dense, kjt, qpooled, names, dims)
             for k in quantized:
                 scale = max(1.0, float(quantized[k].abs().max()))

@@ -21,6 +21,7 @@ and quantizes them straight into inference shards):
 import copy
 import dataclasses
 import json
+import math
 from dataclasses import InitVar, asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
@@ -225,7 +226,7 @@ class QuantizationReport:
         }
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False)
 
     def __str__(self) -> str:
         header = ("table", "type", "by", "rows x dim", "bytes before", "bytes after", "max |err|", "mean |err|", "pooled rel err")
@@ -364,7 +365,17 @@ def quantize_into(
     max_err, mean_err = 0.0, 0.0
     with torch.no_grad():
         for b in blocks:
-            block_max, block_sum = _fill(weight[b.rows, b.cols], dt, b.data, b.scale_bias, config)
+            try:
+                block_max, block_sum = _fill(weight[b.rows, b.cols], dt, b.data, b.scale_bias, config)
+            except NonFiniteRow as e:
+                row = (b.rows.start or 0) + e.row
+                found = weight[row].detach().float().cpu()
+                bad = found[~torch.isfinite(found)]
+                why = "fp16 holds at most 65504" if dt == DataType.FP16 else "their scale and bias are fp16"
+                shown = f"holds {float(bad[0])}" if bad.numel() else (
+                    f"spans [{float(found.min()):.6g}, {float(found.max()):.6g}], beyond what {dt.name} rows hold ({why})")
+                raise ValueError(f"table {table.name!r}: row {row} {shown}; a table that cannot be stored finite is not "
+                                 "quantized (did the training run diverge, or is the checkpoint corrupt?)") from None
             max_err = max(max_err, block_max)
             mean_err += block_sum / values
     ids = _sample_ids(table.num_embeddings, config, index)
@@ -381,6 +392,23 @@ def quantize_into(
         pooled_relative_error=_pooled_error(weight, ids, dt, config.error_minimizing),
         auto_trials=choice.auto_trials,
     )
+
+
+class NonFiniteRow(ValueError):
+    """Row ``row`` of a block cannot be stored finite (a NaN or inf value, or a span the type cannot hold)."""
+
+    def __init__(self, row: int, data_type: DataType) -> None:
+        super().__init__(f"row {row} cannot be stored as {data_type.name}")
+        self.row = row
+
+
+def _first_unstorable(rows: torch.Tensor, data_type: DataType) -> int:
+    """The first of ``rows`` whose quantized values are not finite (those of a chunk whose error is not)."""
+    for i in range(rows.shape[0]):
+        _, worst, _ = quantize_measured(rows[i: i + 1], data_type)
+        if not math.isfinite(worst):
+            return i
+    return 0  # (not reached: some row's error is not finite)
 
 
 # Rows one worker quantizes at a time: [rows, dim] float temporaries of 2 MB at dim 64 stay in cache.
@@ -400,7 +428,10 @@ def _fill(
         raise ValueError(f"{dt.name} rows have scale/bias, but the block has no scale_bias storage")
     def block(rows_range: Tuple[int, int]) -> Tuple[float, float]:
         start, end = rows_range
-        q, worst, total = quantize_measured(weight[start:end].detach().float().cpu(), dt, config.error_minimizing)
+        rows = weight[start:end].detach().float().cpu()
+        q, worst, total = quantize_measured(rows, dt, config.error_minimizing)
+        if not math.isfinite(worst):  # a NaN/inf value, or values the type cannot hold: never stored
+            raise NonFiniteRow(start + _first_unstorable(rows, dt), dt)
         data[start:end].copy_(q.data)
         if scale_bias is not None:
             if q.scale_bias is None:

@@ -9,6 +9,7 @@ it empty. ``recship train`` draws ``curves.png`` from it (recship/plots.py).
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, TextIO, Tuple, Union
@@ -46,14 +47,14 @@ class History:
         tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         with open(tmp, "w", encoding="utf-8") as f:
             for step, loss in self.losses:
-                f.write(json.dumps({"step": step, "loss": loss}) + "\n")
+                f.write(_json({"step": step, "loss": loss}) + "\n")
             for e in self.evals:
-                f.write(json.dumps({"step": e["step"], "eval": {k: v for k, v in e.items() if k != "step"}}) + "\n")
+                f.write(_json({"step": e["step"], "eval": {k: v for k, v in e.items() if k != "step"}}) + "\n")
         os.replace(tmp, self.path)
 
     def _append(self, record: Dict[str, Any]) -> None:
         assert self._file is not None, "History is closed"
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(_json(record) + "\n")
         self._file.flush()
 
     def add_loss(self, step: int, loss: float) -> None:
@@ -108,3 +109,16 @@ def read_history(path: Union[str, Path]) -> List[Dict[str, Any]]:
             continue
         records.append(record)
     return records
+
+
+def _json(record: Dict[str, Any]) -> str:
+    """``record`` as strict JSON: a NaN or infinite metric (e.g. AUC of one class) is written as null."""
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+
+    return json.dumps(clean(record), allow_nan=False)

@@ -1,0 +1,94 @@
+"""Nothing non-finite ships: export refuses NaN/inf weights (naming the table and row), non-finite dense
+parameters (naming them) and non-finite validation outputs, and the manifest is strict JSON.
+
+References: the rows and parameters the tests themselves poison (their names and indices are known here).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from recship.export import ExportConfig, ExportError, export_model
+from recship.trainer.dlrm import DLRM, DLRMConfig
+
+
+def _dlrm(seed: int = 0) -> DLRM:
+    torch.manual_seed(seed)
+    return DLRM(DLRMConfig(num_embeddings_per_feature=[50, 3000, 20], embedding_dim=8, dense_arch=[8], over_arch=[8]))
+
+
+def _config(out, **kw):
+    return ExportConfig(out=str(out), progress=False, validation_batches=1, format="torchscript", plot=False, **kw)
+
+
+@pytest.mark.parametrize("value, dtype", [(math.nan, "int8"), (math.inf, "int4"), (-math.inf, "fp16"), (math.nan, "fp32"),
+                                          (1e6, "fp16")])
+def test_a_table_row_that_cannot_be_stored_finite_is_refused_naming_it(tmp_path, value, dtype):
+    model = _dlrm()
+    with torch.no_grad():
+        model.sparse_arch.embedding_bags["t_cat_1"].weight[2345, 5] = value
+    with pytest.raises(ValueError, match=r"table 't_cat_1': row 2345 (holds|spans)") as e:
+        export_model(model, _config(tmp_path / "a", dtype=dtype))
+    assert ("row 2345 holds" in str(e.value)) == (not math.isfinite(value))
+    assert not (tmp_path / "a").exists() and not list(tmp_path.iterdir())  # nothing left behind
+
+
+def test_non_finite_dense_parameters_are_refused_naming_them(tmp_path):
+    model = _dlrm()
+    with torch.no_grad():
+        model.over_arch[0].weight[0, 0] = math.nan
+    with pytest.raises(ExportError, match=r"output 'logit' of the float model holds NaN or inf.*over_arch\.0\.weight"):
+        export_model(model, _config(tmp_path / "a"))
+
+
+def test_a_corrupt_checkpoint_is_refused_by_the_cli(tmp_path):
+    """A checkpoint whose table bytes were overwritten by 0xFF (NaN floats) is refused with exit 2 and the table named."""
+    from recship.trainer.checkpoint_reader import CheckpointReader, _chunk_location
+    from recship.trainer.train import TrainConfig, launch
+
+    summary = launch(TrainConfig(out=str(tmp_path / "run"), steps=2, batch_size=32, num_embeddings_per_feature=[40] * 26,
+                                 embedding_dim=8, dense_arch=[16], over_arch=[16], eval_every=0, eval_batches=2,
+                                 checkpoint_every=0, progress=False))
+    reader = CheckpointReader(summary["checkpoint"])
+    md = reader._dcp_metadata()
+    item = next(v for k, v in md.storage_data.items() if k.fqn == "tables/sparse_arch/t_cat_7/weight")
+    path = reader.path / item.relative_path
+    fd = os.open(path, os.O_RDWR)
+    try:
+        start, _ = _chunk_location(fd, item.offset, item.length)
+        os.pwrite(fd, b"\xff" * 64, start + 5 * 8 * 4)  # rows 5 and 6 of [40, 8] float32
+    finally:
+        os.close(fd)
+    result = subprocess.run([sys.executable, "-m", "recship", "export", summary["checkpoint"], "--out", str(tmp_path / "art"),
+                             "--format", "torchscript"], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "table 't_cat_7': row 5 holds nan" in result.stderr, result.stderr
+    assert not (tmp_path / "art").exists()
+
+
+def test_the_manifest_is_strict_json(tmp_path):
+    from recship.export.artifact import Manifest
+
+    export_model(_dlrm(), _config(tmp_path / "a"))
+    text = (tmp_path / "a" / "manifest.json").read_text()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"manifest.json holds {c}"))
+    manifest = Manifest.read(tmp_path / "a")
+    manifest.validation["error"] = math.nan
+    with pytest.raises(ValueError, match="JSON"):
+        manifest.write(tmp_path / "b")
+
+
+def test_any_model_with_non_finite_dense_parameters_is_refused(tmp_path):
+    from recship.models import TwoTower
+
+    torch.manual_seed(0)
+    model = TwoTower(num_users=30, num_items=40, num_countries=5, num_categories=6, dim=8)
+    with torch.no_grad():
+        model.item_mlp[0].bias[3] = math.inf
+    with pytest.raises(ExportError, match=r"output '\w+' of the float model holds NaN or inf.*item_mlp\.0\.bias"):
+        export_model(model, _config(tmp_path / "a"))
