@@ -329,13 +329,17 @@ def _inputs(num_dense: Any, weighted: Any) -> Dict[str, Any]:
     }
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")  # Python's json reads NaN and Infinity; JSON (and the C++ loader) does not
+
+
 def read_manifest(path: Union[str, Path]) -> Dict[str, Any]:
     """The artifact's manifest as parsed JSON, its structure checked (``check_manifest``); prefer ``Manifest.read``."""
     path = Path(path)
     if not (path / "manifest.json").is_file():
         raise ArtifactError(f"{path}: not an artifact (manifest.json is missing)")
     try:
-        manifest = json.loads((path / "manifest.json").read_bytes())
+        manifest = json.loads((path / "manifest.json").read_bytes(), parse_constant=_not_json)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
         raise ArtifactError(f"{path}/manifest.json is corrupt: {e}") from None
     check_manifest(manifest, path)

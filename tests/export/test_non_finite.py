@@ -92,3 +92,18 @@ def test_any_model_with_non_finite_dense_parameters_is_refused(tmp_path):
         model.item_mlp[0].bias[3] = math.inf
     with pytest.raises(ExportError, match=r"output '\w+' of the float model holds NaN or inf.*item_mlp\.0\.bias"):
         export_model(model, _config(tmp_path / "a"))
+
+
+def test_a_manifest_holding_nan_is_refused_as_corrupt(small_artifact, tmp_path):
+    """Python's json reads NaN; the C++ loader's JSON parser does not: both refuse such a manifest."""
+    import shutil
+
+    from recship.export.artifact import ArtifactError, open_artifact
+
+    art = tmp_path / "a"
+    shutil.copytree(small_artifact, art)
+    text = (art / "manifest.json").read_text()
+    (art / "manifest.json").write_text(text.replace('"relative_diff_vs_float": ', '"relative_diff_vs_float": NaN, "was": ', 1)
+                                       if '"relative_diff_vs_float": ' in text else text.replace('"error": ', '"error": NaN, "was": ', 1))
+    with pytest.raises(ArtifactError, match=r"manifest.json is corrupt: NaN is not JSON"):
+        open_artifact(art)
