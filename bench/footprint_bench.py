@@ -4,9 +4,10 @@
                                               [--format both|torchscript] [--reloads 5] [--workdir DIR]
                                               [--python OTHER/.venv/bin/python]   # another checkout: "before"
     .venv/bin/python bench/footprint_bench.py --rows 1000000      # issue 27: 26 x 1M x 64, 6.6 GB float
+    .venv/bin/python bench/footprint_bench.py --model two_tower --rows 50000000 --dim 32   # issue 27: 50M x 32, 6.4 GB float
 
 Everything runs in child processes of the chosen interpreter (``--python``: the recship that
-interpreter imports, so two checkouts measure side by side). It builds a DLRM of float tables,
+interpreter imports, so two checkouts measure side by side). It builds a model of float tables,
 exports it into a model repository (wall time, GB/s of float input, peak RSS), then reads:
 the version folder's bytes on disk; the RSS and PSS that ``recship serve`` adds over the same
 server with an empty repository, with model.pt2 (default), ``--model-format torchscript`` and
@@ -16,9 +17,18 @@ reloads (each new version a copy of the export, the replaced folder removed; in 
 these share their tables' pages with the version they replace once their own file verified, in
 the old one they cannot); a second version with equal tables beside the first (its tables.bin
 hard-linked to the first's, as an export whose tables did not change leaves it); and ``recship_predict``'s peak RSS (VmHWM) over its
-own with the smallest artifact. "table bytes" are the quantized rows (the sum of the features'
-rows x row bytes). PSS (/proc/PID/smaps_rollup) counts a page shared by k processes as 1/k:
-the honest sum for several processes mapping one file.
+own with a small artifact of the same model (--rows 1000). "table bytes" are the quantized rows
+(the sum of the features' rows x row bytes).
+
+``--model dlrm`` (default): --tables tables of --rows x --dim, saved with torch.save and exported
+from the loaded module in a second child. ``--model two_tower`` (recship.models:TwoTower, --tables
+not used): about --rows rows of --dim in all, 40% users and 30% items for each of its two item
+tables (history, an unpooled EmbeddingCollection, and item_ids), plus 50 countries and 100
+categories of --dim/2; built and exported from memory in one child, without a save (export_model
+deep-copies a module it is given, so that child's peak holds the float tables twice).
+
+PSS (/proc/PID/smaps_rollup) counts a page shared by k processes as 1/k: the honest sum for
+several processes mapping one file.
 """
 
 import argparse
@@ -33,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-BUILD = """
+BUILD = """  # DLRM: build and torch.save
 import json, sys, time, torch
 from recship.trainer.dlrm import DLRM, DLRMConfig
 tables, rows, dim, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -52,6 +62,23 @@ seconds = time.perf_counter() - start
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "hwm": hwm}))
 """
+TWO_TOWER = """  # build a TwoTower and export it from memory (no save: that would be a third copy of the tables)
+import json, sys, time, torch
+from recship.export import ExportConfig, export_model
+from recship.models import TwoTower
+rows, dim, repo, dtype, fmt, name = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
+torch.manual_seed(0)
+users = round(rows * 0.4)
+model = TwoTower(num_users=users, num_items=(rows - users) // 2, dim=dim)
+float_bytes = sum(p.numel() * p.element_size() for m in (model.user_tables, model.history, model.item_tables) for p in m.parameters())
+built = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+start = time.perf_counter()
+export_model(model, ExportConfig(repo=repo, model_name=name, dtype=dtype, progress=False, validation_batches=1, format=fmt))
+seconds = time.perf_counter() - start
+hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"seconds": seconds, "hwm": hwm, "float_bytes": float_bytes, "built_rss": built}))
+"""
+MODEL_NAMES = {"dlrm": "dlrm", "two_tower": "two_tower"}  # --model -> the name it is exported and served under
 
 
 def _kib(pid: int, key: str, file: str = "status") -> int:
@@ -88,7 +115,7 @@ def _ready(port: int, path: str) -> bool:
 class Served:
     """A `recship serve` process on ``repo``; ``memory()`` -> (RSS MiB, PSS MiB) of it and its children."""
 
-    def __init__(self, python: str, repo: Path, *flags: str, wait_for: Optional[str] = "/v2/models/dlrm/ready") -> None:
+    def __init__(self, python: str, repo: Path, *flags: str, wait_for: Optional[str]) -> None:
         self.http = _free_port()
         self.log = tempfile.TemporaryFile("w+")  # the server's log, for the error if it exits
         recship = str(Path(python).parent / "recship")
@@ -138,8 +165,9 @@ def _copy_version(src: Path, model_dir: Path, version: int, link_tables: bool = 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--model", default="dlrm", choices=sorted(MODEL_NAMES), help="dlrm (default) or two_tower")
+    parser.add_argument("--tables", type=int, default=26, help="the DLRM's tables (not used by two_tower)")
+    parser.add_argument("--rows", type=int, default=100_000, help="each DLRM table's rows; two_tower: the rows of all its tables")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--dtype", default="int8")
     parser.add_argument("--format", default="both", choices=["both", "torchscript"])
@@ -152,79 +180,84 @@ def main(argv: Optional[List[str]] = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     py = args.python
     env = {**os.environ, "RECSHIP_AOTI": "1"}
+    name = MODEL_NAMES[args.model]
     figures: Dict[str, float] = {}
     try:
-        model_file = work / "model.torch"
-        subprocess.run([py, "-c", BUILD, str(args.tables), str(args.rows), str(args.dim), str(model_file)], check=True, env=env)
-        float_bytes = args.tables * args.rows * args.dim * 4
         repo = work / "repo"
-        shutil.rmtree(repo, ignore_errors=True)
-        out = subprocess.run([py, "-c", EXPORT, str(model_file), str(repo), args.dtype, args.format], check=True, env=env,
-                             capture_output=True, text=True)
-        exported = json.loads(out.stdout.strip().splitlines()[-1])
-        art = repo / "dlrm" / "1"
+        t = time.perf_counter()
+        exported = _export(py, args.model, args.tables, args.rows, args.dim, args.dtype, args.format, work, repo, env)
+        print(f"built and exported in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        float_bytes = exported["float_bytes"]
+        art = repo / name / "1"
         manifest = json.loads((art / "manifest.json").read_text())
         table_bytes = sum(_row_bytes(f["dim"], f["weight_type"]) * f["rows"] for f in manifest["sparse_features"])
         mib = table_bytes / 2**20
-        figures.update(float_gb=float_bytes / 1e9, table_mib=mib, export_gb_s=float_bytes / 1e9 / exported["seconds"],
+        figures.update(float_gb=float_bytes / 1e9, table_mib=mib, export_s=exported["seconds"],
+                       export_gb_s=float_bytes / 1e9 / exported["seconds"], export_peak_mib=exported["hwm"] / 2**20,
                        export_peak_x_float=exported["hwm"] / float_bytes)
+        if "built_rss" in exported:  # the built float model, before export_model: what the export added is the rest
+            figures["built_model_rss_mib"] = exported["built_rss"] / 2**20
         disk = sum(f.stat().st_size for f in art.rglob("*") if f.is_file())
+        figures["disk_mib"] = disk / 2**20
         figures["disk_x"] = disk / table_bytes
         shutil.copytree(art, work / "export")  # the pristine export, for the copies below
         empty = work / "empty"
-        (empty / "dlrm").mkdir(parents=True, exist_ok=True)
+        (empty / name).mkdir(parents=True, exist_ok=True)
         base = Served(py, empty, wait_for=None)
         base_rss, base_pss = base.memory()
         base.stop()
         configs = {"default": [], "torchscript": ["--model-format", "torchscript"], "front_cpp": ["--front", "cpp"]}
-        for name, flags in configs.items():
-            s = Served(py, repo, *flags)
+        for config, flags in configs.items():
+            s = Served(py, repo, *flags, wait_for=f"/v2/models/{name}/ready")
             rss, pss = s.memory()
-            if name == "front_cpp":
+            if config == "front_cpp":
                 front = Served(py, empty, "--front", "cpp", wait_for=None)
                 base_rss_cpp, base_pss_cpp = front.memory()
                 front.stop()
                 rss, pss = rss - base_rss_cpp, pss - base_pss_cpp
             else:
                 rss, pss = rss - base_rss, pss - base_pss
-            figures[f"served_rss_x_{name}"] = rss / mib
-            figures[f"served_pss_x_{name}"] = pss / mib
-            if name == "default":
+            figures[f"served_rss_x_{config}"] = rss / mib
+            figures[f"served_pss_x_{config}"] = pss / mib
+            if config == "default":
                 figures["ready_s"] = s.ready_s
                 figures["ready_limit_s"] = 3 + 2 * table_bytes / 1e9
-                second = Served(py, repo)  # two servers on one host, one repository
+                second = Served(py, repo, wait_for=f"/v2/models/{name}/ready")  # two servers on one host, one repository
                 rss2, pss2 = second.memory()
                 r1, p1 = s.memory()
                 figures["two_servers_rss_x"] = (r1 + rss2 - 2 * base_rss) / mib
                 figures["two_servers_pss_x"] = (p1 + pss2 - 2 * base_pss) / mib
                 second.stop()
                 # a second version beside the first (policy: serve the two newest): equal tables
-                (repo / "dlrm" / "config.yaml").write_text("version_policy: {latest: {num_versions: 2}}\n")
+                (repo / name / "config.yaml").write_text("version_policy: {latest: {num_versions: 2}}\n")
                 before = s.memory()[0]
                 t = time.perf_counter()
-                _copy_version(repo / "dlrm" / "1", repo / "dlrm", 2, link_tables=True)  # as an unchanged export leaves it
-                s.wait("/v2/models/dlrm/versions/2/ready")
+                _copy_version(repo / name / "1", repo / name, 2, link_tables=True)  # as an unchanged export leaves it
+                s.wait(f"/v2/models/{name}/versions/2/ready")
                 figures["equal_tables_second_version_s"] = time.perf_counter() - t
                 figures["equal_tables_second_version_rss_x"] = (s.memory()[0] - before) / mib
-                (repo / "dlrm" / "config.yaml").unlink()
-                shutil.rmtree(repo / "dlrm" / "1")
-                s.wait("/v2/models/dlrm/versions/2/ready")
+                (repo / name / "config.yaml").unlink()
+                shutil.rmtree(repo / name / "1")
+                s.wait(f"/v2/models/{name}/versions/2/ready")
                 after_first = s.memory()[0]
                 for version in range(3, 3 + args.reloads):
-                    _copy_version(work / "export", repo / "dlrm", version)
-                    s.wait(f"/v2/models/dlrm/versions/{version}/ready")
-                    while _ready(s.http, f"/v2/models/dlrm/versions/{version - 1}/ready"):
+                    _copy_version(work / "export", repo / name, version)
+                    s.wait(f"/v2/models/{name}/versions/{version}/ready")
+                    while _ready(s.http, f"/v2/models/{name}/versions/{version - 1}/ready"):
                         time.sleep(0.1)
-                    shutil.rmtree(repo / "dlrm" / str(version - 1))
+                    shutil.rmtree(repo / name / str(version - 1))
                 figures["reloads_rss_growth_x"] = (s.memory()[0] - after_first) / mib
                 # put version 1 back for the next configurations
-                for v in list((repo / "dlrm").iterdir()):
+                for v in list((repo / name).iterdir()):
                     shutil.rmtree(v)
                 s.stop()
-                _copy_version(work / "export", repo / "dlrm", 1)
+                _copy_version(work / "export", repo / name, 1)
                 continue
             s.stop()
-        figures.update(_cpp_predict(py, work / "export", empty, mib))
+        small = work / "small"  # recship_predict's own footprint: the same model with 1000 rows (DLRM: per table)
+        shutil.rmtree(small, ignore_errors=True)
+        _export(py, args.model, args.tables, 1000, args.dim, args.dtype, args.format, work, small, env)
+        figures.update(_cpp_predict(py, work / "export", small / name / "1", mib))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -235,25 +268,57 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
+def _export(py: str, model: str, tables: int, rows: int, dim: int, dtype: str, fmt: str, work: Path, repo: Path,
+            env: Dict[str, str]) -> Dict[str, int]:
+    """Builds the model and exports it as ``repo/<name>/1`` in child processes of ``py``; returns the export's
+    {seconds, hwm (peak RSS of the exporting process, bytes), float_bytes (the float tables), built_rss (two_tower)}."""
+    shutil.rmtree(repo, ignore_errors=True)
+    if model == "dlrm":
+        model_file = work / "model.torch"
+        _child([py, "-c", BUILD, str(tables), str(rows), str(dim), str(model_file)], env)
+        out = _child([py, "-c", EXPORT, str(model_file), str(repo), dtype, fmt], env)
+        model_file.unlink()
+        return {**out, "float_bytes": tables * rows * dim * 4}
+    return _child([py, "-c", TWO_TOWER, str(rows), str(dim), str(repo), dtype, fmt, MODEL_NAMES[model]], env)
+
+
+def _child(cmd: List[str], env: Dict[str, str]) -> Dict[str, int]:
+    """Runs ``cmd``; its last line of stdout as JSON ({} if it prints none); its stderr in the error if it fails."""
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{cmd[:2]} exited {out.returncode}: {out.stderr[-3000:]}")
+    lines = out.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
 def _row_bytes(dim: int, weight_type: str) -> int:
     bits = {"INT2": 2, "INT4": 4, "INT8": 8, "FP8": 8, "FP16": 16, "FP32": 32}[weight_type]
     return dim * bits // 8 + (4 if weight_type in ("INT2", "INT4", "INT8") else 0)
 
 
-def _cpp_predict(py: str, art: Path, empty: Path, mib: float) -> Dict[str, float]:
-    """recship_predict's peak RSS on the artifact, over its peak on the smallest artifact it can load."""
+def _cpp_predict(py: str, art: Path, small: Path, mib: float) -> Dict[str, float]:
+    """recship_predict's peak RSS on the artifact, and that over its peak on ``small`` (the same model, few rows)."""
     root = subprocess.run([py, "-c", "import recship, pathlib; print(pathlib.Path(recship.__file__).resolve().parents[1])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    binary = next((p for p in Path(root, "build").rglob("recship_predict") if p.is_file() and os.access(p, os.X_OK)), None)
-    if binary is None:
+    # the release build (cpp_loader/build.py's); build/cpp_loader_sanitize holds an AddressSanitizer one
+    binary = Path(root, "build", "cpp_loader", "recship_predict")
+    if not (binary.is_file() and os.access(binary, os.X_OK)):
         print("recship_predict not built (pytest tests/cpp_loader builds it): skipped", file=sys.stderr)
         return {}
     def hwm(path: Path) -> Optional[int]:
         out = subprocess.run(["/usr/bin/time", "-f", "%M", str(binary), str(path)], capture_output=True, text=True)
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
-        return int(last) if last.isdigit() and out.returncode == 0 else None
-    big = hwm(art)
-    return {"cpp_predict_peak_mib": big / 1024} if big is not None else {}
+        if last.isdigit() and out.returncode == 0:
+            return int(last)
+        print(f"recship_predict {path} exited {out.returncode}: {out.stderr[-1500:]}", file=sys.stderr)
+        return None
+    big, base = hwm(art), hwm(small)
+    if big is None:
+        return {}
+    figures = {"cpp_predict_peak_mib": big / 1024, "cpp_predict_peak_x": big / 1024 / mib}
+    if base is not None:
+        figures.update(cpp_predict_small_peak_mib=base / 1024, cpp_predict_rss_x=(big - base) / 1024 / mib)
+    return figures
 
 
 if __name__ == "__main__":
