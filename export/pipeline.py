@@ -411,8 +411,8 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             raise ExportError(f"{out} already exists; to replace it, pass --overwrite (overwrite=True in ExportConfig)")
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
-    made = out if config.repo is not None else out.parent  # a folder the export creates, removed again if it fails
-    made = made if not made.exists() else None
+    parent = out if config.repo is not None else out.parent
+    made = parent if not parent.exists() else None  # a folder the export creates, removed again if it fails
     staging: Optional[Tuple[Path, StagedTables]] = None  # the staging folder, and the tables file quantized into
     try:
 

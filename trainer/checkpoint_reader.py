@@ -14,7 +14,7 @@ import struct
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar, Union, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -229,7 +229,7 @@ def _chunk_location(fd: int, offset: int, length: int) -> Optional[Tuple[int, to
     for a chunk saved by torch.save at ``offset``; None for anything but one plain storage stored
     uncompressed (then dcp.load reads it)."""
     with torch.serialization.skip_data():  # the tensor's metadata, its storage left unread
-        t = torch.load(_FileSlice(fd, offset, length), map_location="cpu", weights_only=True)
+        t = torch.load(cast(IO[bytes], _FileSlice(fd, offset, length)), map_location="cpu", weights_only=True)
     if not isinstance(t, torch.Tensor) or not t.is_contiguous():
         return None
     records = [z for z in zipfile.ZipFile(_FileSlice(fd, offset, length)).infolist() if "/data/" in z.filename]

@@ -18,7 +18,7 @@ import queue
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, TypeVar, Union
+from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, TypeVar, Union
 
 import torch
 
@@ -228,7 +228,7 @@ class CriteoTSV:
 T = TypeVar("T")
 
 
-def prefetch(batches: Iterator[T], depth: int = 4) -> Iterator[T]:
+def prefetch(batches: Iterator[T], depth: int = 4) -> Generator[T, None, None]:
     """Produces batches in a background thread, ``depth`` ahead, so loading overlaps training.
 
     Closing the returned generator (or dropping it) stops the thread after the batch it is making:

@@ -20,7 +20,7 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,7 +105,7 @@ class _Trainer:
             return DataFunction(data, c.batch_size, self.rank, self.world_size, self.features, self.weighted)
         return CriteoTSV(data, c.num_embeddings_per_feature, c.batch_size, self.rank, self.world_size)
 
-    def _train_batches(self, start: int) -> Iterator[Tuple[Optional[int], Batch]]:
+    def _train_batches(self, start: int) -> Generator[Tuple[Optional[int], Batch], None, None]:
         """(epoch, batch) from batch ``start`` on: a data file or function is repeated, epoch 1, 2, ...;
         synthetic data is one endless stream (epoch None)."""
         c = self.config
