@@ -129,7 +129,6 @@ def _prepare(
     return ids, offsets, per_sample_weights, counts
 
 
-
 # Where the TBEs built inside ``host_rows_from`` keep their host rows (``weights_host``):
 # ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g. a writable mapping of
 # the tables file export is writing, so that rows are quantized straight into it.
@@ -157,6 +156,7 @@ def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterato
         yield
     finally:
         _HOST_ROWS.reset(token)
+
 
 class _QuantTables(nn.Module):
     """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
