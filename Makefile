@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: demo test install clean cpp-deps
+.PHONY: demo test test-sanitize install clean cpp-deps
 
 install: $(STAMP) cpp-deps
 
@@ -38,8 +38,14 @@ $(STAMP): pyproject.toml
 demo: $(STAMP) cpp-deps
 	$(VENV)/bin/recship demo
 
+# -rs prints why each skipped test was skipped (no GPU; a compiler that cannot link the sanitizers: the C++
+# tests' AddressSanitizer + UBSan run, tests/cpp_loader/test_cpp_sanitized.py, is part of the suite)
 test: $(STAMP) cpp-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -rs
+
+# only that sanitizer run (its build is cached in build/cpp_loader_sanitize, as the normal one in build/cpp_loader)
+test-sanitize: $(STAMP) cpp-deps
+	$(PY) -m pytest -q -rs tests/cpp_loader/test_cpp_sanitized.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,16 +7,24 @@ protos/recship/artifact/v1/manifest.schema.json, which the C++ loader's checks f
 and ``sample/`` (one request and the outputs the exported model gave for it, as raw
 little-endian tensors). Only torch is needed here (fbgemm_gpu when a model is loaded).
 
-Loading an artifact runs its TorchScript, which is code: only load artifacts from
-people you trust. The sha256 in the manifest sits beside the model in the same folder,
-so it detects accidents (a truncated copy), not tampering; ``trusted`` (an allow-list
-of model.pt sha256s kept elsewhere) pins what may load.
+An artifact is verified as a unit before any of it runs (``open_artifact``): the manifest,
+then every file it lists (model.pt and model.pt2 by sha256, whichever loads; tables.bin
+table by table; each model file's copy of the tables spec; the sample files' sizes and
+values), then the model loads from the very bytes that were hashed and runs the sample.
+Any failure refuses the whole artifact, naming the file.
+
+Loading an artifact runs its TorchScript (or model.pt2's compiled code): only load artifacts
+from people you trust. The checksums in the manifest sit beside the files in the same
+folder, so they detect accidents (a truncated copy), not tampering; ``trusted`` (an
+allow-list of manifest.json sha256s kept elsewhere) pins what may load: a listed manifest
+pins, through its checksums, every file of the artifact.
 """
 
 import hashlib
 import io
 import json
 import math
+import os
 import re
 import sys
 import dataclasses
@@ -26,8 +34,8 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from recship.export.tables import (PINNED_NAME, TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec,
-                                   map_tables, pt2_pinned)
+from recship.export.tables import (TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables,
+                                   pt2_pinned)
 
 FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
 FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded
@@ -208,6 +216,9 @@ class Manifest:
     format: str = FORMAT
     aoti: Optional[AotiSpec] = None
     tables: Optional[TablesSpec] = None  # format 2: the tables file (None only in format 1 artifacts)
+    # sha256 of the manifest.json bytes this was read from (``Manifest.read``; None when built in memory):
+    # what an allow-list names, and what the C++ front is told to load (serving/repository.py)
+    sha256: Optional[str] = field(default=None, compare=False)
 
     @property
     def feature_names(self) -> List[str]:
@@ -272,8 +283,8 @@ class Manifest:
             tables=TablesSpec.from_dict(m["tables"]) if "tables" in m else None,
         )
         if m["inputs"] != out.inputs():
-            raise ArtifactError(f"{path}/manifest.json: inputs must be {out.inputs()} (from num_dense and weighted), "
-                                f"got {str(m['inputs'])[:200]}")
+            raise ArtifactError(f"{Path(path)}/manifest.json: inputs must be {_compact(out.inputs())} (from num_dense and "
+                                f"weighted), got {_compact(m['inputs'])[:200]}")
         return out
 
     @staticmethod
@@ -306,9 +317,18 @@ class Manifest:
         return Manifest.from_dict(manifest, "the exported artifact")
 
     @staticmethod
-    def read(path: Union[str, Path]) -> "Manifest":
-        """The manifest of the artifact folder ``path``, checked; ArtifactError names the problem."""
-        return Manifest.from_dict(read_manifest(path), path)
+    def read(path: Union[str, Path], trusted: Optional[Collection[str]] = None) -> "Manifest":
+        """The manifest of the artifact folder ``path``, checked; ArtifactError names the problem.
+
+        ``trusted``: sha256s of manifest.json files allowed to load (None: any); the digest is of the
+        very bytes parsed. ``.sha256`` is set to it."""
+        raw = _manifest_bytes(path)
+        digest = hashlib.sha256(raw).hexdigest()
+        if trusted is not None and digest not in trusted:
+            raise ArtifactError(untrusted_message(Path(path), digest, trusted))
+        manifest = Manifest.from_dict(_parse_manifest(raw, path), path)
+        manifest.sha256 = digest
+        return manifest
 
     def write(self, path: Union[str, Path]) -> None:
         """Writes ``path``/manifest.json (after ``validate``)."""
@@ -335,47 +355,81 @@ def _not_json(constant: str) -> Any:
 
 def read_manifest(path: Union[str, Path]) -> Dict[str, Any]:
     """The artifact's manifest as parsed JSON, its structure checked (``check_manifest``); prefer ``Manifest.read``."""
-    path = Path(path)
-    if not (path / "manifest.json").is_file():
-        raise ArtifactError(f"{path}: not an artifact (manifest.json is missing)")
-    try:
-        manifest = json.loads((path / "manifest.json").read_bytes(), parse_constant=_not_json)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
-        raise ArtifactError(f"{path}/manifest.json is corrupt: {e}") from None
+    manifest = _parse_manifest(_manifest_bytes(path), path)
     check_manifest(manifest, path)
     return manifest
+
+
+def _manifest_bytes(path: Union[str, Path]) -> bytes:
+    path = Path(path)
+    try:
+        return (path / "manifest.json").read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ArtifactError(f"{path}: not an artifact (manifest.json is missing)") from None
+    except OSError as e:
+        raise ArtifactError(f"{path}/manifest.json cannot be read: {e.strerror}") from None
+
+
+def _parse_manifest(raw: bytes, path: Union[str, Path]) -> Any:
+    try:
+        return json.loads(raw, parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        raise ArtifactError(f"{Path(path)}/manifest.json is corrupt: {e}") from None
+
+
+def untrusted_message(path: Path, digest: str, trusted: Collection[str]) -> str:
+    """Why a manifest whose sha256 is ``digest`` may not load; names what to list where the allow-list
+    names one of the version's model files instead (the meaning it had before it pinned manifests)."""
+    text = f"{path}/manifest.json: sha256 {digest} is not in the trusted list"
+    for name in ("model.pt", "model.pt2"):
+        try:
+            listed = file_sha256(path / name) in trusted
+        except OSError:
+            continue
+        if listed:
+            return (text + f" (the list names this version's {name}; it pins manifest.json, whose checksums pin every "
+                    f"file of the version: list {digest}, e.g. sha256sum */*/manifest.json)")
+    return text
 
 
 def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     """Raises ArtifactError, naming the field, unless the manifest has every field of the contract with its type.
 
     The rules are those of protos/recship/artifact/v1/manifest.schema.json (tests/export/test_manifest.py
-    holds the two together); the C++ loader checks the same required fields.
+    holds the two together); the C++ loader (cpp_loader/src/model.cpp check_manifest) checks the same, in
+    the same words: a field that is absent "is missing", one of another JSON type "must be int, got str".
     """
 
     def fail(what: str) -> None:
         raise ArtifactError(f"{path}/manifest.json: {what}")
 
-    def need(container: Any, key: str, kind: Union[type, Tuple[type, ...]], where: str) -> Any:
-        value = container.get(key) if isinstance(container, dict) else None
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if not ok:
-            name = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            fail(f"{where}{key} must be {name}, got {type(value).__name__}")
+    def need(container: Dict[str, Any], key: str, kind: type, where: str) -> Any:
+        if key not in container:
+            fail(f"{where}{key} is missing")
+        value = container[key]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            fail(f"{where}{key} must be {kind.__name__}, got {type(value).__name__}")
         return value
+
+    def entry(container: Any, where: str) -> Dict[str, Any]:
+        if not isinstance(container, dict):
+            fail(f"{where} must be an object")
+        return container
 
     def sizes(shape: Any) -> bool:
         return all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
 
     if not isinstance(manifest, dict):
-        fail(f"must be a JSON object, got {type(manifest).__name__}")
-    if manifest.get("format") not in (FORMAT, FORMAT_V1):
-        fail(f"unknown artifact format {str(manifest.get('format'))[:80]!r}, expected {FORMAT!r}")
+        fail("must be a JSON object")
+    if need(manifest, "format", str, "") not in (FORMAT, FORMAT_V1):
+        fail(f"unknown artifact format {manifest['format'][:80]!r}, expected {FORMAT!r}")
     if manifest["format"] == FORMAT:
-        check_spec(manifest.get("tables"), fail)
+        if "tables" not in manifest:
+            fail("tables is missing")
+        check_spec(manifest["tables"], fail)
     elif "tables" in manifest:
         fail(f"tables needs format {FORMAT!r}")
-    if not re.fullmatch(r"[0-9a-f]{64}", str(manifest.get("model_sha256"))):
+    if not re.fullmatch(r"[0-9a-f]{64}", need(manifest, "model_sha256", str, "")):
         fail("model_sha256 must be 64 lowercase hex digits")
     features = need(manifest, "sparse_features", list, "")
     names = set()
@@ -383,14 +437,14 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
         where = f"sparse_features[{i}]."
         if not isinstance(f, dict):
             fail(f"sparse_features[{i}] must be an object")
-        for key in ("name", "table", "pooling", "weight_type"):
+        for key in ("name", "table", "pooling", "weight_type", "id_policy"):
             need(f, key, str, where)
         if need(f, "rows", int, where) <= 0 or need(f, "dim", int, where) <= 0:
             fail(f"{where}rows and dim must be positive")
-        if f.get("id_policy") not in ID_POLICIES:
+        if f["id_policy"] not in ID_POLICIES:
             fail(f"{where}id_policy must be 'reject' or 'modulo'")
-        if not isinstance(f.get("weighted", False), bool):
-            fail(f"{where}weighted must be bool")
+        if "weighted" in f:
+            need(f, "weighted", bool, where)
         if f["name"] in names:
             fail(f"sparse feature {f['name']!r} appears twice")
         names.add(f["name"])
@@ -400,18 +454,20 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     if features and weighted != any(f.get("weighted", weighted) for f in features):
         fail("weighted must say whether any sparse feature is weighted")
     for name, out in need(manifest, "outputs", dict, "").items():
-        shape = need(out, "shape", list, f"outputs[{name!r}].")
+        where = f"outputs[{name!r}]"
+        dtype = need(entry(out, where), "dtype", str, where + ".")
+        shape = need(out, "shape", list, where + ".")
         if not shape or shape[0] != "B" or not sizes(shape[1:]):
-            fail(f"outputs[{name!r}].shape must be ['B', n, ...], got {str(shape)[:80]}")
-        if out.get("dtype") != "float32":
-            fail(f"outputs[{name!r}].dtype must be 'float32'")
+            fail(f"{where}.shape must be ['B', n, ...], got {_compact(shape)[:80]}")
+        if dtype != "float32":
+            fail(f"{where}.dtype must be 'float32'")
     sharding = need(manifest, "sharding", dict, "")
-    if sharding.get("device") not in DEVICES:
+    if need(sharding, "device", str, "sharding.") not in DEVICES:
         fail("sharding.device must be 'cpu' or 'cuda'")
     if need(sharding, "num_devices", int, "sharding.") < 1 or need(sharding, "row_alignment", int, "sharding.") < 1:
         fail("sharding.num_devices and sharding.row_alignment must be >= 1")
     for i, s in enumerate(need(sharding, "shards", list, "sharding.")):
-        need(s, "table", str, f"sharding.shards[{i}].")
+        need(entry(s, f"sharding.shards[{i}]"), "table", str, f"sharding.shards[{i}].")
         for key in ("index", "device", "row_offset", "rows", "col_offset", "cols"):
             if need(s, key, int, f"sharding.shards[{i}].") < 0:
                 fail(f"sharding.shards[{i}].{key} must be >= 0")
@@ -421,17 +477,20 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     for group in ("inputs", "outputs"):
         for name, spec in need(sample, group, dict, "sample.").items():
             where = f"sample.{group}[{name!r}]."
-            file = need(spec, "file", str, where)
+            file = need(entry(spec, where[:-1]), "file", str, where)
             parts = PurePosixPath(file).parts
             if not parts or file.startswith("/") or ".." in parts or "\\" in file:  # nothing outside the artifact
                 fail(f"{where}file must be a relative path inside the artifact, got {file[:80]!r}")
-            if spec.get("dtype") not in _DTYPES:
+            if need(spec, "dtype", str, where) not in _DTYPES:
                 fail(f"{where}dtype must be one of {sorted(_DTYPES)}")
             if not sizes(need(spec, "shape", list, where)):
                 fail(f"{where}shape must be a list of sizes")
     for name in ("dense", "lengths", "values"):
         if name not in sample["inputs"]:
             fail(f"sample.inputs[{name!r}] is missing")
+    _check_sample_spec(manifest, fail)
+    if manifest["format"] == FORMAT:
+        _check_table_rows(manifest, fail)
     model = need(manifest, "model", dict, "")
     need(model, "name", str, "model.")
     need(model, "version", int, "model.")
@@ -442,7 +501,8 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     versions = need(manifest, "versions", dict, "")
     for key in ("torch", "fbgemm_gpu", "python"):
         need(versions, key, str, "versions.")
-    if not all(isinstance(lib, str) for lib in need(manifest, "op_libraries", list, "")):
+    if not all(isinstance(lib, str) and lib not in ("", ".", "..") and "/" not in lib and "\\" not in lib
+               for lib in need(manifest, "op_libraries", list, "")):
         fail("op_libraries must be a list of file names")
     need(manifest, "quantization", dict, "")
     need(manifest, "validation", dict, "")
@@ -450,7 +510,7 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
         aoti = need(manifest, "aoti", dict, "")
         if need(aoti, "file", str, "aoti.") != "model.pt2":
             fail("aoti.file must be 'model.pt2'")
-        if not re.fullmatch(r"[0-9a-f]{64}", str(aoti.get("sha256"))):
+        if not re.fullmatch(r"[0-9a-f]{64}", need(aoti, "sha256", str, "aoti.")):
             fail("aoti.sha256 must be 64 lowercase hex digits")
         for key in ("target_isa", "torch"):
             need(aoti, key, str, "aoti.")
@@ -458,15 +518,71 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
             if not (isinstance(span, list) and len(span) == 2 and sizes(span) and span[0] <= span[1]):
                 fail(f"aoti.dynamic[{key!r}] must be [min, max] sizes")
         order = need(aoti, "input_order", list, "aoti.")
-        if order not in (["dense", "lengths", "values"], ["dense", "lengths", "values", "weights"]):
-            fail("aoti.input_order must be dense, lengths, values (, weights)")
-        if sorted(map(str, need(aoti, "output_order", list, "aoti."))) != sorted(manifest["outputs"]):
+        want = ["dense", "lengths", "values"] + (["weights"] if weighted else [])  # model.pt2's flat call signature
+        if order != want:
+            fail(f"aoti.input_order must be {_compact(want)}, got {_compact(order)}")
+        named = need(aoti, "output_order", list, "aoti.")
+        if not all(isinstance(n, str) for n in named) or sorted(named) != sorted(manifest["outputs"]):
             fail("aoti.output_order must name every output once")
-        if not isinstance(aoti.get("compile_seconds"), (int, float)) or isinstance(aoti.get("compile_seconds"), bool):
+        if "compile_seconds" not in aoti:
+            fail("aoti.compile_seconds is missing")
+        if not isinstance(aoti["compile_seconds"], (int, float)) or isinstance(aoti["compile_seconds"], bool):
             fail("aoti.compile_seconds must be a number")
         unknown = sorted(set(aoti) - {f.name for f in dataclasses.fields(AotiSpec)})
         if unknown:
             fail(f"aoti has unknown fields {unknown}")
+
+
+def _compact(value: Any) -> str:
+    """A JSON value as the C++ loader's messages print it (nlohmann's dump(): compact, keys sorted)."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
+
+
+def _check_sample_spec(m: Dict[str, Any], fail: Callable[[str], None]) -> None:
+    """The sample is one request of this model and its outputs: each tensor's dtype and shape follow from
+    the manifest (so its files' sizes do too). The C++ loader's check_manifest says the same words."""
+    sample, b = m["sample"], m["sample"]["batch_size"]
+    inputs, outputs = sample["inputs"], sample["outputs"]
+    unknown = sorted(set(inputs) - {"dense", "lengths", "values", "weights"})
+    if unknown:
+        fail(f"sample.inputs has unknown inputs {unknown}")
+    if m["weighted"] != ("weights" in inputs):
+        fail("sample.inputs['weights'] is missing (the model is weighted)" if m["weighted"] else
+             "sample.inputs['weights'] is given, but the model is unweighted")
+
+    def need(group: str, name: str, dtype: str, shape: Optional[List[int]], what: str) -> None:
+        spec = sample[group][name]  # shape None: any one dimension
+        if spec["dtype"] != dtype or (spec["shape"] != shape if shape is not None else len(spec["shape"]) != 1):
+            fail(f"sample.{group}[{name!r}] must be {dtype} {shape if shape is not None else '[N]'} ({what}), "
+                 f"got {spec['dtype']} {spec['shape']}")
+
+    need("inputs", "dense", "float32", [b, m["num_dense"]], "batch_size, num_dense")
+    need("inputs", "lengths", "int32", [len(m["sparse_features"]) * b], "features x batch_size")
+    need("inputs", "values", "int64", None, "one dimension")
+    values = inputs["values"]["shape"]
+    if "weights" in inputs:
+        need("inputs", "weights", "float32", values, "one per value")
+    if sorted(outputs) != sorted(m["outputs"]):
+        fail(f"sample.outputs must hold every output, {sorted(m['outputs'])}, got {sorted(outputs)}")
+    for name in sorted(outputs):
+        need("outputs", name, "float32", [b, *m["outputs"][name]["shape"][1:]], "batch_size, the output's shape")
+
+
+def _check_table_rows(m: Dict[str, Any], fail: Callable[[str], None]) -> None:
+    """Each sparse feature's rows (the bound requests are validated by) are the rows tables.bin holds of its
+    table, whose segments name it ``<table>@<shard>`` (the model files pin that list): all of them (row-wise)
+    or each of them (table- and column-wise). A table no segment names is not checked."""
+    held: Dict[str, List[int]] = {}
+    for t in m["tables"]["tensors"]:
+        for seg in t["segments"]:
+            table, at, index = seg["name"].rpartition("@")
+            if at and re.fullmatch(r"[0-9]+", index) and seg.get("rows") is not None:
+                held.setdefault(table, []).append(seg["rows"])
+    for i, f in enumerate(m["sparse_features"]):
+        rows = held.get(f["table"])
+        if rows and f["rows"] != sum(rows) and any(r != f["rows"] for r in rows):
+            fail(f"sparse_features[{i}].rows is {f['rows']}, but tables holds {'+'.join(map(str, rows))} rows "
+                 f"of its table {f['table']!r}")
 
 
 def file_sha256(path: Union[str, Path]) -> str:
@@ -495,26 +611,70 @@ def write_sample(path: Union[str, Path], batch_size: int, inputs: Dict[str, torc
 
 
 def read_sample(path: Union[str, Path], manifest: Manifest) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
-    """(inputs, expected outputs) of the artifact's sample request."""
-    out = []
-    for group in (manifest.sample.inputs, manifest.sample.outputs):
-        tensors = {}
-        for name, spec in group.items():
-            try:
-                raw = (Path(path) / spec.file).read_bytes()
-            except OSError as e:
-                raise ArtifactError(f"{path}: sample file {spec.file!r} cannot be read: {e.strerror}") from None
-            dtype = _DTYPES[spec.dtype]
-            size = torch.empty((), dtype=dtype).element_size() * math.prod(spec.shape)
-            if len(raw) != size:
-                raise ArtifactError(f"{path}: sample file {spec.file!r} has {len(raw)} bytes, its shape {spec.shape} needs {size}")
-            if not raw:  # e.g. dense [B, 0] of an embedding-only model
-                t = torch.empty(spec.shape, dtype=dtype)
-            else:
-                t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(spec.shape)
-            tensors[name] = t
-        out.append(tensors)
-    return out[0], out[1]
+    """(inputs, expected outputs) of the artifact's sample request, verified: every file's size is the one
+    its shape needs, its inputs are a valid request of the model (lengths >= 0 summing to the values, ids
+    inside a ``reject`` feature's table, finite dense and weights) and its outputs are finite. ArtifactError
+    names the file; the C++ loader checks the same, in the same order, with the same words."""
+    out: List[Dict[str, torch.Tensor]] = [{}, {}]
+    inputs_first: List[str] = [name for name in ("dense", "lengths", "values", "weights") if name in manifest.sample.inputs]
+    order: List[Tuple[int, str, SampleTensor]] = [(0, name, manifest.sample.inputs[name]) for name in inputs_first]
+    order += [(1, name, manifest.sample.outputs[name]) for name in sorted(manifest.sample.outputs)]
+    for group, name, spec in order:
+        try:
+            raw = (Path(path) / spec.file).read_bytes()
+        except OSError as e:
+            raise ArtifactError(f"{path}: sample file {spec.file!r} cannot be read: {e.strerror}") from None
+        dtype = _DTYPES[spec.dtype]
+        size = torch.empty((), dtype=dtype).element_size() * math.prod(spec.shape)
+        if len(raw) != size:
+            raise ArtifactError(f"{path}: sample file {spec.file!r} has {len(raw)} bytes, its shape {spec.shape} needs {size}")
+        if not raw:  # e.g. dense [B, 0] of an embedding-only model
+            out[group][name] = torch.empty(spec.shape, dtype=dtype)
+        else:
+            out[group][name] = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(spec.shape)
+    inputs, outputs = out
+    _check_sample_request(Path(path), manifest, inputs)
+    for name in sorted(outputs):
+        if not bool(torch.isfinite(outputs[name]).all()):
+            raise ArtifactError(f"{path}: sample file {manifest.sample.outputs[name].file!r} holds NaN or infinity")
+    return inputs, outputs
+
+
+def _check_sample_request(path: Path, manifest: Manifest, inputs: Dict[str, torch.Tensor]) -> None:
+    """The sample's inputs as a request: the server's rules (and words) for what a file can get wrong."""
+    from recship.sparse.ids import out_of_range_message
+
+    files = {name: spec.file for name, spec in manifest.sample.inputs.items()}
+
+    def bad(name: str, why: str) -> ArtifactError:
+        return ArtifactError(f"{path}: sample file {files[name]!r} is not a valid request: {why}")
+
+    b, features = manifest.sample.batch_size, manifest.sparse_features
+    lengths = inputs["lengths"].to(torch.int64).view(len(features), b)
+    for f, row in zip(features, lengths.tolist()):
+        negative = next((n for n in row if n < 0), None)
+        if negative is not None:
+            raise bad("lengths", f"sparse feature {f.name!r}: negative length {negative}")
+    values = inputs["values"]
+    total = int(lengths.sum())
+    if total != values.numel():
+        raise bad("lengths", f"its lengths sum to {total}, but {files['values']!r} holds {values.numel()} ids")
+    start = 0
+    for f, count in zip(features, lengths.sum(1).tolist()):
+        ids = values[start: start + count]
+        start += count
+        if f.id_policy == "reject":
+            outside = ((ids < 0) | (ids >= f.rows)).nonzero()
+            if outside.numel():
+                raise bad("values", out_of_range_message(f.name, int(ids[int(outside[0])]), f.rows))
+    if not bool(torch.isfinite(inputs["dense"]).all()):
+        raise bad("dense", "dense values must be finite (no NaN or infinity)")
+    if "weights" in inputs:
+        start = 0
+        for f, count in zip(features, lengths.sum(1).tolist()):
+            if f.weighted and not bool(torch.isfinite(inputs["weights"][start: start + count]).all()):
+                raise bad("weights", f"sparse feature {f.name!r}: weights must be finite")
+            start += count
 
 
 FORMATS = ("auto", "torchscript", "aoti")
@@ -523,56 +683,114 @@ FORMATS = ("auto", "torchscript", "aoti")
 def open_artifact(
     path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto"
 ) -> Tuple[Any, Manifest]:
-    """(the model, Manifest); with ``check``, verifies the checksum and runs the sample.
+    """(the model, Manifest), the artifact verified as a unit first; with ``check``, its sample runs too.
+
+    In this order, each failure an ArtifactError naming the file (and the C++ loader's Model::load
+    keeps the same order and words): manifest.json (with ``trusted``, its sha256 must be listed; then
+    its structure); the torch and fbgemm_gpu it was built with; model.pt and model.pt2 (where the
+    manifest lists one) by sha256, whichever of them loads; tables.bin (size, then every table's
+    sha256); each model file's copy of the tables spec; with ``check``, the sample files (``read_sample``);
+    the fbgemm op libraries it names.
+    Only then does the model load, from the very bytes that were hashed (a file swapped after the
+    check cannot slip in), and with ``check`` run the sample (``self_check``).
 
     ``format``: "torchscript" loads model.pt; "aoti" loads model.pt2 (ArtifactError if the
     artifact has none, or this CPU or torch cannot run it); "auto" loads model.pt2 where the
     artifact has one that runs here, else model.pt. Either model is called the same way:
-    model(dense, lengths, values, weights) -> Dict[str, Tensor]. The model is loaded from
-    the very bytes that were hashed, so a file swapped after the check cannot slip in.
-    ``trusted``: sha256s of model files allowed to load (None: any).
+    model(dense, lengths, values, weights) -> Dict[str, Tensor].
+    ``trusted``: sha256s of manifest.json files allowed to load (None: any); a listed manifest
+    pins every file through its checksums.
     """
     import fbgemm_gpu  # noqa: F401  (registers the TBE ops the module calls)
 
     if format not in FORMATS:
         raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
-    manifest = Manifest.read(path)
+    path = Path(path)
+    manifest = Manifest.read(path, trusted)
+    _check_versions(path, manifest)
     aoti = format == "aoti" or (format == "auto" and manifest.aoti is not None and aoti_runs_here(manifest)[0])
     if aoti:
-        _aoti_runs_or_fail(Path(path), manifest)
+        _aoti_runs_or_fail(path, manifest)
+    # every model file the manifest lists, whichever loads: a version is refused as a unit
+    files = {"model.pt": manifest.model_sha256, **({manifest.aoti.file: manifest.aoti.sha256} if manifest.aoti else {})}
+    used = manifest.aoti.file if aoti and manifest.aoti is not None else "model.pt"
+    data = {name: _verified_bytes(path / name, want, keep=name == used or manifest.tables is not None)
+            for name, want in files.items()}  # bytes of the one that loads, and of both with tables.bin (pinned copies)
     try:
-        # the tables first: verified (or shared with a loaded version whose tables are equal), then the program
-        tables = map_tables(path, manifest.tables) if manifest.tables is not None else {}
-        model = _open_aoti(Path(path), manifest, trusted, tables) if aoti else _open_torchscript(Path(path), manifest, trusted, tables)
+        tables: Dict[str, torch.Tensor] = {}
+        if manifest.tables is not None:
+            # verified (or shared with a loaded version whose tables are equal); then each model file's pinned copy
+            tables = map_tables(path, manifest.tables)
+            for name in files:
+                check_pinned(pt2_pinned(data[name] or b""), manifest.tables, f"{path}/{name}")
+        sample = read_sample(path, manifest) if check else None
+        _check_op_libraries(path, manifest)
+        program = data[used]
+        assert program is not None  # kept: it loads
+        data.clear()
+        model = _open_aoti(path, manifest, program, tables) if aoti else _open_torchscript(path, manifest, program, tables)
+        del program
     except TablesError as e:
         raise ArtifactError(str(e)) from None
-    if check:
-        self_check(model, path, manifest)
+    if sample is not None:
+        self_check(model, path, manifest, sample)
     return model, manifest
 
 
-def _verified_bytes(file: Path, want: str, trusted: Optional[Collection[str]]) -> bytes:
-    if not file.is_file():
-        raise ArtifactError(f"{file.parent}: {file.name} is missing")
-    data = file.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if trusted is not None and digest not in trusted:
-        raise ArtifactError(f"{file}: sha256 {digest} is not in the trusted list")
+def _release(version: str) -> str:
+    """"2.13.0+cpu" -> "2.13.0" (the C++ loader's release())."""
+    return re.split(r"[+ ]", version, maxsplit=1)[0]
+
+
+def _check_versions(path: Path, manifest: Manifest) -> None:
+    """The artifact's torch and fbgemm_gpu releases must be this process's (the C++ loader's check_versions)."""
+    import fbgemm_gpu
+
+    built, running = _release(manifest.versions.torch), _release(torch.__version__)
+    if built != running:
+        raise ArtifactError(f"{path}: artifact built with torch {built}, this loader runs torch {running}")
+    found = getattr(fbgemm_gpu, "__version__", "")
+    if found and _release(found) != _release(manifest.versions.fbgemm_gpu):
+        raise ArtifactError(f"{path}: artifact built with fbgemm_gpu {manifest.versions.fbgemm_gpu}, this loader runs "
+                            f"fbgemm_gpu {found}")
+
+
+def _check_op_libraries(path: Path, manifest: Manifest) -> None:
+    """Each fbgemm op library the manifest names is one fbgemm_gpu ships (the C++ loader dlopens them from its folder;
+    importing fbgemm_gpu loaded them here), in the C++ loader's words."""
+    import fbgemm_gpu
+
+    folder = os.path.dirname(fbgemm_gpu.__file__)
+    for lib in manifest.op_libraries:
+        if not os.path.isfile(os.path.join(folder, lib)):
+            raise ArtifactError(f"{path}/manifest.json: op_libraries: cannot load fbgemm op library {lib!r}: it is not in {folder}")
+
+
+def _verified_bytes(file: Path, want: str, keep: bool = True) -> Optional[bytes]:
+    """The bytes of ``file`` (``keep``; else None, hashed as a stream) after its sha256 matched ``want``."""
+    try:
+        if keep:
+            data: Optional[bytes] = file.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()  # type: ignore[arg-type]
+        else:
+            data, digest = None, file_sha256(file)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise ArtifactError(f"{file.parent}: {file.name} is missing") from None
+    except OSError as e:
+        raise ArtifactError(f"{file}: cannot be read: {e.strerror}") from None
     if digest != want:
         raise ArtifactError(f"{file}: sha256 {digest} does not match the manifest's {want}")
     return data
 
 
-def _open_torchscript(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:
-    data = _verified_bytes(path / "model.pt", manifest.model_sha256, trusted)
+def _open_torchscript(path: Path, manifest: Manifest, data: bytes, tables: Dict[str, torch.Tensor]) -> Any:
     # a CUDA artifact keeps its devices (its TBE rows are laid out for the GPU kernels)
     on_cuda = manifest.sharding.device == "cuda"
-    extra: Dict[str, Any] = {PINNED_NAME: ""} if manifest.tables is not None else {}
-    module = torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu", _extra_files=extra)
-    del data
+    try:
+        module = torch.jit.load(io.BytesIO(data), map_location=None if on_cuda else "cpu")
+    except RuntimeError as e:  # bytes that hashed right but do not load: an exporter's bug, named as the file
+        raise ArtifactError(f"{path}/model.pt cannot be loaded: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     if manifest.tables is not None:
-        pinned = extra[PINNED_NAME]
-        check_pinned(pinned.decode() if isinstance(pinned, bytes) else pinned, manifest.tables, f"{path}/model.pt")
         attach_torchscript(module, manifest.tables, tables, str(path))
     return module
 
@@ -597,17 +815,13 @@ def _aoti_runs_or_fail(path: Path, manifest: Manifest) -> None:
         raise ArtifactError(f"{path}: {why}")
 
 
-def _open_aoti(path: Path, manifest: Manifest, trusted: Optional[Collection[str]], tables: Dict[str, torch.Tensor]) -> Any:
+def _open_aoti(path: Path, manifest: Manifest, data: bytes, tables: Dict[str, torch.Tensor]) -> Any:
     import tempfile
 
     from recship.export.aoti import AotiError, load_package
 
     assert manifest.aoti is not None  # _aoti_runs_or_fail says so
-    data = _verified_bytes(path / manifest.aoti.file, manifest.aoti.sha256, trusted)
-    constants = None
-    if manifest.tables is not None:
-        check_pinned(pt2_pinned(data), manifest.tables, f"{path}/model.pt2")
-        constants = aoti_constants(manifest.tables, tables)
+    constants = aoti_constants(manifest.tables, tables) if manifest.tables is not None else None
     # load the hashed bytes, not the file again: a private copy that nobody else can swap
     with tempfile.TemporaryDirectory(prefix="recship-aoti-") as tmp:
         copy = Path(tmp) / "model.pt2"
@@ -668,17 +882,27 @@ def load_artifact(
     return model, manifest.to_dict()
 
 
-def self_check(model: Callable[..., Dict[str, torch.Tensor]], path: Union[str, Path], manifest: Manifest) -> float:
-    """Runs the sample; raises ArtifactError unless every output matches; returns the max abs difference."""
-    inputs, expected = read_sample(path, manifest)
+def self_check(model: Callable[..., Dict[str, torch.Tensor]], path: Union[str, Path], manifest: Manifest,
+               sample: Optional[Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]] = None) -> float:
+    """Runs the sample (``sample``: what ``read_sample`` gave, else it is read now); raises ArtifactError
+    unless every output (by name) has the recorded shape, is finite and is within 1e-5 of the recorded
+    values; returns the max abs difference. NaN or infinity fails it, recorded or computed."""
+    inputs, expected = sample if sample is not None else read_sample(path, manifest)
     with torch.no_grad():
         got = model(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
     worst = 0.0
-    for name, want in expected.items():
+    for name in sorted(expected):
+        want, file = expected[name], manifest.sample.outputs[name].file
         if name not in got:
             raise ArtifactError(f"{path}: the model does not produce output {name!r}")
-        diff = float((got[name].float().cpu() - want).abs().max()) if want.numel() else 0.0
+        out = got[name].float().cpu()
+        where = f"{path}: sample self-check failed on output {name!r}"
+        if list(out.shape) != list(want.shape):
+            raise ArtifactError(f"{where}: shape {list(out.shape)}, {file!r} holds {list(want.shape)}")
+        if not bool(torch.isfinite(out).all()):
+            raise ArtifactError(f"{where}: the model gave NaN or infinity")
+        diff = float((out - want).abs().max()) if want.numel() else 0.0
+        if not diff <= 1e-5:
+            raise ArtifactError(f"{where}: it differs from {file!r} by {diff:.3g}")
         worst = max(worst, diff)
-    if worst > 1e-5:
-        raise ArtifactError(f"{path}: sample self-check failed: outputs differ from the recorded ones by {worst:.3g}")
     return worst

@@ -1,5 +1,6 @@
-"""``recship inspect DIR [--plot PNG]``: the manifest as tables, the checksum, the sample self-check,
-and on request the chart of its tables (recship/plots.py)."""
+"""``recship inspect DIR [--plot PNG]``: the manifest as tables, the checksums (every file the manifest
+lists, as a server verifies them), the sample self-check, and on request the chart of its tables
+(recship/plots.py)."""
 
 import argparse
 
@@ -36,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
         from recship.plots import plot_artifact
 
         print(f"chart: {plot_artifact(args.plot, m.to_dict())}")
-    print("checksum: ok (sha256 matches the manifest)")
+    files = ["model.pt"] + (["model.pt2"] if m.aoti is not None else []) + (["tables.bin (every table)"] if m.tables is not None else [])
+    print(f"checksum: ok (sha256 of {', '.join(files)} as the manifest says; verified as a unit, whichever file runs)")
     worst = self_check(model, args.artifact, m)
     print(f"sample self-check: ok (model.pt, batch {m.sample.batch_size}, max abs difference {worst:.3g})")
     if m.aoti is not None:

@@ -128,13 +128,20 @@ class TablesSpec:
 
 def check_spec(spec: Any, fail: Any) -> None:
     """Calls ``fail(message)`` (which raises) unless ``spec`` is a well-formed manifest ``tables``: every
-    tensor inside the file, aligned, not overlapping another, its segments covering it exactly."""
+    tensor inside the file, aligned, not overlapping another, its segments covering it exactly. A field
+    that is absent "is missing" (the C++ loader's parse_spec says the same words)."""
 
     def integer(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
+    def present(obj: Dict[str, Any], key: str, where: str) -> None:
+        if key not in obj:
+            fail(f"{where}{key} is missing")
+
     if not isinstance(spec, dict):
         fail("tables must be an object")
+    for key in ("file", "bytes", "tensors"):
+        present(spec, key, "tables.")
     if spec.get("file") != TABLES_FILE:
         fail(f"tables.file must be {TABLES_FILE!r}")
     if not integer(spec.get("bytes")):
@@ -148,6 +155,8 @@ def check_spec(spec: Any, fail: Any) -> None:
         where = f"tables.tensors[{i}]"
         if not isinstance(t, dict):
             fail(f"{where} must be an object")
+        for key in ("name", "dtype", "shape", "stride", "offset", "bytes", "torchscript", "aoti", "segments"):
+            present(t, key, where + ".")
         if not isinstance(t.get("name"), str) or t["name"] in names:
             fail(f"{where}.name must be a string, unique")
         names.add(t["name"])
@@ -178,6 +187,8 @@ def check_spec(spec: Any, fail: Any) -> None:
             at_where = f"{where}.segments[{j}]"
             if not isinstance(s, dict):
                 fail(f"{at_where} must be an object")
+            for key in ("name", "offset", "bytes", "sha256"):
+                present(s, key, at_where + ".")
             if not isinstance(s.get("name"), str):
                 fail(f"{at_where}.name must be a string")
             for key in ("offset", "bytes"):
@@ -568,7 +579,8 @@ def pin_pt2(path: Path, spec: TablesSpec) -> None:
 
 
 def pt2_pinned(data: bytes) -> Optional[str]:
-    """The tables spec a model.pt2's bytes carry (``pin_pt2``), or None."""
+    """The tables spec a model file's bytes carry, or None: model.pt2's ``pin_pt2`` entry, or model.pt's extra
+    file (torch.jit.save stores it as ``<root>/extra/PINNED_NAME`` too)."""
     import io
     import zipfile
 

@@ -19,7 +19,10 @@ still served, by Python.
 import importlib.util
 import json
 import logging
+import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
@@ -79,11 +82,26 @@ class CppFront:
             if config.tls_client_ca is not None:
                 args += ["--tls-client-ca", config.tls_client_ca]
         self._lock = threading.Lock()
-        self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        from recship.export.aoti import process_folder
+
+        # the front's temp folder (TMPDIR: torch's AOTI loader extracts each model.pt2 there), inside this
+        # process's own: removed once the front has exited, however it ended, and with this process's folder
+        self.folder = Path(tempfile.mkdtemp(prefix="front-", dir=process_folder()))
+        try:
+            self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          bufsize=1, env={**os.environ, "TMPDIR": str(self.folder)})
+        except BaseException:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         self._stderr = threading.Thread(target=self._forward_logs, name="front-logs", daemon=True)
         self._stderr.start()
-        first = self._read()
+        try:
+            first = self._read()
+        except FrontError:
+            self._stopping = True  # it never started: its exit is this error, not a crash for on_exit to restart
+            raise
         if "listening" not in first:
+            self._stopping = True
             self._proc.wait(timeout=10)
             raise OSError(f"the C++ front could not start: {first.get('error', first)}")
         self.port = int(first["listening"])
@@ -107,6 +125,7 @@ class CppFront:
             except ValueError:
                 _front_log.warning("%s", line)
         code = self._proc.wait()  # stderr closed: the process is gone
+        shutil.rmtree(self.folder, ignore_errors=True)
         if not self._stopping and self._on_exit is not None:
             self._on_exit(code)
 
@@ -126,14 +145,17 @@ class CppFront:
             raise FrontError(answer.get("error", "the C++ front refused the command"))
         return answer
 
-    def load(self, name: str, version: int, path: Path, model_format: str, settings: Optional[Dict[str, Any]] = None) -> str:
-        """Loads (and self-checks) a version in the front and routes ``name`` to it; returns the format it runs.
+    def load(self, name: str, version: int, path: Path, model_format: str, settings: Optional[Dict[str, Any]] = None,
+             manifest_sha256: Optional[str] = None) -> str:
+        """Loads (verified as a unit, self-checked) a version in the front and routes ``name`` to it; returns the format it runs.
 
         ``settings``: the model's own batching (max_batch_size, max_delay_ms, batching, max_queue, threads);
-        what it leaves out is the server's flags.
+        what it leaves out is the server's flags. ``manifest_sha256``: the manifest the front may load (the one
+        this process verified; the C++ loader's LoadOptions::trusted), None: any.
         """
+        extra = {"manifest_sha256": manifest_sha256} if manifest_sha256 is not None else {}
         return self.command(op="load", model=name, version=version, path=str(path), format=model_format,
-                            settings=settings or {})["format"]
+                            settings=settings or {}, **extra)["format"]
 
     def unload(self, name: str) -> None:
         self.command(op="unload", model=name)
@@ -154,6 +176,7 @@ class CppFront:
             self._proc.kill()
             self._proc.wait()
         self._stderr.join(timeout=5)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def model_stats(self) -> Dict[Tuple[str, str], "ModelStats"]:
         """The front's Triton statistics by (model, version) (serving/metrics.py ModelStats)."""

@@ -4,7 +4,10 @@ Each model serves the versions its version policy picks (default: the newest loa
 one). A watcher thread rescans every ``poll_interval_s``: a newer version is loaded and
 self-checked off the request path, then routed to (requests already queued finish on the
 old one); a version whose folder is removed is unloaded and the policy picks again among
-the remaining versions (rollback).
+the remaining versions (rollback). A served version whose files change on disk (an export
+``--overwrite``, a copy over it) is loaded again as a unit, verified, and swapped in with a
+log line; while the new files do not load, the loaded version keeps serving and the reason
+is logged once (per state of the files).
 
 ``DIR/<model>/config.yaml`` (optional) sets the model's own batching, queue, threads,
 version policy and id-policy overrides (``ModelSettings``); the server's flags are the
@@ -19,7 +22,7 @@ Triton's RepositoryModelLoad / RepositoryModelUnload.
 
 Nothing in the repository can stop the others from loading: every model is scanned on
 its own, and a version that fails for any reason (a bad folder name, a manifest of the
-wrong shape, a checksum, a self-check, a model.pt not on the ``trusted`` list) is
+wrong shape, a checksum, a self-check, a manifest.json not on the ``trusted`` list) is
 refused with one logged line and listed as UNAVAILABLE with its reason; it is retried
 when its files (or the trusted list, or its model's config.yaml) change. A bad
 config.yaml refuses its model the same way (listed with an empty version); a model that
@@ -34,6 +37,7 @@ import math
 import logging
 import os
 import re
+import stat
 import threading
 import weakref
 from dataclasses import dataclass
@@ -202,10 +206,14 @@ class ServedVersion:
                  settings: Optional[ModelSettings] = None) -> None:
         config = repo.config
         self.name, self.version, self.path = name, version, path
+        self.files = _signature(path)  # before loading: files that change during the load are loaded again
+        self.refused_files: Optional[Tuple] = None  # the state of its files that last failed to load again
+        self.reloaded = False  # loaded again because its files changed (for the log line)
         built_for = Manifest.read(path).sharding.device
         if built_for != config.device:
             raise ArtifactError(f"{path}: exported for {built_for}, but this server runs on {config.device} (--device)")
-        # checksum + sample self-check; model.pt2 (AOTInductor) or model.pt as --model-format says
+        # verified as a unit (manifest, every file it lists, sample self-check); model.pt2 (AOTInductor) or
+        # model.pt as --model-format says; ``trusted``: the allow-list of manifest sha256s
         self.model, self.manifest = open_artifact(path, check=True, trusted=trusted, format=config.model_format)
         self.format = getattr(self.model, "format", "torchscript")
         self._repo = repo
@@ -299,7 +307,8 @@ def default_torch_threads() -> int:
 
 
 def read_trusted(path: str) -> FrozenSet[str]:
-    """The allow-list file: one sha256 per line (``sha256sum`` output works: the first word counts); # comments."""
+    """The allow-list file: one manifest.json sha256 per line (``sha256sum */*/manifest.json`` output works: the
+    first word counts); # comments. A listed manifest pins every file of its version through its checksums."""
     digests = set()
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         word = line.split("#", 1)[0].split()[:1]
@@ -556,6 +565,12 @@ class ModelRepository:
             if served is None or served.settings.runtime() != settings.runtime():
                 signature = (_signature(path), trust, settings)
             if served is not None:
+                files = _signature(path)
+                if files != served.files:  # changed on disk since it loaded: loaded again as a unit, or kept
+                    fresh = self._reload(served, path, trusted, settings, files)
+                    if fresh is not None:
+                        chosen[version] = fresh
+                        continue
                 try:
                     chosen[version] = served.reconfigured(settings)
                 except Exception as e:
@@ -575,6 +590,27 @@ class ModelRepository:
                 why[version] = "its folder was removed" if version not in present else f"its version policy {_policy_text(policy)} leaves it out"
         self._install(name, chosen, why)
 
+    def _reload(self, served: ServedVersion, path: Path, trusted: Optional[FrozenSet[str]], settings: ModelSettings,
+                files: Tuple) -> Optional[ServedVersion]:
+        """``served`` loaded again from its files, which changed on disk (``files``: their state now), verified as a
+        unit; None keeps ``served`` serving (the files do not load: logged once per state of the files)."""
+        if served.refused_files == files:
+            return None
+        where = {"model": served.name, "version": served.version}
+        log.warning("%s version %d: its files changed on disk; loading them again (the loaded version serves meanwhile)",
+                    served.name, served.version, extra=where)
+        try:
+            fresh = ServedVersion(served.name, served.version, path, self, trusted, settings)
+        except Exception as e:  # anything a bad artifact can raise: the loaded version keeps serving
+            served.refused_files = files
+            reason = str(e) if isinstance(e, (ArtifactError, ConfigError)) else f"{type(e).__name__}: {e}"
+            self.metrics.load_failures.labels(served.name).inc()
+            log.error("%s version %d keeps serving what it loaded before: its files changed on disk and do not load: %s",
+                      served.name, served.version, reason, extra=where)
+            return None
+        fresh.reloaded = True
+        return fresh
+
     def _install(self, name: str, chosen: Dict[int, ServedVersion], why: Dict[int, str]) -> None:
         """Makes ``chosen`` the served versions of ``name``; the versions it drops or replaces finish their
         queued requests, then go (``why``: the reason of each dropped version, for its log line)."""
@@ -593,7 +629,8 @@ class ModelRepository:
                 self._unavailable.pop((name, str(version)), None)
         for version, served in sorted(chosen.items()):
             if old.get(version) is not served:
-                again = " with new settings" if version in old else ""
+                again = ("" if version not in old else " (loaded again: its files changed on disk)" if served.reloaded
+                         else " with new settings")
                 log.info("serving %s version %d from %s (%s)%s", name, version, served.path, served.format, again,
                          extra={"model": name, "version": version})
         for version, served in old.items():
@@ -642,8 +679,10 @@ class ModelRepository:
         if self.front is None:
             return
         try:
+            # the front loads the manifest this process verified (its sha256), or nothing: a version whose
+            # files change meanwhile is refused there and served here until the next scan loads it again
             fmt = self.front.load(served.name, served.version, served.path, self.config.model_format,
-                                  settings=served.settings.front_settings())
+                                  settings=served.settings.front_settings(), manifest_sha256=served.manifest.sha256)
             log.info("C++ front serves %s version %d (%s)", served.name, served.version, fmt,
                      extra={"model": served.name, "version": served.version})
         except Exception as e:
@@ -703,5 +742,14 @@ def _policy_text(policy: Tuple) -> str:
 
 
 def _signature(path: Path) -> Tuple:
-    """(name, size, mtime) of every file of an artifact: tells a half-copied version from a finished one."""
-    return tuple(sorted((str(p.relative_to(path)), p.stat().st_size, p.stat().st_mtime_ns) for p in path.rglob("*") if p.is_file()))
+    """(name, size, mtime, inode) of every file of an artifact: tells a half-copied version from a finished one,
+    and a served version's files from those written over them (an export --overwrite, a copy, a rename)."""
+    out = []
+    for p in path.rglob("*"):
+        try:
+            st = p.stat()
+        except OSError:  # removed meanwhile: the next scan sees the folder as it is then
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out.append((str(p.relative_to(path)), st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sorted(out))

@@ -120,6 +120,9 @@ class Server:
         self._backend_dir: Optional[str] = None
         self._backend = ""  # the address this process listens on behind the front
         self._stopping = threading.Event()
+        from recship.export.aoti import remove_abandoned
+
+        remove_abandoned()  # what SIGKILLed servers left in the temp folder (extracted model.pt2, the front's files)
         self._front_started, self._front_pause = time.monotonic(), 1.0
         self.metrics = Metrics()
         self._loop = asyncio.new_event_loop()
@@ -181,7 +184,9 @@ class Server:
             reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
         address = f"{config.host}:{config.port}"
         if config.front == "cpp":  # the front takes the public port; this server listens behind it, privately
-            self._backend_dir = tempfile.mkdtemp(prefix="recship-front-")
+            from recship.export.aoti import process_folder  # (removed at exit; a dead server's by the next one)
+
+            self._backend_dir = tempfile.mkdtemp(prefix="sock-", dir=process_folder())
             address = f"unix:{self._backend_dir}/backend.sock"
             self.grpc.add_insecure_port(address)
             await self.grpc.start()
@@ -304,7 +309,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS (default: plaintext)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
     parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed, mutual TLS (default: no client certificates)")
-    parser.add_argument("--trusted-sha256", help="allow-list file of model.pt sha256s (sha256sum output works); others are refused (default: any artifact loads)")
+    parser.add_argument("--trusted-sha256", help="allow-list file of manifest.json sha256s, one a line (sha256sum */*/manifest.json output works); a listed manifest pins every file of its version through its checksums, and a version whose manifest is not listed is refused (default: any artifact loads)")
     parser.add_argument("--model-format", default="auto", choices=["auto", "torchscript", "aoti"],
                         help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
                              "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")

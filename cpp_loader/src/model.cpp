@@ -2,6 +2,8 @@
 #include "recship/model.h"
 
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <ATen/Parallel.h>
 #include <caffe2/serialize/read_adapter_interface.h>
@@ -24,6 +26,7 @@
 #include <sstream>
 #include <thread>
 
+#include "manifest.h"
 #include "tables.h"
 
 #ifndef RECSHIP_FBGEMM_DIR
@@ -40,13 +43,38 @@ namespace {
 
 using json = nlohmann::json;
 
-std::string read_file(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw ArtifactError(std::string(what) + " is missing: " + path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+// The bytes of the file at path, or nullopt with errno set (a folder: EISDIR).
+std::optional<std::string> read_bytes(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
+    const int error = S_ISDIR(st.st_mode) ? EISDIR : errno;
+    close(fd);
+    errno = error;
+    return std::nullopt;
+  }
+  std::string out;
+  out.reserve(static_cast<size_t>(std::max<off_t>(0, st.st_size)));
+  char buffer[1 << 16];
+  for (;;) {
+    const ssize_t n = read(fd, buffer, sizeof buffer);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      close(fd);
+      errno = error;
+      return std::nullopt;
+    }
+    if (n == 0) break;
+    out.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
 }
+
+// What Python's pathlib raises as FileNotFoundError, IsADirectoryError or NotADirectoryError: "is missing".
+bool missing(int error) { return error == ENOENT || error == EISDIR || error == ENOTDIR; }
 
 std::string sha256_hex(const std::string& data) { return tables::sha256_hex(data.data(), data.size()); }
 
@@ -80,122 +108,8 @@ std::string fbgemm_version(const std::string& dir) {
   return "";
 }
 
-template <typename T>
-std::vector<T> read_raw(const std::string& path) {
-  std::string bytes = read_file(path, "sample file");
-  std::vector<T> out(bytes.size() / sizeof(T));
-  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));  // artifacts are little-endian, as is x86/arm
-  return out;
-}
 
-const std::string kFormat = "recship.artifact/2";    // the tables in tables.bin (export/tables.py)
-const std::string kFormatV1 = "recship.artifact/1";  // the tables inside model.pt / model.pt2: still loaded
 const std::string kPinnedName = "recship/tables.json";  // model.pt's extra file, model.pt2's <root>/extra/ entry
-
-// The fields of protos/recship/artifact/v1/manifest.schema.json's "required" lists, with their JSON
-// types, so that a manifest missing one is refused naming it (not a json::type_error later on).
-// tests/cpp_loader checks this against the schema: each required field, removed, must be named here.
-void check_manifest(const json& m, const std::string& file) {
-  enum class Kind { Object, Array, String, Integer, Boolean, Number };
-  auto need = [&file](const json& obj, const std::string& key, Kind kind, const std::string& where) -> const json& {
-    static const char* names[] = {"an object", "an array", "a string", "an integer", "a boolean", "a number"};
-    auto it = obj.find(key);
-    if (it == obj.end()) throw ArtifactError(file + ": " + where + key + " is missing");
-    bool ok = kind == Kind::Object    ? it->is_object()
-              : kind == Kind::Array   ? it->is_array()
-              : kind == Kind::String  ? it->is_string()
-              : kind == Kind::Integer ? it->is_number_integer()
-              : kind == Kind::Number  ? it->is_number()
-                                      : it->is_boolean();
-    if (!ok) throw ArtifactError(file + ": " + where + key + " must be " + names[static_cast<int>(kind)]);
-    return *it;
-  };
-  if (!m.is_object()) throw ArtifactError(file + ": must be a JSON object");
-  const std::string& format = need(m, "format", Kind::String, "").get_ref<const std::string&>();
-  if (format != kFormat && format != kFormatV1)
-    throw ArtifactError(file + ": unknown artifact format '" + format + "', expected '" + kFormat + "'");
-  if (format == kFormat) {  // the tables live in tables.bin (export/tables.py check_spec's rules)
-    need(m, "tables", Kind::Object, "");
-    tables::parse_spec(m["tables"], file);
-  } else if (m.contains("tables")) {
-    throw ArtifactError(file + ": tables needs format '" + kFormat + "'");
-  }
-  need(m, "model_sha256", Kind::String, "");
-  const json& model = need(m, "model", Kind::Object, "");
-  need(model, "name", Kind::String, "model.");
-  need(model, "version", Kind::Integer, "model.");
-  need(model, "kind", Kind::String, "model.");
-  const json& inputs = need(m, "inputs", Kind::Object, "");
-  for (const char* key : {"dense", "lengths", "values", "weights"}) need(inputs, key, Kind::Object, "inputs.");
-  need(m, "num_dense", Kind::Integer, "");
-  need(m, "weighted", Kind::Boolean, "");
-  const json& features = need(m, "sparse_features", Kind::Array, "");
-  for (size_t i = 0; i < features.size(); ++i) {
-    const std::string where = "sparse_features[" + std::to_string(i) + "].";
-    if (!features[i].is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
-    for (const char* key : {"name", "table", "pooling", "weight_type", "id_policy"}) need(features[i], key, Kind::String, where);
-    for (const char* key : {"dim", "rows"}) need(features[i], key, Kind::Integer, where);
-    if (features[i].contains("weighted")) need(features[i], "weighted", Kind::Boolean, where);
-  }
-  for (const auto& [name, out] : need(m, "outputs", Kind::Object, "").items()) {
-    const std::string where = "outputs['" + name + "'].";
-    if (!out.is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
-    need(out, "dtype", Kind::String, where);
-    need(out, "shape", Kind::Array, where);
-  }
-  const json& sharding = need(m, "sharding", Kind::Object, "");
-  need(sharding, "device", Kind::String, "sharding.");
-  need(sharding, "num_devices", Kind::Integer, "sharding.");
-  need(sharding, "row_alignment", Kind::Integer, "sharding.");
-  const json& shards = need(sharding, "shards", Kind::Array, "sharding.");
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string where = "sharding.shards[" + std::to_string(i) + "].";
-    if (!shards[i].is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
-    need(shards[i], "table", Kind::String, where);
-    for (const char* key : {"index", "device", "row_offset", "rows", "col_offset", "cols"}) need(shards[i], key, Kind::Integer, where);
-  }
-  const json& versions = need(m, "versions", Kind::Object, "");
-  for (const char* key : {"torch", "fbgemm_gpu", "python"}) need(versions, key, Kind::String, "versions.");
-  for (const auto& lib : need(m, "op_libraries", Kind::Array, ""))
-    if (!lib.is_string()) throw ArtifactError(file + ": op_libraries must hold file names");
-  need(m, "quantization", Kind::Object, "");
-  need(m, "validation", Kind::Object, "");
-  const json& sample = need(m, "sample", Kind::Object, "");
-  need(sample, "batch_size", Kind::Integer, "sample.");
-  for (const char* group : {"inputs", "outputs"}) {
-    const json& tensors = need(sample, group, Kind::Object, "sample.");
-    for (const auto& [name, spec] : tensors.items()) {
-      const std::string where = std::string("sample.") + group + "['" + name + "'].";
-      if (!spec.is_object()) throw ArtifactError(file + ": " + where.substr(0, where.size() - 1) + " must be an object");
-      need(spec, "file", Kind::String, where);
-      need(spec, "dtype", Kind::String, where);
-      need(spec, "shape", Kind::Array, where);
-    }
-    if (std::string(group) == "inputs")
-      for (const char* key : {"dense", "lengths", "values"})
-        if (!tensors.contains(key)) throw ArtifactError(file + ": sample.inputs['" + key + "'] is missing");
-  }
-  if (m.contains("aoti")) {  // optional: the AOTInductor package (export/artifact.py AotiSpec)
-    const json& aoti = need(m, "aoti", Kind::Object, "");
-    if (need(aoti, "file", Kind::String, "aoti.") != "model.pt2") throw ArtifactError(file + ": aoti.file must be 'model.pt2'");
-    for (const char* key : {"sha256", "target_isa", "torch"}) need(aoti, key, Kind::String, "aoti.");
-    for (const auto& [key, span] : need(aoti, "dynamic", Kind::Object, "aoti.").items())
-      if (!span.is_array() || span.size() != 2 || !span[0].is_number_integer() || !span[1].is_number_integer())
-        throw ArtifactError(file + ": aoti.dynamic['" + key + "'] must be [min, max] sizes");
-    const json& in = need(aoti, "input_order", Kind::Array, "aoti.");
-    json want = {"dense", "lengths", "values"};
-    if (m["weighted"].get<bool>()) want.push_back("weights");
-    if (in != want) throw ArtifactError(file + ": aoti.input_order must be " + want.dump() + ", got " + in.dump());
-    std::set<std::string> names, outputs;
-    for (const auto& name : need(aoti, "output_order", Kind::Array, "aoti.")) {
-      if (!name.is_string() || !names.insert(name.get<std::string>()).second)
-        throw ArtifactError(file + ": aoti.output_order must name every output once");
-    }
-    for (const auto& [name, out] : m["outputs"].items()) outputs.insert(name);
-    if (names != outputs) throw ArtifactError(file + ": aoti.output_order must name every output once");
-    need(aoti, "compile_seconds", Kind::Number, "aoti.");
-  }
-}
 
 // CPU flags (/proc/cpuinfo) each -march level needs, as recship/export/aoti.py's _ISA_FLAGS.
 const std::map<std::string, std::vector<std::string>>& isa_flags() {
@@ -302,6 +216,17 @@ struct Inputs {
   torch::Tensor dense, lengths, values, weights;
 };
 
+// The artifact's sample, read and verified (Impl::read_sample): the request's tensors as the files hold them and the
+// recorded outputs by name, with their shapes.
+struct Sample {
+  int64_t batch_size = 0;
+  std::vector<float> dense;
+  std::vector<int32_t> lengths;  // [features x batch_size], feature-major
+  std::vector<int64_t> values;
+  std::vector<float> weights;    // empty unless the sample has weights
+  std::map<std::string, Output> outputs;
+};
+
 struct Model::Impl {
   std::string dir;
   json manifest;
@@ -322,10 +247,16 @@ struct Model::Impl {
   int64_t num_dense = 0;
   int64_t max_batch_size = 512;
 
-  Prepared prepare(const Request& r) const;
-  Inputs inputs(const std::vector<const Prepared*>& requests) const;
+  // limit: the largest batch accepted (max_batch_size, but for the sample's self-check)
+  Prepared prepare(const Request& r, int64_t limit) const;
+  Inputs inputs(const std::vector<const Prepared*>& requests, int64_t limit) const;
   // Runs the loaded model on validated inputs (AOTI checks no shapes: never call it with anything else).
   std::vector<std::pair<std::string, torch::Tensor>> forward(const Inputs& in) const;
+  // The sample files, verified as export/artifact.py read_sample does, with its words (ArtifactError naming the file).
+  Sample read_sample() const;
+  Request request(const Sample& sample) const;
+  // Runs the sample: every output (by name) must have the recorded shape, be finite and within 1e-5 (self_check).
+  void self_check(const Sample& sample) const;
 };
 
 void set_intra_op_threads(int threads) { at::set_num_threads(threads); }
@@ -338,78 +269,39 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   Impl& m = *model->impl_;
   m.dir = artifact_dir;
   if (options.max_batch_size < 1) throw Error("LoadOptions::max_batch_size must be >= 1");
-  m.max_batch_size = options.max_batch_size;
-  try {
-    m.manifest = json::parse(read_file(artifact_dir + "/manifest.json", "manifest.json"));
-  } catch (const json::exception& e) {
-    throw ArtifactError(artifact_dir + "/manifest.json is not valid JSON: " + e.what());
-  }
-  check_manifest(m.manifest, artifact_dir + "/manifest.json");
   if (options.format != "auto" && options.format != "torchscript" && options.format != "aoti")
     throw Error("LoadOptions::format must be auto, torchscript or aoti, got '" + options.format + "'");
-  m.format = options.format == "auto" ? "torchscript" : options.format;
-  if (options.format != "torchscript") {
-    std::string blocker = aoti_blocker(m.manifest, m.max_batch_size);
-    if (blocker.empty()) m.format = "aoti";
-    else if (options.format == "aoti") throw ArtifactError(artifact_dir + ": " + blocker);
-    else if (m.manifest.contains("aoti")) m.format_note = blocker;
+  m.max_batch_size = options.max_batch_size;
+  // The artifact is verified as a unit before any of it runs, in export/artifact.py open_artifact's order and
+  // words. 1. manifest.json: its sha256 (the allow-list pins manifests), then its fields.
+  const std::optional<std::string> raw = read_bytes(artifact_dir + "/manifest.json");
+  if (!raw) {
+    if (missing(errno)) throw ArtifactError(artifact_dir + ": not an artifact (manifest.json is missing)");
+    throw ArtifactError(artifact_dir + "/manifest.json cannot be read: " + std::strerror(errno));
   }
-  const bool aoti = m.format == "aoti";
-  const std::string file = aoti ? "model.pt2" : "model.pt";
-  const std::string want = aoti ? m.manifest["aoti"]["sha256"].get<std::string>() : m.manifest["model_sha256"].get<std::string>();
-  std::string fbgemm_dir = options.fbgemm_dir.empty() ? RECSHIP_FBGEMM_DIR : options.fbgemm_dir;
-  if (options.check_versions) {
-    std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
-    std::string running_torch = release(TORCH_VERSION);
-    if (built_torch != running_torch)
-      throw VersionMismatch("artifact built with torch " + built_torch + ", this binary runs torch " + running_torch);
-    std::string built_fbgemm = m.manifest["versions"]["fbgemm_gpu"].get<std::string>();
-    std::string found = fbgemm_version(fbgemm_dir);
-    if (!found.empty() && release(found) != release(built_fbgemm))
-      throw VersionMismatch("artifact built with fbgemm_gpu " + built_fbgemm + ", " + fbgemm_dir + " holds " + found);
-  }
-  // format 2: the tables first (mapped and verified, then shared with a live version where its tables are equal),
-  // then the model file, as export/artifact.py open_artifact does
-  std::optional<tables::Spec> spec;
-  if (m.manifest.contains("tables")) {
-    spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");
-    m.tables = tables::map_tables(artifact_dir, *spec);
-  }
-  // the model file is small beside its tables (format 2): read whole, hashed, and loaded from these very bytes
-  std::string model_bytes = read_file(artifact_dir + "/" + file, file.c_str());
-  std::string digest = sha256_hex(model_bytes);
-  if (digest != want)
-    throw ArtifactError(artifact_dir + "/" + file + ": sha256 " + digest + " does not match the manifest's " + want);
-  for (const auto& lib : m.manifest["op_libraries"]) {
-    std::string path = fbgemm_dir + "/" + lib.get<std::string>();
-    if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
-      const char* err = dlerror();
-      throw MissingLibrary("cannot load fbgemm op library " + path + ": " + (err ? err : "unknown error"));
+  const std::string manifest_digest = sha256_hex(*raw);
+  if (options.trusted && !options.trusted->count(manifest_digest)) {
+    std::string text = artifact_dir + "/manifest.json: sha256 " + manifest_digest + " is not in the trusted list";
+    for (const char* name : {"model.pt", "model.pt2"}) {
+      const std::optional<std::string> listed = tables::sha256_file(artifact_dir + "/" + name);
+      if (listed && options.trusted->count(*listed)) {
+        text += std::string(" (the list names this version's ") + name + "; it pins manifest.json, whose checksums pin every " +
+                "file of the version: list " + manifest_digest + ", e.g. sha256sum */*/manifest.json)";
+        break;
+      }
     }
+    throw ArtifactError(text);
   }
-  if (aoti) {
-    if (spec) {
-      tables::check_pinned(tables::zip_entry(model_bytes, "/extra/" + kPinnedName), *spec, artifact_dir + "/model.pt2");
-      m.aoti_constants = tables::aoti_constants(*spec, m.tables);
-    }
-    m.aoti = load_aoti(model_bytes, artifact_dir + "/model.pt2", spec ? &m.aoti_constants : nullptr);
-    m.aoti_outputs = m.manifest["aoti"]["output_order"].get<std::vector<std::string>>();
-  } else {
-    torch::jit::ExtraFilesMap extra;
-    if (spec) extra[kPinnedName] = "";
-    try {
-      m.module = torch::jit::load(std::make_shared<BytesAdapter>(model_bytes), torch::kCPU, extra);
-      m.module.eval();
-    } catch (const c10::Error& e) {
-      throw ArtifactError(artifact_dir + "/model.pt cannot be loaded: " + e.what_without_backtrace());
-    }
-    if (spec) {
-      tables::check_pinned(extra[kPinnedName], *spec, artifact_dir + "/model.pt");
-      tables::attach_torchscript(m.module, *spec, m.tables, artifact_dir);
-    }
+  try {
+    // nlohmann's parser takes a NUL byte for the end of its input (what follows is never read); Python's json refuses it
+    const size_t nul = raw->find('\0');
+    if (nul != std::string::npos)
+      throw ArtifactError(artifact_dir + "/manifest.json is corrupt: a NUL byte at offset " + std::to_string(nul));
+    m.manifest = json::parse(*raw);
+  } catch (const json::exception& e) {
+    throw ArtifactError(artifact_dir + "/manifest.json is corrupt: " + e.what());
   }
-  model_bytes.clear();
-  model_bytes.shrink_to_fit();
+  check_manifest(m.manifest, artifact_dir + "/manifest.json");
   for (const auto& f : m.manifest["sparse_features"]) {
     std::string name = f["name"];
     m.features.push_back(name);
@@ -420,26 +312,252 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   for (const auto& f : m.manifest["sparse_features"])
     m.feature_weighted[f["name"].get<std::string>()] = f.value("weighted", m.weighted);
   m.num_dense = m.manifest["num_dense"].get<int64_t>();
-  if (options.self_check) {
-    auto got = model->predict(model->sample_request());
-    auto want = model->sample_outputs();
-    for (const auto& [name, out] : want) {
-      auto it = got.find(name);
-      if (it == got.end()) throw ArtifactError(artifact_dir + ": the model does not produce output '" + name + "'");
-      for (size_t i = 0; i < out.values.size(); ++i)
-        if (std::fabs(it->second.values[i] - out.values[i]) > 1e-5f)
-          throw ArtifactError(artifact_dir + ": sample self-check failed on output '" + name + "'");
+  // 2. the torch and fbgemm_gpu it was built with
+  std::string fbgemm_dir = options.fbgemm_dir.empty() ? RECSHIP_FBGEMM_DIR : options.fbgemm_dir;
+  if (options.check_versions) {
+    std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
+    std::string running_torch = release(TORCH_VERSION);
+    if (built_torch != running_torch)
+      throw VersionMismatch(artifact_dir + ": artifact built with torch " + built_torch + ", this loader runs torch " + running_torch);
+    std::string built_fbgemm = m.manifest["versions"]["fbgemm_gpu"].get<std::string>();
+    std::string found = fbgemm_version(fbgemm_dir);
+    if (!found.empty() && release(found) != release(built_fbgemm))
+      throw VersionMismatch(artifact_dir + ": artifact built with fbgemm_gpu " + built_fbgemm + ", this loader runs fbgemm_gpu " + found);
+  }
+  // 3. which model file runs
+  m.format = options.format == "auto" ? "torchscript" : options.format;
+  if (options.format != "torchscript") {
+    std::string blocker = aoti_blocker(m.manifest, m.max_batch_size);
+    if (blocker.empty()) m.format = "aoti";
+    else if (options.format == "aoti") throw ArtifactError(artifact_dir + ": " + blocker);
+    else if (m.manifest.contains("aoti")) m.format_note = blocker;
+  }
+  const bool aoti = m.format == "aoti";
+  const std::string used = aoti ? "model.pt2" : "model.pt";
+  std::optional<tables::Spec> spec;
+  if (m.manifest.contains("tables")) spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");
+  // 4. every model file the manifest lists, by sha256, whichever runs: the one that runs (and with tables.bin, the
+  // other: its copy of the tables spec is checked too) read whole and loaded from these very bytes
+  std::vector<std::pair<std::string, std::string>> files{{"model.pt", m.manifest["model_sha256"].get<std::string>()}};
+  if (m.manifest.contains("aoti")) files.emplace_back("model.pt2", m.manifest["aoti"]["sha256"].get<std::string>());
+  std::map<std::string, std::string> bytes;
+  for (const auto& [name, want] : files) {
+    const std::string path = artifact_dir + "/" + name;
+    std::optional<std::string> digest;
+    if (name == used || spec) {
+      std::optional<std::string> data = read_bytes(path);
+      if (data) {
+        digest = sha256_hex(*data);
+        bytes[name] = std::move(*data);
+      }
+    } else {
+      digest = tables::sha256_file(path);
+    }
+    if (!digest) {
+      if (missing(errno)) throw ArtifactError(artifact_dir + ": " + name + " is missing");
+      throw ArtifactError(path + ": cannot be read: " + std::strerror(errno));
+    }
+    if (*digest != want) throw ArtifactError(path + ": sha256 " + *digest + " does not match the manifest's " + want);
+  }
+  // 5. tables.bin (mapped and every table verified, then shared with a live version where its tables are equal), and
+  // 6. each model file's copy of the tables spec
+  if (spec) {
+    m.tables = tables::map_tables(artifact_dir, *spec);
+    for (const auto& [name, _] : files)
+      tables::check_pinned(tables::zip_entry(bytes[name], "/extra/" + kPinnedName), *spec, artifact_dir + "/" + name);
+  }
+  // 7. the sample: every file's size, a valid request, finite outputs
+  std::optional<Sample> sample;
+  if (options.self_check) sample = m.read_sample();
+  // then the model, from the verified bytes
+  std::string model_bytes = std::move(bytes[used]);
+  bytes.clear();
+  for (const auto& lib : m.manifest["op_libraries"]) {
+    std::string path = fbgemm_dir + "/" + lib.get<std::string>();
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode))  // a name fbgemm_gpu does not ship (open_artifact's words)
+      throw MissingLibrary(artifact_dir + "/manifest.json: op_libraries: cannot load fbgemm op library " +
+                           tables::py_repr(lib.get<std::string>()) + ": it is not in " + fbgemm_dir);
+    if (!dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) {
+      const char* err = dlerror();
+      throw MissingLibrary("cannot load fbgemm op library " + path + ": " + (err ? err : "unknown error"));
     }
   }
+  if (aoti) {
+    if (spec) m.aoti_constants = tables::aoti_constants(*spec, m.tables);
+    m.aoti = load_aoti(model_bytes, artifact_dir + "/model.pt2", spec ? &m.aoti_constants : nullptr);
+    m.aoti_outputs = m.manifest["aoti"]["output_order"].get<std::vector<std::string>>();
+  } else {
+    try {
+      m.module = torch::jit::load(std::make_shared<BytesAdapter>(model_bytes), torch::kCPU);
+      m.module.eval();
+    } catch (const c10::Error& e) {
+      throw ArtifactError(artifact_dir + "/model.pt cannot be loaded: " + e.what_without_backtrace());
+    }
+    if (spec) tables::attach_torchscript(m.module, *spec, m.tables, artifact_dir);
+  }
+  model_bytes.clear();
+  model_bytes.shrink_to_fit();
+  if (sample) m.self_check(*sample);
   return model;
 }
 
+namespace {
+
+// The bytes of a sample file as T (its dtype: check_manifest holds each input's and output's to the one its role
+// needs), after its size is the one its shape needs.
+template <typename T>
+std::vector<T> read_tensor(const std::string& dir, const json& spec) {
+  const std::string file = spec["file"].get<std::string>();
+  std::vector<int64_t> shape;
+  unsigned __int128 need = sizeof(T);
+  const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 120;
+  for (const auto& d : spec["shape"]) {
+    shape.push_back(d.get<int64_t>());
+    need = std::min(cap, need * std::min<unsigned __int128>(cap, d.get<uint64_t>()));
+  }
+  const std::optional<std::string> bytes = read_bytes(dir + "/" + file);
+  if (!bytes) throw ArtifactError(dir + ": sample file " + tables::py_repr(file) + " cannot be read: " + std::strerror(errno));
+  if (bytes->size() != need)
+    throw ArtifactError(dir + ": sample file " + tables::py_repr(file) + " has " + std::to_string(bytes->size()) + " bytes, its shape " +
+                        py_list(shape) + " needs " + to_string128(need));
+  std::vector<T> out(bytes->size() / sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), bytes->data(), bytes->size());  // artifacts are little-endian, as is x86/arm
+  return out;
+}
+
+std::string format_3g(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3g", v);
+  return buf;
+}
+
+}  // namespace
+
+Sample Model::Impl::read_sample() const {
+  const json& s = manifest["sample"];
+  const json& in = s["inputs"];
+  Sample out;
+  out.batch_size = s["batch_size"].get<int64_t>();
+  // every file's size first, in read_sample's order: dense, lengths, values, weights, then the outputs by name
+  out.dense = read_tensor<float>(dir, in["dense"]);
+  out.lengths = read_tensor<int32_t>(dir, in["lengths"]);
+  out.values = read_tensor<int64_t>(dir, in["values"]);
+  if (in.contains("weights")) out.weights = read_tensor<float>(dir, in["weights"]);
+  for (const auto& [name, spec] : s["outputs"].items()) {  // sorted by name
+    Output o;
+    o.shape = spec["shape"].get<std::vector<int64_t>>();
+    o.values = read_tensor<float>(dir, spec);
+    out.outputs[name] = std::move(o);
+  }
+  // then the inputs as a request: the server's rules (and words) for what a file can get wrong
+  auto bad = [&](const char* input, const std::string& why) {
+    return ArtifactError(dir + ": sample file " + tables::py_repr(in[input]["file"].get<std::string>()) +
+                         " is not a valid request: " + why);
+  };
+  const int64_t b = out.batch_size;
+  std::vector<int64_t> counts;
+  int64_t total = 0;
+  for (size_t f = 0; f < features.size(); ++f) {
+    int64_t count = 0;
+    for (int64_t i = 0; i < b; ++i) {
+      const int32_t n = out.lengths[f * b + i];
+      if (n < 0) throw bad("lengths", "sparse feature " + tables::py_repr(features[f]) + ": negative length " + std::to_string(n));
+      count += n;
+    }
+    counts.push_back(count);
+    total += count;
+  }
+  if (total != static_cast<int64_t>(out.values.size()))
+    throw bad("lengths", "its lengths sum to " + std::to_string(total) + ", but " + tables::py_repr(in["values"]["file"].get<std::string>()) +
+                             " holds " + std::to_string(out.values.size()) + " ids");
+  int64_t start = 0;
+  for (size_t f = 0; f < features.size(); ++f) {
+    const int64_t limit = rows.at(features[f]);
+    if (!modulo.at(features[f]))
+      for (int64_t k = start; k < start + counts[f]; ++k)
+        if (out.values[k] < 0 || out.values[k] >= limit)
+          // the wording of recship.sparse.ids.out_of_range_message
+          throw bad("values", "feature '" + features[f] + "': id " + std::to_string(out.values[k]) + " is out of range [0, " +
+                                  std::to_string(limit) + ")");
+    start += counts[f];
+  }
+  for (float x : out.dense)
+    if (!std::isfinite(x)) throw bad("dense", "dense values must be finite (no NaN or infinity)");
+  if (in.contains("weights")) {
+    start = 0;
+    for (size_t f = 0; f < features.size(); ++f) {
+      if (feature_weighted.at(features[f]))
+        for (int64_t k = start; k < start + counts[f]; ++k)
+          if (!std::isfinite(out.weights[k]))
+            throw bad("weights", "sparse feature " + tables::py_repr(features[f]) + ": weights must be finite");
+      start += counts[f];
+    }
+  }
+  for (const auto& [name, o] : out.outputs)
+    for (float x : o.values)
+      if (!std::isfinite(x))
+        throw ArtifactError(dir + ": sample file " + tables::py_repr(s["outputs"][name]["file"].get<std::string>()) +
+                            " holds NaN or infinity");
+  return out;
+}
+
+Request Model::Impl::request(const Sample& sample) const {
+  Request r;
+  r.batch_size = sample.batch_size;
+  size_t l = 0, v = 0;  // read_sample checked that the lengths are >= 0 and sum to the values
+  for (const auto& name : features) {
+    Feature f;
+    f.lengths.assign(sample.lengths.begin() + l, sample.lengths.begin() + l + r.batch_size);
+    l += r.batch_size;
+    int64_t n = 0;
+    for (int32_t x : f.lengths) n += x;
+    f.ids.assign(sample.values.begin() + v, sample.values.begin() + v + n);
+    if (!sample.weights.empty() && feature_weighted.at(name)) f.weights.assign(sample.weights.begin() + v, sample.weights.begin() + v + n);
+    v += n;
+    r.sparse[name] = std::move(f);
+  }
+  r.dense = sample.dense;
+  r.dense_rows = r.batch_size;
+  r.dense_cols = num_dense;
+  if (num_dense == 0) r.dense_rows = r.dense_cols = 0;
+  return r;
+}
+
+void Model::Impl::self_check(const Sample& sample) const {
+  const int64_t limit = std::max(max_batch_size, sample.batch_size);  // the sample runs whatever the serving limit
+  Prepared p;
+  try {
+    p = prepare(request(sample), limit);
+  } catch (const InvalidRequest& e) {  // read_sample checks what a file can get wrong: not expected
+    throw ArtifactError(dir + ": the sample is not a valid request: " + e.what());
+  }
+  std::map<std::string, torch::Tensor> got;
+  for (auto& [name, tensor] : forward(inputs({&p}, limit))) got.emplace(name, tensor);
+  for (const auto& [name, want] : sample.outputs) {
+    auto it = got.find(name);
+    if (it == got.end()) throw ArtifactError(dir + ": the model does not produce output " + tables::py_repr(name));
+    const torch::Tensor t = it->second.to(torch::kCPU).to(torch::kFloat32).contiguous();
+    const std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
+    const std::string where = dir + ": sample self-check failed on output " + tables::py_repr(name);
+    const std::string file = manifest["sample"]["outputs"][name]["file"].get<std::string>();
+    if (shape != want.shape) throw ArtifactError(where + ": shape " + py_list(shape) + ", " + tables::py_repr(file) + " holds " + py_list(want.shape));
+    const float* data = t.data_ptr<float>();
+    float worst = 0.0f;
+    for (size_t i = 0; i < want.values.size(); ++i) {
+      if (!std::isfinite(data[i])) throw ArtifactError(where + ": the model gave NaN or infinity");
+      worst = std::max(worst, std::fabs(data[i] - want.values[i]));
+    }
+    if (!(static_cast<double>(worst) <= 1e-5))
+      throw ArtifactError(where + ": it differs from " + tables::py_repr(file) + " by " + format_3g(worst));
+  }
+}
+
 // Validation: the same rules and messages as the gRPC server (recship/serving/requests.py).
-Prepared Model::Impl::prepare(const Request& r) const {
+Prepared Model::Impl::prepare(const Request& r, int64_t limit) const {
   const int64_t b = r.batch_size;
   if (b <= 0) throw InvalidRequest("batch_size must be > 0, got " + std::to_string(b));
-  if (b > max_batch_size)
-    throw InvalidRequest("batch_size " + std::to_string(b) + " exceeds the model's limit of " + std::to_string(max_batch_size));
+  if (b > limit) throw InvalidRequest("batch_size " + std::to_string(b) + " exceeds the model's limit of " + std::to_string(limit));
   for (const auto& [name, f] : r.sparse) {
     if (!rows.count(name)) {
       std::string list;  // formatted like Python's list repr, as the server prints it
@@ -523,7 +641,7 @@ Prepared Model::Impl::prepare(const Request& r) const {
 
 // Prepared requests -> one set of input tensors, concatenated along the batch: lengths and ids stay feature-major
 // (feature 0 of every request, then feature 1, ...), dense rows request after request.
-Inputs Model::Impl::inputs(const std::vector<const Prepared*>& requests) const {
+Inputs Model::Impl::inputs(const std::vector<const Prepared*>& requests, int64_t limit) const {
   const int64_t nf = static_cast<int64_t>(features.size());
   int64_t b = 0, total = 0;
   for (const Prepared* p : requests) {
@@ -533,8 +651,8 @@ Inputs Model::Impl::inputs(const std::vector<const Prepared*>& requests) const {
     b += p->batch_size;
     total += static_cast<int64_t>(p->ids.size());
   }
-  if (requests.empty() || b > max_batch_size)
-    throw Error("predict_batch takes 1 to max_batch_size (" + std::to_string(max_batch_size) + ") examples, got " + std::to_string(b));
+  if (requests.empty() || b > limit)
+    throw Error("predict_batch takes 1 to max_batch_size (" + std::to_string(limit) + ") examples, got " + std::to_string(b));
   auto lengths = torch::empty({nf * b}, torch::kInt32);
   auto values = torch::empty({total}, torch::kInt64);
   auto weights = torch::empty({weighted ? total : 0}, torch::kFloat32);
@@ -588,13 +706,13 @@ std::vector<std::pair<std::string, torch::Tensor>> Model::Impl::forward(const In
   return out;
 }
 
-Prepared Model::prepare(const Request& request) const { return impl_->prepare(request); }
+Prepared Model::prepare(const Request& request) const { return impl_->prepare(request, impl_->max_batch_size); }
 
 std::vector<NamedOutputs> Model::predict_batch(const std::vector<const Prepared*>& requests) const {
   std::vector<NamedOutputs> out(requests.size());
   int64_t b = 0;
   for (const Prepared* p : requests) b += p->batch_size;
-  for (const auto& [name, tensor] : impl_->forward(impl_->inputs(requests))) {
+  for (const auto& [name, tensor] : impl_->forward(impl_->inputs(requests, impl_->max_batch_size))) {
     if (tensor.dim() == 0 || tensor.size(0) != b)
       throw Error("the model failed: output '" + name + "' has shape " + c10::str(tensor.sizes()) + ", not a batch of " +
                   std::to_string(b) + " first");
@@ -614,7 +732,7 @@ std::vector<NamedOutputs> Model::predict_batch(const std::vector<const Prepared*
 }
 
 std::map<std::string, Output> Model::predict(const Request& request) const {
-  Prepared p = impl_->prepare(request);
+  Prepared p = impl_->prepare(request, impl_->max_batch_size);
   std::map<std::string, Output> out;
   std::vector<NamedOutputs> batch = predict_batch({&p});
   for (auto& [name, o] : batch[0]) out[name] = std::move(o);
@@ -622,8 +740,8 @@ std::map<std::string, Output> Model::predict(const Request& request) const {
 }
 
 double Model::forward_ms(const Request& request, int runs) const {
-  Prepared p = impl_->prepare(request);
-  Inputs in = impl_->inputs({&p});
+  Prepared p = impl_->prepare(request, impl_->max_batch_size);
+  Inputs in = impl_->inputs({&p}, impl_->max_batch_size);
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
     auto t0 = std::chrono::steady_clock::now();
@@ -640,42 +758,8 @@ const std::string& Model::format_note() const { return impl_->format_note; }
 int64_t Model::num_dense() const { return impl_->num_dense; }
 int64_t Model::max_batch_size() const { return impl_->max_batch_size; }
 
-Request Model::sample_request() const {
-  const json& s = impl_->manifest["sample"]["inputs"];
-  auto lengths = read_raw<int32_t>(impl_->dir + "/" + s["lengths"]["file"].get<std::string>());
-  auto values = read_raw<int64_t>(impl_->dir + "/" + s["values"]["file"].get<std::string>());
-  std::vector<float> weights;
-  if (s.contains("weights")) weights = read_raw<float>(impl_->dir + "/" + s["weights"]["file"].get<std::string>());
-  Request r;
-  r.batch_size = impl_->manifest["sample"]["batch_size"].get<int64_t>();
-  size_t l = 0, v = 0;
-  for (const auto& name : impl_->features) {
-    Feature f;
-    f.lengths.assign(lengths.begin() + l, lengths.begin() + l + r.batch_size);
-    l += r.batch_size;
-    int64_t n = 0;
-    for (int32_t x : f.lengths) n += x;
-    f.ids.assign(values.begin() + v, values.begin() + v + n);
-    if (!weights.empty() && impl_->feature_weighted.at(name)) f.weights.assign(weights.begin() + v, weights.begin() + v + n);
-    v += n;
-    r.sparse[name] = std::move(f);
-  }
-  r.dense = read_raw<float>(impl_->dir + "/" + s["dense"]["file"].get<std::string>());
-  r.dense_rows = r.batch_size;
-  r.dense_cols = impl_->num_dense;
-  if (impl_->num_dense == 0) r.dense_rows = r.dense_cols = 0;
-  return r;
-}
+Request Model::sample_request() const { return impl_->request(impl_->read_sample()); }
 
-std::map<std::string, Output> Model::sample_outputs() const {
-  std::map<std::string, Output> out;
-  for (const auto& [name, spec] : impl_->manifest["sample"]["outputs"].items()) {
-    Output o;
-    o.shape = spec["shape"].get<std::vector<int64_t>>();
-    o.values = read_raw<float>(impl_->dir + "/" + spec["file"].get<std::string>());
-    out[name] = std::move(o);
-  }
-  return out;
-}
+std::map<std::string, Output> Model::sample_outputs() const { return impl_->read_sample().outputs; }
 
 }  // namespace recship

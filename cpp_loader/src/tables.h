@@ -83,4 +83,10 @@ std::unordered_map<std::string, at::Tensor> aoti_constants(const Spec& spec, con
 // Lowercase hex sha256 of n bytes (OpenSSL EVP).
 std::string sha256_hex(const void* data, size_t n);
 
+// Lowercase hex sha256 of the file at path, read as a stream; nullopt (errno set) if it cannot be opened or read.
+std::optional<std::string> sha256_file(const std::string& path);
+
+// Python's repr() of a str ('t_cat_0@0'), as export/*.py's messages print names and files.
+std::string py_repr(const std::string& s);
+
 }  // namespace recship::tables

@@ -12,20 +12,29 @@
 //
 // The Python server is the control plane: one JSON command a line on stdin, one JSON answer a line on stdout:
 //   {"op": "load", "model": M, "version": V, "path": DIR, "format": "auto", "settings": {...}} -> {"ok": true, "format": "aoti"}
-//     (settings, optional: max_batch_size, max_delay_ms, batching, max_queue, threads: the model's own, else the flags')
+//     (settings, optional: max_batch_size, max_delay_ms, batching, max_queue, threads: the model's own, else the flags';
+//     manifest_sha256, optional: the only manifest.json it may load, the one Python verified: LoadOptions::trusted)
 //   {"op": "unload", "model": M}                                           -> {"ok": true}
 //   {"op": "stats"}                                                         -> {"ok": true, "stats": [...]}
 //   {"op": "stop", "grace_s": 5}                                            -> {"ok": true}, then it exits
 // (an error answers {"ok": false, "error": "..."}). The first stdout line is {"listening": PORT}; stdin closing
 // (the parent is gone) stops the front as "stop" does. Log lines go to stderr.
+#include <google/protobuf/stubs/common.h>
+#include <grpc/support/log.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <iostream>
@@ -39,6 +48,18 @@
 
 #include "recship/model.h"
 #include "recship/serving/v1/predictor.pb.h"
+
+// protobuf's and gRPC's own log lines are routed through the front's sampled log where the library still lets a
+// program do so (protobuf < 22 and gRPC < 1.65: later both log through absl, straight to stderr as before)
+#if __has_include(<grpcpp/version_info.h>)
+#include <grpcpp/version_info.h>
+#endif
+#define RECSHIP_PROTOBUF_LOG_HANDLER (GOOGLE_PROTOBUF_VERSION < 4022000)
+#if defined(GRPC_CPP_VERSION_MAJOR) && GRPC_CPP_VERSION_MAJOR == 1 && GRPC_CPP_VERSION_MINOR < 65
+#define RECSHIP_GRPC_LOG_FUNCTION 1
+#else
+#define RECSHIP_GRPC_LOG_FUNCTION 0
+#endif
 
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -69,6 +90,160 @@ void log_line(const std::string& level, const std::string& message) {
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
   std::cerr << json{{"level", level}, {"logger", "recship.front"}, {"message", message}}.dump() << std::endl;
+}
+
+// Lines a client can cause once per request (a refusal, protobuf's or gRPC's complaint about its bytes) are
+// sampled so that no client can flood the log: at most one line per interval from each source (a status, a
+// library's file:line: never client data), the next one saying how many were left out. The requests themselves
+// are all counted in the metrics (by the front, or by the Python server it forwards them to).
+class SampledLog {
+ public:
+  explicit SampledLog(std::chrono::seconds interval) : interval_(interval) {}
+
+  void log(const std::string& source, const std::string& level, const std::string& message) {
+    std::string line;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Source& s = sources_[source];
+      const auto now = Clock::now();
+      s.level = level;
+      s.last = message;
+      if (s.logged && now < s.next) {
+        ++s.suppressed;
+        return;
+      }
+      line = message + note(s.suppressed);
+      s.logged = true;
+      s.next = now + interval_;
+      s.suppressed = 0;
+    }
+    log_line(level, line);
+  }
+
+  // Says what is still unsaid: for each source with lines left out since its last one, the last of them.
+  void flush() {
+    std::vector<std::pair<std::string, std::string>> lines;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& [_, s] : sources_)
+        if (s.suppressed > 0) {
+          lines.emplace_back(s.level, s.last + note(s.suppressed - 1) + " (the last of " + std::to_string(s.suppressed) +
+                                          " not logged)");
+          s.suppressed = 0;
+        }
+    }
+    for (const auto& [level, line] : lines) log_line(level, line);
+  }
+
+ private:
+  struct Source {
+    bool logged = false;
+    Clock::time_point next;
+    int64_t suppressed = 0;
+    std::string level, last;
+  };
+  std::string note(int64_t suppressed) const {
+    if (suppressed == 0) return "";
+    return " [" + std::to_string(suppressed) + " more like this in the last " + std::to_string(interval_.count()) + " s not logged]";
+  }
+
+  const std::chrono::seconds interval_;
+  std::mutex mu_;
+  std::map<std::string, Source> sources_;
+};
+
+SampledLog& sampled_log() {
+  static SampledLog* log = new SampledLog(std::chrono::seconds(10));  // never destroyed: gRPC's threads may log at exit
+  return *log;
+}
+
+#if RECSHIP_PROTOBUF_LOG_HANDLER
+// protobuf's own log lines ("String field ... contains invalid UTF-8 data when parsing a protocol buffer", one for
+// every such request the front parses), sampled.
+void protobuf_log(google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
+  if (level == google::protobuf::LOGLEVEL_FATAL) {  // protobuf aborts after this: say it whole
+    log_line("CRITICAL", "protobuf: " + message);
+    return;
+  }
+  const char* name = level == google::protobuf::LOGLEVEL_INFO ? "INFO" : level == google::protobuf::LOGLEVEL_WARNING ? "WARNING" : "ERROR";
+  sampled_log().log("protobuf " + std::string(file) + ":" + std::to_string(line), name, "protobuf: " + message);
+}
+#endif
+
+// gRPC core's log lines: errors sampled (a client can cause one per connection, e.g. a failed TLS handshake), the
+// rest (GRPC_VERBOSITY=debug or info) as they come. While the server starts they are held: a failed start says
+// why in one line of its own (start_logs).
+struct StartLogs {
+  std::mutex mu;
+  bool holding = true;
+  std::vector<std::pair<std::string, std::string>> held;  // (level, message)
+};
+StartLogs& start_logs() {
+  static StartLogs* logs = new StartLogs;  // never destroyed, as sampled_log
+  return *logs;
+}
+
+#if RECSHIP_GRPC_LOG_FUNCTION
+void grpc_log(gpr_log_func_args* args) {
+  const std::string level = args->severity == GPR_LOG_SEVERITY_ERROR ? "ERROR" : args->severity == GPR_LOG_SEVERITY_INFO ? "INFO" : "DEBUG";
+  const std::string message = std::string("grpc: ") + args->message;
+  {
+    StartLogs& start = start_logs();
+    std::lock_guard<std::mutex> lock(start.mu);
+    if (start.holding) {
+      start.held.emplace_back(level, message);
+      return;
+    }
+  }
+  if (args->severity == GPR_LOG_SEVERITY_ERROR) sampled_log().log("grpc " + std::string(args->file) + ":" + std::to_string(args->line), level, message);
+  else log_line(level, message);
+}
+#endif
+
+// Ends holding gRPC's start-up lines: logs them (keep) or drops them (a failed start said why itself).
+void release_start_logs(bool keep) {
+  std::vector<std::pair<std::string, std::string>> held;
+  {
+    StartLogs& start = start_logs();
+    std::lock_guard<std::mutex> lock(start.mu);
+    start.holding = false;
+    held.swap(start.held);
+  }
+  if (keep)
+    for (const auto& [level, message] : held) log_line(level, message);
+}
+
+// Why a TCP listener cannot bind to HOST:PORT: the error of binding a plain socket to each address it resolves
+// to (with SO_REUSEADDR, as gRPC binds; never SO_REUSEPORT), e.g. "address already in use", in the words
+// Python's asyncio uses for the HTTP and metrics ports; empty when every address binds, or for port 0 and
+// unix: addresses, which nothing else can hold.
+std::string bind_error(const std::string& address) {
+  if (address.rfind("unix:", 0) == 0 || address.rfind("unix-abstract:", 0) == 0) return "";
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return "";
+  std::string host = address.substr(0, colon), port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (port.empty() || port == "0") return "";
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) return "";
+  std::string error;
+  for (addrinfo* a = found; a != nullptr && error.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno != EADDRNOTAVAIL && errno != EAFNOSUPPORT) {
+      error = std::strerror(errno);
+      if (!error.empty()) error[0] = static_cast<char>(std::tolower(static_cast<unsigned char>(error[0])));
+    }
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return error;
 }
 
 // Returns the heap's free memory to the OS (glibc; elsewhere nothing to do).
@@ -222,9 +397,10 @@ class Front {
   }
 
   std::string load(const std::string& name, int64_t version, const std::string& path, const std::string& format,
-                   const Batching& settings) {
+                   const Batching& settings, const std::optional<std::string>& manifest_sha256) {
     recship::LoadOptions options;
     options.format = format;
+    if (manifest_sha256) options.trusted = std::set<std::string>{*manifest_sha256};
     options.max_batch_size = settings.max_batch_size;
     // the version is freed when its last holder lets go: the batcher, once retired, and the calls it answered
     // (each holds the batcher until gRPC is done with it); then its heap goes back to the OS, as the Python
@@ -451,8 +627,9 @@ class Call : public grpc::ServerGenericBidiReactor {
   void finish_native(const grpc::Status& status, const std::string& label, grpc::ByteBuffer* response) {
     const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
     front_->stats.request(batcher_->name, batcher_->version, label, seconds);
-    if (!status.ok())  // one line per refusal, as the Python server logs them
-      log_line("WARNING", status.error_message() + " [Predict " + batcher_->name + " " + std::to_string(batcher_->version) + " " + label + "]");
+    if (!status.ok())  // a sample of the refusals of each status (all are counted)
+      sampled_log().log("refused " + label, "WARNING",
+                        status.error_message() + " [Predict " + batcher_->name + " " + std::to_string(batcher_->version) + " " + label + "]");
     if (response != nullptr) StartWriteAndFinish(response, grpc::WriteOptions(), status);
     else Finish(status);
   }
@@ -620,7 +797,7 @@ void Batcher::run(const std::vector<Call*>& batch) {
     std::lock_guard<std::mutex> device(front_->device);
     outputs = model->predict_batch(inputs);
   } catch (const std::exception& e) {  // the model failed: this batch's calls get the error, the worker goes on
-    log_line("ERROR", "forward failed for a batch of " + std::to_string(live.size()) + " requests: " + e.what());
+    sampled_log().log("forward failed", "ERROR", "forward failed for a batch of " + std::to_string(live.size()) + " requests: " + e.what());
     for (Call* call : live) call->fail(grpc::StatusCode::INTERNAL, "INTERNAL", std::string("Error: ") + e.what());
     return;
   }
@@ -693,18 +870,41 @@ int main(int argc, char** argv) {
   if (c.listen.empty() || c.backend.empty()) return usage("--listen and --backend are required");
   if (c.tls_cert.empty() != c.tls_key.empty()) return usage("--tls-cert and --tls-key go together");
 
+#if RECSHIP_PROTOBUF_LOG_HANDLER
+  google::protobuf::SetLogHandler(protobuf_log);
+#endif
+#if RECSHIP_GRPC_LOG_FUNCTION
+  gpr_set_log_function(grpc_log);
+#endif
+  // A failed start answers {"ok": false, "error": "cannot listen on HOST:PORT: address already in use"} (one line,
+  // exit 1): serving/front.py raises it and `recship serve` says it, as for its HTTP and metrics ports.
+  auto cannot_start = [&](const std::string& why) {
+    release_start_logs(false);
+    reply({{"ok", false}, {"error", why}});
+    return 1;
+  };
+  // A port another process listens on is refused, not shared: gRPC sets SO_REUSEPORT by default, and then two
+  // servers split one port's connections between them. Checked first for every address HOST resolves to, since
+  // gRPC starts when any of them binds.
+  if (std::string why = bind_error(c.listen); !why.empty()) return cannot_start("cannot listen on " + c.listen + ": " + why);
+
   Front front(c);
   Service service(&front);
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!c.tls_cert.empty()) {
     grpc::SslServerCredentialsOptions ssl(c.tls_client_ca.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                                                   : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-    ssl.pem_key_cert_pairs.push_back({read_file(c.tls_key), read_file(c.tls_cert)});
-    if (!c.tls_client_ca.empty()) ssl.pem_root_certs = read_file(c.tls_client_ca);
+    try {
+      ssl.pem_key_cert_pairs.push_back({read_file(c.tls_key), read_file(c.tls_cert)});
+      if (!c.tls_client_ca.empty()) ssl.pem_root_certs = read_file(c.tls_client_ca);
+    } catch (const std::exception& e) {
+      return cannot_start(e.what());
+    }
     credentials = grpc::SslServerCredentials(ssl);
   }
   int port = 0;
   grpc::ServerBuilder builder;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(c.listen, credentials, &port);
   // twice the limit, as the Python server admits, so an oversized request gets its INVALID_ARGUMENT naming the size
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<int64_t>(2 * c.max_message_bytes, INT32_MAX)));
@@ -712,9 +912,18 @@ int main(int argc, char** argv) {
   builder.RegisterCallbackGenericService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server || port == 0) {
-    reply({{"ok", false}, {"error", "cannot listen on " + c.listen}});
-    return 1;
+    std::string why = bind_error(c.listen);
+    if (why.empty()) {  // not a bind error: gRPC's own first complaint, else nothing more to say
+      std::lock_guard<std::mutex> lock(start_logs().mu);
+      for (const auto& [level, message] : start_logs().held)
+        if (level == "ERROR") {
+          why = message.substr(0, 500);
+          break;
+        }
+    }
+    return cannot_start("cannot listen on " + c.listen + (why.empty() ? "" : ": " + why));
   }
+  release_start_logs(true);
   reply({{"listening", port}});
 
   double grace = 5.0;
@@ -734,8 +943,11 @@ int main(int argc, char** argv) {
         settings.threads = given.value("threads", settings.threads);
         if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.threads < 0)
           throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, threads >= 0");
+        std::optional<std::string> manifest_sha256;
+        if (cmd.contains("manifest_sha256")) manifest_sha256 = cmd.at("manifest_sha256").get<std::string>();
         std::string format = front.load(cmd.at("model").get<std::string>(), cmd.at("version").get<int64_t>(),
-                                        cmd.at("path").get<std::string>(), cmd.value("format", std::string("auto")), settings);
+                                        cmd.at("path").get<std::string>(), cmd.value("format", std::string("auto")), settings,
+                                        manifest_sha256);
         reply({{"ok", true}, {"format", format}});
       } else if (op == "unload") {
         front.unload(cmd.at("model").get<std::string>());
@@ -757,6 +969,7 @@ int main(int argc, char** argv) {
   front.accepting = false;
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000)));
   front.unload_all();
+  sampled_log().flush();
   reply({{"ok", true}});
   return 0;
 }

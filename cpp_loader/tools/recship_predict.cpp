@@ -1,41 +1,170 @@
 // recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--format F]: run an artifact from C++ and print its outputs.
 #include <algorithm>
 #include <atomic>
-#include <thread>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
+#include <cstdlib>
+#include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
+#include <thread>
+#include <tuple>
 
 #include "recship/model.h"
 
 using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;  // a request's keys in the file's order, as Python's json reads them
 
-static recship::Request from_json(const json& body, const recship::Model& model) {
+// serving/requests.py shown(): Python's repr() of a client's string, cut to 64 characters (code points).
+static std::string shown(const std::string& text, size_t limit = 64) {
+  size_t chars = 0, cut = text.size();
+  for (size_t i = 0; i < text.size(); ++i)
+    if ((static_cast<unsigned char>(text[i]) & 0xC0) != 0x80 && chars++ == limit) cut = i;
+  const std::string head = text.substr(0, cut);
+  const char quote = head.find('\'') != std::string::npos && head.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (unsigned char c : head) {
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) out += '\\', out += static_cast<char>(c);
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else out += static_cast<char>(c);
+  }
+  out += quote;
+  return cut == text.size() ? out : out + "... (" + std::to_string(chars) + " characters)";
+}
+
+// The Python type json.loads gives a JSON value (the REST front's messages name them).
+static const char* python_type(const ordered_json& v) {
+  switch (v.type()) {
+    case ordered_json::value_t::null: return "NoneType";
+    case ordered_json::value_t::boolean: return "bool";
+    case ordered_json::value_t::number_integer:
+    case ordered_json::value_t::number_unsigned: return "int";
+    case ordered_json::value_t::number_float: return "float";
+    case ordered_json::value_t::string: return "str";
+    case ordered_json::value_t::array: return "list";
+    default: return "dict";
+  }
+}
+
+// The REST front's check of one KServe input's JSON data (serving/rest.py _data), with its words: INT64 takes JSON
+// integers only (no 1.5, 1e30, "1" or true), FP32 integers or floats (no booleans); nothing is truncated or
+// coerced. `input` is the KServe input the values would be: <feature>.values, <feature>.weights or dense.
+// (One difference: an integer literal past uint64, which nlohmann reads as a float, is "found float" here
+// where Python's json reads an int "outside INT64's range"; both are refused.)
+static void check_data(const std::string& input, bool int64, const std::vector<const ordered_json*>& values) {
+  std::set<std::string> wrong;
+  for (const ordered_json* v : values) {
+    const bool ok = v->is_number_integer() || (!int64 && v->is_number_float());
+    if (!ok) wrong.insert(python_type(*v));
+  }
+  const std::string datatype = int64 ? "INT64" : "FP32";
+  if (!wrong.empty()) {
+    std::string found;
+    for (const auto& w : wrong) found += (found.empty() ? "" : ", ") + w;
+    throw recship::InvalidRequest("input " + shown(input) + ": " + datatype + " data must be " + (int64 ? "ints" : "float or ints") +
+                                  ", found " + found);
+  }
+  if (int64)
+    for (const ordered_json* v : values)
+      if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+        throw recship::InvalidRequest("input " + shown(input) + ": a value is outside INT64's range");
+}
+
+// A JSON number as float32 as numpy casts it: out of float's range is +-inf (a plain cast would be undefined),
+// which validation then refuses as not finite.
+static float to_float(const ordered_json& v) {
+  const double d = v.get<double>();
+  if (d > std::numeric_limits<float>::max()) return std::numeric_limits<float>::infinity();
+  if (d < -std::numeric_limits<float>::max()) return -std::numeric_limits<float>::infinity();
+  return static_cast<float>(d);
+}
+
+// The values of a list of lists ([[...], ...]: one list per example or dense row), flattened; their row sizes.
+static std::vector<const ordered_json*> rows_of(const ordered_json& node, const std::string& what, std::vector<int32_t>* sizes) {
+  if (!node.is_array()) throw recship::InvalidRequest(what);
+  std::vector<const ordered_json*> out;
+  for (const auto& row : node) {
+    if (!row.is_array()) throw recship::InvalidRequest(what);
+    if (row.size() > static_cast<size_t>(INT32_MAX)) throw recship::InvalidRequest(what);
+    sizes->push_back(static_cast<int32_t>(row.size()));
+    for (const auto& x : row) out.push_back(&x);
+  }
+  return out;
+}
+
+static recship::Request from_json(const ordered_json& body) {
   // the request format of `recship predict`: {"sparse": {"f": [[ids], ...]}, "dense": [[...]], "weights": {...}}
+  if (!body.is_object() || !body.contains("sparse") || !body["sparse"].is_object())
+    throw recship::InvalidRequest("the request must be a JSON object with a \"sparse\" object");
+  for (const auto& [key, _] : body.items())
+    if (key != "sparse" && key != "dense" && key != "weights")
+      throw recship::InvalidRequest("unknown key " + shown(key) + " in the request: it takes \"sparse\", \"dense\" and \"weights\"");
+  const ordered_json no_weights = ordered_json::object();
+  const ordered_json& weights = body.contains("weights") ? body["weights"] : no_weights;
+  if (!weights.is_object()) throw recship::InvalidRequest("\"weights\" must be an object of features, like \"sparse\"");
+  for (const auto& [name, _] : weights.items())
+    if (!body["sparse"].contains(name)) throw recship::InvalidRequest("weights for " + shown(name) + ", which \"sparse\" does not have");
   recship::Request r;
-  for (const auto& [name, rows] : body.at("sparse").items()) {
+  bool first = true;
+  for (const auto& [name, rows] : body["sparse"].items()) {
     recship::Feature f;
-    for (const auto& row : rows) {
-      f.lengths.push_back(static_cast<int32_t>(row.size()));
-      for (const auto& id : row) f.ids.push_back(id.get<int64_t>());
+    const auto ids = rows_of(rows, "sparse feature " + shown(name) + " must be a list of examples, each a list of ids", &f.lengths);
+    check_data(name + ".values", true, ids);
+    for (const ordered_json* id : ids) f.ids.push_back(id->get<int64_t>());
+    if (weights.contains(name)) {
+      std::vector<int32_t> sizes;
+      const auto w = rows_of(weights[name], "weights of " + shown(name) + " must be a list of examples, each a list of weights", &sizes);
+      check_data(name + ".weights", false, w);
+      for (const ordered_json* x : w) f.weights.push_back(to_float(*x));
     }
-    if (body.contains("weights") && body["weights"].contains(name))
-      for (const auto& row : body["weights"][name])
-        for (const auto& w : row) f.weights.push_back(w.get<float>());
-    r.batch_size = static_cast<int64_t>(f.lengths.size());
+    if (first) r.batch_size = static_cast<int64_t>(f.lengths.size());  // the first feature's, as PredictClient.request
+    first = false;
     r.sparse[name] = std::move(f);
   }
   if (body.contains("dense")) {
-    for (const auto& row : body["dense"]) {
-      r.dense_cols = static_cast<int64_t>(row.size());
-      for (const auto& x : row) r.dense.push_back(x.get<float>());
-      ++r.dense_rows;
-    }
+    std::vector<int32_t> sizes;
+    const auto values = rows_of(body["dense"], "\"dense\" must be a list of rows, each a list of numbers", &sizes);
+    check_data("dense", false, values);
+    for (const ordered_json* x : values) r.dense.push_back(to_float(*x));
+    r.dense_rows = static_cast<int64_t>(sizes.size());
+    r.dense_cols = sizes.empty() ? 0 : sizes[0];
+    for (size_t i = 1; i < sizes.size(); ++i)
+      if (sizes[i] != sizes[0])
+        throw recship::InvalidRequest("dense rows must all have the same length: row 0 has " + std::to_string(sizes[0]) +
+                                      " values, row " + std::to_string(i) + " has " + std::to_string(sizes[i]));
   }
-  (void)model;
   return r;
+}
+
+static ordered_json parse_request(std::istream& in, const std::string& file) {
+  try {
+    return ordered_json::parse(in);
+  } catch (const ordered_json::parse_error& e) {
+    throw recship::InvalidRequest("the request file " + file + " is not JSON: " + e.what());
+  }
+}
+
+// A flag's whole-number value in [lo, hi]; otherwise false (the caller says so and exits 2).
+static bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
+  *out = v;
+  return true;
 }
 
 // Example b of a request, as a batch of one.
@@ -86,8 +215,36 @@ static double percentile(std::vector<double> v, double p) {
   return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
 }
 
+// The allow-list file of `recship serve --trusted-sha256` (serving/repository.py read_trusted, its words): one
+// manifest.json sha256 per line, the first word of each (sha256sum's output works), # comments. false: error says why.
+static bool read_trusted(const std::string& path, std::set<std::string>* out, std::string* error) {
+  std::ifstream in(path);
+  if (!in) {
+    *error = path + ": cannot be read";
+    return false;
+  }
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    std::istringstream words(line.substr(0, line.find('#')));
+    std::string word;
+    if (!(words >> word)) continue;
+    bool hex = word.size() == 64;
+    for (char& c : word) {
+      hex = hex && std::isxdigit(static_cast<unsigned char>(c));
+      c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    }
+    if (!hex) {
+      *error = path + ":" + std::to_string(number) + ": not a sha256: " + shown(word);
+      return false;
+    }
+    out->insert(word);
+  }
+  return true;
+}
+
 static const char* kUsage =
     "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--format F] [--fbgemm-dir DIR] [--max-batch-size B]\n"
+    "                       [--trusted-sha256 FILE]\n"
     "\n"
     "Runs an exported recship artifact from C++ and prints its outputs as JSON.\n"
     "\n"
@@ -100,6 +257,8 @@ static const char* kUsage =
     "                      torchscript (model.pt) or aoti (model.pt2, refused where it cannot run)\n"
     "  --fbgemm-dir DIR    where fbgemm_gpu's op libraries are (default: the folder the loader was built with)\n"
     "  --max-batch-size B  largest batch a request may have (default 512)\n"
+    "  --trusted-sha256 FILE  allow-list of manifest.json sha256s, as recship serve's (sha256sum output works);\n"
+    "                      an artifact whose manifest is not listed is refused (default: any artifact loads)\n"
     "  -h, --help          print this and exit\n"
     "\n"
     "Exit codes: 0 ok, 1 the artifact cannot be loaded or run, 2 bad arguments or an invalid request.\n";
@@ -116,18 +275,25 @@ int main(int argc, char** argv) {
     std::cerr << kUsage;
     return 2;
   }
-  std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto";
-  int bench = 0, threads = 0;
-  int64_t max_batch_size = 512;
+  std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto", trusted_file;
+  int64_t bench = 0, threads = 0, max_batch_size = 512;
+  // the numeric flags: name -> (variable, smallest, largest)
+  const std::map<std::string, std::tuple<int64_t*, int64_t, int64_t>> numbers = {
+      {"--bench", {&bench, 0, INT32_MAX}}, {"--threads", {&threads, 0, 4096}}, {"--max-batch-size", {&max_batch_size, 1, INT32_MAX}}};
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
+    auto number = numbers.find(a);
     if (a == "--request" && i + 1 < argc) request_file = argv[++i];
-    else if (a == "--bench" && i + 1 < argc) bench = std::stoi(argv[++i]);
     else if (a == "--fbgemm-dir" && i + 1 < argc) fbgemm_dir = argv[++i];
-    else if (a == "--threads" && i + 1 < argc) threads = std::stoi(argv[++i]);
     else if (a == "--format" && i + 1 < argc) format = argv[++i];
-    else if (a == "--max-batch-size" && i + 1 < argc) max_batch_size = std::stoll(argv[++i]);
-    else {
+    else if (a == "--trusted-sha256" && i + 1 < argc) trusted_file = argv[++i];
+    else if (number != numbers.end() && i + 1 < argc) {
+      const auto& [target, lo, hi] = number->second;
+      if (!parse_int(argv[++i], lo, hi, target)) {
+        std::cerr << "recship_predict: error: " << a << " takes a whole number from " << lo << " to " << hi << ", got " << argv[i] << "\n";
+        return 2;
+      }
+    } else {
       std::cerr << "recship_predict: error: unknown argument " << a << "\n";
       return 2;
     }
@@ -136,8 +302,15 @@ int main(int argc, char** argv) {
     std::cerr << "recship_predict: error: --format must be auto, torchscript or aoti, got " << format << "\n";
     return 2;
   }
+  std::set<std::string> trusted;
+  std::string trusted_error;
+  if (!trusted_file.empty() && !read_trusted(trusted_file, &trusted, &trusted_error)) {
+    std::cerr << "recship_predict: error: --trusted-sha256: " << trusted_error << "\n";
+    return 2;
+  }
   try {
     recship::LoadOptions options;
+    if (!trusted_file.empty()) options.trusted = trusted;
     options.fbgemm_dir = fbgemm_dir;
     options.max_batch_size = max_batch_size;
     options.format = format;
@@ -148,20 +321,21 @@ int main(int argc, char** argv) {
     if (!request_file.empty()) {
       std::ifstream in(request_file);
       if (!in) throw recship::Error("request file not found: " + request_file);
-      request = from_json(json::parse(in), *model);
+      request = from_json(parse_request(in, request_file));
     }
     auto outputs = model->predict(request);
     json out;
     for (const auto& [name, o] : outputs) {
       json rows = json::array();
-      size_t width = o.values.size() / std::max<int64_t>(1, o.shape[0]);
-      for (int64_t b = 0; b < o.shape[0]; ++b)
+      const int64_t batch = o.shape.empty() ? 1 : o.shape[0];  // a 0-d output: one row of one value
+      size_t width = o.values.size() / std::max<int64_t>(1, batch);
+      for (int64_t b = 0; b < batch; ++b)
         rows.push_back(std::vector<float>(o.values.begin() + b * width, o.values.begin() + (b + 1) * width));
       out[name] = rows;
     }
     std::cout << out.dump() << std::endl;
     if (threads > 0) {
-      bool ok = check_threads(*model, request, threads);
+      bool ok = check_threads(*model, request, static_cast<int>(threads));
       std::cerr << (ok ? "threads ok: " : "threads FAILED: ") << threads << " threads got their own answers from " << loaded << "\n";
       if (!ok) return 1;
     }
@@ -172,7 +346,7 @@ int main(int argc, char** argv) {
         model->predict(request);
         full.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       }
-      double raw = model->forward_ms(request, bench);
+      double raw = model->forward_ms(request, static_cast<int>(bench));
       double p50 = percentile(full, 0.5);
       std::cerr << loaded << ", batch " << request.batch_size << ", " << bench << " runs: predict p50 " << p50 << " ms, p90 "
                 << percentile(full, 0.9) << " ms, p99 " << percentile(full, 0.99) << " ms; raw forward p50 " << raw

@@ -106,20 +106,18 @@ def test_invalid_requests_are_refused_before_the_compiled_model(binary, compiled
     rows = [f.rows for f in manifest.sparse_features]
     cases = [(sparse, d, weights) for _, sparse, d, weights in bad_requests(rows, manifest.num_dense)]
     good = {f"cat_{i}": [[1], [2]] for i in range(len(rows))}
-    # cat_0 with 1 lengths for batch 2 (recship_predict takes the batch from the last feature, the server from the
-    # first: their words differ, so only the two C++ paths are compared on it)
+    # cat_0 with 1 example, the others 2: recship_predict takes the batch from the first feature, as PredictClient does
     cases.append(({**good, "cat_0": [[1]]}, [[0.5] * manifest.num_dense] * 2, None))
-    for i, (sparse, d, weights) in enumerate(cases):
+    for sparse, d, weights in cases:
         request = _request_file(tmp_path / "bad.json", sparse, d, weights)
         aoti = _run(binary, art, "--request", request, "--format", "aoti")
         scripted = _run(binary, art, "--request", request, "--format", "torchscript")
         assert aoti.returncode == scripted.returncode == 2, aoti.stderr
         assert aoti.stderr == scripted.stderr and aoti.stderr.startswith("recship_predict: invalid request: ")
-        if i < len(cases) - 1:
-            with pytest.raises(InvalidRequest) as server_error:
-                validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
-            assert aoti.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
-    assert aoti.stderr.strip() == "recship_predict: invalid request: sparse feature 'cat_0': 1 lengths for batch_size 2"
+        with pytest.raises(InvalidRequest) as server_error:
+            validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
+        assert aoti.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
+    assert aoti.stderr.strip() == "recship_predict: invalid request: sparse feature 'cat_1': 2 lengths for batch_size 1"
     out_of_range = [c for c in cases if c[0]["cat_3"] == [[1], [rows[3]]]]
     assert out_of_range  # bad_requests still has the id one past its table
     result = _run(binary, art, "--request", _request_file(tmp_path / "oor.json", *out_of_range[0]), "--format", "aoti")
@@ -153,17 +151,19 @@ def test_format_aoti_is_refused_where_model_pt2_cannot_run(binary, compiled, sma
         assert result.returncode == 1 and f"model.pt2 targets {isa_missing[0]}; this CPU lacks {cpu_supports(isa_missing[0])[1]}" in result.stderr
 
 
-def test_tampered_model_pt2_is_refused_and_model_pt_still_loads(binary, compiled, tmp_path):
+def test_tampered_model_pt2_refuses_the_version_whichever_file_runs(binary, compiled, tmp_path):
+    """A version is verified as a unit (issue 28): a damaged or missing model.pt2 refuses it under --format
+    torchscript too, which used to load model.pt and never look at model.pt2."""
     art = tmp_path / "tampered"
     shutil.copytree(compiled["emb"], art)
     (art / "model.pt2").write_bytes((art / "model.pt2").read_bytes() + b"x")
-    for fmt in ("auto", "aoti"):
+    for fmt in ("auto", "aoti", "torchscript"):
         result = _run(binary, art, "--format", fmt)
         assert result.returncode == 1 and "model.pt2: sha256" in result.stderr and "does not match the manifest" in result.stderr
-    assert _run(binary, art, "--format", "torchscript").returncode == 0
     (art / "model.pt2").unlink()
-    result = _run(binary, art, "--format", "aoti")
-    assert result.returncode == 1 and "model.pt2 is missing" in result.stderr
+    for fmt in ("auto", "aoti", "torchscript"):
+        result = _run(binary, art, "--format", fmt)
+        assert result.returncode == 1 and f"{art}: model.pt2 is missing" in result.stderr
 
 
 def test_the_loader_refuses_an_aoti_section_missing_any_field_the_schema_requires(binary, compiled, manifest_schema, tmp_path):

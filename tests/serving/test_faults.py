@@ -181,7 +181,7 @@ def test_bad_neighbours_are_refused_listed_and_do_not_stop_other_models(small_ar
         assert index[("dlrm", "1")] == ("READY", "")
         expected = {("as_list", "1"): "must be a JSON object", ("sharding_list", "1"): "sharding must be dict",
                     ("features_int", "1"): "sparse_features must be list", ("escaping_sample", "1"): "relative path inside",
-                    ("unicode_version", "²"): "named by a number", ("no_model_pt", "1"): "tables.bin cannot be read",
+                    ("unicode_version", "²"): "named by a number", ("no_model_pt", "1"): "model.pt is missing",
                     ("bad name!", ""): "model folder names", ("junk", "1"): "corrupt"}
         for key, reason in expected.items():
             state, why = index[key]
@@ -462,17 +462,17 @@ def test_every_listener_binds_to_host_and_tls_with_client_certificates(small_art
         server.stop()
 
 
-def test_only_trusted_model_files_load(small_artifact, tmp_path):
+def test_only_trusted_manifests_load(small_artifact, tmp_path):
     root = _repo(tmp_path, small_artifact)
     trusted = tmp_path / "trusted.txt"
-    trusted.write_text("# sha256 of model.pt files allowed to load\n" + "0" * 64 + "  someone/else/model.pt\n")
+    trusted.write_text("# sha256 of manifest.json files allowed to load\n" + "0" * 64 + "  someone/else/manifest.json\n")
     server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.2, trusted_sha256=str(trusted)))
     try:
         assert server.repo.models() == []
         state, reason = _index(server.port)[("dlrm", "1")]
-        assert state == "UNAVAILABLE" and "not in the trusted list" in reason
-        digest = file_sha256(root / "dlrm" / "1" / "model.pt")
-        trusted.write_text(trusted.read_text() + f"{digest}  dlrm/1/model.pt\n")  # as sha256sum writes it
+        assert state == "UNAVAILABLE" and "manifest.json: sha256" in reason and "not in the trusted list" in reason
+        digest = file_sha256(root / "dlrm" / "1" / "manifest.json")
+        trusted.write_text(trusted.read_text() + f"{digest}  dlrm/1/manifest.json\n")  # as sha256sum writes it
         _wait(lambda: [m.name for m in server.repo.models()] == ["dlrm"], what="the trusted version")
     finally:
         server.stop()

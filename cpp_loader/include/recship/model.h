@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -70,6 +72,9 @@ struct LoadOptions {
   // it was compiled by another torch, or this CPU lacks its target ISA) or "auto" (model.pt2 where it runs here,
   // else model.pt). Both take the same requests and give the same outputs.
   std::string format = "auto";
+  // sha256s (lowercase hex) of the manifest.json files allowed to load; unset: any. A listed manifest pins every
+  // file of the artifact through its checksums (recship serve --trusted-sha256, export/artifact.py open_artifact).
+  std::optional<std::set<std::string>> trusted;
 };
 
 // Intra-op threads of the forwards the calling thread runs (torch keeps the setting per thread).
@@ -77,9 +82,12 @@ void set_intra_op_threads(int threads);
 
 class Model {
  public:
-  // Reads manifest.json, picks the format (LoadOptions::format), maps tables.bin (format recship.artifact/2:
-  // copy-on-write, every table's sha256 verified; a format 1 artifact keeps its tables inside the model file),
-  // verifies the model file's sha256, loads the op libraries, loads the model from the verified bytes with the
+  // Verifies the artifact as a unit, then loads it, in export/artifact.py open_artifact's order and words (an
+  // ArtifactError names the file): manifest.json (LoadOptions::trusted, then its fields), the torch / fbgemm_gpu it
+  // was built with, model.pt and model.pt2 (where listed) by sha256 whichever runs, tables.bin (format
+  // recship.artifact/2: mapped copy-on-write, every table's sha256; a format 1 artifact keeps its tables inside the
+  // model file), each model file's copy of the tables spec, the sample files (sizes, a valid request, finite
+  // outputs); then loads the op libraries and the model (LoadOptions::format) from the verified bytes with the
   // mapped tables and (by default) runs the sample self-check. The tables stay mapped while the Model lives.
   static std::unique_ptr<Model> load(const std::string& artifact_dir, const LoadOptions& options = {});
   ~Model();
@@ -97,6 +105,7 @@ class Model {
   const std::vector<std::string>& feature_names() const;
   int64_t num_dense() const;
   int64_t max_batch_size() const;
+  // The artifact's sample request and its recorded outputs, read and verified as Model::load does (ArtifactError).
   Request sample_request() const;
   std::map<std::string, Output> sample_outputs() const;
   // The model that runs: "torchscript" (model.pt) or "aoti" (model.pt2).
