@@ -128,17 +128,20 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
         if action is None:
             raise ValueError(f"--config {file}: unknown key {key!r}; the keys are these flags: {', '.join(flags)}")
         flag = action.option_strings[0]
+        convert = action.type if callable(action.type) else str
+        kind = "an integer" if convert is int else "a number" if convert is float else "a string" if convert is str else "a value"
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ValueError(f"--config {file}: {key}: {flag} takes true or false, got {value!r}")
-        elif value is not None and callable(action.type) and not isinstance(value, bool):
-            convert = action.type
+        elif isinstance(value, bool) or (convert is int and isinstance(value, float)):
+            # what YAML reads as true or 1.5 is no integer, number or name: int() would make it 1, str() "True"
+            raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}")
+        elif value is not None and callable(action.type):
             try:
                 value = convert(value)
             except (TypeError, ValueError, argparse.ArgumentTypeError, FlagError) as e:
                 if isinstance(e, FlagError):
                     raise ValueError(f"--config {file}: {key}: {flag}: {e}") from None
-                kind = "an integer" if convert is int else "a number" if convert is float else "a value"
                 raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}") from None
         elif isinstance(action, argparse._AppendAction):  # a repeatable flag: a list, or one value
             value = [str(v) for v in (value if isinstance(value, list) else [value])]

@@ -6,13 +6,15 @@
 
 import argparse
 import json
-from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Union
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import grpc
 import numpy as np
 
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
+from recship.serving.values import number_error, shown
 
 if TYPE_CHECKING:  # the client itself does not need torch
     from recship.sparse import KeyedJaggedTensor
@@ -40,7 +42,11 @@ class PredictClient:
     @staticmethod
     def request(model: str, sparse: Sparse, dense: Optional[Dense] = None, weights: Optional[Mapping[str, Sequence[Sequence[float]]]] = None,
                 version: int = 0, request_id: str = "") -> pb.PredictRequest:
-        """A PredictRequest from {feature: [[ids of example 0], ...]} (or a KJT) and a dense [B, n] matrix."""
+        """A PredictRequest from {feature: [[ids of example 0], ...]} (or a KJT) and a dense [B, n] matrix.
+
+        Values are taken as the REST front takes JSON tensors: ids must be ints (Python's or numpy's), weights and
+        dense values ints or floats; anything else (1.5, "1", True) is a ValueError in REST's words, never truncated
+        or coerced. Non-finite values are sent: the server refuses them."""
         features = []
         if hasattr(sparse, "to_dict") and hasattr(sparse, "stride"):  # a KeyedJaggedTensor
             batch = sparse.stride()
@@ -49,14 +55,20 @@ class PredictClient:
                 features.append(pb.SparseFeature(name=name, lengths=jt.lengths().tolist(), ids=jt.values().tolist(),
                                                  weights=[] if w is None else w.tolist()))
         else:
-            batch = len(next(iter(sparse.values()))) if sparse else 0
+            for name in weights or {}:
+                if name not in sparse:
+                    raise ValueError(f'weights for {shown(name)}, which "sparse" does not have')
+            batch = -1
             for name, rows in sparse.items():
+                ids, lengths = _rows(rows, f"sparse feature {shown(name)} must be a list of examples, each a list of ids")
+                batch = len(lengths) if batch < 0 else batch  # the first feature's
+                _numbers(f"{name}.values", "INT64", ids)
                 w = (weights or {}).get(name)
-                features.append(pb.SparseFeature(
-                    name=name, lengths=[len(r) for r in rows], ids=[int(i) for r in rows for i in r],
-                    weights=[float(x) for r in w for x in r] if w is not None else [],
-                ))
-        d = np.zeros((batch, 0), dtype=np.float32) if dense is None else np.asarray(dense, dtype=np.float32)
+                given, _ = _rows(w, f"weights of {shown(name)} must be a list of examples, each a list of weights") if w is not None else ([], [])
+                _numbers(f"{name}.weights", "FP32", given)
+                features.append(pb.SparseFeature(name=name, lengths=lengths, ids=ids, weights=given))
+        batch = max(batch, 0)
+        d = np.zeros((batch, 0), dtype=np.float32) if dense is None else _dense(dense)
         return pb.PredictRequest(
             model_name=model, model_version=version, request_id=request_id, batch_size=batch, sparse=features,
             dense=pb.DenseMatrix(rows=d.shape[0], cols=d.shape[1], values=d.reshape(-1).tolist()) if d.size else pb.DenseMatrix(),
@@ -73,6 +85,42 @@ class PredictClient:
         return [m.name for m in self.stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout).models]
 
 
+def _rows(rows: Any, what: str) -> Tuple[List[Any], List[int]]:
+    """(the values, flat, and the row sizes) of a list of rows (lists, tuples or numpy arrays); ValueError ``what``.
+    numpy values come as the Python ints, floats and bools they hold, so the strict check below sees them as JSON would."""
+    if not isinstance(rows, (list, tuple, np.ndarray)):
+        raise ValueError(what)
+    flat: List[Any] = []
+    sizes = []
+    for row in rows:
+        if isinstance(row, np.ndarray):
+            row = row.tolist()
+        if not isinstance(row, (list, tuple)):
+            raise ValueError(what)
+        flat += [x.item() if isinstance(x, np.generic) else x for x in row]
+        sizes.append(len(row))
+    return flat, sizes
+
+
+def _numbers(name: str, datatype: str, values: List[Any]) -> None:
+    """Refuses what REST refuses as KServe input ``name`` (a fractional, string or boolean id...), in its words."""
+    error = number_error(name, datatype, values)
+    if error is not None:
+        raise ValueError(error)
+
+
+def _dense(dense: Dense) -> np.ndarray:
+    """float32 [B, n] of the dense rows; non-numbers refused as REST refuses its ``dense`` input."""
+    if isinstance(dense, np.ndarray) and dense.dtype.kind in "iuf" and dense.ndim == 2:
+        return dense.astype(np.float32)
+    values, sizes = _rows(dense, '"dense" must be a list of rows, each a list of numbers')
+    _numbers("dense", "FP32", values)
+    for i, size in enumerate(sizes):
+        if size != sizes[0]:
+            raise ValueError(f"dense rows must all have the same length: row 0 has {sizes[0]} values, row {i} has {size}")
+    return np.asarray(values, dtype=np.float32).reshape(len(sizes), sizes[0] if sizes else 0)
+
+
 def outputs_of(response: pb.PredictResponse) -> Dict[str, np.ndarray]:
     return {t.name: np.asarray(t.values, dtype=np.float32).reshape(list(t.shape)) for t in response.outputs}
 
@@ -87,13 +135,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help='a JSON file: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], "weights": {...}} (required)')
 
 
-def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def read_request(path: Path) -> Dict[str, Any]:
+    """A ``recship predict`` request file, read as recship_predict reads one (in its words): strict JSON, an
+    object of "sparse" (an object of features), optional "dense" and "weights" (an object of features; the
+    values themselves are PredictClient.request's to check)."""
 
+    def no_constant(name: str) -> None:
+        raise ValueError(f"{name} is not a number JSON allows")
+
+    try:
+        body = json.loads(path.read_text(), parse_constant=no_constant)
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, NaN or Infinity
+        raise ValueError(f"the request file {path} is not JSON: {e}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("sparse"), dict):
+        raise ValueError('the request must be a JSON object with a "sparse" object')
+    for key in body:
+        if key not in ("sparse", "dense", "weights"):
+            raise ValueError(f'unknown key {shown(key)} in the request: it takes "sparse", "dense" and "weights"')
+    if not isinstance(body.get("weights", {}), dict):
+        raise ValueError('"weights" must be an object of features, like "sparse"')
+    return body
+
+
+def run(args: argparse.Namespace) -> int:
     path = Path(args.request)
     if not path.is_file():
         raise FileNotFoundError(f"request file not found: {path}")
-    body = json.loads(path.read_text())
+    body = read_request(path)
     with PredictClient(args.target) as client:
         try:
             outputs = client.predict(args.model, body["sparse"], body.get("dense"), body.get("weights"), args.version)

@@ -6,20 +6,23 @@ for its rows. What can go wrong is an ``ErrorKind`` (``error_of``), in no protoc
 terms: each front maps the kinds to its own status codes in one place
 (``serving/grpc_status.py`` for both gRPC fronts, ``serving/rest.py`` for HTTP).
 
-Bounds that protect the process whatever clients do: request bytes in flight across all
-fronts (``max_inflight_bytes``; past it OVERLOADED), metric labels only for served
-models and versions (everything else is counted under ``-``), and client strings cut
-short wherever a message echoes them.
+Bounds that protect the process whatever clients do: a request's size (``max_message_bytes``,
+checked in ``admit``, which every front calls with the request's bytes: TOO_LARGE), request
+bytes in flight across all fronts (``max_inflight_bytes``; past it OVERLOADED), metric labels
+only for served models and versions (everything else is counted under ``-``), client strings
+cut short wherever a message echoes them, and log lines: every refusal is counted, but at
+most one line per method and status is logged each ``LOG_INTERVAL_S`` (``SampledLog``).
 """
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Awaitable, Callable, Dict, Iterator, Optional, Tuple, TypeVar
+from typing import Any, Awaitable, Callable, Dict, Iterator, Optional, Tuple, TypeVar
 
 import torch
 
@@ -33,6 +36,7 @@ log = logging.getLogger("recship.serving")
 UNROUTED = "-"  # the model/version label of requests that reached no served version
 INFER_METHODS = frozenset({"Predict", "ModelInfer", "http.infer"})  # the requests a model's statistics count
 MAX_MESSAGE_CHARS = 1000  # an error message is cut here (gRPC sends it in a header)
+LOG_INTERVAL_S = 10.0  # a failed request's line: at most one per method and status this often (the C++ front's too)
 T = TypeVar("T")
 
 
@@ -108,6 +112,60 @@ def error_of(e: BaseException) -> Tuple[ErrorKind, str]:
     return kind, message
 
 
+def too_large(nbytes: Optional[int], limit: int) -> RequestTooLarge:
+    """The one refusal of a request over ``limit`` bytes (--max-message-mb), whichever front it came through;
+    ``nbytes`` None: its size is not known, only that it is over (an HTTP body without Content-Length)."""
+    size = "" if nbytes is None else f" of {nbytes} bytes"
+    return RequestTooLarge(f"request{size} exceeds the limit of {limit} bytes")
+
+
+@dataclass
+class _Source:
+    next: float = -math.inf  # when its next line may be logged
+    suppressed: int = 0  # lines left out since its last one
+    last: Tuple[int, str, Dict[str, Any]] = (logging.INFO, "", {})  # the last line asked for: level, message, extra
+
+
+class SampledLog:
+    """Lines a client can cause once per request, logged at a bounded rate: from each source (a fixed name, never
+    client data) the first line, then at most one per ``interval_s``, which says how many were left out since the
+    one before; ``flush()`` says the rest. The same words as the C++ front's (cpp_loader/tools/recship_front.cpp),
+    so that one reading of the log covers both processes."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._log, self._interval, self._clock = logger, interval_s, clock
+        self._sources: Dict[str, _Source] = {}
+        self._lock = threading.Lock()
+
+    def log(self, source: str, level: int, message: str, exc_info: Optional[BaseException] = None,
+            extra: Optional[Dict[str, Any]] = None) -> None:
+        with self._lock:
+            s = self._sources.setdefault(source, _Source())
+            now = self._clock()
+            s.last = (level, message, dict(extra or {}))  # (not exc_info: it would keep the request's frames alive)
+            if now < s.next:
+                s.suppressed += 1
+                return
+            line = message + self._note(s.suppressed)
+            s.next, s.suppressed = now + self._interval, 0
+        self._log.log(level, "%s", line, exc_info=exc_info, extra=extra)
+
+    def flush(self) -> None:
+        """Logs, for each source with lines left out since its last one, the last of them and how many there were."""
+        with self._lock:
+            lines = []
+            for s in self._sources.values():
+                if s.suppressed:
+                    level, message, extra = s.last
+                    lines.append((level, f"{message}{self._note(s.suppressed - 1)} (the last of {s.suppressed} not logged)", extra))
+                    s.suppressed = 0
+        for level, line, extra in lines:
+            self._log.log(level, "%s", line, extra=extra)
+
+    def _note(self, suppressed: int) -> str:
+        return f" [{suppressed} more like this in the last {self._interval:g} s not logged]" if suppressed else ""
+
+
 @dataclass
 class Outcome:
     """What a request is counted and logged under: its method, and the served model and version it reached."""
@@ -126,10 +184,12 @@ class Inference:
     def __init__(self, repo: ModelRepository, metrics: Metrics, max_inflight_bytes: int) -> None:
         self.repo = repo
         self.metrics = metrics
+        self.max_message_bytes: int = repo.config.max_message_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.accepting = True  # False once the server begins stopping: readiness answers say so
         self._inflight = 0
         self._inflight_lock = threading.Lock()
+        self.failures = SampledLog(log)  # each failed request's line, sampled
 
     @property
     def inflight_bytes(self) -> int:
@@ -147,7 +207,11 @@ class Inference:
 
     @contextmanager
     def admit(self, nbytes: int) -> Iterator[None]:
-        """Holds ``nbytes`` of the in-flight budget for the request's lifetime, or raises Overloaded."""
+        """Admits a request of ``nbytes`` bytes: RequestTooLarge over --max-message-mb, else holds ``nbytes`` of the
+        in-flight budget for the request's lifetime, or raises Overloaded. Every front calls it with each request's
+        size before reading it, so the size rule is the same everywhere (the C++ front forwards what is over it)."""
+        if nbytes > self.max_message_bytes:
+            raise too_large(nbytes, self.max_message_bytes)
         with self._inflight_lock:
             if self._inflight + nbytes > self.max_inflight_bytes:
                 raise Overloaded(
@@ -206,7 +270,7 @@ class Inference:
             self.record(outcome, error, started)
 
     def record(self, outcome: Outcome, e: Optional[BaseException], started: float) -> None:
-        """Counts the request; logs one line for a failure (with the trace for an internal error)."""
+        """Counts the request; logs a failure, sampled (``failures``), with the trace for an internal error."""
         status = "OK"
         if e is not None:
             kind, message = error_of(e)
@@ -214,8 +278,8 @@ class Inference:
             if isinstance(e, IdOutOfRange) and outcome.model != UNROUTED:
                 self.metrics.rejected_ids.labels(outcome.model).inc()
             internal = kind is ErrorKind.INTERNAL
-            log.log(
-                logging.ERROR if internal else logging.WARNING, "%s", message, exc_info=e if internal else None,
+            self.failures.log(
+                f"{outcome.method} {status}", logging.ERROR if internal else logging.WARNING, message, exc_info=e if internal else None,
                 extra={"method": outcome.method, "model": outcome.model, "version": outcome.version, "status": status},
             )
         seconds = time.monotonic() - started

@@ -271,7 +271,8 @@ class KServeServicer:
         request_class, response_class = message(f"{method}Request"), message(f"{method}Response")
 
         async def work(outcome: Outcome):
-            return await respond(decode(request_class, data), outcome, response_class)
+            with self.inference.admit(len(data)):
+                return await respond(decode(request_class, data), outcome, response_class)
 
         return await grpc_status.answer(self.inference, context, method, work)
 

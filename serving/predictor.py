@@ -1,7 +1,8 @@
 """recship's own gRPC API, ``recship.serving.v1.Predictor``: Predict, GetModelMetadata, ListModels.
 
 Predict reads its request's bytes with the wire reader (``serving/wire.py``), not protobuf;
-every method answers through the shared request path (``serving/inference.py``).
+every method answers through the shared request path (``serving/inference.py``), whose
+admission each one passes with its request's size first.
 """
 
 from typing import Any
@@ -11,7 +12,7 @@ import grpc
 from recship.serving import grpc_status, wire
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
-from recship.serving.requests import InvalidRequest, RequestArrays, RequestTooLarge, output_shapes
+from recship.serving.requests import InvalidRequest, RequestArrays, output_shapes
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.serving.v1 import predictor_pb2_grpc as pb_grpc
 
@@ -28,9 +29,6 @@ class PredictorServicer(pb_grpc.PredictorServicer):
     async def Predict(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
             with self.inference.admit(len(data)):
-                limit = self.repo.config.max_message_bytes
-                if len(data) > limit:
-                    raise RequestTooLarge(f"request of {len(data)} bytes exceeds the limit of {limit} bytes")
                 request = read_predict(data)
                 served, outputs = await self.inference.run(request, context.time_remaining(), outcome)
                 return pb.PredictResponse(
@@ -44,8 +42,9 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
     async def GetModelMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
-            request = decode(pb.ModelMetadataRequest, data)
-            served = self.inference.route(request.model_name, request.model_version, outcome)
+            with self.inference.admit(len(data)):
+                request = decode(pb.ModelMetadataRequest, data)
+                served = self.inference.route(request.model_name, request.model_version, outcome)
             m = served.manifest
             return pb.ModelMetadataResponse(
                 model_name=served.name,
@@ -67,7 +66,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
     async def ListModels(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
-            decode(pb.ListModelsRequest, data)
+            with self.inference.admit(len(data)):
+                decode(pb.ListModelsRequest, data)
             return pb.ListModelsResponse(
                 models=[pb.ModelStatus(name=s.name, versions=[v.version for v in self.repo.versions(s.name)], serving_version=s.version)
                         for s in self.repo.models()]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from recship.export.artifact import Manifest
+from recship.serving.values import shown  # noqa: F401  (re-exported: the fronts import it from here)
 from recship.sparse.ids import first_out_of_range, out_of_range_message
 
 
@@ -27,17 +28,6 @@ class RequestTooLarge(InvalidRequest):
 
 class IdOutOfRange(InvalidRequest):
     """An id outside its feature's table (a ``reject`` feature); counted apart in the metrics."""
-
-
-def shown(text: object, limit: int = 64) -> str:
-    """A client's string for a message or a log line: quoted with control characters escaped, cut to ``limit``.
-
-    Echoing names in full lets a client make the answer exceed gRPC's metadata limit.
-    """
-    text = str(text)
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 @dataclass

@@ -42,15 +42,19 @@ import json
 import logging
 import re
 import ssl
+import sys
+import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 from aiohttp import web
 from aiohttp import web_response as aiohttp_response
+from aiohttp.http_exceptions import HttpProcessingError
 
 from recship.serving import kserve
-from recship.serving.inference import ClientTimeout, ErrorKind, Inference, Outcome, error_of
-from recship.serving.requests import InvalidRequest, RequestTooLarge, shown
+from recship.serving.inference import ClientTimeout, ErrorKind, Inference, Outcome, error_of, too_large
+from recship.serving.requests import InvalidRequest, shown
+from recship.serving.values import number_error
 
 log = logging.getLogger("recship.serving")
 
@@ -71,7 +75,6 @@ _CONTROL = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 _TIMEOUT_S = 30.0  # an HTTP request has no gRPC deadline: this bounds the wait for its batch
 _SHUTDOWN_GRACE_S = 5.0
 _MAX_DIMS = 8
-_INT_RANGE = {"INT32": (-(2**31), 2**31 - 1), "INT64": (-(2**63), 2**63 - 1)}
 HEADER_LENGTH = "Inference-Header-Content-Length"  # Triton's binary tensor data extension
 EXTENSIONS = ["binary_tensor_data"]  # the REST front's own, added to what kserve.server_metadata() lists
 
@@ -92,12 +95,23 @@ class RouteError(Exception):
 
 
 class _ClientErrors(logging.LoggerAdapter):
-    """aiohttp's protocol logger: a malformed request is the client's error, one warning line, no trace."""
+    """aiohttp's protocol logger, whose errors are requests no handler saw: malformed HTTP is the client's error,
+    recorded as an invalid request of method ``http.malformed`` (counted, its line sampled, no trace); anything
+    else aiohttp reports is ours, recorded as an internal error of method ``http.error`` (with its trace)."""
+
+    def __init__(self, logger: logging.Logger, inference: Inference) -> None:
+        super().__init__(logger, {})
+        self.inference = inference
 
     def exception(self, msg, *args, exc_info=True, **kwargs) -> None:
-        error = exc_info if isinstance(exc_info, BaseException) else None
-        text = str(getattr(error, "message", error) or "").strip()
-        self.warning("%s: %s", msg % args if args else msg, text.splitlines()[0][:200] if text else type(error).__name__, **kwargs)
+        what = msg % args if args else msg
+        error = exc_info if isinstance(exc_info, BaseException) else sys.exc_info()[1]
+        if isinstance(error, HttpProcessingError):
+            text = str(error.message or "").strip()
+            why = text.splitlines()[0][:200] if text else type(error).__name__
+            self.inference.record(Outcome("http.malformed"), InvalidRequest(f"{what}: {why}"), time.monotonic())
+        else:
+            self.inference.record(Outcome("http.error"), error or RuntimeError(what), time.monotonic())
 
 
 class RestFront:
@@ -121,7 +135,7 @@ class RestFront:
     async def start(self, host: str, port: int, ssl_context: Optional[ssl.SSLContext]) -> None:
         # keepalive_timeout closes idle connections, including ones that never send a request
         self.runner = web.AppRunner(self.app, handle_signals=False, access_log=None, keepalive_timeout=self.idle_timeout,
-                                    shutdown_timeout=_SHUTDOWN_GRACE_S, logger=_ClientErrors(logging.getLogger("recship.serving.http"), {}))
+                                    shutdown_timeout=_SHUTDOWN_GRACE_S, logger=_ClientErrors(logging.getLogger("recship.serving.http"), self.inference))
         await self.runner.setup()
         site = web.TCPSite(self.runner, host, port, ssl_context=ssl_context, backlog=1024)
         await site.start()
@@ -196,9 +210,7 @@ class RestFront:
         return 200, {}
 
     async def _http_infer(self, request: web.Request, name: str, version: str, outcome: Outcome) -> Tuple[int, Any]:
-        declared = request.content_length
-        if declared is not None and declared > self.max_body:
-            raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {self.max_body} bytes (--max-message-mb)")
+        declared = request.content_length  # admitted (or refused as too large) before its body is read
         with self.inference.admit(declared or 0):
             body = await self._read_body(request)
             with self.inference.admit(0 if declared is not None else len(body)):
@@ -222,8 +234,8 @@ class RestFront:
     async def _read_body(self, request: web.Request) -> bytes:
         try:
             return await asyncio.wait_for(request.read(), timeout=self.idle_timeout)
-        except web.HTTPRequestEntityTooLarge:
-            raise RequestTooLarge(f"request body exceeds the limit of {self.max_body} bytes (--max-message-mb)") from None
+        except web.HTTPRequestEntityTooLarge:  # a body without Content-Length, past the limit as it arrived
+            raise too_large(None, self.max_body) from None
         except asyncio.TimeoutError:
             raise ClientTimeout(f"the request body did not arrive within {self.idle_timeout:g} s") from None
 
@@ -397,13 +409,7 @@ def _data(name: str, datatype: str, data: Any) -> np.ndarray:
         flat = [x for row in flat for x in row]
     if not isinstance(flat, list):
         raise InvalidRequest(f"input {shown(name)}: data must be a list")
-    kinds = set(map(type, flat))
-    allowed = {int} if datatype in _INT_RANGE else {int, float}
-    if not kinds <= allowed:
-        wrong = sorted(k.__name__ for k in kinds - allowed)
-        raise InvalidRequest(f"input {shown(name)}: {datatype} data must be {' or '.join(sorted(a.__name__ for a in allowed))}s, found {', '.join(wrong)}")
-    if datatype in _INT_RANGE:
-        lo, hi = _INT_RANGE[datatype]
-        if flat and (min(flat) < lo or max(flat) > hi):
-            raise InvalidRequest(f"input {shown(name)}: a value is outside {datatype}'s range")
+    error = number_error(name, datatype, flat)  # (the Python client's check too: the same words)
+    if error is not None:
+        raise InvalidRequest(error)
     return np.asarray(flat, dtype=kserve.DTYPES[datatype][0])

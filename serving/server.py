@@ -19,10 +19,14 @@ the forwards; the repository's watcher thread loads versions.
 import argparse
 import asyncio
 import dataclasses
+import errno
 import functools
 import logging
+import math
+import os
 import shutil
 import signal
+import socket
 import ssl
 import tempfile
 import sys
@@ -30,7 +34,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
 
 from recship.logs import JsonFormatter, configure_logging  # noqa: F401  (JsonFormatter: re-exported)
 
@@ -42,6 +46,27 @@ if TYPE_CHECKING:
 CONFIG_FILE = True
 
 log = logging.getLogger("recship.serving")
+
+# Upper bounds of the settings: past them something overflows (gRPC's message sizes are int32 and the transport
+# admits twice --max-message-mb; a wait's timeout; a thread count) or the setting is surely a mistake.
+MAX_MESSAGE_BYTES = 2**30 - 1
+MAX_DELAY_MS = 60_000  # a batch waiting a minute for company is no batching
+MAX_SECONDS = 86_400  # --poll-interval, the HTTP idle timeout
+MAX_TORCH_THREADS = 1024
+
+
+def _number_in(value: object, lo: float, hi: float, integer: bool = False) -> bool:
+    """``value`` is a number (an int if ``integer``; never a bool, NaN or infinity) in [lo, hi]."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+        return False
+    return math.isfinite(value) and lo <= value <= hi
+
+
+def _megabytes(flag: str, mb: float, below: float = math.inf) -> int:
+    """A size flag in MB as bytes; ValueError naming the flag unless it is a finite number above 0 (and below ``below``)."""
+    if not (_number_in(mb, 0, math.inf) and 0 < mb < below):
+        raise ValueError(f"{flag} takes a number of MB above 0{'' if below == math.inf else f' and below {below:g}'}, got {mb!r}")
+    return int(mb * 1024 * 1024)
 
 
 @dataclass
@@ -73,6 +98,9 @@ class ServerConfig:
     load_models: List[str] = field(default_factory=list)  # explicit mode: the models loaded at startup ("*": all)
 
     def __post_init__(self) -> None:
+        self._check_numbers()
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.front not in ("python", "cpp"):
             raise ValueError(f"--front must be python or cpp, got {self.front!r}")
         if self.front == "cpp" and self.device != "cpu":
@@ -91,6 +119,30 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{name.replace('_', '-')}: no such file: {path}")
+
+    def _check_numbers(self) -> None:
+        """Every numeric setting in its range, whichever way it came (flags, a --config file, the Python API): a
+        ValueError naming the flag, in one line, rather than a server that starts and refuses everything."""
+        for name in ("port", "http_port", "metrics_port"):
+            value = getattr(self, name)
+            if not (value is None and name != "port") and not _number_in(value, 0, 65535, integer=True):
+                raise ValueError(f"--{name.replace('_', '-')} takes a port number from 0 to 65535 (0: any free port), got {value!r}")
+        for name in ("max_batch_size", "max_queue"):
+            if not _number_in(getattr(self, name), 1, math.inf, integer=True):
+                raise ValueError(f"--{name.replace('_', '-')} takes an integer >= 1, got {getattr(self, name)!r}")
+        if self.torch_threads is not None and not _number_in(self.torch_threads, 1, MAX_TORCH_THREADS, integer=True):
+            raise ValueError(f"--torch-threads takes an integer from 1 to {MAX_TORCH_THREADS} (or none: the default), got {self.torch_threads!r}")
+        if not _number_in(self.max_delay_ms, 0, MAX_DELAY_MS):
+            raise ValueError(f"--max-delay-ms takes a number from 0 to {MAX_DELAY_MS}, got {self.max_delay_ms!r}")
+        for name, flag in (("poll_interval_s", "--poll-interval"), ("http_idle_timeout_s", "http_idle_timeout_s")):
+            value = getattr(self, name)
+            if not (_number_in(value, 0, MAX_SECONDS) and value > 0):
+                raise ValueError(f"{flag} takes a number above 0, up to {MAX_SECONDS}, got {value!r}")
+        if not _number_in(self.max_message_bytes, 1, MAX_MESSAGE_BYTES, integer=True):
+            raise ValueError(f"--max-message-mb takes a number of MB above 0 and below 1024 (1 to {MAX_MESSAGE_BYTES} bytes), "
+                             f"got {self.max_message_bytes!r} bytes")
+        if not _number_in(self.max_inflight_bytes, 1, 2**63 - 1, integer=True):
+            raise ValueError(f"--max-inflight-mb takes a number of MB above 0 (1 to {2**63 - 1} bytes), got {self.max_inflight_bytes!r} bytes")
 
     def ssl_context(self) -> Optional[ssl.SSLContext]:
         """The TLS context of the HTTP listeners (REST), or None without TLS."""
@@ -130,10 +182,12 @@ class Server:
         self._thread.start()
         try:
             self._call(self._start())
-            self.metrics.serve(
-                config.metrics_port, config.metrics_host or config.host,
-                config.tls_cert, config.tls_key, config.tls_client_ca,
-            )
+            metrics_host = config.metrics_host or config.host
+            try:
+                self.metrics.serve(config.metrics_port, metrics_host, config.tls_cert, config.tls_key, config.tls_client_ca)
+            except OSError as e:
+                assert config.metrics_port is not None  # serve() listens on nothing without a port
+                raise _cannot_listen(metrics_host, config.metrics_port, e) from None
         except BaseException:  # e.g. a port is taken: leave nothing running behind
             self._shutdown()
             raise
@@ -161,6 +215,11 @@ class Server:
             status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
             asyncio.run_coroutine_threadsafe(self.health.set(name, status), loop)
 
+        # a taken port fails the start before any model loads (the C++ front checks its own port)
+        listeners = [(config.host, config.http_port), (config.metrics_host or config.host, config.metrics_port)]
+        for host, port in listeners + ([(config.host, config.port)] if config.front == "python" else []):
+            if port and _bind_error(host, port):
+                raise _cannot_listen(host, port)
         self.repo = ModelRepository(config, self.metrics, on_change)
         # loading runs the self-checks: off the loop, so it never stalls a request
         if config.model_control == "explicit":
@@ -168,10 +227,12 @@ class Server:
         else:
             await loop.run_in_executor(None, self.repo.scan)
         # the transport admits twice the limit so that an oversized request gets our
-        # INVALID_ARGUMENT naming the size rather than gRPC's generic RESOURCE_EXHAUSTED
+        # INVALID_ARGUMENT naming the size rather than gRPC's generic RESOURCE_EXHAUSTED;
+        # no SO_REUSEPORT (gRPC's default): a second server on the port must fail, not take half its connections
         options = [
             ("grpc.max_receive_message_length", 2 * config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
         ]
         self.grpc = grpc.aio.server(options=options)
         self.inference = Inference(self.repo, self.metrics, config.max_inflight_bytes)
@@ -203,18 +264,19 @@ class Server:
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
                 root_certificates=ca, require_client_auth=ca is not None,
             )
-            self.port = self.grpc.add_secure_port(address, credentials)
+            self.port = _add_port(lambda: self.grpc.add_secure_port(address, credentials), config.host, config.port)
         else:
-            self.port = self.grpc.add_insecure_port(address)
-        if self.port == 0:
-            raise OSError(f"cannot listen on {address}")
+            self.port = _add_port(lambda: self.grpc.add_insecure_port(address), config.host, config.port)
         if self.front is None:
             await self.grpc.start()
         if config.http_port is not None:
             from recship.serving.rest import RestFront
 
             self.rest = RestFront(self.inference)
-            await self.rest.start(config.host, config.http_port, config.ssl_context())
+            try:
+                await self.rest.start(config.host, config.http_port, config.ssl_context())
+            except OSError as e:
+                raise _cannot_listen(config.host, config.http_port, e) from None
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         self.repo.start_watching()
 
@@ -272,6 +334,8 @@ class Server:
         if self.front is not None:
             self.front.stop(0)  # (already stopped after stop(): this returns at once)
             self.metrics.extra = self.metrics.extra_stats = None
+        if hasattr(self, "inference"):
+            self.inference.failures.flush()  # how many failed requests' lines were left out since the last one
         if hasattr(self, "repo"):
             self.repo.stop()
         if self._backend_dir is not None:
@@ -279,6 +343,46 @@ class Server:
         self.metrics.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+
+
+def _bind_error(host: str, port: int) -> str:
+    """Why a TCP listener cannot bind ``host:port``: the error of binding a plain socket to each address it resolves
+    to (with SO_REUSEADDR, as gRPC and asyncio bind; never SO_REUSEPORT), e.g. "address already in use"; "" when
+    every address binds. (gRPC's own error says only "Failed to bind".) The C++ front words it the same."""
+    try:
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return ""  # an unknown host: the listener's own error says it
+    for family, kind, proto, _, address in found:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+            except OSError as e:
+                if e.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                    why = os.strerror(e.errno) if e.errno else str(e)
+                    return why[:1].lower() + why[1:]
+    return ""
+
+
+def _cannot_listen(host: str, port: int, error: Optional[OSError] = None) -> OSError:
+    """The one-line error of a listener that cannot start: "cannot listen on HOST:PORT: address already in use"."""
+    why = _bind_error(host, port) if port else ""
+    if not why and error is not None:
+        why = os.strerror(error.errno) if error.errno else str(error)
+        why = why[:1].lower() + why[1:]
+    return OSError(f"cannot listen on {host}:{port}" + (f": {why}" if why else ""))
+
+
+def _add_port(add: Callable[[], int], host: str, port: int) -> int:
+    """The port gRPC listens on after ``add()`` (add_insecure_port or add_secure_port), or _cannot_listen's error."""
+    try:
+        bound = add()
+    except RuntimeError:  # grpcio: "Failed to bind to address ..."; older releases return 0
+        bound = 0
+    if bound == 0:
+        raise _cannot_listen(host, port)
+    return bound
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -332,7 +436,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_host=args.metrics_host, http_port=args.http_port,
         max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
         poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
-        max_message_bytes=int(args.max_message_mb * 1024 * 1024), max_inflight_bytes=int(args.max_inflight_mb * 1024 * 1024),
+        max_message_bytes=_megabytes("--max-message-mb", args.max_message_mb, below=1024),
+        max_inflight_bytes=_megabytes("--max-inflight-mb", args.max_inflight_mb),
         device=args.device, reflection=args.reflection,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
         model_format=args.model_format, front=args.front, model_control=args.model_control, load_models=list(args.load_model),
