@@ -765,9 +765,11 @@ def write_artifact(
             publish_version(tmp, out, stamp)
         else:
             manifest.write(tmp)
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)  # the artifact appears complete or not at all
+            if out.exists():  # --overwrite: swapped in at once (a server never sees the version missing)
+                _exchange(tmp, out)
+                shutil.rmtree(tmp)  # the old artifact, now under the staging name
+            else:
+                os.replace(tmp, out)  # the artifact appears complete or not at all
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -828,6 +830,23 @@ def _renameat2() -> Optional[Any]:
     function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     function.restype = ctypes.c_int
     return function
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swaps the folders ``a`` and ``b`` (same filesystem): atomic with renameat2(RENAME_EXCHANGE); where the
+    OS or filesystem lacks it, ``b`` is renamed aside first, so it is missing only between two renames."""
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        at_fdcwd, rename_exchange = -100, 2
+        if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise OSError(err, os.strerror(err), str(b))
+    aside = a.with_name(a.name + "-old")
+    os.rename(b, aside)
+    os.rename(a, b)
+    os.rename(aside, a)
 
 
 def _rename_noreplace(src: Path, dst: Path) -> None:

@@ -227,9 +227,11 @@ def _tbe_segments(tbe: Any, uvm: bool, total: int) -> List[Tuple[str, int, int, 
     placements = [int(p) for p in tbe.weights_placements.tolist()]
     offsets = [int(o) for o in tbe.weights_offsets.tolist()]
     names, rows = list(tbe.table_names), list(tbe.table_rows)
-    mine = sorted((offsets[t], names[t], rows[t]) for t in range(len(names)) if (placements[t] in _UVM_PLACEMENTS) == uvm)
+    # at one offset, the table with fewer rows first: a table of no rows has its next one's offset, and must not
+    # take that table's bytes
+    mine = sorted((offsets[t], rows[t], names[t]) for t in range(len(names)) if (placements[t] in _UVM_PLACEMENTS) == uvm)
     out = []
-    for k, (start, name, n) in enumerate(mine):
+    for k, (start, n, name) in enumerate(mine):
         end = mine[k + 1][0] if k + 1 < len(mine) else total
         out.append((name, start, end, n))
     if out and out[0][1] != 0:  # bytes before the first table: its own segment, still checked

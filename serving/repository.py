@@ -49,6 +49,7 @@ from recship.export.artifact import ArtifactError, Manifest, open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
+from recship.serving.server import MAX_DELAY_MS, MAX_TORCH_THREADS
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
@@ -141,11 +142,11 @@ def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSe
             if type(value) is not int or value < 1:
                 raise ConfigError(f"{where}: takes an integer >= 1, got {_value(value)}")
         elif dest == "torch_threads":
-            if value is not None and (type(value) is not int or value < 1):
-                raise ConfigError(f"{where}: takes an integer >= 1 (or null: the server's), got {_value(value)}")
+            if value is not None and (type(value) is not int or not 1 <= value <= MAX_TORCH_THREADS):
+                raise ConfigError(f"{where}: takes an integer from 1 to {MAX_TORCH_THREADS} (or null: the server's), got {_value(value)}")
         elif dest == "max_delay_ms":
-            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{where}: takes a number >= 0, got {_value(value)}")
+            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_DELAY_MS:
+                raise ConfigError(f"{where}: takes a number from 0 to {MAX_DELAY_MS}, got {_value(value)}")
             value = float(value)
         elif dest == "batching":
             if not isinstance(value, bool):

@@ -91,7 +91,7 @@ class ServerConfig:
     tls_cert: Optional[str] = None  # PEM certificate chain and key: every listener speaks TLS
     tls_key: Optional[str] = None
     tls_client_ca: Optional[str] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    trusted_sha256: Optional[str] = None  # allow-list file of model.pt sha256s; None: any artifact loads
+    trusted_sha256: Optional[str] = None  # allow-list file of manifest.json sha256s (each pins its version); None: any artifact loads
     model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
     front: str = "python"  # cpp: the C++ gRPC front answers Predict (serving/front.py); python: this process answers all
     model_control: str = "poll"  # poll: the repository's models load and follow it; explicit: only what load/unload asks for

@@ -6,9 +6,11 @@ the REST front refuses, in its words, before sending anything, and imports only 
 reader (cpp_loader/tools/recship_predict.cpp) says the same words (tests/cpp_loader/test_cpp_predict_json.py).
 """
 
+import sys
 from typing import Any, Optional, Sequence
 
 INT_RANGE = {"INT32": (-(2**31), 2**31 - 1), "INT64": (-(2**63), 2**63 - 1)}
+_DOUBLE_MAX = int(sys.float_info.max)
 
 
 def shown(text: object, limit: int = 64) -> str:
@@ -38,4 +40,6 @@ def number_error(name: str, datatype: str, values: Sequence[Any]) -> Optional[st
         lo, hi = INT_RANGE[datatype]
         if min(values) < lo or max(values) > hi:
             return f"input {shown(name)}: a value is outside {datatype}'s range"
+    if int in kinds and datatype not in INT_RANGE and any(type(v) is int and abs(v) > _DOUBLE_MAX for v in values):
+        return f"input {shown(name)}: a value is outside {datatype}'s range"  # (an int with no float at all)
     return None

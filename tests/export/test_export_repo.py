@@ -200,3 +200,36 @@ def test_an_export_removes_what_a_killed_export_left(tmp_path):
     (model_dir / ".version.tmp-deadbeef").mkdir()  # not a pid: not ours to judge
     pipeline._remove_abandoned(model_dir / ".version.tmp-")
     assert sorted(p.name for p in model_dir.iterdir()) == [f".version.tmp-{os.getpid()}-live", ".version.tmp-deadbeef"]
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["renameat2", "fallback"])
+def test_exchange_swaps_two_folders(tmp_path, monkeypatch, atomic):
+    if not atomic:
+        monkeypatch.setattr(pipeline, "_renameat2", lambda: None)
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "which").write_text(name)
+    pipeline._exchange(tmp_path / "a", tmp_path / "b")
+    assert [(tmp_path / n / "which").read_text() for n in ("a", "b")] == ["b", "a"]
+    assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_overwrite_swaps_the_artifact_in_without_a_moment_missing(tmp_path, monkeypatch):
+    """--overwrite of a served folder: before, the old folder was removed and then the new one renamed in, so a
+    server's scan could find the version gone and unload it (rolling back) in between."""
+    out = tmp_path / "repo" / "dlrm" / "1"
+    config = dict(model_name="dlrm", out=str(out), overwrite=True, dtype="int8", progress=False, validation_batches=1,
+                  batch_size_hint=32, format="torchscript")
+    first = export_model(_dlrm(0), ExportConfig(**config))
+    missing = []  # whether the served folder was missing after any removal the export made
+    rmtree = pipeline.shutil.rmtree
+
+    def watched_rmtree(path, *args, **kwargs):
+        rmtree(path, *args, **kwargs)
+        missing.append(not (out / "manifest.json").exists())
+
+    monkeypatch.setattr(pipeline.shutil, "rmtree", watched_rmtree)
+    second = export_model(_dlrm(1), ExportConfig(**config))
+    assert missing and not any(missing)
+    assert Manifest.read(out).to_dict() == second and second != first
+    assert sorted(os.listdir(out.parent)) == ["1"]  # the old artifact removed, nothing left beside it

@@ -107,3 +107,31 @@ def test_a_manifest_holding_nan_is_refused_as_corrupt(small_artifact, tmp_path):
                                        if '"relative_diff_vs_float": ' in text else text.replace('"error": ', '"error": NaN, "was": ', 1))
     with pytest.raises(ArtifactError, match=r"manifest.json is corrupt: NaN is not JSON"):
         open_artifact(art)
+
+
+def test_nan_recorded_outputs_fail_inspect_and_the_server_serves_nothing_of_it(small_artifact, tmp_path, capsys):
+    """Before, `recship inspect` said "sample self-check: ok" of an artifact whose recorded outputs were all NaN, and
+    the server loaded it and answered NaN with status OK (the C++ loader's refusal: tests/cpp_loader/test_cpp_integrity.py)."""
+    import shutil
+
+    import numpy as np
+
+    from recship.cli import main
+    from recship.serving.server import Server, ServerConfig
+
+    repo = tmp_path / "repo"
+    art = repo / "dlrm" / "1"
+    shutil.copytree(small_artifact, art)
+    for out in sorted((art / "sample").glob("outputs.*.bin")):
+        out.write_bytes(np.full(out.stat().st_size // 4, np.nan, dtype="<f4").tobytes())
+    message = f"{art}: sample file 'sample/{sorted((art / 'sample').glob('outputs.*.bin'))[0].name}' holds NaN or infinity"
+    assert main(["inspect", str(art)]) != 0
+    captured = capsys.readouterr()
+    assert "sample self-check: ok" not in captured.out and message in captured.err
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=1))
+    try:
+        assert server.repo.models() == []
+        (refused,) = server.repo.unavailable()
+        assert (refused.model, refused.version) == ("dlrm", "1") and message in refused.reason
+    finally:
+        server.stop()

@@ -411,6 +411,20 @@ def test_the_client_refuses_exactly_what_rest_refuses_in_its_words(ids, weights,
         assert list(request.sparse[0].lengths) == [len(row) for row in ids]
 
 
+@pytest.mark.parametrize("value", [10**400, -(10**309)])
+def test_an_int_past_a_doubles_range_in_fp32_data_is_a_400_not_a_500(served, value):
+    """JSON allows integers of any size; as FP32 such a one has no float at all (numpy raised OverflowError: 500)."""
+    server, model, channel = served
+    doc = valid_rest(7)
+    dense = next(t for t in doc["inputs"] if t["name"] == "dense")
+    dense["data"] = [value] + np.asarray(dense["data"]).ravel().tolist()[1:]
+    status, _, answer = http_request(server.rest.port, "POST", "/v2/models/dlrm/infer", json.dumps(doc).encode())
+    assert (status, json.loads(answer)) == (400, {"error": "input 'dense': a value is outside FP32's range"})
+    with pytest.raises(ValueError, match="a value is outside FP32's range"):  # the client: the same words, nothing sent
+        PredictClient.request("dlrm", {"cat_0": [[1]]}, [[value] + [0.0] * 12])
+    _good_predict_still_exact(channel, model, 8)
+
+
 def test_recship_predict_refuses_a_fractional_id_in_rests_words_without_sending_it(tmp_path, capsys):
     path = tmp_path / "request.json"
     path.write_text(json.dumps({"sparse": {"cat_0": [[1.5], [2]]}, "dense": [[0.5] * 13, [0.5] * 13]}))

@@ -224,7 +224,10 @@ DEFAULTS = ModelSettings(512, 2.0, True, 1024, None)
 BAD = [
     ("max_queue: -1\n", "max_queue: takes an integer >= 1, got -1"),
     ("batching: 1\n", "batching: takes true or false, got 1"),
-    ("max-delay-ms: -2\n", "max-delay-ms: takes a number >= 0, got -2"),
+    ("max-delay-ms: -2\n", "max-delay-ms: takes a number from 0 to 60000, got -2"),
+    ("max-delay-ms: 60001\n", "max-delay-ms: takes a number from 0 to 60000, got 60001"),
+    ("torch-threads: 1025\n", "torch-threads: takes an integer from 1 to 1024 (or null: the server's), got 1025"),
+    ("torch-threads: 0\n", "torch-threads: takes an integer from 1 to 1024 (or null: the server's), got 0"),
     ("version-policy: newest\n", "version-policy: takes latest: N, all, or specific: [versions], got 'newest'"),
     ("version-policy: {latest: 0}\n", "version-policy: latest takes a number of versions >= 1, got 0"),
     ("version-policy: {specific: []}\n", "version-policy: specific takes a list of version numbers >= 1, got []"),
