@@ -27,7 +27,7 @@ PLOT = ROOT / "bench" / "out" / "cpp_bench.png"
 
 def main() -> None:
     from recship.export import ExportConfig, export_model
-    from recship.export.artifact import load_artifact
+    from recship.export.artifact import open_artifact
     from recship.plots import write_bench_chart
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +44,7 @@ def main() -> None:
     torch.manual_seed(0)
     art = work / "dlrm"
     export_model(DLRM(config), ExportConfig(out=str(art), dtype="int8", progress=False, validation_batches=1))
-    model, _ = load_artifact(art)
+    model, _ = open_artifact(art)
     print(f"DLRM 26 x {config.num_embeddings_per_feature[0]} x {config.embedding_dim} INT8, {torch.get_num_threads()} threads")
     print(f"{'batch':>5s} {'C++ predict p50 ms':>19s} {'C++ raw forward ms':>19s} {'C++ overhead':>13s} {'Python forward ms':>18s} {'C++ predict / Python':>21s}")
     g = np.random.default_rng(0)

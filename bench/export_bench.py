@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/export_bench.py [--tables 26 --rows 100000 --dim 64] [--dtypes int8,int4]
                                            [--search both|on|off] [--workdir DIR]
-    .venv/bin/python bench/export_bench.py --rows 1000000 --dtypes int4   # issue 19: 6.6 GB float
+    .venv/bin/python bench/export_bench.py --rows 1000000 --dtypes int4   # real size: 6.6 GB float
     .venv/bin/python bench/export_bench.py --checkpoint CKPT [--dtypes ...]  # export a checkpoint already there
 
 Trains one step to get a checkpoint of that size, then exports it in a fresh process per

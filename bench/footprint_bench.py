@@ -3,8 +3,8 @@
     .venv/bin/python bench/footprint_bench.py [--tables 26 --rows 100000 --dim 64] [--dtype int8]
                                               [--format both|torchscript] [--reloads 5] [--workdir DIR]
                                               [--python OTHER/.venv/bin/python]   # another checkout: "before"
-    .venv/bin/python bench/footprint_bench.py --rows 1000000      # issue 27: 26 x 1M x 64, 6.6 GB float
-    .venv/bin/python bench/footprint_bench.py --model two_tower --rows 50000000 --dim 32   # issue 27: 50M x 32, 6.4 GB float
+    .venv/bin/python bench/footprint_bench.py --rows 1000000      # real size: 26 x 1M x 64, 6.6 GB float
+    .venv/bin/python bench/footprint_bench.py --model two_tower --rows 50000000 --dim 32   # real size: 50M x 32, 6.4 GB float
 
 Everything runs in child processes of the chosen interpreter (``--python``: the recship that
 interpreter imports, so two checkouts measure side by side). It builds a model of float tables,

@@ -165,7 +165,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 times = _float_section(args, torchrec, ebc, ids, lengths, keys)
                 module, baseline = "recship", "nn.EmbeddingBag"
             else:
-                qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type=dtype, error_minimizing=False, chunk_rows=262144))
+                qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype=dtype, error_minimizing=False, chunk_rows=262144))
                 tbe = qebc.tbes[0]
                 assert torch.equal(qebc(kjt).values(), tbe(ids, offsets))
 

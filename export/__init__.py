@@ -1,29 +1,24 @@
-"""Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript artifact.
+"""Export pipeline: checkpoint -> quantize -> reshard -> fx-trace -> TorchScript / AOTInductor artifact,
+and the artifact's reader.
 
 Names load on first use (PEP 562), so a command that only needs part of the package (``recship
 inspect --help``) does not import torch.
 """
 
-import importlib
-from typing import Any
+from typing import TYPE_CHECKING
+
+from recship.lazy import lazy_names
 
 _NAMES = {
-    "ExportConfig": "recship.export.pipeline",
-    "ExportError": "recship.export.pipeline",
-    "export_model": "recship.export.pipeline",
+    **dict.fromkeys(["ExportConfig", "ExportError", "export_model"], "recship.export.pipeline"),
     "shard_quant_model": "recship.export.sharded",
+    **dict.fromkeys(["ArtifactError", "Manifest", "open_artifact"], "recship.export.artifact"),
 }
 
-__all__ = list(_NAMES)
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'recship.export' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
+    from recship.export.artifact import ArtifactError as ArtifactError, Manifest as Manifest, open_artifact as open_artifact
+    from recship.export.pipeline import ExportConfig as ExportConfig, ExportError as ExportError, export_model as export_model
+    from recship.export.sharded import shard_quant_model as shard_quant_model

@@ -82,7 +82,7 @@ def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
 
     names = [f[0] for f in spec["features"]]
     rows = [f[2].num_embeddings for f in spec["features"]]
-    n, batch = config.validation_batches, config.batch_size_hint
+    n, batch = config.validation_batches, config.validation_batch_size
     if config.eval_data is not None:
         return eval_batches(config.eval_data, names, rows, spec["num_dense"], spec["weighted"], n, batch), config.eval_data
     if data_seed is not None:
@@ -279,7 +279,7 @@ def export_any_model(
     validation_report = {
         "data": data,
         "batches": len(validation),
-        "batch_size": config.batch_size_hint,
+        "batch_size": config.validation_batch_size,
         "max_abs_diff_vs_float": max_diff,
         "relative_diff_vs_float": relative,
         "max_relative_diff_vs_unsharded_quantized": vs_quantized,

@@ -36,14 +36,13 @@ import torch
 
 from recship.export.tables import (TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables,
                                    pt2_pinned)
+from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
 
 FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
 FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded
 # What a C++ process must dlopen (from fbgemm_gpu's folder, RTLD_NOW | RTLD_GLOBAL) before torch::jit::load:
 # TorchScript resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
-ID_POLICIES = ("reject", "modulo")
-DEVICES = ("cpu", "cuda")
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -677,7 +676,7 @@ def _check_sample_request(path: Path, manifest: Manifest, inputs: Dict[str, torc
             start += count
 
 
-FORMATS = ("auto", "torchscript", "aoti")
+FORMATS = LOAD_FORMATS
 
 
 def open_artifact(
@@ -846,7 +845,7 @@ class AotiModel:
         self._compiled = compiled
         self._constants = constants  # the package holds raw pointers into these (mapped tables): keep them alive
         # the package's flat entry point (positional tensors in input_order, outputs in output_order):
-        # skips the pytree round trip of compiled(...), ~80 us a call at batch 1 here
+        # skips the pytree round trip of compiled(...), a cost per call that dominates at batch 1
         self._run = getattr(getattr(compiled, "loader", None), "run", None)
         self._outputs = list(manifest.aoti.output_order)
         self._num_features = len(manifest.sparse_features)
@@ -872,14 +871,6 @@ class AotiModel:
         if self._run is None:
             return self._compiled(*inputs, *([] if self._weighted else [None]))
         return dict(zip(self._outputs, self._run(inputs)))
-
-
-def load_artifact(
-    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto"
-) -> Tuple[Any, Dict[str, Any]]:
-    """``open_artifact`` with the manifest as its JSON object, for the readers not yet on ``Manifest``."""
-    model, manifest = open_artifact(path, check, trusted, format)
-    return model, manifest.to_dict()
 
 
 def self_check(model: Callable[..., Dict[str, torch.Tensor]], path: Union[str, Path], manifest: Manifest,

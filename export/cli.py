@@ -2,29 +2,23 @@
 
 The flags are ExportConfig's fields (recship.export.pipeline): ``--dtype``/``dtype``,
 ``--table-dtype``/``table_dtypes``, ``--model-name``/``model_name`` (``--name`` for short),
-``--model-version``/``model_version`` (``--version``). Torch is imported when the export starts,
+``--model-version``/``model_version``. Torch is imported when the export starts,
 so ``--help`` and argument errors answer at once.
 """
 
 import argparse
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from recship.cli import json_object, one_of
+from recship.flags import json_object, one_of
+from recship.names import DEVICES, EXPORT_DTYPES, EXPORT_FORMATS, INFERENCE_SHARDINGS, LOG_FORMATS, MODEL_NAME
 
 if TYPE_CHECKING:
     from recship.export.pipeline import ExportConfig
 
-# The names --dtype takes: recship.quantize.quantizer.INFERENCE_TYPES and "auto", repeated here so
-# that --help needs no torch (tests/test_cli.py checks that they agree).
-DTYPES = ("int8", "int4", "int2", "fp8", "fp16", "fp32", "auto")
-SHARDINGS = ("table_wise", "row_wise", "column_wise")
-DEVICES = ("cpu", "cuda")
-FORMATS = ("auto", "torchscript", "aoti", "both")
-LOG_FORMATS = ("text", "json")
-# A model folder's name (recship.export.pipeline.MODEL_NAME, serving's too; tests/test_cli.py checks that they agree)
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+DTYPES = EXPORT_DTYPES
+SHARDINGS = INFERENCE_SHARDINGS
+FORMATS = EXPORT_FORMATS
 
 
 def _pair(what: str) -> Callable[[str], str]:
@@ -65,13 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
     parser.add_argument("--sharding", type=one_of(SHARDINGS, "sharding"), choices=SHARDINGS,
                         help="shard every table this way, in either case (default: the planner picks per table)")
-    parser.add_argument("--batch-size-hint", type=int, default=512, help="the batch size of the validation batches (default 512)")
+    parser.add_argument("--validation-batch-size", type=int, default=512, help="the batch size of the validation batches (default 512)")
     parser.add_argument("--id-policy", action="append", type=_pair("--id-policy"), metavar="FEATURE=reject|modulo",
                         help="what a feature does with an id past its table's rows, repeatable; *=modulo sets every feature "
                              "(default reject: the request is refused)")
     parser.add_argument("--model-name", "--name", dest="model_name", metavar="NAME",
                         help="the model's name in the manifest; with --repo, also its folder (default model; needed with --repo)")
-    parser.add_argument("--model-version", "--version", dest="model_version", type=int, metavar="N",
+    parser.add_argument("--model-version", dest="model_version", type=int, metavar="N",
                         help="the model version in the manifest (default 1; with --repo, the next free number)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory (default off)")
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
@@ -113,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--name {args.model_name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
                              "starting with a letter or digit")
         if args.model_version is not None:
-            raise ValueError("--version does not apply with --repo: the version is the next number in the repository")
+            raise ValueError("--model-version does not apply with --repo: the version is the next number in the repository")
         if args.overwrite:
             raise ValueError("--overwrite does not apply with --repo: every export is a new version")
     if not Path(args.checkpoint).exists():  # before torch loads: a mistyped path answers at once
@@ -133,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         shards=args.shards,
         sharding=args.sharding,
-        batch_size_hint=args.batch_size_hint,
+        validation_batch_size=args.validation_batch_size,
         id_policy=_pairs(args.id_policy),
         model_name=args.model_name if args.model_name is not None else "model",
         model_version=args.model_version if args.model_version is not None else 1,

@@ -19,7 +19,6 @@ import errno
 import functools
 import logging
 import os
-import re
 import shutil
 import sys
 import uuid
@@ -34,6 +33,7 @@ from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sampl
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.sharded import plan_inference_shards, shard_quantized
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
+from recship.names import DEVICES, EXPORT_FORMATS, INFERENCE_SHARDINGS, MODEL_NAME, VERSION_NAME
 from recship.quantize.flat import FlatPooledLookup
 from recship.quantize.modules import ID_POLICIES, host_rows_from
 from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
@@ -56,10 +56,6 @@ class ExportError(ValueError):
     """The export cannot proceed; the message names the problem."""
 
 
-# The model repository's names (serving/repository.py's MODEL_NAME and VERSION_NAME; export
-# does not import serving, so they are repeated here and a test checks that they agree).
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-VERSION_NAME = re.compile(r"[0-9]{1,18}")
 TABLES_CHART = "tables.png"  # the artifact's optional chart of its tables (ExportConfig.plot)
 
 
@@ -77,7 +73,7 @@ class ExportConfig:
         largest allowed output error (|prob| for a DLRM, relative for embeddings).
     device: "cpu" or "cuda"; shards: number of devices (on CPU: shards in host memory).
     sharding: force table_wise / row_wise / column_wise for every table (default: planner).
-    batch_size_hint: batch size of the validation batches.
+    validation_batch_size: batch size of the validation batches.
     id_policy: feature -> "reject" (default) or "modulo".
     format: "torchscript" writes model.pt; "both" (or "aoti") also the AOTInductor model.pt2
         (loaders prefer it where it runs; model.pt stays as the fallback); "auto": both where a
@@ -96,7 +92,7 @@ class ExportConfig:
     device: str = "cpu"
     shards: int = 1
     sharding: Optional[str] = None
-    batch_size_hint: int = 512
+    validation_batch_size: int = 512
     model_name: str = "model"
     model_version: int = 1
     id_policy: Dict[str, str] = field(default_factory=dict)
@@ -125,21 +121,21 @@ class ExportConfig:
                                   "1-128 of A-Z a-z 0-9 _ . - starting with a letter or digit")
             if self.overwrite:
                 raise ExportError("overwrite does not apply to repo (--overwrite with --repo): every export is a new version")
-        if self.format not in ("auto", "torchscript", "aoti", "both"):
+        if self.format not in EXPORT_FORMATS:
             raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.shards:
             raise ExportError(f"{self.shards} cuda shard(s) asked for, {torch.cuda.device_count()} CUDA device(s) present")
         if self.shards < 1:
             raise ExportError(f"shards must be >= 1, got {self.shards}")
-        if self.sharding is not None and self.sharding not in ("table_wise", "row_wise", "column_wise"):
+        if self.sharding is not None and self.sharding not in INFERENCE_SHARDINGS:
             raise ExportError(f"sharding must be table_wise, row_wise or column_wise, got {self.sharding!r}")
         for f, p in self.id_policy.items():
             if p not in ID_POLICIES:
                 raise ExportError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {p!r}")
         try:
-            QuantConfig(data_type=self.dtype, per_table=dict(self.table_dtypes), error_budget=self.error_budget or 0.01)
+            QuantConfig(dtype=self.dtype, table_dtypes=dict(self.table_dtypes), error_budget=self.error_budget or 0.01)
         except ValueError as e:
             raise ExportError(str(e)) from None
         if self.error_budget is not None and self.error_budget <= 0:
@@ -151,7 +147,7 @@ class ExportConfig:
 
     def quant_config(self) -> QuantConfig:
         return QuantConfig(
-            data_type=self.dtype, per_table=dict(self.table_dtypes), error_budget=self.error_budget or 0.01,
+            dtype=self.dtype, table_dtypes=dict(self.table_dtypes), error_budget=self.error_budget or 0.01,
             error_minimizing=self.error_minimizing, device=self.device, id_policy=dict(self.id_policy), seed=self.seed,
         )
 
@@ -450,7 +446,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         unknown_features = sorted(set(config.id_policy) - set(names))
         if unknown_features:
             raise ExportError(f"id policy names features the model does not have: {unknown_features}")
-        validation = _batches(src, config, config.validation_batches, config.batch_size_hint, stream=0)
+        validation = _batches(src, config, config.validation_batches, config.validation_batch_size, stream=0)
         qconfig = config.quant_config()
 
         bar.next("quantize + shard")
@@ -625,7 +621,7 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
         "max_abs_error": max_err,
         "max_relative_error_vs_unsharded_quantized": vs_quantized,
         "batches": len(validation),
-        "batch_size": config.batch_size_hint,
+        "batch_size": config.validation_batch_size,
     }
     if vs_quantized > 1e-4:
         raise ExportError(

@@ -26,13 +26,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from recship.names import ID_POLICIES
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.sparse.ids import first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.types import DataType, PoolingType
-
-ID_POLICIES = ("reject", "modulo")
 
 
 @torch.fx.wrap

@@ -22,23 +22,21 @@ import copy
 import dataclasses
 import json
 import math
-from dataclasses import InitVar, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
 
 import torch
 from torch import nn
 
+from recship.names import AUTO, INFERENCE_TYPES, DataType
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_rows, row_bytes, row_chunks, single_threaded_pool
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.text import text_table
-from recship.trainer.types import DataType
 
-INFERENCE_TYPES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP8, DataType.FP16, DataType.FP32)
 # auto mode tries these, smallest first (FP8 costs what INT8 costs and is less accurate here)
 AUTO_CANDIDATES = (DataType.INT2, DataType.INT4, DataType.INT8, DataType.FP16, DataType.FP32)
-AUTO = "auto"
 
 
 def _parse_type(value: Union[str, DataType], what: str) -> Union[str, DataType]:
@@ -80,9 +78,6 @@ class QuantConfig:
             whose dtypes give the output type (float32 only) and ``dtype``, and
             table -> torch dtype entries for ``table_dtypes`` (``DataType.from_quant_dtype``).
             Pass them by keyword; a type they give must agree with one given directly.
-        data_type, per_table: the earlier names of ``dtype`` and ``table_dtypes``, still accepted
-            as keywords (and readable as attributes); giving both spellings with different values
-            is a ValueError.
     """
 
     # torch's quantize_dynamic treats a qconfig with ``_fields == ("activation", "weight")``
@@ -104,20 +99,8 @@ class QuantConfig:
     activation: Optional[Callable[[], Any]] = None
     weight: Optional[Callable[[], Any]] = None
     per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
-    data_type: InitVar[Union[str, DataType, None]] = None  # the earlier name of dtype
-    per_table: InitVar[Optional[Dict[str, Union[str, DataType]]]] = None  # the earlier name of table_dtypes
 
-    def __post_init__(self, data_type: Union[str, DataType, None], per_table: Optional[Dict[str, Union[str, DataType]]]) -> None:
-        if data_type is not None:
-            if self.dtype is not None and self.dtype != data_type:
-                raise ValueError(f"dtype={self.dtype!r} and data_type={data_type!r} (its earlier name) disagree; give one "
-                                 "(dataclasses.replace changing dtype: pass data_type=None too)")
-            self.dtype = data_type
-        if per_table is not None:
-            if self.table_dtypes and self.table_dtypes != per_table:
-                raise ValueError("table_dtypes and per_table (its earlier name) disagree; give one "
-                                 "(dataclasses.replace changing table_dtypes: pass per_table=None too)")
-            self.table_dtypes = dict(per_table)
+    def __post_init__(self) -> None:
         if callable(self.dtype) and not isinstance(self.dtype, (str, DataType)):
             raise TypeError(
                 "QuantConfig's first argument is dtype; pass TorchRec's observers by keyword: "
@@ -157,9 +140,6 @@ class QuantConfig:
 
 # what torch's quantize_dynamic reads to tell a namedtuple QConfig (see the comment above)
 QuantConfig._fields = tuple(f.name for f in dataclasses.fields(QuantConfig))
-# the earlier names, readable as before (set after the class: the dataclass took their defaults as InitVars)
-setattr(QuantConfig, "data_type", property(lambda self: self.dtype, doc="the earlier name of dtype"))
-setattr(QuantConfig, "per_table", property(lambda self: self.table_dtypes, doc="the earlier name of table_dtypes"))
 
 
 def _observer_dtype(factory: Any, what: str) -> torch.dtype:
@@ -550,7 +530,7 @@ def quantize_embeddings(
             ModuleDicts too), several, weighted or not. A collection reached by two paths
             (shared between towers) is quantized once and both paths get the same module.
         dtype: every table's type (a DataType, its name, or "auto"); default INT8.
-        table_dtypes: table -> type, overriding ``dtype`` (``per_table=``, its earlier name, works too). A key is a table name, or
+        table_dtypes: table -> type, overriding ``dtype``. A key is a table name, or
             "<collection path>.<table>" where two collections have a table of that name.
         inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
         weights: ``weights(collection path, table)`` loads an EmbeddingBagCollection table's
@@ -584,7 +564,7 @@ def quantize_embeddings(
     swapped: Dict[int, nn.Module] = {}
     for key, (path, m) in collections.items():
         # per_table_weight_dtype is already in config.table_dtypes, and split among the collections
-        sub = dataclasses.replace(config, table_dtypes=assigned[key], per_table=None, per_table_weight_dtype=None, id_policy=policies[key])
+        sub = dataclasses.replace(config, table_dtypes=assigned[key], per_table_weight_dtype=None, id_policy=policies[key])
         if isinstance(m, EmbeddingBagCollection):
             load = None if weights is None else (lambda name, path=path: weights(path, name))
             hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
@@ -644,7 +624,7 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
         qconfig,
         device=str(next(iter(devices))),
         row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
-        table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared}, per_table=None,
+        table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared},
         per_table_weight_dtype=None,
     )
     if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)

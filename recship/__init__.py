@@ -6,8 +6,9 @@ fbgemm_gpu only. Names and subpackages load on first use (PEP 562), so
 not load torch; fbgemm_gpu is imported by the parts that need it.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING
+
+from recship.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -24,23 +25,8 @@ _EXPORTS = {
     ),
     "QuantConfig": "recship.quantize.quantizer",
 }
-_SUBMODULES = ["cli", "demo", "distributed", "export", "fx", "models", "quantize", "serving", "sparse", "trainer"]
-
 __all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    if name in _SUBMODULES:
-        return importlib.import_module(f"recship.{name}")
-    raise AttributeError(f"module 'recship' has no attribute {name!r}")
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBMODULES))
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
 
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers

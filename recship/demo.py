@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     _step("Quantize the tutorial's product/user tables to INT8 (fbgemm inference TBE)")
     from recship.quantize import QuantConfig, quantize_embedding_bag_collection
 
-    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
     data, scale_bias = qebc.table_weights()["product_table"]
     assert scale_bias is not None  # INT8 rows carry an fp16 scale and bias
     print(f"   product_table rows: {data.dtype} x {data.shape[1]} + {scale_bias.shape[1]} bytes of fp16 scale/bias "
@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
     for _, cfg, weight in reader.tables():
         trained.embedding_bags[cfg.name].weight = torch.nn.Parameter(weight, requires_grad=False)
     for dtype in ("int8", "int4"):
-        _, report = quantize_embedding_bag_collection(trained, QuantConfig(data_type=dtype))
+        _, report = quantize_embedding_bag_collection(trained, QuantConfig(dtype=dtype))
         print(f"   {dtype}:\n   " + str(report).replace("\n", "\n   "))
 
     _step("Export the trained DLRM: INT8 (TorchScript + AOTInductor) into a model repository, and INT4 (2 shards each), "

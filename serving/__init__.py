@@ -1,20 +1,21 @@
 """gRPC prediction server for exported recship artifacts, and its Python client.
 
-The generated protobuf stubs live in ``recship.serving.v1`` (built from protos/).
-``PredictClient`` is loaded on first use, so ``recship serve --help`` imports neither grpc nor numpy.
+The generated protobuf stubs live in ``recship.serving.v1`` (built from protos/). Names load on
+first use, so ``recship serve --help`` imports neither grpc nor numpy, and ``PredictClient`` no torch.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from recship.serving.client import PredictClient
+from recship.lazy import lazy_names
 
-__all__ = ["PredictClient"]
+_NAMES = {
+    "PredictClient": "recship.serving.client",
+    **dict.fromkeys(["Server", "ServerConfig"], "recship.serving.server"),
+}
 
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
 
-def __getattr__(name: str) -> Any:
-    if name == "PredictClient":
-        from recship.serving.client import PredictClient
-
-        return PredictClient
-    raise AttributeError(f"module 'recship.serving' has no attribute {name!r}")
+if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
+    from recship.serving.client import PredictClient as PredictClient
+    from recship.serving.server import Server as Server, ServerConfig as ServerConfig

@@ -127,9 +127,9 @@ def outputs_of(response: pb.PredictResponse) -> Dict[str, np.ndarray]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:8500", help="the server's gRPC address, host:port (default 127.0.0.1:8500)")
-    parser.add_argument("--model-name", "--model", dest="model", metavar="NAME", required=True,
+    parser.add_argument("--model-name", dest="model", metavar="NAME", required=True,
                         help="the model's name in the server's repository, its folder (required)")
-    parser.add_argument("--model-version", "--version", dest="version", metavar="N", type=int, default=0,
+    parser.add_argument("--model-version", dest="version", metavar="N", type=int, default=0,
                         help="the model version to ask for; 0 asks for the newest the server serves (default 0)")
     parser.add_argument("--request", required=True,
                         help='a JSON file: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], "weights": {...}} (required)')

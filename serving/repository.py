@@ -44,8 +44,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from recship.cli import parse_mapping
+from recship.flags import parse_mapping
 from recship.export.artifact import ArtifactError, Manifest, open_artifact
+from recship.names import ID_POLICIES, MODEL_NAME, VERSION_NAME
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
@@ -57,10 +58,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("recship.serving")
 
-# Model names appear in URLs (/v2/models/<name>) and metric labels: a safe, short alphabet.
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-# Versions are ASCII digits ("²".isdigit() is true, but int("²") fails); 18 digits fit int64.
-VERSION_NAME = re.compile(r"[0-9]{1,18}")
 
 
 MODEL_CONFIG = "config.yaml"  # DIR/<model>/config.yaml: the model's own settings (ModelSettings)
@@ -189,7 +186,7 @@ def _id_policy(where: str, value: Any) -> Tuple[Tuple[str, str], ...]:
     if not isinstance(value, dict) or not value:
         raise ConfigError(f"{where}: takes a mapping of sparse features to reject or modulo, got {_value(value)}")
     for feature, policy in value.items():
-        if not isinstance(feature, str) or policy not in ("reject", "modulo"):
+        if not isinstance(feature, str) or policy not in ID_POLICIES:
             raise ConfigError(f"{where}: {shown(feature)}: takes reject or modulo, got {_value(policy)}")
     return tuple(sorted(value.items()))
 
@@ -300,8 +297,8 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
 def default_torch_threads() -> int:
     """Intra-op threads for the forwards: every core but one (left to the request path), from 3 cores up.
 
-    On 2 cores that split would halve the forward: a 512-example forward of the MLPerf-shaped
-    bench model served at p50 46 ms with 1 thread against 35 ms with 2 (bench/serve_bench.py).
+    On 2 cores that split would halve the forward (bench/serve_bench.py measures a 512-example forward
+    with 1 thread and with 2).
     """
     cores = os.cpu_count() or 1
     return cores - 1 if cores > 2 else cores

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional
 
-from recship.logs import JsonFormatter, configure_logging  # noqa: F401  (JsonFormatter: re-exported)
+from recship.logs import configure_logging
+from recship.names import DEVICES, LOAD_FORMATS, LOG_FORMATS
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
@@ -99,7 +100,7 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         self._check_numbers()
-        if self.device not in ("cpu", "cuda"):
+        if self.device not in DEVICES:
             raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
         if self.front not in ("python", "cpp"):
             raise ValueError(f"--front must be python or cpp, got {self.front!r}")
@@ -109,7 +110,7 @@ class ServerConfig:
             raise ValueError(f"--model-control must be poll or explicit, got {self.model_control!r}")
         if self.load_models and self.model_control != "explicit":
             raise ValueError("--load-model applies with --model-control explicit (polling loads every model)")
-        if self.model_format not in ("auto", "torchscript", "aoti"):
+        if self.model_format not in LOAD_FORMATS:
             raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
@@ -406,15 +407,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message-mb", type=float, default=64, help="largest request accepted, gRPC and HTTP (default 64 MB)")
     parser.add_argument("--max-inflight-mb", type=float, default=256,
                         help="request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / 503 (default 256 MB)")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where models run; artifacts must be exported for it (default cpu)")
-    parser.add_argument("--log-format", default="json", choices=["json", "text"], help="json: one JSON object per line; text: time, level, logger and message (default json)")
+    parser.add_argument("--device", default="cpu", choices=DEVICES, help="where models run; artifacts must be exported for it (default cpu)")
+    parser.add_argument("--log-format", default="json", choices=LOG_FORMATS, help="json: one JSON object per line; text: time, level, logger and message (default json)")
     parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
                         help="gRPC server reflection for Predictor and health (default on)")
     parser.add_argument("--tls-cert", help="PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS (default: plaintext)")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
     parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed, mutual TLS (default: no client certificates)")
     parser.add_argument("--trusted-sha256", help="allow-list file of manifest.json sha256s, one a line (sha256sum */*/manifest.json output works); a listed manifest pins every file of its version through its checksums, and a version whose manifest is not listed is refused (default: any artifact loads)")
-    parser.add_argument("--model-format", default="auto", choices=["auto", "torchscript", "aoti"],
+    parser.add_argument("--model-format", default="auto", choices=LOAD_FORMATS,
                         help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
                              "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")
     parser.add_argument("--front", default="python", choices=["python", "cpp"],

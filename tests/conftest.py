@@ -59,7 +59,7 @@ def small_artifacts(tmp_path_factory):
             extra.update(shards=shards, sharding="row_wise")
         out = tmp_path_factory.mktemp("artifact") / f"{model}_{dtype}_{device}_{format}_{shards}"
         export_model(module, ExportConfig(out=str(out), dtype=dtype, device=device, progress=False, validation_batches=1,
-                                          batch_size_hint=32, format=format, **extra))
+                                          validation_batch_size=32, format=format, **extra))
         built[key] = out
         return out
 

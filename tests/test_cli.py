@@ -37,22 +37,6 @@ def test_closed_sets_are_choices(command, flags):
     assert {f: bool(actions[f].choices) for f in flags} == dict.fromkeys(flags, True)
 
 
-def test_choice_lists_match_the_enums():
-    from recship.export import cli as export_cli
-    from recship.export import pipeline
-    from recship.quantize.quantizer import INFERENCE_TYPES
-    from recship.serving import repository
-    from recship.trainer import EmbOptimType, ShardingType, config
-    from recship.trainer.dlrm import CRITEO_NUM_SPARSE
-
-    assert config.OPTIMIZERS == tuple(o.value for o in EmbOptimType)
-    assert set(config.CPU_OPTIMIZERS) == {o.value for o in EmbOptimType if o.cpu_supported}
-    assert config.SHARDINGS == tuple(s.value for s in ShardingType)
-    assert set(export_cli.DTYPES) == {d.name.lower() for d in INFERENCE_TYPES} | {"auto"}
-    assert export_cli.MODEL_NAME.pattern == pipeline.MODEL_NAME.pattern == repository.MODEL_NAME.pattern
-    assert config.CRITEO_NUM_SPARSE == CRITEO_NUM_SPARSE
-
-
 # -- startup: answers that need no torch -------------------------------------------------------
 
 
@@ -75,7 +59,7 @@ ARGUMENT_ERRORS = {
     "export": ["export", "/nonexistent/checkpoint", "--out", "x"],
     "inspect": ["inspect"],
     "serve": ["serve", "--port", "x"],
-    "predict": ["predict", "--model", "m"],
+    "predict": ["predict", "--model-name", "m"],
 }
 
 
@@ -240,11 +224,11 @@ def test_an_export_shows_no_instance_annotation_warning(tmp_path):
         warnings.simplefilter("always")
         from recship.quantize import QuantConfig, quantize_embedding_bag_collection
 
-        qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+        qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
         torch.jit.script(symbolic_trace(ExportedEmbeddings(FlatPooledLookup.of(qebc))))
     if not any(message in str(w.message) for w in raw):
         pytest.skip("this torch no longer warns about instance-level annotations")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        export_model(ebc, ExportConfig(out=str(tmp_path / "a"), progress=False, batch_size_hint=8, validation_batches=1, format="torchscript"))
+        export_model(ebc, ExportConfig(out=str(tmp_path / "a"), progress=False, validation_batch_size=8, validation_batches=1, format="torchscript"))
     assert [str(w.message) for w in seen if message in str(w.message)] == []

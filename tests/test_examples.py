@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from recship.export.artifact import load_artifact
+from recship.export.artifact import open_artifact
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,8 @@ def test_the_example_trains_exports_and_serves_from_the_repository_root(tmp_path
     result = subprocess.run([sys.executable, "examples/my_model.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     answer = ast.literal_eval(result.stdout.strip().splitlines()[-1])
-    model, manifest = load_artifact(tmp_path / "repo" / "my_model" / "1")
+    model, m = open_artifact(tmp_path / "repo" / "my_model" / "1")
+    manifest = m.to_dict()
     assert [f["name"] for f in manifest["sparse_features"]] == ["video", "channel"]
     assert manifest["model"]["entry_point"] == {"model": "examples.my_model:build", "args": {"videos": 500, "channels": 50}}
     with torch.no_grad():  # the request the example sends: video [3, 17], channel [5], dense [2, 0, 7]
@@ -172,7 +173,7 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
         with urllib.request.urlopen(post, timeout=30) as r:
             answer = json.loads(r.read())
         capsys.readouterr()
-        assert recship(["predict", "--target", f"127.0.0.1:{server.port}", "--model", "dlrm",
+        assert recship(["predict", "--target", f"127.0.0.1:{server.port}", "--model-name", "dlrm",
                         "--request", str(ROOT / "examples" / "predict_request.json")]) == 0
         predicted = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     finally:

@@ -225,7 +225,7 @@ def _small_dlrm():
 def _export_config(**kw):
     from recship.export import ExportConfig
 
-    return ExportConfig(**{"progress": False, "validation_batches": 1, "batch_size_hint": 32, "format": "torchscript", **kw})
+    return ExportConfig(**{"progress": False, "validation_batches": 1, "validation_batch_size": 32, "format": "torchscript", **kw})
 
 
 def test_export_puts_the_table_chart_in_the_artifact(tmp_path):

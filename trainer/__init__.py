@@ -4,8 +4,9 @@ Names load on first use (PEP 562): ``recship train --help`` imports ``recship.tr
 without torch, and ``from recship.trainer import EmbeddingBagCollection`` still works.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any, List
+from typing import TYPE_CHECKING
+
+from recship.lazy import lazy_names
 
 # public name -> the module that defines it
 _NAMES = {
@@ -25,27 +26,11 @@ _NAMES = {
         ],
         "recship.trainer.planner",
     ),
-    **dict.fromkeys(["DataType", "PoolingType"], "recship.trainer.types"),
+    **dict.fromkeys(["DataType", "PoolingType"], "recship.names"),
 }
 
 __all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    try:  # a submodule used as an attribute (recship.trainer.planner) before anything imported it
-        return importlib.import_module(f"{__name__}.{name}")
-    except ModuleNotFoundError as e:
-        if e.name != f"{__name__}.{name}":
-            raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> List[str]:
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
 
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers

@@ -192,7 +192,7 @@ def _dcp_shapes(path: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:
 #
 # DCP's FileSystemWriter stores each tensor chunk as a torch.save zip at (offset, length) of a
 # data file, its storage bytes uncompressed. dcp.load reads each chunk into a new buffer and
-# then copies it into the destination: two copies of every float table, at ~1 GB/s on a VM.
+# then copies it into the destination: two copies of every float table.
 # Mapping the storage bytes from the page cache instead costs a page table entry per page.
 
 
@@ -289,8 +289,3 @@ def _mapped_tensor(
         rows, cols = (slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
         weight[rows, cols].view(torch.uint8).copy_(view.view(len(range(rows.start, rows.stop)), -1))
     return weight
-
-
-def load_for_export(path: Union[str, Path]) -> CheckpointReader:
-    """The export pipeline's entry point: a CheckpointReader on ``path``."""
-    return CheckpointReader(path)

@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
-from recship.cli import FlagError, json_object, one_of, read_config_file
+from recship.flags import FlagError, json_object, one_of, read_config_file
 from recship.trainer.config import CHOICES, HELP, TrainConfig, default_of
 
 

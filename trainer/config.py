@@ -7,18 +7,13 @@ argument errors answer at once; ``recship.trainer.train`` runs the config.
 from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
 
+from recship.names import CPU_OPTIMIZERS, CRITEO_NUM_SPARSE, LOG_FORMATS, OPTIMIZERS, SHARDINGS
+from recship.names import DEVICES as _DEVICES
+
 if TYPE_CHECKING:
     from recship.trainer.dlrm import DLRMConfig
 
-# The names ``--optimizer``, ``--sharding`` and ``--device`` take: EmbOptimType's and ShardingType's
-# values, repeated here so that no enum module (and torch with it) is imported to list them;
-# tests/test_cli.py checks that they agree with the enums.
-OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad", "adam", "partial_rowwise_adam", "lamb")
-CPU_OPTIMIZERS = ("exact_sgd", "exact_adagrad", "exact_rowwise_adagrad")  # fbgemm's CPU kernels; the others need CUDA
-SHARDINGS = ("data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise")
-DEVICES = ("auto", "cpu", "cuda")
-LOG_FORMATS = ("text", "json")
-CRITEO_NUM_SPARSE = 26  # the built-in DLRM's categorical features (recship.trainer.dlrm.CRITEO_NUM_SPARSE)
+DEVICES = ("auto",) + _DEVICES  # auto: cuda where torch sees a GPU, else cpu
 
 
 @dataclass

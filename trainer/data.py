@@ -22,6 +22,7 @@ from typing import Any, Callable, Dict, Generator, Iterator, List, Optional, Typ
 
 import torch
 
+from recship.names import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recship.sparse import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ class SyntheticCriteo:
         # Zipf over ids, through a fixed random permutation so popular ids are spread out.
         self._zipf_cdf = []
         self._perm = []
-        cdfs: Dict[int, torch.Tensor] = {}  # tables of one size share theirs (26 x 1M rows: 1.5 s to build each)
+        cdfs: Dict[int, torch.Tensor] = {}  # tables of one size share theirs (each is costly at 1M rows)
         for rows in config.num_embeddings_per_feature:
             if rows not in cdfs:
                 w = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** config.zipf_alpha
@@ -139,8 +140,8 @@ class CriteoTSV:
         rank, world_size: this rank reads lines i with i % world_size == rank.
     """
 
-    NUM_DENSE = 13
-    NUM_SPARSE = 26
+    NUM_DENSE = CRITEO_NUM_DENSE
+    NUM_SPARSE = CRITEO_NUM_SPARSE
 
     def __init__(
         self,

@@ -12,14 +12,12 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
+from recship.names import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.types import PoolingType
 
-# Criteo's layout: 13 integer (dense) features, 26 categorical (sparse) features.
-CRITEO_NUM_DENSE = 13
-CRITEO_NUM_SPARSE = 26
 
 
 @dataclass

@@ -13,9 +13,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import nn
 
-DLRM_ENTRY_POINT = "recship.models:dlrm"
-
-
 def load_factory(entry: str) -> Callable[..., nn.Module]:
     """The callable named by ``package.module:factory``; ValueError naming what is wrong."""
     module_name, sep, attr = entry.partition(":")

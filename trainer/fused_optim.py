@@ -17,50 +17,12 @@ used from the next backward on.
 import inspect
 from collections import OrderedDict
 from dataclasses import dataclass, fields
-from enum import Enum, unique
+from enum import Enum
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-
-@unique
-class EmbOptimType(Enum):
-    EXACT_SGD = "exact_sgd"
-    EXACT_ADAGRAD = "exact_adagrad"
-    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
-    ADAM = "adam"
-    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
-    LAMB = "lamb"
-
-    @classmethod
-    def _missing_(cls, value: object) -> Optional["EmbOptimType"]:
-        """``EmbOptimType("EXACT_SGD")`` is ``EmbOptimType("exact_sgd")``: the name works as well as the value."""
-        if isinstance(value, str):
-            return cls._value2member_map_.get(value.lower())  # type: ignore[return-value]
-        return None
-
-    @property
-    def cpu_supported(self) -> bool:
-        return self in _CPU_OPTIMIZERS
-
-    def state_floats(self, rows: int, cols: int) -> int:
-        """fp32 optimizer-state elements for a [rows, cols] shard."""
-        if self is EmbOptimType.EXACT_SGD:
-            return 0
-        if self is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
-            return rows  # one running mean of g^2 per row
-        if self is EmbOptimType.EXACT_ADAGRAD:
-            return rows * cols
-        if self is EmbOptimType.PARTIAL_ROWWISE_ADAM:
-            return rows * cols + rows  # full first moment, row-wise second moment
-        return 2 * rows * cols  # ADAM, LAMB: two full moments
-
-
-_CPU_OPTIMIZERS = (
-    EmbOptimType.EXACT_SGD,
-    EmbOptimType.EXACT_ADAGRAD,
-    EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-)
+from recship.names import EmbOptimType
 
 
 @dataclass
@@ -95,7 +57,7 @@ class FusedOptimizerConfig:
     def check_device(self, device_type: str) -> None:
         """Raises ValueError if this optimizer cannot run on ``device_type``."""
         if device_type == "cpu" and not self.optimizer.cpu_supported:
-            supported = ", ".join(o.name for o in _CPU_OPTIMIZERS)
+            supported = ", ".join(o.name for o in EmbOptimType if o.cpu_supported)
             raise ValueError(
                 f"fused optimizer {self.optimizer.name} runs on CUDA only (fbgemm has no CPU "
                 f"kernel for it); on CPU use one of {supported}"

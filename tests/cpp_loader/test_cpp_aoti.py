@@ -152,7 +152,7 @@ def test_format_aoti_is_refused_where_model_pt2_cannot_run(binary, compiled, sma
 
 
 def test_tampered_model_pt2_refuses_the_version_whichever_file_runs(binary, compiled, tmp_path):
-    """A version is verified as a unit (issue 28): a damaged or missing model.pt2 refuses it under --format
+    """A version is verified as a unit: a damaged or missing model.pt2 refuses it under --format
     torchscript too, which used to load model.pt and never look at model.pt2."""
     art = tmp_path / "tampered"
     shutil.copytree(compiled["emb"], art)

@@ -1,5 +1,5 @@
 """The C++ loader verifies a version as a unit, as open_artifact does, and refuses the same versions with the same
-messages (issue 28): sample files of another size (it read past its vectors), empty or non-finite recorded outputs
+messages: sample files of another size (it read past its vectors), empty or non-finite recorded outputs
 (it compared nothing, or NaN), a model file that does not run but is damaged or missing, and the allow-list of
 manifest sha256s (recship_predict --trusted-sha256, the C++ front's load)."""
 

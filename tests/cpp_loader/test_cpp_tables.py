@@ -38,7 +38,7 @@ def other(small_artifact, tmp_path_factory):
     module = DLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
     out = tmp_path_factory.mktemp("other") / "dlrm_seed1"
     export_model(module, ExportConfig(out=str(out), dtype="int8", device="cpu", progress=False, validation_batches=1,
-                                      batch_size_hint=32, format="torchscript", plot=False))
+                                      validation_batch_size=32, format="torchscript", plot=False))
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from recship.export import ExportConfig, ExportError, export_model
-from recship.export.artifact import load_artifact
+from recship.export.artifact import open_artifact
 from recship.models import TwoTower
 from recship.serving import PredictClient
 from recship.serving.kserve import message
@@ -51,7 +51,7 @@ def exported(tmp_path_factory):
         assert code == 0
         checkpoint = sorted((run / "checkpoints").iterdir())[-1]
         out = root / "repo" / name / "1"
-        assert main(["export", str(checkpoint), "--out", str(out), "--name", name, "--batch-size-hint", "64", *export_flags]) == 0
+        assert main(["export", str(checkpoint), "--out", str(out), "--name", name, "--validation-batch-size", "64", *export_flags]) == 0
         manifests[name] = json.loads((out / "manifest.json").read_text())
     return root, manifests
 
@@ -110,7 +110,7 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
             kserve = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
                                          response_deserializer=message("ModelInferResponse").FromString)
             for name, manifest in manifests.items():
-                model, _ = load_artifact(root / "repo" / name / "1")
+                model, _ = open_artifact(root / "repo" / name / "1")
                 for batch, seed in [(1, 1), (7, 2), (513, 3)]:
                     sparse, dense, weights = _request(manifest, batch, seed)
                     want = _in_process(model, manifest, sparse, dense, weights)
@@ -189,7 +189,7 @@ class _Branchy(TwoTower):
 ])
 def test_models_outside_the_contract_are_refused_by_name(model, message, tmp_path):
     with pytest.raises(ExportError, match=message):
-        export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, validation_batches=1, batch_size_hint=8))
+        export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, validation_batches=1, validation_batch_size=8))
     assert not (tmp_path / "a").exists()
 
 
@@ -198,7 +198,7 @@ def test_the_dense_width_must_be_known(tmp_path):
     del model.num_dense
     with pytest.raises(ExportError, match="the dense width is unknown"):
         export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False))
-    manifest = export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, num_dense=4, validation_batches=1, batch_size_hint=8))
+    manifest = export_model(model, ExportConfig(out=str(tmp_path / "a"), progress=False, num_dense=4, validation_batches=1, validation_batch_size=8))
     assert manifest["num_dense"] == 4
 
 
@@ -237,7 +237,7 @@ def test_validation_is_drawn_like_the_training_data_or_from_eval_data(exported, 
         assert abs(v["auc"] - v["float_auc"]) < 0.02 and v["float_auc"] > 0.6, v
     checkpoint = sorted((root / "runs" / "two_tower" / "checkpoints").iterdir())[-1]
     out = tmp_path / "a"
-    assert main(["export", str(checkpoint), "--out", str(out), "--batch-size-hint", "32", "--eval-data", "eval_data_helper:two_tower_batches"]) == 0
+    assert main(["export", str(checkpoint), "--out", str(out), "--validation-batch-size", "32", "--eval-data", "eval_data_helper:two_tower_batches"]) == 0
     v = json.loads((out / "manifest.json").read_text())["validation"]
     assert v["data"] == "eval_data_helper:two_tower_batches" and v["batches"] == 3 and 0 <= v["auc"] <= 1
     assert main(["export", str(checkpoint), "--out", str(tmp_path / "b"), "--eval-data", "no_such_file.tsv"]) == 2
@@ -277,15 +277,15 @@ def test_streamed_export_equals_the_in_memory_one(exported, tmp_path):
         for mpath, cfg, weight in reader.tables():
             whole.get_submodule(mpath).embedding_bags[cfg.name].weight.copy_(weight)
     whole.load_state_dict(reader.dense_state_dict(), strict=False)
-    config = dict(progress=False, batch_size_hint=32, eval_data="eval_data_helper:two_tower_batches")
+    config = dict(progress=False, validation_batch_size=32, eval_data="eval_data_helper:two_tower_batches")
     streamed = export_model(checkpoint, ExportConfig(out=str(tmp_path / "streamed"), **config))
     in_memory = export_model(whole, ExportConfig(out=str(tmp_path / "memory"), **config))
     a, b = streamed["validation"], in_memory["validation"]
     for k in a["max_abs_diff_vs_float"]:
         assert a["max_abs_diff_vs_float"][k] == pytest.approx(b["max_abs_diff_vs_float"][k], rel=1e-5, abs=1e-7)
     assert a["float_auc"] == b["float_auc"] and a["auc"] == b["auc"]
-    m1, _ = load_artifact(tmp_path / "streamed")
-    m2, _ = load_artifact(tmp_path / "memory")
+    m1, _ = open_artifact(tmp_path / "streamed")
+    m2, _ = open_artifact(tmp_path / "memory")
     sparse, dense, _ = _request(streamed, 9, 4)
     want = _in_process(m2, streamed, sparse, dense, None)
     for k, v in _in_process(m1, streamed, sparse, dense, None).items():

@@ -57,7 +57,7 @@ def test_flat_lookup_equals_the_quantized_modules_bitwise(weighted, data_type, s
     """SUM and MEAN, weighted or not, a modulo feature, every inference sharding; eager and TorchScript."""
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(TABLES, is_weighted=weighted)
-    quantized, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type=data_type, id_policy={"f3": "modulo"}))
+    quantized, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype=data_type, id_policy={"f3": "modulo"}))
     module = quantized if sharding is None else shard_quant_model(quantized, shards=shards, sharding=sharding)[0]
     flat = FlatPooledLookup.of(module)
     scripted = torch.jit.script(flat)
@@ -74,7 +74,7 @@ def test_flat_lookup_equals_the_quantized_modules_bitwise(weighted, data_type, s
 
 def test_flat_lookup_refuses_an_out_of_range_id_with_the_id_rules_message():
     torch.manual_seed(0)
-    quantized, _ = quantize_embedding_bag_collection(EmbeddingBagCollection(TABLES), QuantConfig(data_type="int8"))
+    quantized, _ = quantize_embedding_bag_collection(EmbeddingBagCollection(TABLES), QuantConfig(dtype="int8"))
     scripted = torch.jit.script(FlatPooledLookup.of(shard_quant_model(quantized, shards=2, sharding="row_wise")[0]))
     batch = 3
     lengths = torch.ones(len(NAMES) * batch, dtype=torch.int32)
@@ -178,7 +178,7 @@ def test_two_tower_with_an_embedding_collection_compiles(tmp_path):
 
     torch.manual_seed(0)
     export_model(TwoTower(num_users=30, num_items=40, dim=8), ExportConfig(
-        out=str(tmp_path / "tt"), dtype="int4", progress=False, format="both", validation_batches=1, batch_size_hint=16,
+        out=str(tmp_path / "tt"), dtype="int4", progress=False, format="both", validation_batches=1, validation_batch_size=16,
         id_policy={"history": "modulo"}))
     compiled, manifest = open_artifact(tmp_path / "tt", format="aoti")
     scripted, _ = open_artifact(tmp_path / "tt", format="torchscript")

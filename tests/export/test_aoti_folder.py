@@ -1,4 +1,4 @@
-"""Where model.pt2 packages are extracted and what loading one says (issue 28, items 6 and 7).
+"""Where model.pt2 packages are extracted and what loading one says.
 
 ``recship.export.aoti.process_folder``: one folder per process, removed at normal exit, and the folders of
 processes that are gone removed by the next one (``remove_abandoned``), never a live one's. Loading a

@@ -1,4 +1,4 @@
-"""open_artifact verifies a version as a unit before any of it runs (issue 28): every file the manifest lists,
+"""open_artifact verifies a version as a unit before any of it runs: every file the manifest lists,
 whichever model file loads; the sample's sizes, values and outputs (NaN and infinity fail it); the torch it was
 built with; and, with an allow-list, the manifest's sha256 (which pins every file through its checksums)."""
 

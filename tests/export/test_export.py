@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory):
 
 
 def _config(tmp_path, name, **kw):
-    base = dict(out=str(tmp_path / name), progress=False, batch_size_hint=64, validation_batches=2)
+    base = dict(out=str(tmp_path / name), progress=False, validation_batch_size=64, validation_batches=2)
     base.update(kw)
     return ExportConfig(**base)
 
@@ -202,7 +202,7 @@ def test_synthetic_validation_follows_the_training_runs_seed(tmp_path):
     """A model trained with --seed 5 is validated on seed 5's data, not seed 0's (AUC near the training eval's)."""
     summary = launch(TrainConfig(out=str(tmp_path / "run"), steps=60, batch_size=128, num_embeddings_per_feature=ROWS, embedding_dim=8,
                                  dense_arch=[16], over_arch=[16], eval_every=0, eval_batches=4, checkpoint_every=0, progress=False, seed=5))
-    export_model(summary["checkpoint"], _config(tmp_path, "a", batch_size_hint=256, validation_batches=4))
+    export_model(summary["checkpoint"], _config(tmp_path, "a", validation_batch_size=256, validation_batches=4))
     v = Manifest.read(tmp_path / "a").validation
     assert v["data"] == "synthetic (seed 5)"
     # seed 0's labels would give an AUC near 0.5 (what the manifest said before); the two eval streams differ, so 0.1
@@ -218,7 +218,7 @@ def test_eval_data_from_a_criteo_file(checkpoint, tmp_path):
         lines.append("\t".join([str(int(torch.randint(0, 2, (1,), generator=g)))] + dense + cats))
     data = tmp_path / "day.tsv"
     data.write_text("\n".join(lines) + "\n")
-    export_model(checkpoint, _config(tmp_path, "a", eval_data=str(data), batch_size_hint=100, validation_batches=5))
+    export_model(checkpoint, _config(tmp_path, "a", eval_data=str(data), validation_batch_size=100, validation_batches=5))
     v = Manifest.read(tmp_path / "a").validation
     assert v["data"] == str(data) and v["batches"] == 3  # 300 lines in batches of 100
     assert 0 <= v["auc"] <= 1 and abs(v["auc"] - v["float_auc"]) < 0.05

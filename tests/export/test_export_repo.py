@@ -23,7 +23,7 @@ def _dlrm(seed):
 
 
 def _config(repo, name="dlrm", **kw):
-    base = dict(repo=str(repo), model_name=name, dtype="int8", progress=False, validation_batches=1, batch_size_hint=32,
+    base = dict(repo=str(repo), model_name=name, dtype="int8", progress=False, validation_batches=1, validation_batch_size=32,
                 format="torchscript")
     base.update(kw)
     return ExportConfig(**base)
@@ -33,13 +33,6 @@ def _request(seed, batch):
     g = np.random.default_rng(seed)
     sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
     return sparse, g.random((batch, 13), dtype=np.float32)
-
-
-def test_names_are_the_servers():
-    from recship.serving import repository
-
-    assert pipeline.MODEL_NAME.pattern == repository.MODEL_NAME.pattern
-    assert pipeline.VERSION_NAME.pattern == repository.VERSION_NAME.pattern
 
 
 def test_next_version_counts_only_number_folders(tmp_path):
@@ -127,7 +120,7 @@ def test_config_and_cli_refusals(tmp_path, capsys):
         (["--repo", repo], "--repo needs --name"),
         (["--repo", repo, "--name", "../up"], "--name '../up' cannot name a model folder"),
         (["--repo", repo, "--name", ".hidden"], "--name '.hidden'"),
-        (["--repo", repo, "--name", "m", "--version", "3"], "--version does not apply with --repo"),
+        (["--repo", repo, "--name", "m", "--model-version", "3"], "--model-version does not apply with --repo"),
         (["--repo", repo, "--name", "m", "--overwrite"], "--overwrite does not apply with --repo"),
     ]
     for argv, message in cases:
@@ -219,7 +212,7 @@ def test_overwrite_swaps_the_artifact_in_without_a_moment_missing(tmp_path, monk
     server's scan could find the version gone and unload it (rolling back) in between."""
     out = tmp_path / "repo" / "dlrm" / "1"
     config = dict(model_name="dlrm", out=str(out), overwrite=True, dtype="int8", progress=False, validation_batches=1,
-                  batch_size_hint=32, format="torchscript")
+                  validation_batch_size=32, format="torchscript")
     first = export_model(_dlrm(0), ExportConfig(**config))
     missing = []  # whether the served folder was missing after any removal the export made
     rmtree = pipeline.shutil.rmtree

@@ -117,7 +117,7 @@ def two_tower(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     model = TwoTower(num_users=300, num_items=500, num_countries=20, num_categories=30, dim=16, num_dense=4)
     out = tmp_path_factory.mktemp("tables") / "two_tower"
-    export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32,
+    export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, validation_batch_size=32,
                                      format="torchscript", plot=False))
     return out
 

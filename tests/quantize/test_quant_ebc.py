@@ -60,7 +60,7 @@ def _dequantized_float(ebc, qebc):
 def test_quantized_module_computes_exactly_on_its_stored_values(weighted, types):
     ebc = _ebc(weighted=weighted)
     per_table = dict(zip(["t0", "t1", "t2"], types))
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(per_table=per_table, chunk_rows=37))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(table_dtypes=per_table, chunk_rows=37))
     kjt = _kjt(ebc, batch=16, pooling=6, seed=1, weighted=weighted)
     out = qebc(kjt)
     assert out.keys() == ["f0", "f1", "f2", "f3"] and out.values().dtype == torch.float32
@@ -68,7 +68,7 @@ def test_quantized_module_computes_exactly_on_its_stored_values(weighted, types)
 
 
 def _rel_error(ebc, dtype, error_minimizing):
-    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type=dtype, error_minimizing=error_minimizing))
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype=dtype, error_minimizing=error_minimizing))
     kjt = _kjt(ebc, batch=256, pooling=20, seed=7)
     want = ebc(kjt).values()
     got = qebc(kjt).values()
@@ -92,8 +92,8 @@ def test_model_bytes_follow_the_row_formats():
     ebc = _ebc(dims=(d, d, d), rows=(500, 300, 200), pooling=(PoolingType.SUM,) * 3)
     float_bytes = sum(t.num_embeddings * d * 4 for t in ebc.embedding_bag_configs())
     padding = 128 * 3  # fbgemm pads each table
-    q8, r8 = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
-    q4, r4 = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4"))
+    q8, r8 = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
+    q4, r4 = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int4"))
     assert q8.weight_bytes() <= (d + 4) / (4 * d) * float_bytes + padding
     assert q4.weight_bytes() <= (d / 2 + 4) / (4 * d) * float_bytes + padding
     assert r8.quantized_bytes == 1000 * (d + 4) and r4.quantized_bytes == 1000 * (d // 2 + 4)
@@ -104,7 +104,7 @@ def test_tutorial_int8_rows_are_64_plus_4_bytes_on_cpu_and_80_with_gpu_alignment
         EmbeddingBagConfig(name=n, embedding_dim=64, num_embeddings=4096, feature_names=[f]) for n, f in (("product_table", "product"), ("user_table", "user"))
     ]
     ebc = EmbeddingBagCollection(tables)
-    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
     for name, (data, scale_bias) in qebc.table_weights().items():
         assert data.dtype == torch.uint8 and data.shape[1] + scale_bias.shape[1] == 64 + 4
     assert report.row_alignment == 1
@@ -115,7 +115,7 @@ def test_tutorial_int8_rows_are_64_plus_4_bytes_on_cpu_and_80_with_gpu_alignment
 
 def test_out_of_range_ids_are_rejected_not_row_zero():
     ebc = _ebc()
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
     kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 120, 3]), lengths=torch.tensor([1, 1, 1, 1]))
     message = "feature 'f2': id 120 is out of range [0, 120)"
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -130,7 +130,7 @@ def test_out_of_range_ids_are_rejected_not_row_zero():
 
 def test_modulo_policy_hashes_ids_into_the_table():
     ebc = _ebc()
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="fp32", id_policy={"f2": "modulo"}))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="fp32", id_policy={"f2": "modulo"}))
     big = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 120 * 7 + 5, 3]), lengths=torch.tensor([1, 1, 1, 1]))
     small = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 5, 3]), lengths=torch.tensor([1, 1, 1, 1]))
     assert torch.equal(qebc(big).values(), qebc(small).values())
@@ -140,7 +140,7 @@ def test_modulo_policy_hashes_ids_into_the_table():
 
 def test_script_fx_and_state_dict_round_trip():
     ebc = _ebc(weighted=True)
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int4"))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int4"))
     kjt = _kjt(ebc, batch=8, pooling=5, seed=3, weighted=True)
     want = qebc(kjt).values()
     assert float(want.abs().sum()) > 0
@@ -164,7 +164,7 @@ def test_script_fx_and_state_dict_round_trip():
 
 def test_jit_save_load_in_a_fresh_process_without_recship(tmp_path):
     ebc = _ebc()
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(per_table={"t0": "int8", "t1": "int4", "t2": "fp16"}))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(table_dtypes={"t0": "int8", "t1": "int4", "t2": "fp16"}))
 
     class Plain(torch.nn.Module):
         """Takes plain tensors, as exported models do."""
@@ -201,20 +201,20 @@ def test_auto_picks_the_smallest_type_within_budget():
     with torch.no_grad():
         ebc.embedding_bags["t2"].weight[::3] *= 50  # heavy-tailed rows: a sensitive table
     for budget in (0.2, 0.03, 0.003):
-        _, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=budget))
+        _, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="auto", error_budget=budget))
         for t in report.tables:
             trials = list(t.auto_trials.items())
             assert t.chosen_by == "auto" and trials[-1][0] == t.data_type
             assert trials[-1][1] <= budget or t.data_type == "FP32"
             assert all(err > budget for _, err in trials[:-1])  # every smaller type missed the budget
-    _, loose = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=0.2))
-    _, tight = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="auto", error_budget=0.003))
+    _, loose = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="auto", error_budget=0.2))
+    _, tight = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="auto", error_budget=0.003))
     assert loose.quantized_bytes < tight.quantized_bytes
 
 
 def test_report_prints_and_serialises():
     ebc = _ebc()
-    _, report = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8", per_table={"t2": "fp16"}))
+    _, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8", table_dtypes={"t2": "fp16"}))
     text = str(report)
     assert "table | type | by" in text and "t2    | fp16 | per_table" in text
     data = json.loads(report.to_json())
@@ -226,28 +226,22 @@ def test_report_prints_and_serialises():
 
 def test_config_errors():
     with pytest.raises(ValueError, match="BF16 cannot be served"):
-        QuantConfig(data_type="bf16")
+        QuantConfig(dtype="bf16")
     with pytest.raises(ValueError, match="unknown data type 'int3'"):
-        QuantConfig(data_type="int3")
+        QuantConfig(dtype="int3")
     with pytest.raises(ValueError, match="table_dtypes names tables the module does not have"):
-        quantize_embedding_bag_collection(_ebc(), QuantConfig(per_table={"nope": "int8"}))
+        quantize_embedding_bag_collection(_ebc(), QuantConfig(table_dtypes={"nope": "int8"}))
 
 
-def test_dtype_and_table_dtypes_are_the_names_and_the_earlier_ones_still_work():
-    """QuantConfig speaks ExportConfig's and the CLI's names (dtype, table_dtypes); data_type / per_table are aliases."""
-    new = QuantConfig(dtype="int4", table_dtypes={"t0": "fp16"})
-    old = QuantConfig(data_type="int4", per_table={"t0": "fp16"})
-    assert (new.dtype, new.table_dtypes) == (old.dtype, old.table_dtypes) == (DataType.INT4, {"t0": DataType.FP16})
-    assert (old.data_type, old.per_table) == (DataType.INT4, {"t0": DataType.FP16})  # still readable
-    assert QuantConfig("int2").dtype == DataType.INT2  # first positional argument
-    with pytest.raises(ValueError, match="dtype='int8' and data_type='int4'"):
-        QuantConfig(dtype="int8", data_type="int4")
-    with pytest.raises(ValueError, match="table_dtypes and per_table"):
-        QuantConfig(table_dtypes={"t0": "int8"}, per_table={"t0": "int4"})
-    q_new, r_new = quantize_embedding_bag_collection(_ebc(), new)
-    q_old, r_old = quantize_embedding_bag_collection(_ebc(), old)
-    assert [(t.table, t.data_type) for t in r_new.tables] == [(t.table, t.data_type) for t in r_old.tables]
-    assert [t.data_type for t in r_new.tables] == ["FP16", "INT4", "INT4"]
+def test_dtype_and_table_dtypes_are_the_only_names():
+    """QuantConfig speaks ExportConfig's and the CLI's names (dtype, table_dtypes), and only those."""
+    config = QuantConfig("int4", table_dtypes={"t0": "fp16"})  # dtype: the first positional argument
+    assert (config.dtype, config.table_dtypes) == (DataType.INT4, {"t0": DataType.FP16})
+    for earlier in ({"data_type": "int4"}, {"per_table": {"t0": "fp16"}}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            QuantConfig(**earlier)
+    _, report = quantize_embedding_bag_collection(_ebc(), config)
+    assert [t.data_type for t in report.tables] == ["FP16", "INT4", "INT4"]
 
 
 def test_quantized_embedding_collection_returns_each_ids_row():
@@ -262,7 +256,7 @@ def test_quantized_embedding_collection_returns_each_ids_row():
             EmbeddingConfig(name="c", num_embeddings=20, embedding_dim=16, feature_names=["w"]),
         ]
     )
-    qec, report = quantize_embedding_collection(ec, QuantConfig(per_table={"a": "int8", "b": "int4", "c": "fp16"}))
+    qec, report = quantize_embedding_collection(ec, QuantConfig(table_dtypes={"a": "int8", "b": "int4", "c": "fp16"}))
     assert len(qec.tbes) == 2  # one TBE per embedding width
     kjt = KeyedJaggedTensor(keys=["z", "w", "x", "y"], values=torch.tensor([1, 29, 0, 19, 3, 39, 2]), lengths=torch.tensor([2, 0, 1, 1, 1, 0, 1, 1]))
     out = qec(kjt)
@@ -285,7 +279,7 @@ def test_quantized_embedding_collection_returns_each_ids_row():
 
 def test_single_group_fast_path_equals_gathered_path_and_traces():
     ebc = _ebc(pooling=(PoolingType.SUM,) * 3, weighted=True)
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8"))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
     kjt = _kjt(ebc, batch=6, pooling=4, seed=9, weighted=True)  # keys in table order: the direct path
     shuffled = kjt.permute([3, 1, 0, 2])  # same data, other key order: the gathering path
     want = qebc(kjt).values()

@@ -21,7 +21,7 @@ def _module(weighted: bool):
         EmbeddingBagConfig(name="c", embedding_dim=12, num_embeddings=20, feature_names=["w"]),
     ]
     ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
-    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type="int8", error_minimizing=False))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8", error_minimizing=False))
     return qebc
 
 

@@ -31,10 +31,10 @@ OBSERVED = {"int8": torch.int8, "int4": torch.quint4x2, "int2": torch.quint2x4, 
 
 
 
-def _qconfig(dtype, **kw):
+def _qconfig(observed, **kw):
     return QuantConfig(
         activation=quant.PlaceholderObserver.with_args(dtype=torch.float),
-        weight=quant.PlaceholderObserver.with_args(dtype=dtype),
+        weight=quant.PlaceholderObserver.with_args(dtype=observed),
         **kw,
     )
 
@@ -106,7 +106,7 @@ def test_quantize_dynamic_equals_recships_quantizer_and_a_plain_torch_reference(
     got = q(kjt)
     assert got.keys() == ["f0", "f1", "f2", "f3"] and got.values().dtype == torch.float32
 
-    own, _ = quantize_embedding_bag_collection(ebc, QuantConfig(data_type=data_type))
+    own, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype=data_type))
     assert torch.equal(got.values(), own(kjt).values())
     for name, (data, scale_bias) in own.table_weights().items():
         stored = q.ebc_.embedding_bags[name].weight
@@ -170,7 +170,7 @@ def test_per_table_weight_dtype_spans_the_models_collections():
             self.b = EmbeddingBagCollection([EmbeddingBagConfig(name="u0", num_embeddings=40, embedding_dim=8, feature_names=["g"])])
 
     qconfig = _qconfig(torch.int8, per_table_weight_dtype={"t1": torch.quint4x2, "u0": torch.half})
-    assert qconfig.data_type == DataType.INT8 and qconfig.per_table == {"t1": DataType.INT4, "u0": DataType.FP16}
+    assert qconfig.dtype == DataType.INT8 and qconfig.table_dtypes == {"t1": DataType.INT4, "u0": DataType.FP16}
     q = _quantize(Two(), qconfig)
     assert q.a.weight_types() == {"t0": DataType.INT8, "t1": DataType.INT4, "t2": DataType.INT8}
     assert q.b.weight_types() == {"u0": DataType.FP16}
@@ -191,7 +191,7 @@ def test_embedding_collection_and_torch_qconfig():
     assert {n: b.shape for n, b in q.named_buffers() if n.endswith(".weight")} == {
         "ebc_.embeddings.e0.weight": (50, 32), "ebc_.embeddings.e1.weight": (30, 16)}
     kjt = _kjt(tables)
-    own, _ = quantize_embedding_collection(ec, QuantConfig(data_type="int8"))
+    own, _ = quantize_embedding_collection(ec, QuantConfig(dtype="int8"))
     got, want = q(kjt), own(kjt)
     for f in ("x", "y"):
         assert torch.equal(got[f].values(), want[f].values())
@@ -210,9 +210,9 @@ def test_bad_configs_are_refused_by_name():
     with pytest.raises(ValueError, match="activation dtype torch.float16"):
         QuantConfig(activation=quant.PlaceholderObserver.with_args(dtype=torch.half), weight=quant.PlaceholderObserver.with_args(dtype=torch.int8))
     with pytest.raises(ValueError, match="dtype INT4 disagrees with the weight observer's INT8"):
-        _qconfig(torch.int8, data_type="int4")
+        _qconfig(torch.int8, dtype="int4")
     with pytest.raises(ValueError, match="table 't1': table_dtypes says FP16, per_table_weight_dtype INT8"):
-        _qconfig(torch.int8, per_table={"t1": "fp16"}, per_table_weight_dtype={"t1": torch.qint8})
+        _qconfig(torch.int8, table_dtypes={"t1": "fp16"}, per_table_weight_dtype={"t1": torch.qint8})
     with pytest.raises(ValueError, match="per_table_weight_dtype\\['t1'\\]"):
         _qconfig(torch.int8, per_table_weight_dtype={"t1": torch.uint8})
     with pytest.raises(TypeError, match="by keyword"):
@@ -226,4 +226,4 @@ def test_bad_configs_are_refused_by_name():
     ebc.qconfig = _qconfig(torch.int8)
     with pytest.raises(TypeError, match="takes a float EmbeddingCollection, got EmbeddingBagCollection"):
         QuantEmbeddingCollection.from_float(ebc)
-    assert QuantConfig().data_type == DataType.INT8 and recship.QuantConfig is QuantConfig
+    assert QuantConfig().dtype == DataType.INT8 and recship.QuantConfig is QuantConfig

@@ -77,7 +77,7 @@ def test_every_collection_is_swapped_and_computes_on_its_stored_values(dtype):
     torch.manual_seed(0)
     model = TwoTowers()
     before = copy.deepcopy(model.state_dict())
-    q, report = quantize_embeddings(model, dtype=dtype, per_table={"item0": "fp16", "user.ebc.t0": "int2"})
+    q, report = quantize_embeddings(model, dtype=dtype, table_dtypes={"item0": "fp16", "user.ebc.t0": "int2"})
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not inplace: the float model is untouched
     assert isinstance(q.user.ebc, QuantEmbeddingBagCollection) and isinstance(q.user.history, QuantEmbeddingCollection)
     assert isinstance(q.items[0]["ebc"], QuantEmbeddingBagCollection) and q.items[0]["ebc"].is_weighted()
@@ -106,9 +106,9 @@ def test_bad_arguments_name_the_problem():
     with pytest.raises(ValueError, match="holds no EmbeddingBagCollection"):
         quantize_embeddings(nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"'t0' is in several collections; name one of \['user.ebc.t0', 'user.history.t0'\]"):
-        quantize_embeddings(TwoTowers(), per_table={"t0": "int4"})
+        quantize_embeddings(TwoTowers(), table_dtypes={"t0": "int4"})
     with pytest.raises(ValueError, match="table_dtypes names 'nope'"):
-        quantize_embeddings(TwoTowers(), per_table={"nope": "int4"})
+        quantize_embeddings(TwoTowers(), table_dtypes={"nope": "int4"})
     with pytest.raises(ValueError, match="id_policy names 'nope'"):
         quantize_embeddings(TwoTowers(), id_policy={"nope": "modulo"})
 

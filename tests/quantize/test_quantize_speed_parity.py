@@ -1,4 +1,4 @@
-"""The speed-ups of issue 19 change no quantized bit: quantize_rows against a frozen copy of the code before them.
+"""The quantize speed-ups change no quantized bit: quantize_rows against a frozen copy of the code before them.
 
 Random tables with fixed seeds, including awkward rows (constant, huge outliers, zeros,
 negative-only) and dims that are not multiples of the values per byte, for every
@@ -15,7 +15,7 @@ from recship.quantize.rowwise import QuantizedRows
 from recship.trainer.types import DataType
 
 # ---------------------------------------------------------------------------
-# The implementation before issue 19, kept as the bitwise reference.
+# The implementation before the speed-ups, kept as the bitwise reference.
 # Copied verbatim from quantize/rowwise.py as of commit 2b91636; do not edit or speed it up.
 # ---------------------------------------------------------------------------
 

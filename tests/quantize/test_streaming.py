@@ -26,7 +26,7 @@ def test_choose_types_reads_only_the_auto_tables_and_says_why():
         loaded.append(name)
         return weights[name]
 
-    config = QuantConfig(data_type="int4", per_table={"t1": "auto", "t2": "fp16"}, error_budget=0.01)
+    config = QuantConfig(dtype="int4", table_dtypes={"t1": "auto", "t2": "fp16"}, error_budget=0.01)
     choices = choose_types(tables, load, config)
     assert loaded == ["t1"]
     assert (choices["t0"].data_type, choices["t0"].chosen_by, choices["t0"].auto_trials) == (DataType.INT4, "default", {})
@@ -40,7 +40,7 @@ def test_choose_types_reads_only_the_auto_tables_and_says_why():
 
 def test_choose_types_rejects_unknown_tables():
     with pytest.raises(ValueError, match="nope"):
-        choose_types(_tables(), lambda name: None, QuantConfig(per_table={"nope": "int8"}))
+        choose_types(_tables(), lambda name: None, QuantConfig(table_dtypes={"nope": "int8"}))
 
 
 @pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.FP16])
@@ -56,7 +56,7 @@ def test_quantize_into_blocks_equals_quantizing_each_block(data_type):
             data = torch.zeros(r1 - r0, row_bytes(data_type, c1 - c0) - (4 if data_type.bits < 16 else 0), dtype=torch.uint8)
             scale_bias = torch.zeros(r1 - r0, 4, dtype=torch.uint8) if data_type.bits < 16 else None
             blocks.append(BlockView(slice(r0, r1), slice(c0, c1), data, scale_bias))
-    config = QuantConfig(data_type=data_type, chunk_rows=7)
+    config = QuantConfig(dtype=data_type, chunk_rows=7)
     report = quantize_into(0, t, weight, TypeChoice(data_type, "default"), blocks, config)
     errors = torch.zeros_like(weight)
     for b in blocks:
@@ -76,7 +76,7 @@ def test_quantize_into_fills_a_collections_storage():
     """One whole-table block per table of a QuantEmbeddingBagCollection: its stored rows are quantize_rows' rows."""
     tables = _tables()
     weights = _weights(tables, seed=1)
-    config = QuantConfig(data_type="int8", row_alignment=16)
+    config = QuantConfig(dtype="int8", row_alignment=16)
     choices = choose_types(tables, weights.__getitem__, config)
     module = QuantEmbeddingBagCollection(tables, {n: c.data_type for n, c in choices.items()}, row_alignment=16)
     views = module.table_weights()

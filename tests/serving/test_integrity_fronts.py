@@ -1,4 +1,4 @@
-"""Rules every front applies alike (issue 28): one size rule in the core's admission, refusals counted but
+"""Rules every front applies alike: one size rule in the core's admission, refusals counted but
 logged at a bounded rate, ports and settings range-checked at start, client-given numbers read strictly.
 
 References are independent of the server: the size rule and the ranges are re-stated here in plain Python,
@@ -21,7 +21,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from recship.cli import apply_config_file, build_parser, main, subcommand_parser
+from recship.cli import build_parser, main, subcommand_parser
+from recship.flags import apply_config_file
 from recship.export.artifact import open_artifact
 from recship.serving import inference, rest
 from recship.serving.client import PredictClient
@@ -429,7 +430,7 @@ def test_recship_predict_refuses_a_fractional_id_in_rests_words_without_sending_
     path = tmp_path / "request.json"
     path.write_text(json.dumps({"sparse": {"cat_0": [[1.5], [2]]}, "dense": [[0.5] * 13, [0.5] * 13]}))
     # nothing listens on port 1: a request sent would fail UNAVAILABLE instead
-    assert main(["predict", "--target", "127.0.0.1:1", "--model", "dlrm", "--request", str(path)]) == 2
+    assert main(["predict", "--target", "127.0.0.1:1", "--model-name", "dlrm", "--request", str(path)]) == 2
     want = _rest_message("cat_0.values", "INT64", [1.5, 2])
     assert want == "input 'cat_0.values': INT64 data must be ints, found float"
     assert capsys.readouterr().err == f"recship predict: error: {want}\n"

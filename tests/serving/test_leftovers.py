@@ -1,4 +1,4 @@
-"""What a `recship serve` leaves in the temp folder (issue 28, item 6): a SIGKILLed server, or a C++ front
+"""What a `recship serve` leaves in the temp folder: a SIGKILLed server, or a C++ front
 that dies and is restarted, must not leave extracted model.pt2 packages (``aotinductor_*``) or socket
 folders behind for good; the next server removes what a dead one left, and a clean stop leaves nothing.
 

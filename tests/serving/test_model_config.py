@@ -30,7 +30,7 @@ def staged(tmp_path_factory):
         torch.manual_seed(version)
         model = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
         export_model(model, ExportConfig(out=str(root / str(version)), dtype="int8", progress=False, validation_batches=1,
-                                         batch_size_hint=32))
+                                         validation_batch_size=32))
     return root
 
 

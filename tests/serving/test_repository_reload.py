@@ -1,4 +1,4 @@
-"""A served version whose files change on disk is loaded again as a unit (issue 28): an export --overwrite, or an
+"""A served version whose files change on disk is loaded again as a unit: an export --overwrite, or an
 rsync over the version folder, used to change nothing until a restart (and a restart silently changed what the
 version answered). The loaded version serves until the new files verify; files that do not load leave it serving,
 with the reason logged once; with --front cpp the C++ front is told too."""

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from recship.cli import apply_config_file, build_parser, subcommand_parser
+from recship.cli import build_parser, subcommand_parser
+from recship.flags import apply_config_file
 from recship.serving.server import ServerConfig, config_from_args
 
 

@@ -28,7 +28,7 @@ def _dlrm(seed):
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("repo")
-    export_model(_dlrm(0), ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    export_model(_dlrm(0), ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", progress=False, validation_batches=1, validation_batch_size=32))
     return root
 
 
@@ -148,9 +148,9 @@ def test_unknown_model_health_metadata_and_listing(server):
 
 def test_hot_reload_under_load_loses_no_request_and_refuses_a_broken_version(tmp_path):
     root = tmp_path / "repo"
-    export_model(_dlrm(0), ExportConfig(out=str(root / "m" / "1"), dtype="int8", progress=False, validation_batches=1, batch_size_hint=32))
+    export_model(_dlrm(0), ExportConfig(out=str(root / "m" / "1"), dtype="int8", progress=False, validation_batches=1, validation_batch_size=32))
     staging = tmp_path / "staging"
-    export_model(_dlrm(1), ExportConfig(out=str(staging / "2"), dtype="fp16", progress=False, validation_batches=1, batch_size_hint=32))
+    export_model(_dlrm(1), ExportConfig(out=str(staging / "2"), dtype="fp16", progress=False, validation_batches=1, validation_batch_size=32))
     shutil.copytree(staging / "2", staging / "3")
     (staging / "3" / "model.pt").write_bytes((staging / "3" / "model.pt").read_bytes() + b"tampered")
     server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.1))

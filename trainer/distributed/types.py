@@ -101,13 +101,6 @@ class NoWait(LazyAwaitable[W]):
         return self._result
 
 
-def wait_all(value: Any) -> Any:
-    """``value`` with every Awaitable in it (nested in lists, tuples, dicts) waited for."""
-    if isinstance(value, Awaitable):
-        return value.wait()
-    return torch.utils._pytree.tree_map_only(Awaitable, lambda a: a.wait(), value)
-
-
 class ModuleSharder(abc.ABC, Generic[M]):
     """Turns one kind of module into its sharded form (TorchRec's sharder interface)."""
 

@@ -9,33 +9,15 @@ reuse a static plan.
 
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum, unique
+from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Type, TypeVar, Union
 
+from recship.names import DEVICES, EmbeddingComputeKernel, ShardingType
 from recship.trainer.text import text_table
 
 
 E = TypeVar("E", bound=Enum)
-
-
-@unique
-class ShardingType(Enum):
-    """How one table is split across ranks."""
-
-    DATA_PARALLEL = "data_parallel"  # a full replica on every rank, gradients all-reduced
-    TABLE_WISE = "table_wise"  # the whole table on one rank
-    ROW_WISE = "row_wise"  # contiguous row blocks, one per rank of the world
-    COLUMN_WISE = "column_wise"  # column blocks (multiples of 4 wide), each on one rank
-    TABLE_ROW_WISE = "table_row_wise"  # row blocks over the local ranks of one host
-
-
-@unique
-class EmbeddingComputeKernel(Enum):
-    """How a shard is looked up and updated."""
-
-    DENSE = "dense"  # plain torch tables, dense-gradient optimizer (data-parallel)
-    FUSED = "fused"  # fbgemm TBE with the optimizer fused into backward
 
 
 @dataclass
@@ -119,7 +101,7 @@ class Topology:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.compute_device not in ("cpu", "cuda"):
+        if self.compute_device not in DEVICES:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {self.compute_device!r}")
         if self.local_world_size is None:
             self.local_world_size = self.world_size

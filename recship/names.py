@@ -1,0 +1,194 @@
+"""recship's vocabulary, in one place and without torch: the enums of weight types, pooling, sharding,
+compute kernels and embedding optimizers, the names flags and config files take, the rules for model
+and version names, and the artifact formats.
+
+Command lines, config checks, export and serving import these names from here, so ``--help`` stays
+torch-free and no list is written twice. Conversions that need torch or fbgemm import them when called.
+"""
+
+import functools
+import re
+from enum import Enum, unique
+from typing import TYPE_CHECKING, Optional, Tuple
+
+if TYPE_CHECKING:
+    import torch
+
+
+@unique
+class PoolingType(Enum):
+    """How an EmbeddingBag combines the rows of one example's ids."""
+
+    SUM = "SUM"
+    MEAN = "MEAN"
+    NONE = "NONE"
+
+
+@unique
+class DataType(Enum):
+    """Storage type of an embedding table's weights.
+
+    FP32/FP16/BF16 are float storage (trainable); FP8/INT8/INT4/INT2 are the
+    row-wise quantized formats of fbgemm's inference kernels.
+    """
+
+    FP32 = "FP32"
+    FP16 = "FP16"
+    BF16 = "BF16"
+    FP8 = "FP8"
+    INT8 = "INT8"
+    INT4 = "INT4"
+    INT2 = "INT2"
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored element (before row-wise scale/bias)."""
+        return _BITS[self.value]
+
+    @property
+    def is_float(self) -> bool:
+        """True for the types a float (trainable) table can hold."""
+        return self in (DataType.FP32, DataType.FP16, DataType.BF16)
+
+    def to_torch_dtype(self) -> "torch.dtype":
+        """The torch dtype of a float table; ValueError for quantized types."""
+        dtype = _torch_dtypes().get(self)
+        if dtype is None:
+            raise ValueError(
+                f"{self.name} is a quantized type with no float torch dtype; "
+                "quantize the table with recship.quantize"
+            )
+        return dtype
+
+    def to_sparse_type(self):  # -> fbgemm_gpu.split_embedding_configs.SparseType
+        """fbgemm's SparseType for this type (imports fbgemm_gpu on first use)."""
+        from fbgemm_gpu.split_embedding_configs import SparseType
+
+        return SparseType(self.value.lower())
+
+    @staticmethod
+    def from_torch_dtype(dtype: "torch.dtype") -> "DataType":
+        for data_type, torch_dtype in _torch_dtypes().items():
+            if torch_dtype == dtype:
+                return data_type
+        raise ValueError(f"no DataType for torch dtype {dtype}")
+
+    @staticmethod
+    def from_quant_dtype(dtype: "torch.dtype") -> "DataType":
+        """The type a quantization observer's dtype asks for (TorchRec's ``QuantConfig(weight=...)``).
+
+        torch.int8 / qint8 / quint8 -> INT8, quint4x2 -> INT4, quint2x4 -> INT2, and the
+        float dtypes as ``from_torch_dtype``; anything else is a ValueError naming it.
+        """
+        import torch
+
+        observers = {torch.int8: DataType.INT8, torch.qint8: DataType.INT8, torch.quint8: DataType.INT8,
+                     torch.quint4x2: DataType.INT4, torch.quint2x4: DataType.INT2}
+        if dtype in observers:
+            return observers[dtype]
+        try:
+            return DataType.from_torch_dtype(dtype)
+        except ValueError:
+            valid = ", ".join(str(d) for d in (*observers, *_torch_dtypes().values()))
+            raise ValueError(f"no embedding weight type for observer dtype {dtype}; expected one of {valid}") from None
+
+    @staticmethod
+    def parse(name: str) -> "DataType":
+        """'int8' / 'INT8' -> DataType.INT8, with the valid names in the error."""
+        try:
+            return DataType[name.upper()]
+        except KeyError:
+            valid = ", ".join(d.name.lower() for d in DataType)
+            raise ValueError(f"unknown data type {name!r}; expected one of {valid}") from None
+
+
+_BITS = {"FP32": 32, "FP16": 16, "BF16": 16, "FP8": 8, "INT8": 8, "INT4": 4, "INT2": 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtypes() -> "dict[DataType, torch.dtype]":
+    import torch
+
+    return {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
+
+
+@unique
+class ShardingType(Enum):
+    """How one table is split across ranks."""
+
+    DATA_PARALLEL = "data_parallel"  # a full replica on every rank, gradients all-reduced
+    TABLE_WISE = "table_wise"  # the whole table on one rank
+    ROW_WISE = "row_wise"  # contiguous row blocks, one per rank of the world
+    COLUMN_WISE = "column_wise"  # column blocks (multiples of 4 wide), each on one rank
+    TABLE_ROW_WISE = "table_row_wise"  # row blocks over the local ranks of one host
+
+
+@unique
+class EmbeddingComputeKernel(Enum):
+    """How a shard is looked up and updated."""
+
+    DENSE = "dense"  # plain torch tables, dense-gradient optimizer (data-parallel)
+    FUSED = "fused"  # fbgemm TBE with the optimizer fused into backward
+
+
+@unique
+class EmbOptimType(Enum):
+    """The fused embedding optimizers (fbgemm's update rules)."""
+
+    EXACT_SGD = "exact_sgd"
+    EXACT_ADAGRAD = "exact_adagrad"
+    EXACT_ROWWISE_ADAGRAD = "exact_rowwise_adagrad"
+    ADAM = "adam"
+    PARTIAL_ROWWISE_ADAM = "partial_rowwise_adam"
+    LAMB = "lamb"
+
+    @classmethod
+    def _missing_(cls, value: object) -> Optional["EmbOptimType"]:
+        """``EmbOptimType("EXACT_SGD")`` is ``EmbOptimType("exact_sgd")``: the name works as well as the value."""
+        if isinstance(value, str):
+            return cls._value2member_map_.get(value.lower())  # type: ignore[return-value]
+        return None
+
+    @property
+    def cpu_supported(self) -> bool:
+        """fbgemm has CPU kernels for it (the others need CUDA)."""
+        return self in (EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+
+    def state_floats(self, rows: int, cols: int) -> int:
+        """fp32 optimizer-state elements for a [rows, cols] shard."""
+        if self is EmbOptimType.EXACT_SGD:
+            return 0
+        if self is EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            return rows  # one running mean of g^2 per row
+        if self is EmbOptimType.EXACT_ADAGRAD:
+            return rows * cols
+        if self is EmbOptimType.PARTIAL_ROWWISE_ADAM:
+            return rows * cols + rows  # full first moment, row-wise second moment
+        return 2 * rows * cols  # ADAM, LAMB: two full moments
+
+
+def _values(members) -> Tuple[str, ...]:
+    return tuple(m.value for m in members)
+
+
+# the names flags and config files take
+OPTIMIZERS = _values(EmbOptimType)
+CPU_OPTIMIZERS = _values(o for o in EmbOptimType if o.cpu_supported)
+SHARDINGS = _values(ShardingType)  # training
+INFERENCE_SHARDINGS = _values((ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE))  # export
+INFERENCE_TYPES = (DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP8, DataType.FP16, DataType.FP32)  # what export writes
+AUTO = "auto"  # a table's type chosen per table by the error budget
+EXPORT_DTYPES = tuple(t.name.lower() for t in INFERENCE_TYPES) + (AUTO,)  # --dtype, --table-dtype
+DEVICES = ("cpu", "cuda")
+LOG_FORMATS = ("text", "json")
+EXPORT_FORMATS = ("auto", "torchscript", "aoti", "both")  # what export writes: model.pt, model.pt2 or both
+LOAD_FORMATS = ("auto", "torchscript", "aoti")  # what a loader runs (auto: model.pt2 where it runs here)
+ID_POLICIES = ("reject", "modulo")  # an id outside its table: refused, or hashed into it
+
+# Criteo's layout (the built-in DLRM and data reader): 13 integer (dense) features, 26 categorical (sparse) ones
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+
+# A model's name (a repository folder, a served model) and a version's (an ASCII number, below 10**18)
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+VERSION_NAME = re.compile(r"[0-9]{1,18}")
