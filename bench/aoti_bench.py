@@ -61,7 +61,7 @@ def _baseline_module(model: torch.nn.Module, num_dense: Optional[int]):
     """The pre-flat exported forward of ``model`` (KJT + inference-sharded modules + TBE modules), scripted."""
     from recship.export.any_model import ExportedModule
     from recship.export.model import trace_and_script
-    from recship.export.sharded import shard_quant_model
+    from recship.quantize.sharded import shard_quant_model
     from recship.quantize import quantize_embeddings
     from recship.trainer.entry_point import describe_model
 

@@ -152,7 +152,7 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms
 
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import open_artifact
-    from recship.serving.repository import default_torch_threads
+    from recship.serving.settings import default_torch_threads
     from recship.serving.server import Server, ServerConfig
     from recship.trainer.dlrm import DLRM, DLRMConfig
 

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from recship.lazy import lazy_names
 
 _NAMES = {
-    **dict.fromkeys(["ExportConfig", "ExportError", "export_model"], "recship.export.pipeline"),
-    "shard_quant_model": "recship.export.sharded",
+    **dict.fromkeys(["ExportConfig", "ExportError"], "recship.export.config"),
+    "export_model": "recship.export.pipeline",
+    "shard_quant_model": "recship.quantize.sharded",
     **dict.fromkeys(["ArtifactError", "Manifest", "open_artifact"], "recship.export.artifact"),
 }
 
@@ -20,5 +21,6 @@ __getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
     from recship.export.artifact import ArtifactError as ArtifactError, Manifest as Manifest, open_artifact as open_artifact
-    from recship.export.pipeline import ExportConfig as ExportConfig, ExportError as ExportError, export_model as export_model
-    from recship.export.sharded import shard_quant_model as shard_quant_model
+    from recship.export.config import ExportConfig as ExportConfig, ExportError as ExportError
+    from recship.export.pipeline import export_model as export_model
+    from recship.quantize.sharded import shard_quant_model as shard_quant_model

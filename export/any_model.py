@@ -31,7 +31,7 @@ from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingC
 from recship.trainer.entry_point import describe_model
 
 if TYPE_CHECKING:
-    from recship.export.pipeline import ExportConfig
+    from recship.export.config import ExportConfig
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
 
@@ -77,7 +77,7 @@ def _as_dict(out, error) -> Dict[str, torch.Tensor]:
 def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
     """([(dense, kjt, labels or None)], what they are): the user's data, else synthetic batches drawn
     like the training run's (with its labelling model) when the seed is known, else plain random ones."""
-    from recship.export.pipeline import eval_batches
+    from recship.export.validation import eval_batches
     from recship.trainer.data import SyntheticConfig, SyntheticCriteo
 
     names = [f[0] for f in spec["features"]]
@@ -119,7 +119,7 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     lookups for the validation batches are recorded; the float outputs then come from the
     model with recorded stand-ins for its EBCs and its float EmbeddingCollections.
     """
-    from recship.export.pipeline import pooled_lookup
+    from recship.export.validation import pooled_lookup
 
     paths: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
@@ -181,8 +181,9 @@ def export_any_model(
     ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
     from a checkpoint one at a time (peak memory: one float table plus the quantized model).
     """
-    from recship.export.pipeline import ExportError, expand_id_policy, refuse_non_finite
-    from recship.export.sharded import InferenceShard, shard_quant_model
+    from recship.export.config import ExportError, expand_id_policy
+    from recship.export.validation import refuse_non_finite
+    from recship.quantize.sharded import InferenceShard, shard_quant_model
     from recship.quantize import quantize_embeddings
 
     if config.device != "cpu":

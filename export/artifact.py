@@ -37,6 +37,7 @@ import torch
 from recship.export.tables import (TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables,
                                    pt2_pinned)
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
+from recship.quantize.sharded import Shard
 
 FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
 FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded
@@ -95,22 +96,6 @@ class OutputSpec:
 
     def to_dict(self) -> Dict[str, Any]:
         return {"dtype": self.dtype, "shape": self.shape}
-
-
-@dataclass
-class Shard:
-    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
-
-    table: str
-    index: int
-    device: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dict(vars(self))
 
 
 @dataclass

@@ -14,7 +14,7 @@ from recship.flags import json_object, one_of
 from recship.names import DEVICES, EXPORT_DTYPES, EXPORT_FORMATS, INFERENCE_SHARDINGS, LOG_FORMATS, MODEL_NAME
 
 if TYPE_CHECKING:
-    from recship.export.pipeline import ExportConfig
+    from recship.export.config import ExportConfig
 
 DTYPES = EXPORT_DTYPES
 SHARDINGS = INFERENCE_SHARDINGS
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    from recship.export.pipeline import ExportConfig  # torch, from here on
+    from recship.export.config import ExportConfig  # torch, from here on
     from recship.logs import configure_logging
 
     configure_logging(args.log_format)

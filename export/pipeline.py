@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -30,15 +30,17 @@ import torch
 from torch import nn
 
 from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
+from recship.export.config import TABLES_CHART, ExportConfig, ExportError, expand_id_policy
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
-from recship.export.sharded import plan_inference_shards, shard_quantized
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
-from recship.names import DEVICES, EXPORT_FORMATS, INFERENCE_SHARDINGS, MODEL_NAME, VERSION_NAME
+from recship.export.validation import Batch, eval_batches, pooled_lookup, refuse_non_finite
+from recship.names import VERSION_NAME
 from recship.quantize.flat import FlatPooledLookup
-from recship.quantize.modules import ID_POLICIES, host_rows_from
-from recship.quantize.quantizer import QuantConfig, QuantizationReport, TableReport, choose_types, quantize_into
+from recship.quantize.quantizer import QuantizationReport, TableReport, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
-from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.quantize.sharded import plan_inference_shards, shard_quantized
+from recship.quantize.tbe import host_rows_from
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.planner.types import ShardingType
@@ -50,106 +52,6 @@ if TYPE_CHECKING:
     from recship.trainer.dlrm import DLRMConfig
 
 log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
-
-
-class ExportError(ValueError):
-    """The export cannot proceed; the message names the problem."""
-
-
-TABLES_CHART = "tables.png"  # the artifact's optional chart of its tables (ExportConfig.plot)
-
-
-@dataclass
-class ExportConfig:
-    """Args:
-    out: the artifact directory to create (must not exist unless overwrite).
-    repo: instead of ``out``, a model repository (``recship serve --model-repo``): the artifact
-        becomes ``repo/<model_name>/<next version>/`` (1 + the largest number there, 1 if none),
-        written beside it under a hidden name and renamed into place; its manifest's version is
-        that number (``model_version`` is not used). Racing exports take different numbers.
-    dtype: default table type (int8, int4, int2, fp8, fp16, fp32, auto).
-    table_dtypes: table -> type overrides.
-    error_budget: for auto types, the largest per-table error; for validation, the
-        largest allowed output error (|prob| for a DLRM, relative for embeddings).
-    device: "cpu" or "cuda"; shards: number of devices (on CPU: shards in host memory).
-    sharding: force table_wise / row_wise / column_wise for every table (default: planner).
-    validation_batch_size: batch size of the validation batches.
-    id_policy: feature -> "reject" (default) or "modulo".
-    format: "torchscript" writes model.pt; "both" (or "aoti") also the AOTInductor model.pt2
-        (loaders prefer it where it runs; model.pt stays as the fallback); "auto": both where a
-        C++ compiler is present, else torchscript with a one-line note.
-    target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
-    plot: whether the artifact also gets ``tables.png``, each table's bytes and quantization
-        error as a chart (recship/plots.py; a picture beside the contract's files, read by no
-        loader): False (default) none; True one, matplotlib missing being an error up front;
-        None one if matplotlib is installed, else a warning (``recship export`` without --plot).
-    """
-
-    out: Optional[str] = None
-    dtype: str = "int8"
-    table_dtypes: Dict[str, str] = field(default_factory=dict)
-    error_budget: Optional[float] = None
-    device: str = "cpu"
-    shards: int = 1
-    sharding: Optional[str] = None
-    validation_batch_size: int = 512
-    model_name: str = "model"
-    model_version: int = 1
-    id_policy: Dict[str, str] = field(default_factory=dict)
-    error_minimizing: bool = True
-    validation_batches: int = 4
-    sample_batch_size: int = 4
-    seed: int = 0
-    overwrite: bool = False
-    progress: bool = True
-    num_dense: Optional[int] = None  # any-model export: the dense width (else the model's num_dense attribute)
-    eval_data: Optional[str] = None  # validate on this data: a Criteo TSV file, or package.module:function (see docs)
-    model: Optional[str] = None  # entry point package.module:factory to rebuild a checkpoint's model (default: what it records)
-    model_args: Dict[str, Any] = field(default_factory=dict)
-    format: str = "auto"  # torchscript | aoti | both | auto (both where a C++ compiler is present)
-    target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
-    repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
-    plot: Optional[bool] = False  # tables.png in the artifact: False no, True yes (or an error), None if matplotlib is there
-
-    def __post_init__(self) -> None:
-        if (self.out is None) == (self.repo is None):
-            raise ExportError("give either out (an artifact folder) or repo (a model repository), "
-                              + ("not both" if self.out is not None else "one of them"))
-        if self.repo is not None:
-            if not MODEL_NAME.fullmatch(self.model_name):
-                raise ExportError(f"model name {self.model_name!r} cannot name a model folder of a repository: "
-                                  "1-128 of A-Z a-z 0-9 _ . - starting with a letter or digit")
-            if self.overwrite:
-                raise ExportError("overwrite does not apply to repo (--overwrite with --repo): every export is a new version")
-        if self.format not in EXPORT_FORMATS:
-            raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
-        if self.device not in DEVICES:
-            raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and torch.cuda.device_count() < self.shards:
-            raise ExportError(f"{self.shards} cuda shard(s) asked for, {torch.cuda.device_count()} CUDA device(s) present")
-        if self.shards < 1:
-            raise ExportError(f"shards must be >= 1, got {self.shards}")
-        if self.sharding is not None and self.sharding not in INFERENCE_SHARDINGS:
-            raise ExportError(f"sharding must be table_wise, row_wise or column_wise, got {self.sharding!r}")
-        for f, p in self.id_policy.items():
-            if p not in ID_POLICIES:
-                raise ExportError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {p!r}")
-        try:
-            QuantConfig(dtype=self.dtype, table_dtypes=dict(self.table_dtypes), error_budget=self.error_budget or 0.01)
-        except ValueError as e:
-            raise ExportError(str(e)) from None
-        if self.error_budget is not None and self.error_budget <= 0:
-            raise ExportError(f"error_budget must be > 0, got {self.error_budget}")
-        if self.plot is True:  # asked for: refuse now, not after the export's work
-            from recship.plots import require
-
-            require()
-
-    def quant_config(self) -> QuantConfig:
-        return QuantConfig(
-            dtype=self.dtype, table_dtypes=dict(self.table_dtypes), error_budget=self.error_budget or 0.01,
-            error_minimizing=self.error_minimizing, device=self.device, id_policy=dict(self.id_policy), seed=self.seed,
-        )
 
 
 # ---------------------------------------------------------------------------
@@ -247,13 +149,6 @@ def _module_from_checkpoint(
     return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed, functools.partial(reader.table, reuse=True)
 
 
-def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
-    """``{"*": p}`` gives every feature policy ``p``; named features override it."""
-    if "*" not in id_policy:
-        return dict(id_policy)
-    return {**{f: id_policy["*"] for f in features}, **{f: p for f, p in id_policy.items() if f != "*"}}
-
-
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent), name, module)
@@ -312,10 +207,6 @@ def _bag_weight(ebc: EmbeddingBagCollection, table: str) -> torch.Tensor:
 # ---------------------------------------------------------------------------
 
 
-# a validation request: dense [B, num_dense] float32, its KJT, labels [B] float32 or None
-Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]
-
-
 def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: int) -> List[Batch]:
     """[(dense, kjt, labels or None)] held-out requests (synthetic, fixed seed)."""
     from recship.trainer.data import SyntheticConfig, SyntheticCriteo
@@ -342,52 +233,6 @@ def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: 
         weights = torch.rand(values.numel(), generator=g) if source.is_weighted else None
         kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths.to(torch.int32), weights=weights)
         out.append((torch.zeros(batch, 0), kjt, None))
-    return out
-
-
-def eval_batches(
-    eval_data: str, names: List[str], rows: List[int], num_dense: int, weighted: bool, n: int, batch: int
-) -> List[Batch]:
-    """Up to ``n`` batches [(dense, kjt, labels or None)] of the user's data.
-
-    ``eval_data`` is a Criteo TSV file (label, 13 integers, 26 hex ids a line: for models
-    with those 13 dense and 26 sparse features, in order), or ``package.module:function``
-    where ``function(batch_size=B, rank=0, world_size=1)`` returns an iterable of (dense
-    [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B] float or None):
-    the data functions ``recship train --data`` takes.
-    """
-    if Path(eval_data).is_file():
-        from recship.trainer.data import CriteoTSV
-
-        if len(names) != CriteoTSV.NUM_SPARSE or num_dense != CriteoTSV.NUM_DENSE:
-            raise ExportError(f"--eval-data {eval_data}: a Criteo TSV file feeds models with 13 dense and 26 sparse features; "
-                              f"this one has {num_dense} and {len(names)} (give a package.module:function instead)")
-        source = ((b.dense, b.sparse, b.labels) for b in CriteoTSV(eval_data, rows, batch, feature_names=names))
-    elif ":" in eval_data:
-        from recship.trainer.entry_point import load_factory
-
-        data_function: Callable[..., Any] = load_factory(eval_data)  # typed for model factories; this one yields batches
-        try:
-            source = iter(data_function(batch_size=batch, rank=0, world_size=1))
-        except ValueError as e:
-            raise ExportError(str(e).replace("--model", "--eval-data")) from None
-        except Exception as e:
-            raise ExportError(f"--eval-data {eval_data} raised {type(e).__name__}: {e}") from None
-    else:
-        raise ExportError(f"--eval-data {eval_data}: no such file (or give package.module:function)")
-    out: List[Batch] = []
-    for item in source:
-        if len(out) == n:
-            break
-        dense, kjt, labels = item
-        if list(kjt.keys()) != names:
-            raise ExportError(f"--eval-data {eval_data}: batches must have the features {names}, in order; got {kjt.keys()}")
-        if (kjt.weights_or_none() is not None) != weighted:
-            raise ExportError(f"--eval-data {eval_data}: the model's features are {'weighted' if weighted else 'unweighted'}; "
-                              "the batches' are not")
-        out.append((dense.float(), kjt, None if labels is None else labels.float().reshape(-1)))
-    if not out:
-        raise ExportError(f"--eval-data {eval_data} gave no batches")
     return out
 
 
@@ -528,21 +373,6 @@ def _device_capacity(config: ExportConfig) -> Optional[int]:
     return None  # host memory: the OS decides
 
 
-def pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: EmbeddingBagConfig, weighted: bool) -> torch.Tensor:
-    """The float reference of one feature's pooled lookup: ``weight`` [rows, dim] of table ``t``,
-    ``jt`` the feature's JaggedTensor (B bags) -> [B, dim] float32, pooled as ``t`` says
-    (``weighted``: scaled by the JaggedTensor's per-id weights first)."""
-    ids = jt.values().to(torch.int64)
-    mode = "mean" if t.pooling.value == "MEAN" and not weighted else "sum"
-    out = nn.functional.embedding_bag(
-        ids, weight.float(), jt.offsets().to(torch.int64), mode=mode, include_last_offset=True,
-        per_sample_weights=jt.weights_or_none() if weighted else None,
-    )
-    if weighted and t.pooling.value == "MEAN":
-        out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
-    return out
-
-
 def _quantized_pool(weight, jt, t: EmbeddingBagConfig, weighted: bool, dt: DataType, error_minimizing: bool, blocks) -> torch.Tensor:
     """What the unsharded quantized table gives for ``jt`` (column blocks quantized as the shards are)."""
     ids = jt.values().to(torch.int64)
@@ -567,17 +397,6 @@ def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], na
     device = next(model.parameters()).device
     logit = model.predict(dense.to(device), kt.values().to(device)).unsqueeze(1).cpu()
     return {"logit": logit, "prob": torch.sigmoid(logit)}
-
-
-def refuse_non_finite(outputs: Dict[str, torch.Tensor], which: str, model: Optional[nn.Module]) -> None:
-    """ExportError if an output of ``which`` model on a validation batch holds NaN or inf (naming ``model``'s
-    non-finite parameters, if any): nothing non-finite is exported."""
-    for name, value in outputs.items():
-        if not bool(torch.isfinite(value).all()):
-            params = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())] if model is not None else []
-            cause = (f"the dense parameters {params[:5]} hold NaN or inf (did the training run diverge?)" if params
-                     else "check the validation data and the model's forward")
-            raise ExportError(f"validation failed: output {name!r} of {which} holds NaN or inf on the validation batches; {cause}")
 
 
 def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, config: ExportConfig) -> Dict[str, Any]:

@@ -1,18 +1,13 @@
 """Quantization of float embedding tables to fbgemm TBE weight types (int8/int4/int2/fp8/fp16/fp32)."""
 
-from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
-from recship.quantize.quantizer import (
-    BlockView,
-    QuantConfig,
-    QuantizationReport,
-    TableReport,
-    TypeChoice,
-    choose_types,
+from recship.quantize.modules import (
+    QuantEmbeddingBagCollection,
+    QuantEmbeddingCollection,
     quantize_embedding_bag_collection,
     quantize_embedding_collection,
     quantize_embeddings,
-    quantize_into,
 )
+from recship.quantize.quantizer import BlockView, QuantConfig, QuantizationReport, TableReport, TypeChoice, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 
 __all__ = [

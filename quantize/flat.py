@@ -307,7 +307,7 @@ class FlatPooledLookup(nn.Module):
     @staticmethod
     def of(module: nn.Module) -> "FlatPooledLookup":
         """The flat lookup of a QuantEmbeddingBagCollection or ShardedQuantEmbeddingBagCollection (rows shared)."""
-        from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+        from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
         from recship.quantize.modules import QuantEmbeddingBagCollection
 
         if isinstance(module, ShardedQuantEmbeddingBagCollection):
@@ -564,7 +564,7 @@ def flatten_collections(model: nn.Module) -> nn.Module:
     twins; everything else is deep-copied, the tables' rows are shared with ``model``."""
     import copy
 
-    from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+    from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
     from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 
     memo: Dict[int, object] = {}

@@ -1,279 +1,30 @@
-"""QuantEmbeddingBagCollection / QuantEmbeddingCollection: quantized tables in fbgemm's inference TBE.
+"""QuantEmbeddingBagCollection / QuantEmbeddingCollection: quantized tables in fbgemm's inference TBE
+(``recship.quantize.tbe``), and the functions that build them from float collections.
 
 Same contract as the float EmbeddingBagCollection: KJT in, KeyedTensor out (keys
-in table order, float32 values). All tables with the same pooling share one
-``IntNBitTableBatchedEmbeddingBagsCodegen`` (a TBE holds mixed weight types), so a
-module makes at most two kernel calls (SUM and MEAN).
-
-Ids are validated before the kernel: an id outside its table is an error naming
-feature, table, id and size (fbgemm's default bounds check would silently rewrite
-it to row 0), unless that feature's id policy is "modulo", which hashes ids into
-the table. The kernel's own check runs in FATAL mode as a second line.
-
-fbgemm keeps the quantized rows in ``weights_host``, a plain attribute that
-``state_dict()`` does not see. Each table's stored rows are registered as a buffer
-under TorchRec's names, ``embedding_bags.<table>.weight`` (``embeddings.<table>.weight``
-for the unpooled module): a [rows, row bytes] uint8 view of the TBE's storage, full
-rows as the kernel reads them (fp16 scale | fp16 bias | packed data | alignment
-padding for the integer types). The views are the only copy of the rows: state_dict,
-load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
+in table order, float32 values). ``quantize_embeddings`` swaps every float collection of a
+model for its quantized twin; ``quantize_embedding_bag_collection`` /
+``quantize_embedding_collection`` quantize one; ``from_float`` is TorchRec's way to the same.
+Each table is quantized by ``recship.quantize.quantizer`` (types, rows, error report).
 """
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
+import copy
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, cast, overload
 
 import torch
 from torch import nn
 
-from recship.names import ID_POLICIES
-from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
+from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
+                                        choose_types, quantize_into)
+from recship.quantize.tbe import QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.sparse.ids import first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.types import DataType, PoolingType
 
 
-@torch.fx.wrap
-def check_ids(
-    ids: torch.Tensor,
-    counts: List[int],
-    rows: List[int],
-    modulo: List[bool],
-    features: List[str],
-    tables: List[str],
-) -> torch.Tensor:
-    """ids [N] (any integer dtype) of consecutive features, counts[i] ids each, checked against
-    rows[i] -> [N] int64; ids of modulo features are hashed into their table, any other id
-    outside its table raises ValueError (the id rule's message, recship.sparse.ids).
-
-    One min and one max per feature (no per-id temporaries); ids are copied only when a
-    modulo feature has ids to hash.
-    """
-    ids = ids.to(torch.int64)
-    if ids.numel() == 0:
-        return ids
-    # one pass over all ids settles the usual case: everything inside the smallest table
-    lowest, highest = torch.aminmax(ids)
-    if int(lowest) >= 0 and int(highest) < min(rows):
-        return ids
-    copied = False
-    start = 0
-    for i in range(len(counts)):
-        n = counts[i]
-        if n > 0:
-            segment = ids[start : start + n]
-            bad = first_out_of_range(segment, rows[i])
-            if bad is not None:
-                if not modulo[i]:
-                    raise ValueError(out_of_range_message(features[i], bad, rows[i]))
-                if not copied:
-                    ids = ids.clone()
-                    copied = True
-                ids[start : start + n] = torch.remainder(segment, rows[i])
-        start += n
-    return ids
-
-
-@torch.fx.wrap
-def _prepare(
-    features: KeyedJaggedTensor,
-    names: List[str],
-    rows: List[int],
-    modulo: List[bool],
-    tables: List[str],
-    weighted: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
-    """(checked ids, offsets, per-sample weights, ids per feature) of the ``names`` features.
-
-    When the KJT holds exactly these features in this order (the usual request), its
-    tensors are used as they are; otherwise the features are gathered. fx records this
-    as one call, so tracing does not depend on the input's keys.
-    """
-    counts: List[int] = []
-    if features.keys() == names:
-        counts = features.length_per_key()
-        ids = features.values()
-        offsets = features.offsets().to(torch.int64)
-        per_sample_weights: Optional[torch.Tensor] = None
-        if weighted:
-            per_sample_weights = features.weights().float()
-    else:
-        # per-key views of the KJT's tensors (what to_dict gives, without a checked JaggedTensor per key);
-        # a repeated key resolves to its last occurrence, as in to_dict
-        index = features.index_per_key()
-        length_per_key = features.length_per_key()
-        values_per_key = torch.split(features.values(), length_per_key)
-        lengths_per_key = features.lengths().view(len(features.keys()), features.stride())
-        weights_per_key: List[torch.Tensor] = []
-        ids_parts: List[torch.Tensor] = []
-        length_parts: List[torch.Tensor] = []
-        weight_parts: List[torch.Tensor] = []
-        for name in names:
-            if name not in index:
-                raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
-            k = index[name]
-            ids_parts.append(values_per_key[k])
-            length_parts.append(lengths_per_key[k])
-            counts.append(length_per_key[k])
-            if weighted:
-                if len(weights_per_key) == 0:
-                    weights_per_key = list(torch.split(features.weights(), length_per_key))
-                weight_parts.append(weights_per_key[k])
-        ids = torch.cat(ids_parts)
-        lengths = torch.cat(length_parts).to(torch.int64)
-        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
-        per_sample_weights = torch.cat(weight_parts).float() if weighted else None
-    ids = check_ids(ids, counts, rows, modulo, names, tables)
-    return ids, offsets, per_sample_weights, counts
-
-
-# Where the TBEs built inside ``host_rows_from`` keep their host rows (``weights_host``):
-# ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g. a writable mapping of
-# the tables file export is writing, so that rows are quantized straight into it.
-_HOST_ROWS: "contextvars.ContextVar[Optional[Callable[[int], torch.Tensor]]]" = contextvars.ContextVar("recship_host_rows", default=None)
-
-
-def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tensor]]) -> None:
-    """``tbe.initialize_weights()``, with its host rows from ``allocate`` (if given) instead of its own zeros
-    (which would be filled and then dropped: seconds at GBs of rows)."""
-    host = int(tbe.host_size)
-    if allocate is None or host == 0:
-        tbe.initialize_weights()
-        return
-    # fbgemm 1.8's initialize_weights is _apply_split of these attributes; with no host bytes it allocates none
-    tbe._apply_split(tbe.dev_size, 0, tbe.uvm_size, tbe.weights_physical_placements, tbe.weights_physical_offsets, tbe.enforce_hbm)
-    tbe.host_size = host
-    tbe.weights_host = allocate(host)
-
-
-@contextlib.contextmanager
-def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterator[None]:
-    """TBEs built inside take their host rows from ``allocate(nbytes)`` (None: their own zeros)."""
-    token = _HOST_ROWS.set(allocate)
-    try:
-        yield
-    finally:
-        _HOST_ROWS.reset(token)
-
-
-class _QuantTables(nn.Module):
-    """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
-
-    _group_features: List[List[str]]
-    _group_rows: List[List[int]]
-    _group_tables: List[List[str]]
-    _group_modulo: List[List[bool]]
-
-    def _build(
-        self,
-        tables: Sequence[BaseEmbeddingConfig],
-        groups: Sequence[Tuple[object, Sequence[BaseEmbeddingConfig]]],
-        weight_types: Dict[str, DataType],
-        device: torch.device,
-        row_alignment: Optional[int],
-        id_policy: Optional[Dict[str, str]],
-        rows_container: str,
-    ) -> None:
-        """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced.
-
-        rows_container: the ModuleDict (``embedding_bags`` / ``embeddings``) whose
-        ``<table>.weight`` buffers expose each table's stored rows.
-        """
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
-        self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
-        id_policy = dict(id_policy or {})
-        all_features = [f for t in tables for f in t.feature_names]
-        for f, policy in id_policy.items():
-            if f not in all_features:
-                raise ValueError(f"id_policy names feature {f!r}, which no table has")
-            if policy not in ID_POLICIES:
-                raise ValueError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {policy!r}")
-        for t in tables:
-            dt = weight_types.get(t.name)
-            if dt is None:
-                raise ValueError(f"no weight type for table {t.name!r}")
-            if dt == DataType.BF16:
-                raise ValueError(f"table {t.name!r}: BF16 is not supported by fbgemm's inference TBE; use FP16")
-        self._tables = list(tables)
-        self._weight_types = {t.name: weight_types[t.name] for t in tables}
-        self.id_policy = {f: id_policy.get(f, "reject") for f in all_features}
-        location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
-        rows = nn.ModuleDict({t.name: nn.Module() for t in tables})  # in table order, as the float module's
-        setattr(self, rows_container, rows)
-        self.tbes = nn.ModuleList()
-        self._group_features = []
-        self._group_rows = []
-        self._group_tables = []
-        self._group_modulo = []
-        for pooling_mode, group in groups:
-            tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
-                embedding_specs=[
-                    (t.name, t.num_embeddings, t.embedding_dim, self._weight_types[t.name].to_sparse_type(), location)
-                    for t in group
-                ],
-                feature_table_map=[i for i, t in enumerate(group) for _ in t.feature_names],
-                pooling_mode=pooling_mode,
-                device=device,
-                bounds_check_mode=BoundsCheckMode.FATAL,
-                output_dtype=SparseType.FP32,
-                row_alignment=self.row_alignment,
-                fp8_exponent_bits=FP8_EXPONENT_BITS,
-                fp8_exponent_bias=FP8_EXPONENT_BIAS,
-            )
-            _initialize_weights(tbe, _HOST_ROWS.get())
-            # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
-            # rows in state_dict (mode 0: whole padded rows, scale/bias included)
-            for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
-                rows[t.name].register_buffer("weight", stored)
-            self.tbes.append(tbe)
-            self._group_features.append([f for t in group for f in t.feature_names])
-            self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
-            self._group_tables.append([t.name for t in group for _ in t.feature_names])
-            self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
-
-    def _prepare(
-        self, g: int, features: KeyedJaggedTensor, weighted: bool
-    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
-        return _prepare(
-            features, self._group_features[g], self._group_rows[g], self._group_modulo[g], self._group_tables[g], weighted
-        )
-
-    # -- weights -----------------------------------------------------------
-
-    def _kernels(self) -> List[Any]:
-        """``self.tbes`` as the fbgemm TBEs ``_build`` put there (fbgemm is untyped: Any to mypy)."""
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
-        kernels = []
-        for tbe in self.tbes:
-            assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen), type(tbe)
-            kernels.append(tbe)
-        return kernels
-
-    def table_weights(self) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """table -> (packed rows [rows, bytes] uint8, scale_bias [rows, 4] uint8 or None): writable views."""
-        out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
-        for tbe, tables in zip(self._kernels(), _unique_in_order(self._group_tables)):
-            for name, (data, scale_bias) in zip(tables, tbe.split_embedding_weights()):
-                out[name] = (data, scale_bias)
-        return out
-
-    def weight_types(self) -> Dict[str, DataType]:
-        return dict(self._weight_types)
-
-    def tables(self) -> List[BaseEmbeddingConfig]:
-        return list(self._tables)
-
-    def weight_bytes(self) -> int:
-        """Bytes of every TBE's stored rows, alignment padding included."""
-        return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self._kernels())
-
-
-class QuantEmbeddingBagCollection(_QuantTables):
+class QuantEmbeddingBagCollection(QuantTables):
     """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
 
     Args:
@@ -344,12 +95,10 @@ class QuantEmbeddingBagCollection(_QuantTables):
         otherwise. ``use_precomputed_fake_quant`` is accepted for torch's signature and
         unused (no fake-quant observers are involved).
         """
-        from recship.quantize.quantizer import quantize_from_float
-
         return quantize_from_float(cls, module)
 
 
-class QuantEmbeddingCollection(_QuantTables):
+class QuantEmbeddingCollection(QuantTables):
     """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] float32 rows} out.
 
     Tables of equal dim share one TBE (fbgemm's unpooled mode needs one width).
@@ -398,20 +147,7 @@ class QuantEmbeddingCollection(_QuantTables):
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingCollection":
         """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
         see ``QuantEmbeddingBagCollection.from_float``."""
-        from recship.quantize.quantizer import quantize_from_float
-
         return quantize_from_float(cls, module)
-
-
-def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:
-    out = []
-    for g in groups:
-        seen: List[str] = []
-        for name in g:
-            if name not in seen:
-                seen.append(name)
-        out.append(seen)
-    return out
 
 
 def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:
@@ -422,3 +158,243 @@ def _column_permutation(source: List[str], target: List[str], dims: Dict[str, in
         start[name] = col
         col += dims[name]
     return torch.cat([torch.arange(start[n], start[n] + dims[n]) for n in target])
+
+
+QuantModule = Union["QuantEmbeddingBagCollection", "QuantEmbeddingCollection"]
+FloatCollection = Union[EmbeddingBagCollection, EmbeddingCollection]
+
+
+Q = TypeVar("Q", QuantEmbeddingBagCollection, QuantEmbeddingCollection)
+
+
+def quantize_embedding_bag_collection(
+    ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None,
+    weights: Optional[TableLoader] = None, on_table: Optional[TableHook] = None,
+) -> Tuple[QuantEmbeddingBagCollection, QuantizationReport]:
+    """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report.
+
+    ``weights``: loads a table's float weight by name, one table in memory at a time (the
+    module's own parameters may then be on ``meta``); ``on_table(config, weight)`` sees each
+    float table while it is loaded.
+    """
+    config = config or QuantConfig()
+    tables = ebc.embedding_bag_configs()
+    source: Union[_OneAtATime, Dict[str, torch.Tensor]] = (
+        _OneAtATime(weights) if weights is not None else {t.name: _table_weight(ebc.embedding_bags, t.name) for t in tables}
+    )
+    return _quantize(
+        tables,
+        source.__getitem__,
+        lambda types: QuantEmbeddingBagCollection(
+            tables, types, is_weighted=ebc.is_weighted(), device=config.device,
+            row_alignment=config.alignment, id_policy=config.id_policy,
+        ),
+        config,
+        on_table,
+    )
+
+
+class _OneAtATime:
+    """A mapping table name -> weight that loads on access and keeps only the last table."""
+
+    def __init__(self, load: TableLoader) -> None:
+        self._load = load
+        self._name: Optional[str] = None
+        self._weight: Optional[torch.Tensor] = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name != self._name or self._weight is None:
+            self._weight = None  # drop the previous table before loading the next
+            self._weight, self._name = self._load(name), name
+        return self._weight
+
+
+def _table_weight(tables: nn.ModuleDict, name: str) -> torch.Tensor:
+    """The float weight [rows, dim] of a collection's ``name`` table (its nn.EmbeddingBag / nn.Embedding)."""
+    weight = tables[name].weight
+    assert isinstance(weight, torch.Tensor), f"table {name!r} holds no weight tensor"
+    return weight
+
+
+def quantize_embedding_collection(
+    ec: EmbeddingCollection, config: Optional[QuantConfig] = None
+) -> Tuple[QuantEmbeddingCollection, QuantizationReport]:
+    """A QuantEmbeddingCollection holding ``ec``'s tables in the configured types, and its report."""
+    config = config or QuantConfig()
+    weights = {t.name: _table_weight(ec.embeddings, t.name) for t in ec.embedding_configs()}
+    return _quantize(
+        ec.embedding_configs(),
+        weights.__getitem__,
+        lambda types: QuantEmbeddingCollection(
+            ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
+        ),
+        config,
+    )
+
+
+def _quantize(
+    tables: Sequence[BaseEmbeddingConfig],
+    weight: TableLoader,  # a dict's or _OneAtATime's __getitem__
+    build: Callable[[Dict[str, DataType]], Q],
+    config: QuantConfig,
+    on_table: Optional[TableHook] = None,
+) -> Tuple[Q, QuantizationReport]:
+    choices = choose_types(tables, weight, config)
+    module = build({name: c.data_type for name, c in choices.items()})
+    views = module.table_weights()
+    reports = []
+    for index, t in enumerate(tables):
+        data, scale_bias = views[t.name]
+        whole = BlockView(slice(None), slice(None), data, scale_bias)
+        reports.append(quantize_into(index, t, weight(t.name), choices[t.name], [whole], config))
+        if on_table is not None:
+            on_table(t, weight(t.name))
+    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
+
+
+def quantize_embeddings(
+    module: nn.Module,
+    dtype: Union[str, DataType, None] = None,
+    table_dtypes: Optional[Dict[str, Union[str, DataType]]] = None,
+    inplace: bool = False,
+    weights: Optional[Callable[[str, str], torch.Tensor]] = None,
+    on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
+    **options: Any,
+) -> Tuple[nn.Module, QuantizationReport]:
+    """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
+
+    Args:
+        module: any nn.Module; collections may be nested anywhere (in ModuleLists and
+            ModuleDicts too), several, weighted or not. A collection reached by two paths
+            (shared between towers) is quantized once and both paths get the same module.
+        dtype: every table's type (a DataType, its name, or "auto"); default INT8.
+        table_dtypes: table -> type, overriding ``dtype``. A key is a table name, or
+            "<collection path>.<table>" where two collections have a table of that name.
+        inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
+        weights: ``weights(collection path, table)`` loads an EmbeddingBagCollection table's
+            float weight (e.g. from a checkpoint), one table in memory at a time: the
+            collections' own parameters may then be on ``meta``.
+        on_table: ``on_table(collection path, table config, weight)`` sees each
+            EmbeddingBagCollection table while its float weight is loaded.
+        options: the other QuantConfig fields (error_budget, error_minimizing, device,
+            chunk_rows, id_policy, ...); id_policy's features may belong to any collection.
+
+    Returns (the quantized module, one report whose tables are named "<path>.<table>").
+    """
+    if not inplace:
+        module = copy.deepcopy(module)
+    # exactly these two types, as before (``type(m) is`` also narrows m for mypy)
+    found: List[Tuple[str, FloatCollection]] = [
+        (path, m) for path, m in module.named_modules(remove_duplicate=False)
+        if type(m) is EmbeddingBagCollection or type(m) is EmbeddingCollection
+    ]
+    if not found:
+        raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection to quantize")
+    collections: Dict[int, Tuple[str, FloatCollection]] = {}
+    for path, m in found:
+        collections.setdefault(id(m), (path, m))
+    tables = {key: _configs(m) for key, (_, m) in collections.items()}
+    id_policy: Dict[str, str] = options.pop("id_policy", None) or {}
+    config = QuantConfig(dtype=dtype, table_dtypes=dict(table_dtypes or {}), **options)
+    assigned = _assign(config.table_dtypes, "table_dtypes", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
+    policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
+    reports: List[TableReport] = []
+    swapped: Dict[int, nn.Module] = {}
+    for key, (path, m) in collections.items():
+        # per_table_weight_dtype is already in config.table_dtypes, and split among the collections
+        sub = dataclasses.replace(config, table_dtypes=assigned[key], per_table_weight_dtype=None, id_policy=policies[key])
+        if isinstance(m, EmbeddingBagCollection):
+            load = None if weights is None else (lambda name, path=path: weights(path, name))
+            hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
+            swapped[key], report = quantize_embedding_bag_collection(m, sub, load, hook)
+        else:
+            swapped[key], report = quantize_embedding_collection(m, sub)
+        reports += [dataclasses.replace(r, table=f"{path}.{r.table}" if path else r.table) for r in report.tables]
+    for path, m in found:
+        if not path:
+            module = swapped[id(m)]
+            continue
+        parent, _, name = path.rpartition(".")
+        setattr(module.get_submodule(parent), name, swapped[id(m)])
+    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
+
+
+# TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
+# tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
+TORCHREC_ROW_ALIGNMENT = 16
+
+
+@overload
+def quantize_from_float(cls: Type[QuantEmbeddingBagCollection], module: nn.Module) -> QuantEmbeddingBagCollection: ...
+
+
+@overload
+def quantize_from_float(cls: Type[QuantEmbeddingCollection], module: nn.Module) -> QuantEmbeddingCollection: ...
+
+
+def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModule:
+    """``cls.from_float(module)``: ``module``'s tables quantized as its ``qconfig`` says.
+
+    With torch's quantize_dynamic one qconfig serves every collection of the model, so
+    ``per_table_weight_dtype`` may name tables of other collections; those entries are
+    skipped here (an unknown name in ``table_dtypes`` is still an error).
+    """
+    from torch.ao.quantization import QConfig
+
+    pooled = issubclass(cls, QuantEmbeddingBagCollection)
+    float_type = EmbeddingBagCollection if pooled else EmbeddingCollection
+    if not isinstance(module, float_type):
+        raise TypeError(f"{cls.__name__}.from_float takes a float {float_type.__name__}, got {type(module).__name__}")
+    qconfig = getattr(module, "qconfig", None)
+    if isinstance(qconfig, QConfig):
+        qconfig = QuantConfig(activation=qconfig.activation, weight=qconfig.weight)
+    if not isinstance(qconfig, QuantConfig):
+        raise TypeError(
+            f"{type(module).__name__}.qconfig must be a recship.QuantConfig (e.g. quantize_dynamic(model, "
+            f"qconfig_spec={{{type(module).__name__}: QuantConfig(activation=..., weight=...)}})), got {type(qconfig).__name__}"
+        )
+    devices = {p.device for p in module.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        raise ValueError(f"{type(module).__name__}.from_float needs its tables materialized on one device, found {sorted(map(str, devices))}")
+    names = {t.name for t in _configs(module)}
+    shared = set(qconfig.per_table_weight_dtype or {})
+    config = dataclasses.replace(
+        qconfig,
+        device=str(next(iter(devices))),
+        row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
+        table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared},
+        per_table_weight_dtype=None,
+    )
+    if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
+        return quantize_embedding_bag_collection(module, config)[0]
+    return quantize_embedding_collection(module, config)[0]
+
+
+def _configs(m: FloatCollection) -> Sequence[BaseEmbeddingConfig]:
+    return m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs()
+
+
+V = TypeVar("V")
+
+
+def _assign(
+    given: Mapping[str, V], what: str, names: Mapping[int, List[str]], collections: Mapping[int, Tuple[str, nn.Module]]
+) -> Dict[int, Dict[str, V]]:
+    """Splits ``given`` (name or "<path>.<name>" -> value) among the collections that own the names."""
+    out: Dict[int, Dict[str, V]] = {key: {} for key in collections}
+    for name, value in given.items():
+        owners = [key for key in collections if name in names[key]]
+        qualified = [key for key in collections if collections[key][0] and name.startswith(collections[key][0] + ".")
+                     and name[len(collections[key][0]) + 1:] in names[key]]
+        if len(owners) > 1:
+            paths = [f"{collections[k][0]}.{name}" for k in owners]
+            raise ValueError(f"{what}: {name!r} is in several collections; name one of {paths}")
+        if owners:
+            out[owners[0]][name] = value
+        elif qualified:
+            key = qualified[0]
+            out[key][name[len(collections[key][0]) + 1:]] = value
+        else:
+            known = sorted(f"{collections[k][0]}.{n}" if collections[k][0] else n for k in collections for n in names[k])
+            raise ValueError(f"{what} names {name!r}, which no collection has; known: {known[:20]}")
+    return out

@@ -18,21 +18,17 @@ and quantizes them straight into inference shards):
         report = quantize_into(i, t, load(t.name), choices[t.name], blocks[t.name], config)
 """
 
-import copy
 import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, overload
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import nn
 
 from recship.names import AUTO, INFERENCE_TYPES, DataType
-from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_rows, row_bytes, row_chunks, single_threaded_pool
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.text import text_table
 
 # auto mode tries these, smallest first (FP8 costs what INT8 costs and is less accurate here)
@@ -267,9 +263,6 @@ def _choose_auto(t: BaseEmbeddingConfig, weight: torch.Tensor, config: QuantConf
 
 TableLoader = Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim]
 TableHook = Callable[[BaseEmbeddingConfig, torch.Tensor], None]
-QuantModule = Union[QuantEmbeddingBagCollection, QuantEmbeddingCollection]
-Q = TypeVar("Q", QuantEmbeddingBagCollection, QuantEmbeddingCollection)
-FloatCollection = Union[EmbeddingBagCollection, EmbeddingCollection]
 
 
 @dataclass
@@ -427,236 +420,3 @@ def _fill(
         with single_threaded_pool(workers) as pool:
             errors = list(pool.map(block, blocks))
     return max((e[0] for e in errors), default=0.0), sum(e[1] for e in errors)
-
-
-def quantize_embedding_bag_collection(
-    ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None,
-    weights: Optional[TableLoader] = None, on_table: Optional[TableHook] = None,
-) -> Tuple[QuantEmbeddingBagCollection, QuantizationReport]:
-    """A QuantEmbeddingBagCollection holding ``ebc``'s tables in the configured types, and its report.
-
-    ``weights``: loads a table's float weight by name, one table in memory at a time (the
-    module's own parameters may then be on ``meta``); ``on_table(config, weight)`` sees each
-    float table while it is loaded.
-    """
-    config = config or QuantConfig()
-    tables = ebc.embedding_bag_configs()
-    source: Union[_OneAtATime, Dict[str, torch.Tensor]] = (
-        _OneAtATime(weights) if weights is not None else {t.name: _table_weight(ebc.embedding_bags, t.name) for t in tables}
-    )
-    return _quantize(
-        tables,
-        source.__getitem__,
-        lambda types: QuantEmbeddingBagCollection(
-            tables, types, is_weighted=ebc.is_weighted(), device=config.device,
-            row_alignment=config.alignment, id_policy=config.id_policy,
-        ),
-        config,
-        on_table,
-    )
-
-
-class _OneAtATime:
-    """A mapping table name -> weight that loads on access and keeps only the last table."""
-
-    def __init__(self, load: TableLoader) -> None:
-        self._load = load
-        self._name: Optional[str] = None
-        self._weight: Optional[torch.Tensor] = None
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name != self._name or self._weight is None:
-            self._weight = None  # drop the previous table before loading the next
-            self._weight, self._name = self._load(name), name
-        return self._weight
-
-
-def _table_weight(tables: nn.ModuleDict, name: str) -> torch.Tensor:
-    """The float weight [rows, dim] of a collection's ``name`` table (its nn.EmbeddingBag / nn.Embedding)."""
-    weight = tables[name].weight
-    assert isinstance(weight, torch.Tensor), f"table {name!r} holds no weight tensor"
-    return weight
-
-
-def quantize_embedding_collection(
-    ec: EmbeddingCollection, config: Optional[QuantConfig] = None
-) -> Tuple[QuantEmbeddingCollection, QuantizationReport]:
-    """A QuantEmbeddingCollection holding ``ec``'s tables in the configured types, and its report."""
-    config = config or QuantConfig()
-    weights = {t.name: _table_weight(ec.embeddings, t.name) for t in ec.embedding_configs()}
-    return _quantize(
-        ec.embedding_configs(),
-        weights.__getitem__,
-        lambda types: QuantEmbeddingCollection(
-            ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
-        ),
-        config,
-    )
-
-
-def _quantize(
-    tables: Sequence[BaseEmbeddingConfig],
-    weight: TableLoader,  # a dict's or _OneAtATime's __getitem__
-    build: Callable[[Dict[str, DataType]], Q],
-    config: QuantConfig,
-    on_table: Optional[TableHook] = None,
-) -> Tuple[Q, QuantizationReport]:
-    choices = choose_types(tables, weight, config)
-    module = build({name: c.data_type for name, c in choices.items()})
-    views = module.table_weights()
-    reports = []
-    for index, t in enumerate(tables):
-        data, scale_bias = views[t.name]
-        whole = BlockView(slice(None), slice(None), data, scale_bias)
-        reports.append(quantize_into(index, t, weight(t.name), choices[t.name], [whole], config))
-        if on_table is not None:
-            on_table(t, weight(t.name))
-    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
-
-
-def quantize_embeddings(
-    module: nn.Module,
-    dtype: Union[str, DataType, None] = None,
-    table_dtypes: Optional[Dict[str, Union[str, DataType]]] = None,
-    inplace: bool = False,
-    weights: Optional[Callable[[str, str], torch.Tensor]] = None,
-    on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
-    **options: Any,
-) -> Tuple[nn.Module, QuantizationReport]:
-    """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
-
-    Args:
-        module: any nn.Module; collections may be nested anywhere (in ModuleLists and
-            ModuleDicts too), several, weighted or not. A collection reached by two paths
-            (shared between towers) is quantized once and both paths get the same module.
-        dtype: every table's type (a DataType, its name, or "auto"); default INT8.
-        table_dtypes: table -> type, overriding ``dtype``. A key is a table name, or
-            "<collection path>.<table>" where two collections have a table of that name.
-        inplace: swap inside ``module`` itself; otherwise a deep copy is quantized.
-        weights: ``weights(collection path, table)`` loads an EmbeddingBagCollection table's
-            float weight (e.g. from a checkpoint), one table in memory at a time: the
-            collections' own parameters may then be on ``meta``.
-        on_table: ``on_table(collection path, table config, weight)`` sees each
-            EmbeddingBagCollection table while its float weight is loaded.
-        options: the other QuantConfig fields (error_budget, error_minimizing, device,
-            chunk_rows, id_policy, ...); id_policy's features may belong to any collection.
-
-    Returns (the quantized module, one report whose tables are named "<path>.<table>").
-    """
-    if not inplace:
-        module = copy.deepcopy(module)
-    # exactly these two types, as before (``type(m) is`` also narrows m for mypy)
-    found: List[Tuple[str, FloatCollection]] = [
-        (path, m) for path, m in module.named_modules(remove_duplicate=False)
-        if type(m) is EmbeddingBagCollection or type(m) is EmbeddingCollection
-    ]
-    if not found:
-        raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection to quantize")
-    collections: Dict[int, Tuple[str, FloatCollection]] = {}
-    for path, m in found:
-        collections.setdefault(id(m), (path, m))
-    tables = {key: _configs(m) for key, (_, m) in collections.items()}
-    id_policy: Dict[str, str] = options.pop("id_policy", None) or {}
-    config = QuantConfig(dtype=dtype, table_dtypes=dict(table_dtypes or {}), **options)
-    assigned = _assign(config.table_dtypes, "table_dtypes", {k: [t.name for t in ts] for k, ts in tables.items()}, collections)
-    policies = _assign(id_policy, "id_policy", {k: [f for t in ts for f in t.feature_names] for k, ts in tables.items()}, collections)
-    reports: List[TableReport] = []
-    swapped: Dict[int, nn.Module] = {}
-    for key, (path, m) in collections.items():
-        # per_table_weight_dtype is already in config.table_dtypes, and split among the collections
-        sub = dataclasses.replace(config, table_dtypes=assigned[key], per_table_weight_dtype=None, id_policy=policies[key])
-        if isinstance(m, EmbeddingBagCollection):
-            load = None if weights is None else (lambda name, path=path: weights(path, name))
-            hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
-            swapped[key], report = quantize_embedding_bag_collection(m, sub, load, hook)
-        else:
-            swapped[key], report = quantize_embedding_collection(m, sub)
-        reports += [dataclasses.replace(r, table=f"{path}.{r.table}" if path else r.table) for r in report.tables]
-    for path, m in found:
-        if not path:
-            module = swapped[id(m)]
-            continue
-        parent, _, name = path.rpartition(".")
-        setattr(module.get_submodule(parent), name, swapped[id(m)])
-    return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
-
-
-# TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
-# tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
-TORCHREC_ROW_ALIGNMENT = 16
-
-
-@overload
-def quantize_from_float(cls: Type[QuantEmbeddingBagCollection], module: nn.Module) -> QuantEmbeddingBagCollection: ...
-
-
-@overload
-def quantize_from_float(cls: Type[QuantEmbeddingCollection], module: nn.Module) -> QuantEmbeddingCollection: ...
-
-
-def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModule:
-    """``cls.from_float(module)``: ``module``'s tables quantized as its ``qconfig`` says.
-
-    With torch's quantize_dynamic one qconfig serves every collection of the model, so
-    ``per_table_weight_dtype`` may name tables of other collections; those entries are
-    skipped here (an unknown name in ``table_dtypes`` is still an error).
-    """
-    from torch.ao.quantization import QConfig
-
-    pooled = issubclass(cls, QuantEmbeddingBagCollection)
-    float_type = EmbeddingBagCollection if pooled else EmbeddingCollection
-    if not isinstance(module, float_type):
-        raise TypeError(f"{cls.__name__}.from_float takes a float {float_type.__name__}, got {type(module).__name__}")
-    qconfig = getattr(module, "qconfig", None)
-    if isinstance(qconfig, QConfig):
-        qconfig = QuantConfig(activation=qconfig.activation, weight=qconfig.weight)
-    if not isinstance(qconfig, QuantConfig):
-        raise TypeError(
-            f"{type(module).__name__}.qconfig must be a recship.QuantConfig (e.g. quantize_dynamic(model, "
-            f"qconfig_spec={{{type(module).__name__}: QuantConfig(activation=..., weight=...)}})), got {type(qconfig).__name__}"
-        )
-    devices = {p.device for p in module.parameters()}
-    if len(devices) != 1 or next(iter(devices)).type == "meta":
-        raise ValueError(f"{type(module).__name__}.from_float needs its tables materialized on one device, found {sorted(map(str, devices))}")
-    names = {t.name for t in _configs(module)}
-    shared = set(qconfig.per_table_weight_dtype or {})
-    config = dataclasses.replace(
-        qconfig,
-        device=str(next(iter(devices))),
-        row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
-        table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared},
-        per_table_weight_dtype=None,
-    )
-    if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
-        return quantize_embedding_bag_collection(module, config)[0]
-    return quantize_embedding_collection(module, config)[0]
-
-
-def _configs(m: FloatCollection) -> Sequence[BaseEmbeddingConfig]:
-    return m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs()
-
-
-V = TypeVar("V")
-
-
-def _assign(
-    given: Mapping[str, V], what: str, names: Mapping[int, List[str]], collections: Mapping[int, Tuple[str, nn.Module]]
-) -> Dict[int, Dict[str, V]]:
-    """Splits ``given`` (name or "<path>.<name>" -> value) among the collections that own the names."""
-    out: Dict[int, Dict[str, V]] = {key: {} for key in collections}
-    for name, value in given.items():
-        owners = [key for key in collections if name in names[key]]
-        qualified = [key for key in collections if collections[key][0] and name.startswith(collections[key][0] + ".")
-                     and name[len(collections[key][0]) + 1:] in names[key]]
-        if len(owners) > 1:
-            paths = [f"{collections[k][0]}.{name}" for k in owners]
-            raise ValueError(f"{what}: {name!r} is in several collections; name one of {paths}")
-        if owners:
-            out[owners[0]][name] = value
-        elif qualified:
-            key = qualified[0]
-            out[key][name[len(collections[key][0]) + 1:]] = value
-        else:
-            known = sorted(f"{collections[k][0]}.{n}" if collections[k][0] else n for k in collections for n in names[k])
-            raise ValueError(f"{what} names {name!r}, which no collection has; known: {known[:20]}")
-    return out

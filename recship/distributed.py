@@ -34,10 +34,10 @@ def _shard_modules(
 ) -> nn.Module:
     """TorchRec's ``torchrec.distributed.shard._shard_modules``: inference sharding of a quantized model.
 
-    See ``recship.export.sharded.shard_modules`` (imported here when called, so that
+    See ``recship.quantize.sharded.shard_modules`` (imported here when called, so that
     ``import recship`` does not load the export pipeline).
     """
-    from recship.export.sharded import shard_modules
+    from recship.quantize.sharded import shard_modules
 
     return shard_modules(module, env=env, device=device, plan=plan, sharders=sharders)
 

@@ -10,7 +10,8 @@ from recship.lazy import lazy_names
 
 _NAMES = {
     "PredictClient": "recship.serving.client",
-    **dict.fromkeys(["Server", "ServerConfig"], "recship.serving.server"),
+    "Server": "recship.serving.server",
+    "ServerConfig": "recship.serving.settings",
 }
 
 __all__ = sorted(_NAMES)
@@ -18,4 +19,5 @@ __getattr__, __dir__ = lazy_names(__name__, _NAMES, globals())
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
     from recship.serving.client import PredictClient as PredictClient
-    from recship.serving.server import Server as Server, ServerConfig as ServerConfig
+    from recship.serving.server import Server as Server
+    from recship.serving.settings import ServerConfig as ServerConfig

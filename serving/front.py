@@ -74,7 +74,7 @@ class CppFront:
             "--batching", "1" if config.batching else "0", "--max-queue", str(config.max_queue), "--max-message-bytes", str(config.max_message_bytes),
             "--max-inflight-bytes", str(config.max_inflight_bytes),
         ]
-        from recship.serving.repository import default_torch_threads
+        from recship.serving.settings import default_torch_threads
 
         args += ["--threads", str(config.torch_threads or default_torch_threads())]
         if config.tls_cert is not None:

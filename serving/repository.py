@@ -33,35 +33,28 @@ import copy
 import dataclasses
 import functools
 import hashlib
-import math
 import logging
-import os
-import re
 import stat
 import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from recship.flags import parse_mapping
 from recship.export.artifact import ArtifactError, Manifest, open_artifact
-from recship.names import ID_POLICIES, MODEL_NAME, VERSION_NAME
+from recship.names import MODEL_NAME, VERSION_NAME
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
-from recship.serving.server import MAX_DELAY_MS, MAX_TORCH_THREADS
+from recship.serving.settings import (MODEL_CONFIG, ConfigError, ModelSettings, config_value, default_torch_threads, read_model_config,
+                                      read_trusted)
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
-    from recship.serving.server import ServerConfig
+    from recship.serving.settings import ServerConfig
 
 log = logging.getLogger("recship.serving")
 
-
-
-MODEL_CONFIG = "config.yaml"  # DIR/<model>/config.yaml: the model's own settings (ModelSettings)
-_CONFIG_KEYS = ("max_batch_size", "max_delay_ms", "batching", "max_queue", "torch_threads", "version_policy", "id_policy")
 
 
 class ModelNotFound(LookupError):
@@ -72,10 +65,6 @@ class ControlRefused(RuntimeError):
     """A load or unload the server's model control does not allow (polling), or a load that served no version."""
 
 
-class ConfigError(ValueError):
-    """A model's config.yaml is bad, or does not fit one of its versions; the message names the file and the key."""
-
-
 @dataclass
 class Unavailable:
     """A version (or folder, or a model's config.yaml: version "") that was refused, and why; listed by the repository index."""
@@ -84,117 +73,6 @@ class Unavailable:
     version: str
     reason: str
     signature: Optional[Tuple] = None  # the state of its files (and trusted list, and settings) when refused
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    """How one model is served: the server's flags, overridden by the model's config.yaml.
-
-    version_policy: ("latest", N) the N newest loadable versions; ("all",) every loadable version;
-    ("specific", (v, ...)) those versions. id_policy: (feature, "reject" | "modulo") overrides of
-    the artifact's id policies, applied by validation (before the model, so either way every id
-    that reaches the model is inside its table).
-    """
-
-    max_batch_size: int
-    max_delay_ms: float
-    batching: bool
-    max_queue: int
-    torch_threads: Optional[int]
-    version_policy: Tuple = ("latest", 1)
-    id_policy: Tuple[Tuple[str, str], ...] = ()
-
-    @staticmethod
-    def defaults(config: "ServerConfig") -> "ModelSettings":
-        """The server's flags (``ServerConfig``) as a model's settings."""
-        return ModelSettings(config.max_batch_size, float(config.max_delay_ms), bool(config.batching), config.max_queue,
-                             config.torch_threads)
-
-    def runtime(self) -> Tuple:
-        """What a served version runs with (all but the version policy): a change restarts its batcher."""
-        return (self.max_batch_size, self.max_delay_ms, self.batching, self.max_queue, self.torch_threads, self.id_policy)
-
-    def front_settings(self) -> Dict[str, Any]:
-        """The ``settings`` of the C++ front's load command (serving/front.py)."""
-        return {"max_batch_size": self.max_batch_size, "max_delay_ms": self.max_delay_ms, "batching": self.batching,
-                "max_queue": self.max_queue, "threads": self.torch_threads or default_torch_threads()}
-
-
-def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSettings:
-    """A model's config.yaml (its ``text``) over ``defaults``; ConfigError naming the file and the key if it is bad."""
-    try:
-        values = parse_mapping(text)
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
-    settings: Dict[str, Any] = {}
-    for key, value in values.items():
-        dest = str(key).replace("-", "_")
-        if dest not in _CONFIG_KEYS:
-            keys = ", ".join(k.replace("_", "-") for k in sorted(_CONFIG_KEYS))
-            raise ConfigError(f"{path}: unknown key {shown(key)}; the keys are: {keys}")
-        if dest in settings:
-            raise ConfigError(f"{path}: {key}: given twice (with - and _)")
-        where = f"{path}: {key}"
-        if dest in ("max_batch_size", "max_queue"):
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{where}: takes an integer >= 1, got {_value(value)}")
-        elif dest == "torch_threads":
-            if value is not None and (type(value) is not int or not 1 <= value <= MAX_TORCH_THREADS):
-                raise ConfigError(f"{where}: takes an integer from 1 to {MAX_TORCH_THREADS} (or null: the server's), got {_value(value)}")
-        elif dest == "max_delay_ms":
-            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_DELAY_MS:
-                raise ConfigError(f"{where}: takes a number from 0 to {MAX_DELAY_MS}, got {_value(value)}")
-            value = float(value)
-        elif dest == "batching":
-            if not isinstance(value, bool):
-                raise ConfigError(f"{where}: takes true or false, got {_value(value)}")
-        elif dest == "version_policy":
-            value = _version_policy(where, value)
-        else:
-            value = _id_policy(where, value)
-        settings[dest] = value
-    if settings.get("torch_threads", 0) is None:
-        settings["torch_threads"] = defaults.torch_threads
-    return dataclasses.replace(defaults, **settings)
-
-
-def _version_policy(where: str, value: Any) -> Tuple:
-    """Triton's version policies: ``latest: N`` (or ``{num_versions: N}``), ``all`` (or ``all: {}``),
-    ``specific: [v, ...]`` (or ``{versions: [...]}``)."""
-    usage = "takes latest: N, all, or specific: [versions]"
-    if value == "all":
-        return ("all",)
-    if not isinstance(value, dict) or len(value) != 1:
-        raise ConfigError(f"{where}: {usage}, got {_value(value)}")
-    (kind, arg), = value.items()
-    if kind == "all" and arg in (None, {}):
-        return ("all",)
-    if kind == "latest":
-        n = arg.get("num_versions") if isinstance(arg, dict) and set(arg) == {"num_versions"} else arg
-        if type(n) is not int or n < 1:
-            raise ConfigError(f"{where}: latest takes a number of versions >= 1, got {_value(arg)}")
-        return ("latest", n)
-    if kind == "specific":
-        versions = arg.get("versions") if isinstance(arg, dict) and set(arg) == {"versions"} else arg
-        if not isinstance(versions, list) or not versions or not all(type(v) is int and 0 < v < 10**18 for v in versions):
-            raise ConfigError(f"{where}: specific takes a list of version numbers >= 1, got {_value(arg)}")
-        return ("specific", tuple(sorted(set(versions), reverse=True)))
-    raise ConfigError(f"{where}: {usage}, got {_value(value)}")
-
-
-def _id_policy(where: str, value: Any) -> Tuple[Tuple[str, str], ...]:
-    if not isinstance(value, dict) or not value:
-        raise ConfigError(f"{where}: takes a mapping of sparse features to reject or modulo, got {_value(value)}")
-    for feature, policy in value.items():
-        if not isinstance(feature, str) or policy not in ID_POLICIES:
-            raise ConfigError(f"{where}: {shown(feature)}: takes reject or modulo, got {_value(policy)}")
-    return tuple(sorted(value.items()))
-
-
-def _value(value: Any) -> str:
-    """A config value for a message: its repr (a number unquoted), cut to 64 characters."""
-    text = repr(value)
-    return text if len(text) <= 64 else text[:64] + f"... ({len(text)} characters)"
 
 
 class ServedVersion:
@@ -223,8 +101,8 @@ class ServedVersion:
         if settings.id_policy:
             unknown = [f for f, _ in settings.id_policy if f not in spec.modulo]
             if unknown:
-                raise ConfigError(f"{self.path.parent / MODEL_CONFIG}: id-policy names {_value(unknown)}, which version "
-                                  f"{self.version} does not have; its sparse features are {_value(spec.features)}")
+                raise ConfigError(f"{self.path.parent / MODEL_CONFIG}: id-policy names {config_value(unknown)}, which version "
+                                  f"{self.version} does not have; its sparse features are {config_value(spec.features)}")
             spec = dataclasses.replace(spec, modulo={**spec.modulo, **{f: p == "modulo" for f, p in settings.id_policy}})
         self.spec = spec
         self.batcher = self.start_batcher()
@@ -292,30 +170,6 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
         return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):  # not glibc
         return None
-
-
-def default_torch_threads() -> int:
-    """Intra-op threads for the forwards: every core but one (left to the request path), from 3 cores up.
-
-    On 2 cores that split would halve the forward (bench/serve_bench.py measures a 512-example forward
-    with 1 thread and with 2).
-    """
-    cores = os.cpu_count() or 1
-    return cores - 1 if cores > 2 else cores
-
-
-def read_trusted(path: str) -> FrozenSet[str]:
-    """The allow-list file: one manifest.json sha256 per line (``sha256sum */*/manifest.json`` output works: the
-    first word counts); # comments. A listed manifest pins every file of its version through its checksums."""
-    digests = set()
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        word = line.split("#", 1)[0].split()[:1]
-        if not word:
-            continue
-        if not re.fullmatch(r"[0-9a-fA-F]{64}", word[0]):
-            raise ValueError(f"{path}:{number}: not a sha256: {shown(word[0])}")
-        digests.add(word[0].lower())
-    return frozenset(digests)
 
 
 class ModelRepository:

@@ -22,22 +22,20 @@ import dataclasses
 import errno
 import functools
 import logging
-import math
 import os
 import shutil
 import signal
 import socket
-import ssl
 import tempfile
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from recship.logs import configure_logging
 from recship.names import DEVICES, LOAD_FORMATS, LOG_FORMATS
+from recship.serving.settings import ServerConfig, megabytes
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
@@ -47,115 +45,6 @@ if TYPE_CHECKING:
 CONFIG_FILE = True
 
 log = logging.getLogger("recship.serving")
-
-# Upper bounds of the settings: past them something overflows (gRPC's message sizes are int32 and the transport
-# admits twice --max-message-mb; a wait's timeout; a thread count) or the setting is surely a mistake.
-MAX_MESSAGE_BYTES = 2**30 - 1
-MAX_DELAY_MS = 60_000  # a batch waiting a minute for company is no batching
-MAX_SECONDS = 86_400  # --poll-interval, the HTTP idle timeout
-MAX_TORCH_THREADS = 1024
-
-
-def _number_in(value: object, lo: float, hi: float, integer: bool = False) -> bool:
-    """``value`` is a number (an int if ``integer``; never a bool, NaN or infinity) in [lo, hi]."""
-    if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
-        return False
-    return math.isfinite(value) and lo <= value <= hi
-
-
-def _megabytes(flag: str, mb: float, below: float = math.inf) -> int:
-    """A size flag in MB as bytes; ValueError naming the flag unless it is a finite number above 0 (and below ``below``)."""
-    if not (_number_in(mb, 0, math.inf) and 0 < mb < below):
-        raise ValueError(f"{flag} takes a number of MB above 0{'' if below == math.inf else f' and below {below:g}'}, got {mb!r}")
-    return int(mb * 1024 * 1024)
-
-
-@dataclass
-class ServerConfig:
-    model_repo: str
-    host: str = "127.0.0.1"
-    port: int = 8500
-    metrics_port: Optional[int] = None
-    metrics_host: Optional[str] = None  # None: the same as host
-    max_batch_size: int = 512
-    max_delay_ms: float = 2.0
-    batching: bool = True  # False: every request runs alone (one request per forward)
-    max_queue: int = 1024
-    poll_interval_s: float = 2.0
-    torch_threads: Optional[int] = None
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_inflight_bytes: int = 256 * 1024 * 1024  # request bytes being served at once, all fronts together (the C++ front: its own as much)
-    device: str = "cpu"
-    http_port: Optional[int] = None  # KServe v2 REST front (serving/rest.py); None: off
-    http_idle_timeout_s: float = 30.0  # an HTTP connection that sends nothing for this long is closed
-    reflection: bool = True
-    tls_cert: Optional[str] = None  # PEM certificate chain and key: every listener speaks TLS
-    tls_key: Optional[str] = None
-    tls_client_ca: Optional[str] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    trusted_sha256: Optional[str] = None  # allow-list file of manifest.json sha256s (each pins its version); None: any artifact loads
-    model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
-    front: str = "python"  # cpp: the C++ gRPC front answers Predict (serving/front.py); python: this process answers all
-    model_control: str = "poll"  # poll: the repository's models load and follow it; explicit: only what load/unload asks for
-    load_models: List[str] = field(default_factory=list)  # explicit mode: the models loaded at startup ("*": all)
-
-    def __post_init__(self) -> None:
-        self._check_numbers()
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.front not in ("python", "cpp"):
-            raise ValueError(f"--front must be python or cpp, got {self.front!r}")
-        if self.front == "cpp" and self.device != "cpu":
-            raise ValueError("--front cpp runs models on the CPU; use --front python with --device cuda")
-        if self.model_control not in ("poll", "explicit"):
-            raise ValueError(f"--model-control must be poll or explicit, got {self.model_control!r}")
-        if self.load_models and self.model_control != "explicit":
-            raise ValueError("--load-model applies with --model-control explicit (polling loads every model)")
-        if self.model_format not in LOAD_FORMATS:
-            raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
-        if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError("--tls-cert and --tls-key go together")
-        if self.tls_client_ca is not None and self.tls_cert is None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        for name in ("tls_cert", "tls_key", "tls_client_ca", "trusted_sha256"):
-            path = getattr(self, name)
-            if path is not None and not Path(path).is_file():
-                raise ValueError(f"--{name.replace('_', '-')}: no such file: {path}")
-
-    def _check_numbers(self) -> None:
-        """Every numeric setting in its range, whichever way it came (flags, a --config file, the Python API): a
-        ValueError naming the flag, in one line, rather than a server that starts and refuses everything."""
-        for name in ("port", "http_port", "metrics_port"):
-            value = getattr(self, name)
-            if not (value is None and name != "port") and not _number_in(value, 0, 65535, integer=True):
-                raise ValueError(f"--{name.replace('_', '-')} takes a port number from 0 to 65535 (0: any free port), got {value!r}")
-        for name in ("max_batch_size", "max_queue"):
-            if not _number_in(getattr(self, name), 1, math.inf, integer=True):
-                raise ValueError(f"--{name.replace('_', '-')} takes an integer >= 1, got {getattr(self, name)!r}")
-        if self.torch_threads is not None and not _number_in(self.torch_threads, 1, MAX_TORCH_THREADS, integer=True):
-            raise ValueError(f"--torch-threads takes an integer from 1 to {MAX_TORCH_THREADS} (or none: the default), got {self.torch_threads!r}")
-        if not _number_in(self.max_delay_ms, 0, MAX_DELAY_MS):
-            raise ValueError(f"--max-delay-ms takes a number from 0 to {MAX_DELAY_MS}, got {self.max_delay_ms!r}")
-        for name, flag in (("poll_interval_s", "--poll-interval"), ("http_idle_timeout_s", "http_idle_timeout_s")):
-            value = getattr(self, name)
-            if not (_number_in(value, 0, MAX_SECONDS) and value > 0):
-                raise ValueError(f"{flag} takes a number above 0, up to {MAX_SECONDS}, got {value!r}")
-        if not _number_in(self.max_message_bytes, 1, MAX_MESSAGE_BYTES, integer=True):
-            raise ValueError(f"--max-message-mb takes a number of MB above 0 and below 1024 (1 to {MAX_MESSAGE_BYTES} bytes), "
-                             f"got {self.max_message_bytes!r} bytes")
-        if not _number_in(self.max_inflight_bytes, 1, 2**63 - 1, integer=True):
-            raise ValueError(f"--max-inflight-mb takes a number of MB above 0 (1 to {2**63 - 1} bytes), got {self.max_inflight_bytes!r} bytes")
-
-    def ssl_context(self) -> Optional[ssl.SSLContext]:
-        """The TLS context of the HTTP listeners (REST), or None without TLS."""
-        if self.tls_cert is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        context.load_cert_chain(self.tls_cert, self.tls_key)
-        if self.tls_client_ca is not None:
-            context.load_verify_locations(self.tls_client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-
 
 class Server:
     """A running server (its asyncio loop on a thread of its own); ``stop()`` drains in-flight requests."""
@@ -437,8 +326,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         metrics_host=args.metrics_host, http_port=args.http_port,
         max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
         poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
-        max_message_bytes=_megabytes("--max-message-mb", args.max_message_mb, below=1024),
-        max_inflight_bytes=_megabytes("--max-inflight-mb", args.max_inflight_mb),
+        max_message_bytes=megabytes("--max-message-mb", args.max_message_mb, below=1024),
+        max_inflight_bytes=megabytes("--max-inflight-mb", args.max_inflight_mb),
         device=args.device, reflection=args.reflection,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
         model_format=args.model_format, front=args.front, model_control=args.model_control, load_models=list(args.load_model),

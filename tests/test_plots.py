@@ -231,7 +231,7 @@ def _export_config(**kw):
 def test_export_puts_the_table_chart_in_the_artifact(tmp_path):
     from recship.export import export_model
     from recship.export.artifact import open_artifact
-    from recship.export.pipeline import TABLES_CHART
+    from recship.export.config import TABLES_CHART
 
     manifest = export_model(_small_dlrm(), _export_config(out=str(tmp_path / "art"), plot=True))
     art = tmp_path / "art"

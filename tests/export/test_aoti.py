@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from recship.export.artifact import AotiModel, ArtifactError, Manifest, open_artifact
-from recship.export.sharded import shard_quant_model
+from recship.quantize.sharded import shard_quant_model
 from recship.quantize import QuantConfig
 from recship.quantize.flat import FlatPooledLookup
-from recship.quantize.quantizer import quantize_embedding_bag_collection
+from recship.quantize import quantize_embedding_bag_collection
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 

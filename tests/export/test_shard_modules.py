@@ -14,7 +14,7 @@ from torch import quantization as quant
 
 from recship import QuantConfig
 from recship.distributed import _shard_modules
-from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
 from recship.fx import Tracer
 from recship.quantize import QuantEmbeddingBagCollection, dequantize_rows
 from recship.quantize.embedding_modules import EmbeddingBagCollection as QuantEBC

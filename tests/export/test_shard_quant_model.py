@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from recship.export import shard_quant_model
-from recship.export.sharded import ShardedQuantEmbeddingBagCollection
+from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
 from recship.quantize import quantize_embeddings
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType

@@ -14,7 +14,7 @@ from recship.export import pipeline
 from recship.export import tables as tables_module
 from recship.export.artifact import open_artifact
 from recship.export.tables import TABLES_FILE, StagedTables, TablesWriter
-from recship.quantize.modules import host_rows_from
+from recship.quantize.tbe import host_rows_from
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
 

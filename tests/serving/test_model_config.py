@@ -14,7 +14,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.kserve import repository_index
-from recship.serving.repository import ModelSettings, read_model_config
+from recship.serving.settings import ModelSettings, read_model_config
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.trainer.dlrm import DLRM, DLRMConfig

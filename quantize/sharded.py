@@ -14,13 +14,14 @@ float summation order. Column blocks get their own per-row scale/bias, so a
 column-wise model differs from the unsharded one by (at most) quantization error.
 """
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from recship.export.artifact import Shard
-from recship.quantize.modules import QuantEmbeddingBagCollection, check_ids
+from recship.quantize.modules import QuantEmbeddingBagCollection
+from recship.quantize.tbe import check_ids
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
@@ -32,6 +33,22 @@ if TYPE_CHECKING:
     from recship.trainer.distributed.types import ShardingEnv
 
 torch.fx.wrap(check_ids)  # a single fx node here too (fx.wrap patches per importing module)
+
+
+@dataclass
+class Shard:
+    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
+
+    table: str
+    index: int
+    device: int
+    row_offset: int
+    rows: int
+    col_offset: int
+    cols: int
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dict(vars(self))
 
 
 class InferenceShard(Shard):

@@ -1,0 +1,285 @@
+"""The tables of the quantized collections in fbgemm's inference TBE (``QuantTables``), and the checks
+before the kernel.
+
+All tables with the same pooling share one ``IntNBitTableBatchedEmbeddingBagsCodegen`` (a TBE holds
+mixed weight types), so a module makes at most two kernel calls (SUM and MEAN).
+
+Ids are validated before the kernel: an id outside its table is an error naming
+feature, table, id and size (fbgemm's default bounds check would silently rewrite
+it to row 0), unless that feature's id policy is "modulo", which hashes ids into
+the table. The kernel's own check runs in FATAL mode as a second line.
+
+fbgemm keeps the quantized rows in ``weights_host``, a plain attribute that
+``state_dict()`` does not see. Each table's stored rows are registered as a buffer
+under TorchRec's names, ``embedding_bags.<table>.weight`` (``embeddings.<table>.weight``
+for the unpooled module): a [rows, row bytes] uint8 view of the TBE's storage, full
+rows as the kernel reads them (fp16 scale | fp16 bias | packed data | alignment
+padding for the integer types). The views are the only copy of the rows: state_dict,
+load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
+"""
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from recship.names import ID_POLICIES
+from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
+from recship.sparse import KeyedJaggedTensor
+from recship.sparse.ids import first_out_of_range, out_of_range_message
+from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.trainer.types import DataType
+
+
+@torch.fx.wrap
+def check_ids(
+    ids: torch.Tensor,
+    counts: List[int],
+    rows: List[int],
+    modulo: List[bool],
+    features: List[str],
+    tables: List[str],
+) -> torch.Tensor:
+    """ids [N] (any integer dtype) of consecutive features, counts[i] ids each, checked against
+    rows[i] -> [N] int64; ids of modulo features are hashed into their table, any other id
+    outside its table raises ValueError (the id rule's message, recship.sparse.ids).
+
+    One min and one max per feature (no per-id temporaries); ids are copied only when a
+    modulo feature has ids to hash.
+    """
+    ids = ids.to(torch.int64)
+    if ids.numel() == 0:
+        return ids
+    # one pass over all ids settles the usual case: everything inside the smallest table
+    lowest, highest = torch.aminmax(ids)
+    if int(lowest) >= 0 and int(highest) < min(rows):
+        return ids
+    copied = False
+    start = 0
+    for i in range(len(counts)):
+        n = counts[i]
+        if n > 0:
+            segment = ids[start : start + n]
+            bad = first_out_of_range(segment, rows[i])
+            if bad is not None:
+                if not modulo[i]:
+                    raise ValueError(out_of_range_message(features[i], bad, rows[i]))
+                if not copied:
+                    ids = ids.clone()
+                    copied = True
+                ids[start : start + n] = torch.remainder(segment, rows[i])
+        start += n
+    return ids
+
+
+@torch.fx.wrap
+def _prepare(
+    features: KeyedJaggedTensor,
+    names: List[str],
+    rows: List[int],
+    modulo: List[bool],
+    tables: List[str],
+    weighted: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
+    """(checked ids, offsets, per-sample weights, ids per feature) of the ``names`` features.
+
+    When the KJT holds exactly these features in this order (the usual request), its
+    tensors are used as they are; otherwise the features are gathered. fx records this
+    as one call, so tracing does not depend on the input's keys.
+    """
+    counts: List[int] = []
+    if features.keys() == names:
+        counts = features.length_per_key()
+        ids = features.values()
+        offsets = features.offsets().to(torch.int64)
+        per_sample_weights: Optional[torch.Tensor] = None
+        if weighted:
+            per_sample_weights = features.weights().float()
+    else:
+        # per-key views of the KJT's tensors (what to_dict gives, without a checked JaggedTensor per key);
+        # a repeated key resolves to its last occurrence, as in to_dict
+        index = features.index_per_key()
+        length_per_key = features.length_per_key()
+        values_per_key = torch.split(features.values(), length_per_key)
+        lengths_per_key = features.lengths().view(len(features.keys()), features.stride())
+        weights_per_key: List[torch.Tensor] = []
+        ids_parts: List[torch.Tensor] = []
+        length_parts: List[torch.Tensor] = []
+        weight_parts: List[torch.Tensor] = []
+        for name in names:
+            if name not in index:
+                raise ValueError(f"input KeyedJaggedTensor lacks feature '{name}'; it has {features.keys()}")
+            k = index[name]
+            ids_parts.append(values_per_key[k])
+            length_parts.append(lengths_per_key[k])
+            counts.append(length_per_key[k])
+            if weighted:
+                if len(weights_per_key) == 0:
+                    weights_per_key = list(torch.split(features.weights(), length_per_key))
+                weight_parts.append(weights_per_key[k])
+        ids = torch.cat(ids_parts)
+        lengths = torch.cat(length_parts).to(torch.int64)
+        offsets = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, dim=0)])
+        per_sample_weights = torch.cat(weight_parts).float() if weighted else None
+    ids = check_ids(ids, counts, rows, modulo, names, tables)
+    return ids, offsets, per_sample_weights, counts
+
+
+# Where the TBEs built inside ``host_rows_from`` keep their host rows (``weights_host``):
+# ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g. a writable mapping of
+# the tables file export is writing, so that rows are quantized straight into it.
+_HOST_ROWS: "contextvars.ContextVar[Optional[Callable[[int], torch.Tensor]]]" = contextvars.ContextVar("recship_host_rows", default=None)
+
+
+def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tensor]]) -> None:
+    """``tbe.initialize_weights()``, with its host rows from ``allocate`` (if given) instead of its own zeros
+    (which would be filled and then dropped: seconds at GBs of rows)."""
+    host = int(tbe.host_size)
+    if allocate is None or host == 0:
+        tbe.initialize_weights()
+        return
+    # fbgemm 1.8's initialize_weights is _apply_split of these attributes; with no host bytes it allocates none
+    tbe._apply_split(tbe.dev_size, 0, tbe.uvm_size, tbe.weights_physical_placements, tbe.weights_physical_offsets, tbe.enforce_hbm)
+    tbe.host_size = host
+    tbe.weights_host = allocate(host)
+
+
+@contextlib.contextmanager
+def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterator[None]:
+    """TBEs built inside take their host rows from ``allocate(nbytes)`` (None: their own zeros)."""
+    token = _HOST_ROWS.set(allocate)
+    try:
+        yield
+    finally:
+        _HOST_ROWS.reset(token)
+
+
+class QuantTables(nn.Module):
+    """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
+
+    _group_features: List[List[str]]
+    _group_rows: List[List[int]]
+    _group_tables: List[List[str]]
+    _group_modulo: List[List[bool]]
+
+    def _build(
+        self,
+        tables: Sequence[BaseEmbeddingConfig],
+        groups: Sequence[Tuple[object, Sequence[BaseEmbeddingConfig]]],
+        weight_types: Dict[str, DataType],
+        device: torch.device,
+        row_alignment: Optional[int],
+        id_policy: Optional[Dict[str, str]],
+        rows_container: str,
+    ) -> None:
+        """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced.
+
+        rows_container: the ModuleDict (``embedding_bags`` / ``embeddings``) whose
+        ``<table>.weight`` buffers expose each table's stored rows.
+        """
+        from fbgemm_gpu.split_embedding_configs import SparseType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+        self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
+        id_policy = dict(id_policy or {})
+        all_features = [f for t in tables for f in t.feature_names]
+        for f, policy in id_policy.items():
+            if f not in all_features:
+                raise ValueError(f"id_policy names feature {f!r}, which no table has")
+            if policy not in ID_POLICIES:
+                raise ValueError(f"feature {f!r}: id policy must be one of {ID_POLICIES}, got {policy!r}")
+        for t in tables:
+            dt = weight_types.get(t.name)
+            if dt is None:
+                raise ValueError(f"no weight type for table {t.name!r}")
+            if dt == DataType.BF16:
+                raise ValueError(f"table {t.name!r}: BF16 is not supported by fbgemm's inference TBE; use FP16")
+        self._tables = list(tables)
+        self._weight_types = {t.name: weight_types[t.name] for t in tables}
+        self.id_policy = {f: id_policy.get(f, "reject") for f in all_features}
+        location = EmbeddingLocation.DEVICE if device.type == "cuda" else EmbeddingLocation.HOST
+        rows = nn.ModuleDict({t.name: nn.Module() for t in tables})  # in table order, as the float module's
+        setattr(self, rows_container, rows)
+        self.tbes = nn.ModuleList()
+        self._group_features = []
+        self._group_rows = []
+        self._group_tables = []
+        self._group_modulo = []
+        for pooling_mode, group in groups:
+            tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+                embedding_specs=[
+                    (t.name, t.num_embeddings, t.embedding_dim, self._weight_types[t.name].to_sparse_type(), location)
+                    for t in group
+                ],
+                feature_table_map=[i for i, t in enumerate(group) for _ in t.feature_names],
+                pooling_mode=pooling_mode,
+                device=device,
+                bounds_check_mode=BoundsCheckMode.FATAL,
+                output_dtype=SparseType.FP32,
+                row_alignment=self.row_alignment,
+                fp8_exponent_bits=FP8_EXPONENT_BITS,
+                fp8_exponent_bias=FP8_EXPONENT_BIAS,
+            )
+            _initialize_weights(tbe, _HOST_ROWS.get())
+            # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
+            # rows in state_dict (mode 0: whole padded rows, scale/bias included)
+            for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+                rows[t.name].register_buffer("weight", stored)
+            self.tbes.append(tbe)
+            self._group_features.append([f for t in group for f in t.feature_names])
+            self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
+            self._group_tables.append([t.name for t in group for _ in t.feature_names])
+            self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
+
+    def _prepare(
+        self, g: int, features: KeyedJaggedTensor, weighted: bool
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], List[int]]:
+        return _prepare(
+            features, self._group_features[g], self._group_rows[g], self._group_modulo[g], self._group_tables[g], weighted
+        )
+
+    # -- weights -----------------------------------------------------------
+
+    def _kernels(self) -> List[Any]:
+        """``self.tbes`` as the fbgemm TBEs ``_build`` put there (fbgemm is untyped: Any to mypy)."""
+        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+        kernels = []
+        for tbe in self.tbes:
+            assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen), type(tbe)
+            kernels.append(tbe)
+        return kernels
+
+    def table_weights(self) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """table -> (packed rows [rows, bytes] uint8, scale_bias [rows, 4] uint8 or None): writable views."""
+        out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        for tbe, tables in zip(self._kernels(), _unique_in_order(self._group_tables)):
+            for name, (data, scale_bias) in zip(tables, tbe.split_embedding_weights()):
+                out[name] = (data, scale_bias)
+        return out
+
+    def weight_types(self) -> Dict[str, DataType]:
+        return dict(self._weight_types)
+
+    def tables(self) -> List[BaseEmbeddingConfig]:
+        return list(self._tables)
+
+    def weight_bytes(self) -> int:
+        """Bytes of every TBE's stored rows, alignment padding included."""
+        return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self._kernels())
+
+
+
+
+def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:
+    out = []
+    for g in groups:
+        seen: List[str] = []
+        for name in g:
+            if name not in seen:
+                seen.append(name)
+        out.append(seen)
+    return out
