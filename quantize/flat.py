@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from recship.quantize.tbe import LookupLayout
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.sparse.ids import first_out_of_range, out_of_range_message
 
@@ -310,10 +311,8 @@ class FlatPooledLookup(nn.Module):
         from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
         from recship.quantize.modules import QuantEmbeddingBagCollection
 
-        if isinstance(module, ShardedQuantEmbeddingBagCollection):
-            return _of_sharded(module)
-        if isinstance(module, QuantEmbeddingBagCollection):
-            return _of_quantized(module)
+        if isinstance(module, (ShardedQuantEmbeddingBagCollection, QuantEmbeddingBagCollection)):
+            return _of_layout(module.lookup_layout())
         raise TypeError(f"FlatPooledLookup.of takes a (sharded) QuantEmbeddingBagCollection, got {type(module).__name__}")
 
     def forward(self, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -369,57 +368,21 @@ def _column_starts(dims: List[int]) -> List[int]:
     return starts
 
 
-def _of_sharded(module: nn.Module) -> FlatPooledLookup:
-    features: List[str] = list(getattr(module, "_features"))
-    dims: List[int] = list(getattr(module, "_dims"))
-    index = {f: i for i, f in enumerate(features)}
-    col_start = _column_starts(dims)
-    result_device = torch.device(getattr(module, "_device_names")[0])
+def _of_layout(layout: LookupLayout) -> FlatPooledLookup:
+    index = {f: i for i, f in enumerate(layout.features)}
+    col_start = _column_starts(layout.dims)
+    result_device = layout.result_device or torch.device(FlatTBE(layout.groups[0].tbe).device_name)
     shards: List[_Shard] = []
-    for k, device_module in enumerate(getattr(module, "shards")):
-        units = list(getattr(module, "_unit_feature")[k])
-        row_offsets = list(getattr(module, "_unit_row_offset")[k])
-        rows = list(getattr(module, "_unit_rows")[k])
-        bucketed = list(getattr(module, "_unit_bucketed")[k])
-        col_offsets = list(getattr(module, "_unit_col_offset")[k])
-        cols = list(getattr(module, "_unit_cols")[k])
-        # a device module holds one SUM TBE whose features are the units, in unit order
-        (tbe,) = list(getattr(device_module, "tbes"))
-        columns = [col_start[index[f]] + c0 + j for f, c0, w in zip(units, col_offsets, cols) for j in range(w)]
-        shard = _Shard(
-            tbe, [index[f] for f in units],
-            [o if b else 0 for o, b in zip(row_offsets, bucketed)],
-            [n if b else (1 << 62) for n, b in zip(rows, bucketed)],
-            columns, any(bucketed), len(features), result_device,
-        )
-        shards.append(shard)
-    rows = list(getattr(module, "_rows"))
-    return FlatPooledLookup(
-        features, dims, rows, list(getattr(module, "_modulo")), list(getattr(module, "_mean")),
-        bool(getattr(module, "_is_weighted")), shards, result_device,
-    )
-
-
-def _of_quantized(module: nn.Module) -> FlatPooledLookup:
-    features: List[str] = list(getattr(module, "_names"))
-    dims: List[int] = list(getattr(module, "_dims"))
-    index = {f: i for i, f in enumerate(features)}
-    col_start = _column_starts(dims)
-    tbes = list(getattr(module, "tbes"))
-    result_device = torch.device(FlatTBE(tbes[0]).device_name)
-    shards = []
-    for tbe, group in zip(tbes, getattr(module, "_group_features")):
-        columns = [col_start[index[f]] + j for f in group for j in range(dims[index[f]])]
-        shards.append(
-            _Shard(tbe, [index[f] for f in group], [0] * len(group), [1 << 62] * len(group), columns, False, len(features), result_device)
-        )
-    policy: Dict[str, str] = getattr(module, "id_policy")
-    rows = [int(r) for g in getattr(module, "_group_rows") for r in g]
-    rows_by_feature = dict(zip([f for g in getattr(module, "_group_features") for f in g], rows))
-    return FlatPooledLookup(
-        features, dims, [rows_by_feature[f] for f in features], [policy.get(f, "reject") == "modulo" for f in features],
-        [False] * len(features), bool(getattr(module, "_is_weighted")), shards, result_device,
-    )
+    for g in layout.groups:
+        columns = [col_start[index[f]] + c0 + j for f, c0, w in zip(g.features, g.col_offsets, g.cols) for j in range(w)]
+        shards.append(_Shard(
+            g.tbe, [index[f] for f in g.features],
+            [o if b else 0 for o, b in zip(g.row_offsets, g.bucketed)],
+            [n if b else (1 << 62) for n, b in zip(g.rows, g.bucketed)],  # a whole table: no id is outside the block
+            columns, any(g.bucketed), len(layout.features), result_device,
+        ))
+    return FlatPooledLookup(layout.features, layout.dims, layout.rows, layout.modulo, layout.mean, layout.weighted, shards,
+                            result_device)
 
 
 class FlatEmbeddingBagCollection(nn.Module):
@@ -505,19 +468,14 @@ class FlatEmbeddingCollection(nn.Module):
 
         if not isinstance(module, QuantEmbeddingCollection):
             raise TypeError(f"FlatEmbeddingCollection.of takes a QuantEmbeddingCollection, got {type(module).__name__}")
-        features: List[str] = list(getattr(module, "_names"))
-        index = {f: i for i, f in enumerate(features)}
-        groups: List[List[str]] = getattr(module, "_group_features")
-        rows_by_feature = {f: int(r) for g, rs in zip(groups, getattr(module, "_group_rows")) for f, r in zip(g, rs)}
+        layout = module.lookup_layout()
+        index = {f: i for i, f in enumerate(layout.features)}
         shards = []
-        for tbe, group in zip(getattr(module, "tbes"), groups):
-            device = torch.device(FlatTBE(tbe).device_name)
-            shards.append(_Shard(tbe, [index[f] for f in group], [0] * len(group), [1 << 62] * len(group), [], False,
-                                 len(features), device))
-        policy: Dict[str, str] = getattr(module, "id_policy")
-        return FlatEmbeddingCollection(
-            features, [rows_by_feature[f] for f in features], [policy.get(f, "reject") == "modulo" for f in features], shards
-        )
+        for g in layout.groups:  # each TBE answers on the device it keeps its rows on
+            device = torch.device(FlatTBE(g.tbe).device_name)
+            shards.append(_Shard(g.tbe, [index[f] for f in g.features], [0] * len(g.features), [1 << 62] * len(g.features), [],
+                                 False, len(layout.features), device))
+        return FlatEmbeddingCollection(layout.features, layout.rows, layout.modulo, shards)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         lengths, values, _ = _request_features(features, self.feature_names, not self.ids.asserts)

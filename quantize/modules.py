@@ -17,7 +17,7 @@ from torch import nn
 
 from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
                                         choose_types, quantize_into)
-from recship.quantize.tbe import QuantTables
+from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -80,6 +80,16 @@ class QuantEmbeddingBagCollection(QuantTables):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    def lookup_layout(self) -> LookupLayout:
+        """Its TBEs as the flat lookup runs them: whole tables (no row blocks), each TBE pooling itself."""
+        dims = dict(zip(self._names, self._dims))
+        rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
+        groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
+                  for tbe, fs in zip(self.tbes, self._group_features)]
+        return LookupLayout(list(self._names), list(self._dims), [rows[f] for f in self._names],
+                            [self.id_policy.get(f, "reject") == "modulo" for f in self._names], [False] * len(self._names),
+                            self._is_weighted, groups, None)
+
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         # __init__ passed its EmbeddingBagConfigs to _build, which keeps them as the shared base type
         return cast(List[EmbeddingBagConfig], list(self._tables))
@@ -138,6 +148,16 @@ class QuantEmbeddingCollection(QuantTables):
         for name in self._names:
             out[name] = found[name]
         return out
+
+    def lookup_layout(self) -> LookupLayout:
+        """Its TBEs as the flat lookup runs them: whole tables, rows unpooled (``dims``: each feature's row width)."""
+        dims = {f: t.embedding_dim for t in self._tables for f in t.feature_names}
+        rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
+        groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
+                  for tbe, fs in zip(self.tbes, self._group_features)]
+        return LookupLayout(list(self._names), [dims[f] for f in self._names], [rows[f] for f in self._names],
+                            [self.id_policy.get(f, "reject") == "modulo" for f in self._names], [False] * len(self._names),
+                            False, groups, None)
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         # __init__ passed its EmbeddingConfigs to _build, which keeps them as the shared base type

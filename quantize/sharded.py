@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from recship.quantize.modules import QuantEmbeddingBagCollection
-from recship.quantize.tbe import check_ids
+from recship.quantize.tbe import LookupGroup, LookupLayout, check_ids
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
@@ -175,6 +175,17 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
             self._unit_bucketed.append(bk)
             self._unit_col_offset.append(co)
             self._unit_cols.append(cn)
+
+    def lookup_layout(self) -> LookupLayout:
+        """Its device modules as the flat lookup runs them: each holds one SUM TBE whose features are its units."""
+        groups = []
+        for k, module in enumerate(self.shards):
+            assert isinstance(module, QuantEmbeddingBagCollection)  # one per device, built by shard_quantized
+            (tbe,) = list(module.tbes)
+            groups.append(LookupGroup(tbe, list(self._unit_feature[k]), list(self._unit_row_offset[k]), list(self._unit_rows[k]),
+                                      list(self._unit_bucketed[k]), list(self._unit_col_offset[k]), list(self._unit_cols[k])))
+        return LookupLayout(list(self._features), list(self._dims), list(self._rows), list(self._modulo), list(self._mean),
+                            self._is_weighted, groups, torch.device(self._device_names[0]))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         given = features.to_dict()

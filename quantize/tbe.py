@@ -20,6 +20,7 @@ load_state_dict, pickling and TorchScript save/load all keep them aliased to the
 
 import contextlib
 import contextvars
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -144,6 +145,40 @@ def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tenso
     tbe._apply_split(tbe.dev_size, 0, tbe.uvm_size, tbe.weights_physical_placements, tbe.weights_physical_offsets, tbe.enforce_hbm)
     tbe.host_size = host
     tbe.weights_host = allocate(host)
+
+
+@dataclass
+class LookupGroup:
+    """One TBE of a collection and what it looks up, unit by unit (in its feature order): unit u reads request
+    feature ``features[u]``; when ``bucketed[u]``, only rows [row_offsets[u], row_offsets[u] + rows[u]) of its table
+    (a row block, ids rebased); its output columns are [col_offsets[u], col_offsets[u] + cols[u]) of the feature's
+    embedding."""
+
+    tbe: nn.Module
+    features: List[str]
+    row_offsets: List[int]
+    rows: List[int]
+    bucketed: List[bool]
+    col_offsets: List[int]
+    cols: List[int]
+
+
+@dataclass
+class LookupLayout:
+    """How a quantized (or inference-sharded) EmbeddingBagCollection answers a request, for the flat lookup
+    (``recship.quantize.flat``) to run the same TBEs on the request tensors: its features in output order with
+    their dims, table rows and id policy (``modulo``), whether their MEAN is divided after merging row blocks
+    (``mean``), whether ids carry weights, its TBEs (``groups``), and where results are merged (None: where the
+    first TBE keeps its rows)."""
+
+    features: List[str]
+    dims: List[int]
+    rows: List[int]
+    modulo: List[bool]
+    mean: List[bool]
+    weighted: bool
+    groups: List[LookupGroup]
+    result_device: Optional[torch.device]
 
 
 @contextlib.contextmanager
