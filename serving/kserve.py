@@ -1,4 +1,5 @@
-"""The KServe v2 / Open Inference Protocol front: ``inference.GRPCInferenceService`` beside Predictor.
+"""The KServe v2 / Open Inference Protocol: its messages and how recship reads and answers them (the codec the
+gRPC service, ``serving/kserve_grpc.py``, and the REST front, ``serving/rest.py``, share).
 
 Same port, same batcher, validation and metrics as ``Predict``; only the shape of the
 request differs. Inputs, for a model with sparse features f1..fn:
@@ -16,17 +17,13 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
-import asyncio
 from typing import Any, Dict, List, Optional, Tuple
 
-import grpc
 import numpy as np
 import torch
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from recship.export.artifact import Manifest
-from recship.serving import grpc_status
-from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
 from recship.serving.metrics import Metrics
 from recship.serving.repository import VERSION_NAME, ModelNotFound, ModelRepository, ServedVersion
@@ -235,7 +232,8 @@ def control_parameters(parameters: Dict[str, Any], what: str) -> None:
                              "come from its config.yaml in the repository")
 
 
-def _repository_name(name: str) -> None:
+def check_repository_name(name: str) -> None:
+    """ModelNotFound unless ``name`` is "" (the one repository a Repository* request may name)."""
     if name:
         raise ModelNotFound(f"repository {shown(name)} is not served: recship serves one repository, named \"\"")
 
@@ -258,107 +256,6 @@ async def model_infer(
     return served, {k: outputs[k] for k in wanted}
 
 
-class KServeServicer:
-    """inference.GRPCInferenceService over recship's inference path. Every method takes its request's
-    bytes (see ``add_to_server``), so bytes that do not decode get INVALID_ARGUMENT and are counted."""
-
-    def __init__(self, inference: Inference) -> None:
-        self.inference = inference
-        self.repo = inference.repo
-
-    async def _answer(self, method: str, data: bytes, context, respond):
-        """Decodes ``data`` as ``<method>Request``, answers ``<method>Response`` from ``respond(request, outcome)``."""
-        request_class, response_class = message(f"{method}Request"), message(f"{method}Response")
-
-        async def work(outcome: Outcome):
-            with self.inference.admit(len(data)):
-                return await respond(decode(request_class, data), outcome, response_class)
-
-        return await grpc_status.answer(self.inference, context, method, work)
-
-    async def ServerLive(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            return R(live=True)
-
-        return await self._answer("ServerLive", data, context, respond)
-
-    async def ServerReady(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            return R(ready=self.inference.server_ready())
-
-        return await self._answer("ServerReady", data, context, respond)
-
-    async def ModelReady(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            try:
-                served = self.inference.route(request.name, parse_version(request.version), outcome)
-            except ModelNotFound:
-                return R(ready=False)
-            return R(ready=self.inference.model_ready(served))
-
-        return await self._answer("ModelReady", data, context, respond)
-
-    async def ServerMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            return json_format.ParseDict(server_metadata(), R())
-
-        return await self._answer("ServerMetadata", data, context, respond)
-
-    async def ModelMetadata(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            served = self.inference.route(request.name, parse_version(request.version), outcome)
-            return json_format.ParseDict(model_metadata(served, [s.version for s in self.repo.versions(served.name)]), R())
-
-        return await self._answer("ModelMetadata", data, context, respond)
-
-    async def RepositoryIndex(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            _repository_name(request.repository_name)
-            return R(models=[R.ModelIndex(**m) for m in repository_index(self.repo, request.ready)])
-
-        return await self._answer("RepositoryIndex", data, context, respond)
-
-    async def RepositoryModelLoad(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            _repository_name(request.repository_name)
-            control_parameters(dict(request.parameters), "load")
-            await asyncio.get_running_loop().run_in_executor(None, self.repo.load, request.model_name)
-            return R()
-
-        return await self._answer("RepositoryModelLoad", data, context, respond)
-
-    async def RepositoryModelUnload(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            _repository_name(request.repository_name)
-            control_parameters(dict(request.parameters), "unload")
-            await asyncio.get_running_loop().run_in_executor(None, self.repo.unload, request.model_name)
-            return R()
-
-        return await self._answer("RepositoryModelUnload", data, context, respond)
-
-    async def ModelConfig(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            served = self.inference.route(request.name, parse_version(request.version), outcome)
-            return R(config=json_format.ParseDict(model_config(served), message("ModelConfig")()))
-
-        return await self._answer("ModelConfig", data, context, respond)
-
-    async def ModelStatistics(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def respond(request, outcome, R):
-            return json_format.ParseDict(model_statistics(self.repo, self.inference.metrics, request.name, request.version), R())
-
-        return await self._answer("ModelStatistics", data, context, respond)
-
-    async def ModelInfer(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
-        async def work(outcome: Outcome):
-            with self.inference.admit(len(data)):
-                request = decode(message("ModelInferRequest"), data)
-                served, outputs = await model_infer(self.inference, request, context.time_remaining(), outcome)
-                return _response(request, served, outputs)
-
-        return await grpc_status.answer(self.inference, context, "ModelInfer", work)
-
-
 def repository_index(repo: ModelRepository, ready: bool = False) -> List[dict]:
     """Every served version (READY) and every refused version, folder or config.yaml (UNAVAILABLE, with its reason;
     a refused config.yaml or model folder has the version ""). Under explicit model control also the repository's
@@ -373,7 +270,8 @@ def repository_index(repo: ModelRepository, ready: bool = False) -> List[dict]:
     return sorted(index, key=lambda m: (m["name"], m["version"]))
 
 
-def _response(request, served, outputs):
+def infer_response(request: Any, served: ServedVersion, outputs: Dict[str, torch.Tensor]) -> Any:
+    """The ModelInferResponse to ``request`` of ``served``'s ``outputs``, in the request's style (raw or typed contents)."""
     R = message("ModelInferResponse")
     response = R(model_name=served.name, model_version=str(served.version), id=request.id)
     raw = bool(request.raw_input_contents) or not request.inputs
@@ -385,12 +283,3 @@ def _response(request, served, outputs):
         else:
             out.contents.fp32_contents.extend(values.reshape(-1).tolist())
     return response
-
-
-_METHODS = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "RepositoryIndex",
-            "RepositoryModelLoad", "RepositoryModelUnload", "ModelConfig", "ModelStatistics")
-
-
-def add_to_server(servicer: KServeServicer, server: grpc.aio.Server) -> None:
-    """Registers inference.GRPCInferenceService on a grpc.aio server."""
-    grpc_status.register(server, SERVICE, servicer, {method: message(f"{method}Response") for method in _METHODS})

@@ -2,7 +2,7 @@
 
     recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port 9100] [--http-port 8000]
 
-One gRPC port answers recship's Predictor (``serving/predictor.py``), KServe v2 (``serving/kserve.py``),
+One gRPC port answers recship's Predictor (``serving/predictor.py``), KServe v2 (``serving/kserve_grpc.py``, its codec ``serving/kserve.py``),
 ``grpc.health.v1`` and, unless ``--no-reflection``, server reflection; ``--http-port``
 adds KServe v2 over HTTP (``serving/rest.py``, aiohttp on the same event loop) and
 ``--metrics-port`` Prometheus metrics. ``--tls-cert/--tls-key`` put every listener on TLS,
@@ -93,7 +93,7 @@ class Server:
         from grpc_health.v1.health import aio as health_aio
         from grpc_reflection.v1alpha import reflection
 
-        from recship.serving import kserve, predictor
+        from recship.serving import kserve_grpc, predictor
         from recship.serving.inference import Inference
         from recship.serving.repository import ModelRepository
 
@@ -129,7 +129,7 @@ class Server:
         self.metrics.inflight_bytes = lambda: self.inference.inflight_bytes
         predictor.add_to_server(predictor.PredictorServicer(self.inference), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        kserve.add_to_server(kserve.KServeServicer(self.inference), self.grpc)
+        kserve_grpc.add_to_server(kserve_grpc.KServeServicer(self.inference), self.grpc)
         if config.reflection:  # (KServe is not listed: its messages live in a private pool)
             names = [predictor.SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
