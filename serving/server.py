@@ -31,11 +31,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 from recship.logs import configure_logging
-from recship.names import DEVICES, LOAD_FORMATS, LOG_FORMATS
-from recship.serving.settings import ServerConfig, megabytes
+from recship.names import LOG_FORMATS
+from recship.serving.settings import SERVER_FIELDS, ServerConfig, flag_of, megabytes
 
 if TYPE_CHECKING:
     from recship.serving.front import CppFront
@@ -276,62 +276,48 @@ def _add_port(add: Callable[[], int], host: str, port: int) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``recship serve``'s flags: ServerConfig's fields (serving/settings.py), with --config and --log-format."""
     parser.add_argument("--config", help="YAML or JSON file of these flags (keys as the flags, `max-batch-size` or "
                                          "`max_batch_size`); flags given on the command line override it (default: none)")
-    parser.add_argument("--model-repo", required=True, help="the model repository: a directory of <model>/<version>/ artifacts (required)")
-    parser.add_argument("--host", default="127.0.0.1", help="address every listener binds (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8500, help="gRPC port: Predictor, KServe v2, health (default 8500)")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics over HTTP on this port (default: no metrics listener)")
-    parser.add_argument("--metrics-host", help="address of the metrics listener (default: --host)")
-    parser.add_argument("--http-port", type=int, help="also answer KServe v2 over HTTP/REST on this port (default: no REST listener)")
-    parser.add_argument("--max-batch-size", type=int, default=512, help="largest batch a model runs; bigger requests are refused (default 512)")
-    parser.add_argument("--max-delay-ms", type=float, default=2.0,
-                        help="how long a batch waits for more requests; 0: no waiting, requests queued during a forward still "
-                             "run together (default 2)")
-    parser.add_argument("--batching", action=argparse.BooleanOptionalAction, default=True,
-                        help="merge concurrent requests into one forward (default on); --no-batching runs each request alone")
-    parser.add_argument("--max-queue", type=int, default=1024, help="requests waiting per model; more are refused at once as overloaded (default 1024)")
-    parser.add_argument("--poll-interval", type=float, default=2.0, help="seconds between repository scans (default 2)")
-    parser.add_argument("--torch-threads", type=int, help="intra-op threads per forward (default: cores - 1 from 3 cores up, else all)")
-    parser.add_argument("--max-message-mb", type=float, default=64, help="largest request accepted, gRPC and HTTP (default 64 MB)")
-    parser.add_argument("--max-inflight-mb", type=float, default=256,
-                        help="request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / 503 (default 256 MB)")
-    parser.add_argument("--device", default="cpu", choices=DEVICES, help="where models run; artifacts must be exported for it (default cpu)")
+    for f in SERVER_FIELDS.values():
+        if not f.metadata["help"]:
+            continue  # a setting of the Python API only
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        kw: Dict[str, Any] = {}
+        said = ""
+        if default is dataclasses.MISSING:
+            kw["required"] = True
+            said = "required"
+        elif isinstance(default, bool):
+            kw.update(action=argparse.BooleanOptionalAction, default=default)
+            said = "default on" if default else "default off"
+        elif isinstance(default, list):
+            kw.update(action="append", default=[], metavar="NAME")
+        elif f.metadata["megabytes_below"]:
+            kw.update(type=float, default=default / 2**20, metavar="MB")
+            said = f"default {default / 2**20:g} MB"
+        else:
+            check = f.metadata["range"]
+            kw.update(default=default, type=str if check is None else int if check.integer else float)
+            if f.metadata["choices"] is not None:
+                kw["choices"] = list(f.metadata["choices"])
+            said = f"default {default:g}" if isinstance(default, float) else f"default {default}"
+        if f.metadata["default_text"]:
+            said = f"default: {f.metadata['default_text']}"
+        parser.add_argument(flag_of(f), help=f"{f.metadata['help']} ({said})", **kw)
     parser.add_argument("--log-format", default="json", choices=LOG_FORMATS, help="json: one JSON object per line; text: time, level, logger and message (default json)")
-    parser.add_argument("--reflection", action=argparse.BooleanOptionalAction, default=True,
-                        help="gRPC server reflection for Predictor and health (default on)")
-    parser.add_argument("--tls-cert", help="PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS (default: plaintext)")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert (default: none)")
-    parser.add_argument("--tls-client-ca", help="PEM CA bundle; clients must present a certificate it signed, mutual TLS (default: no client certificates)")
-    parser.add_argument("--trusted-sha256", help="allow-list file of manifest.json sha256s, one a line (sha256sum */*/manifest.json output works); a listed manifest pins every file of its version through its checksums, and a version whose manifest is not listed is refused (default: any artifact loads)")
-    parser.add_argument("--model-format", default="auto", choices=LOAD_FORMATS,
-                        help="which model file runs: aoti (model.pt2; an artifact without one is refused), torchscript "
-                             "(model.pt), auto: model.pt2 where the artifact has one this CPU and torch can run (default auto)")
-    parser.add_argument("--front", default="python", choices=["python", "cpp"],
-                        help="cpp: a C++ gRPC front (built from cpp_loader/ on first use) answers Predict without Python per "
-                             "request and forwards every other call to this process (default python)")
-    parser.add_argument("--model-control", default="poll", choices=["poll", "explicit"],
-                        help="poll: every model in --model-repo loads and follows its folder (new versions, removals); "
-                             "explicit: models load and unload only when asked, through the repository API "
-                             "(RepositoryModelLoad / POST /v2/repository/models/M/load) or --load-model (default poll)")
-    parser.add_argument("--load-model", action="append", default=[], metavar="NAME",
-                        help="with --model-control explicit: load this model at startup, repeatable; '*' loads every "
-                             "model (default: none)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The ServerConfig of parsed ``recship serve`` arguments (a --config file's values are already in them)."""
-    return ServerConfig(
-        model_repo=args.model_repo, host=args.host, port=args.port, metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host, http_port=args.http_port,
-        max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms, batching=args.batching, max_queue=args.max_queue,
-        poll_interval_s=args.poll_interval, torch_threads=args.torch_threads,
-        max_message_bytes=megabytes("--max-message-mb", args.max_message_mb, below=1024),
-        max_inflight_bytes=megabytes("--max-inflight-mb", args.max_inflight_mb),
-        device=args.device, reflection=args.reflection,
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca, trusted_sha256=args.trusted_sha256,
-        model_format=args.model_format, front=args.front, model_control=args.model_control, load_models=list(args.load_model),
-    )
+    values: Dict[str, Any] = {}
+    for f in SERVER_FIELDS.values():
+        if f.metadata["help"]:
+            value = getattr(args, flag_of(f)[2:].replace("-", "_"))
+            if f.metadata["megabytes_below"]:
+                value = megabytes(flag_of(f), value, below=f.metadata["megabytes_below"])
+            values[f.name] = list(value) if isinstance(value, list) else value
+    return ServerConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,48 +38,128 @@ def megabytes(flag: str, mb: float, below: float = math.inf) -> int:
     return int(mb * 1024 * 1024)
 
 
+@dataclass(frozen=True)
+class Range:
+    """A numeric setting's range: [lo, hi] (``open_low``: lo itself excluded), an int if ``integer``; ``none`` says
+    what None means where it is allowed ("" where it is not); ``what`` words the range itself, when it has a name."""
+
+    lo: float
+    hi: float = math.inf
+    integer: bool = False
+    open_low: bool = False
+    none: str = ""
+    what: str = ""
+
+    def holds(self, value: object) -> bool:
+        if value is None:
+            return bool(self.none)
+        return number_in(value, self.lo, self.hi, self.integer) and (value > self.lo or not self.open_low)  # type: ignore[operator]
+
+    def text(self, none: Optional[str] = None) -> str:
+        """"takes ..." as a message says it (``none``: what None means here, where None is allowed)."""
+        if self.what:
+            return f"takes {self.what}"
+        none = "" if not self.none else self.none if none is None else none
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.integer:
+            what = f"an integer >= {lo}" if self.hi == math.inf else f"an integer from {lo} to {hi}"
+        elif self.open_low:
+            what = f"a number above {lo}, up to {hi}"
+        else:
+            what = f"a number from {lo} to {hi}"
+        return f"takes {what}" + (f" (or {none})" if none else "")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"
+
+
+PORT = Range(0, 65535, integer=True, what="a port number from 0 to 65535 (0: any free port)")
+_MB = 1024 * 1024
+
+
+def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = None, range: Optional[Range] = None,
+            choices: Optional[Tuple[str, ...]] = None, per_model: bool = False, megabytes_below: Optional[float] = None,
+            default_text: Optional[str] = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A ServerConfig field, with what makes it a flag and a config key: ``help`` (its flag's sentence; "" for a
+    field of the Python API only), ``flag`` (default ``--<name>``), its ``range`` or ``choices``, ``per_model`` (a
+    model's config.yaml may set it), ``megabytes_below`` (a size in bytes whose flag takes MB below this),
+    ``default_text`` (the default as --help says it, when the value itself would not say it well)."""
+    metadata = {"help": help, "flag": flag, "range": range, "choices": choices, "per_model": per_model,
+                "megabytes_below": megabytes_below, "default_text": default_text}
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class ServerConfig:
-    model_repo: str
-    host: str = "127.0.0.1"
-    port: int = 8500
-    metrics_port: Optional[int] = None
-    metrics_host: Optional[str] = None  # None: the same as host
-    max_batch_size: int = 512
-    max_delay_ms: float = 2.0
-    batching: bool = True  # False: every request runs alone (one request per forward)
-    max_queue: int = 1024
-    poll_interval_s: float = 2.0
-    torch_threads: Optional[int] = None
-    max_message_bytes: int = 64 * 1024 * 1024
-    max_inflight_bytes: int = 256 * 1024 * 1024  # request bytes being served at once, all fronts together (the C++ front: its own as much)
-    device: str = "cpu"
-    http_port: Optional[int] = None  # KServe v2 REST front (serving/rest.py); None: off
-    http_idle_timeout_s: float = 30.0  # an HTTP connection that sends nothing for this long is closed
-    reflection: bool = True
-    tls_cert: Optional[str] = None  # PEM certificate chain and key: every listener speaks TLS
-    tls_key: Optional[str] = None
-    tls_client_ca: Optional[str] = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    trusted_sha256: Optional[str] = None  # allow-list file of manifest.json sha256s (each pins its version); None: any artifact loads
-    model_format: str = "auto"  # auto: model.pt2 (AOTInductor) where it runs here, else model.pt; torchscript | aoti: only that
-    front: str = "python"  # cpp: the C++ gRPC front answers Predict (serving/front.py); python: this process answers all
-    model_control: str = "poll"  # poll: the repository's models load and follow it; explicit: only what load/unload asks for
-    load_models: List[str] = field(default_factory=list)  # explicit mode: the models loaded at startup ("*": all)
+    """Everything ``recship serve`` is told: each field is a flag (``--max-batch-size``), a ``--config`` file key
+    (``max-batch-size`` or ``max_batch_size``) and, if ``per_model``, a key of a model's config.yaml
+    (``ModelSettings``); its range is checked here, whichever way it came."""
+
+    model_repo: str = setting(help="the model repository: a directory of <model>/<version>/ artifacts")
+    host: str = setting("127.0.0.1", "address every listener binds")
+    port: int = setting(8500, "gRPC port: Predictor, KServe v2, health", range=PORT)
+    metrics_port: Optional[int] = setting(None, "serve Prometheus metrics over HTTP on this port",
+                                          range=dataclasses.replace(PORT, none="none"), default_text="no metrics listener")
+    metrics_host: Optional[str] = setting(None, "address of the metrics listener", default_text="--host")
+    http_port: Optional[int] = setting(None, "also answer KServe v2 over HTTP/REST on this port",
+                                       range=dataclasses.replace(PORT, none="none"), default_text="no REST listener")
+    max_batch_size: int = setting(512, "largest batch a model runs; bigger requests are refused",
+                                  range=Range(1, integer=True), per_model=True)
+    max_delay_ms: float = setting(2.0, "how long a batch waits for more requests; 0: no waiting, requests queued during a "
+                                       "forward still run together", range=Range(0, MAX_DELAY_MS), per_model=True)
+    batching: bool = setting(True, "merge concurrent requests into one forward; --no-batching runs each request alone",
+                             per_model=True)
+    max_queue: int = setting(1024, "requests waiting per model; more are refused at once as overloaded",
+                             range=Range(1, integer=True), per_model=True)
+    poll_interval_s: float = setting(2.0, "seconds between repository scans", flag="--poll-interval",
+                                     range=Range(0, MAX_SECONDS, open_low=True))
+    torch_threads: Optional[int] = setting(None, "intra-op threads per forward", range=Range(1, MAX_TORCH_THREADS, integer=True,
+                                           none="none: the default"), per_model=True,
+                                           default_text="cores - 1 from 3 cores up, else all")
+    max_message_bytes: int = setting(64 * _MB, "largest request accepted, gRPC and HTTP", flag="--max-message-mb",
+                                     range=Range(1, MAX_MESSAGE_BYTES, integer=True), megabytes_below=1024)
+    max_inflight_bytes: int = setting(256 * _MB, "request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / "
+                                                 "503 (the C++ front holds a budget of its own as large)", flag="--max-inflight-mb",
+                                      range=Range(1, 2**63 - 1, integer=True), megabytes_below=math.inf)
+    device: str = setting("cpu", "where models run; artifacts must be exported for it", choices=DEVICES)
+    http_idle_timeout_s: float = setting(30.0, range=Range(0, MAX_SECONDS, open_low=True))  # an idle HTTP connection is closed
+    reflection: bool = setting(True, "gRPC server reflection for Predictor and health")
+    tls_cert: Optional[str] = setting(None, "PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS", default_text="plaintext")
+    tls_key: Optional[str] = setting(None, "PEM private key of --tls-cert", default_text="none")
+    tls_client_ca: Optional[str] = setting(None, "PEM CA bundle; clients must present a certificate it signed, mutual TLS",
+                                           default_text="no client certificates")
+    trusted_sha256: Optional[str] = setting(
+        None, "allow-list file of manifest.json sha256s, one a line (sha256sum */*/manifest.json output works); a listed "
+              "manifest pins every file of its version through its checksums, and a version whose manifest is not listed is "
+              "refused", default_text="any artifact loads")
+    model_format: str = setting("auto", "which model file runs: aoti (model.pt2; an artifact without one is refused), "
+                                        "torchscript (model.pt), auto: model.pt2 where the artifact has one this CPU and torch "
+                                        "can run", choices=LOAD_FORMATS)
+    front: str = setting("python", "cpp: a C++ gRPC front (built from cpp_loader/ on first use) answers Predict without "
+                                   "Python per request and forwards every other call to this process", choices=("python", "cpp"))
+    model_control: str = setting("poll", "poll: every model in --model-repo loads and follows its folder (new versions, "
+                                         "removals); explicit: models load and unload only when asked, through the repository "
+                                         "API (RepositoryModelLoad / POST /v2/repository/models/M/load) or --load-model",
+                                 choices=("poll", "explicit"))
+    load_models: List[str] = setting(help="with --model-control explicit: load this model at startup, repeatable; '*' loads "
+                                          "every model", flag="--load-model", default_factory=list, default_text="none")
 
     def __post_init__(self) -> None:
-        self._check_numbers()
-        if self.device not in DEVICES:
-            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.front not in ("python", "cpp"):
-            raise ValueError(f"--front must be python or cpp, got {self.front!r}")
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("range")
+            value = getattr(self, f.name)
+            if check is not None and not check.holds(value):
+                raise ValueError(f"{flag_of(f)} {range_text(f)}, got {value!r}{' bytes' if f.metadata['megabytes_below'] else ''}")
+            choices = f.metadata.get("choices")
+            if choices is not None and value not in choices:
+                raise ValueError(f"{flag_of(f)} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
         if self.front == "cpp" and self.device != "cpu":
             raise ValueError("--front cpp runs models on the CPU; use --front python with --device cuda")
-        if self.model_control not in ("poll", "explicit"):
-            raise ValueError(f"--model-control must be poll or explicit, got {self.model_control!r}")
         if self.load_models and self.model_control != "explicit":
             raise ValueError("--load-model applies with --model-control explicit (polling loads every model)")
-        if self.model_format not in LOAD_FORMATS:
-            raise ValueError(f"--model-format must be auto, torchscript or aoti, got {self.model_format!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.tls_client_ca is not None and self.tls_cert is None:
@@ -88,30 +168,6 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"--{name.replace('_', '-')}: no such file: {path}")
-
-    def _check_numbers(self) -> None:
-        """Every numeric setting in its range, whichever way it came (flags, a --config file, the Python API): a
-        ValueError naming the flag, in one line, rather than a server that starts and refuses everything."""
-        for name in ("port", "http_port", "metrics_port"):
-            value = getattr(self, name)
-            if not (value is None and name != "port") and not number_in(value, 0, 65535, integer=True):
-                raise ValueError(f"--{name.replace('_', '-')} takes a port number from 0 to 65535 (0: any free port), got {value!r}")
-        for name in ("max_batch_size", "max_queue"):
-            if not number_in(getattr(self, name), 1, math.inf, integer=True):
-                raise ValueError(f"--{name.replace('_', '-')} takes an integer >= 1, got {getattr(self, name)!r}")
-        if self.torch_threads is not None and not number_in(self.torch_threads, 1, MAX_TORCH_THREADS, integer=True):
-            raise ValueError(f"--torch-threads takes an integer from 1 to {MAX_TORCH_THREADS} (or none: the default), got {self.torch_threads!r}")
-        if not number_in(self.max_delay_ms, 0, MAX_DELAY_MS):
-            raise ValueError(f"--max-delay-ms takes a number from 0 to {MAX_DELAY_MS}, got {self.max_delay_ms!r}")
-        for name, flag in (("poll_interval_s", "--poll-interval"), ("http_idle_timeout_s", "http_idle_timeout_s")):
-            value = getattr(self, name)
-            if not (number_in(value, 0, MAX_SECONDS) and value > 0):
-                raise ValueError(f"{flag} takes a number above 0, up to {MAX_SECONDS}, got {value!r}")
-        if not number_in(self.max_message_bytes, 1, MAX_MESSAGE_BYTES, integer=True):
-            raise ValueError(f"--max-message-mb takes a number of MB above 0 and below 1024 (1 to {MAX_MESSAGE_BYTES} bytes), "
-                             f"got {self.max_message_bytes!r} bytes")
-        if not number_in(self.max_inflight_bytes, 1, 2**63 - 1, integer=True):
-            raise ValueError(f"--max-inflight-mb takes a number of MB above 0 (1 to {2**63 - 1} bytes), got {self.max_inflight_bytes!r} bytes")
 
     def ssl_context(self) -> Optional[ssl.SSLContext]:
         """The TLS context of the HTTP listeners (REST), or None without TLS."""
@@ -125,8 +181,28 @@ class ServerConfig:
         return context
 
 
+def flag_of(f: "dataclasses.Field[Any]") -> str:
+    """A ServerConfig field's flag (its name, for a field of the Python API only)."""
+    if not f.metadata.get("help"):
+        return f.name
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def range_text(f: "dataclasses.Field[Any]", none: Optional[str] = None) -> str:
+    """What a numeric field takes, as its messages say it."""
+    check: Range = f.metadata["range"]
+    if f.metadata.get("megabytes_below"):
+        below = f.metadata["megabytes_below"]
+        return f"takes a number of MB above 0{'' if below == math.inf else f' and below {below:g}'} (1 to {_number(check.hi)} bytes)"
+    return check.text(none)
+
+
+SERVER_FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+PER_MODEL = tuple(name for name, f in SERVER_FIELDS.items() if f.metadata["per_model"])  # what a model's config.yaml may set
+
+
 MODEL_CONFIG = "config.yaml"  # DIR/<model>/config.yaml: the model's own settings (ModelSettings)
-_CONFIG_KEYS = ("max_batch_size", "max_delay_ms", "batching", "max_queue", "torch_threads", "version_policy", "id_policy")
+_CONFIG_KEYS = PER_MODEL + ("version_policy", "id_policy")
 
 
 class ConfigError(ValueError):
@@ -137,7 +213,9 @@ class ConfigError(ValueError):
 class ModelSettings:
     """How one model is served: the server's flags, overridden by the model's config.yaml.
 
-    version_policy: ("latest", N) the N newest loadable versions; ("all",) every loadable version;
+    The first fields are ServerConfig's ``per_model`` ones, same names (checked below): a per-model knob is a
+    ServerConfig field marked ``per_model`` and its field here; flags, config files, config.yaml, the C++ front's
+    settings and ModelConfig's parameters follow from them. version_policy: ("latest", N) the N newest loadable versions; ("all",) every loadable version;
     ("specific", (v, ...)) those versions. id_policy: (feature, "reject" | "modulo") overrides of
     the artifact's id policies, applied by validation (before the model, so either way every id
     that reaches the model is inside its table).
@@ -154,17 +232,27 @@ class ModelSettings:
     @staticmethod
     def defaults(config: "ServerConfig") -> "ModelSettings":
         """The server's flags (``ServerConfig``) as a model's settings."""
-        return ModelSettings(config.max_batch_size, float(config.max_delay_ms), bool(config.batching), config.max_queue,
-                             config.torch_threads)
+        return ModelSettings(**{name: _model_value(name, getattr(config, name)) for name in PER_MODEL})
 
     def runtime(self) -> Tuple:
         """What a served version runs with (all but the version policy): a change restarts its batcher."""
-        return (self.max_batch_size, self.max_delay_ms, self.batching, self.max_queue, self.torch_threads, self.id_policy)
+        return tuple(getattr(self, name) for name in PER_MODEL) + (self.id_policy,)
 
     def front_settings(self) -> Dict[str, Any]:
-        """The ``settings`` of the C++ front's load command (serving/front.py)."""
-        return {"max_batch_size": self.max_batch_size, "max_delay_ms": self.max_delay_ms, "batching": self.batching,
-                "max_queue": self.max_queue, "threads": self.torch_threads or default_torch_threads()}
+        """The ``settings`` of the C++ front's load command (serving/front.py): the per-model ones, threads resolved."""
+        settings = {name: getattr(self, name) for name in PER_MODEL}
+        settings["threads"] = settings.pop("torch_threads") or default_torch_threads()
+        return settings
+
+
+if tuple(f.name for f in dataclasses.fields(ModelSettings))[:len(PER_MODEL)] != PER_MODEL:
+    raise TypeError(f"ModelSettings must begin with ServerConfig's per-model fields {PER_MODEL}")
+
+
+def _model_value(name: str, value: Any) -> Any:
+    """A per-model value as ModelSettings holds it: numbers of a float setting as floats."""
+    check = SERVER_FIELDS[name].metadata["range"]
+    return float(value) if check is not None and not check.integer and value is not None else value
 
 
 def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSettings:
@@ -182,19 +270,13 @@ def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSe
         if dest in settings:
             raise ConfigError(f"{path}: {key}: given twice (with - and _)")
         where = f"{path}: {key}"
-        if dest in ("max_batch_size", "max_queue"):
-            if type(value) is not int or value < 1:
-                raise ConfigError(f"{where}: takes an integer >= 1, got {config_value(value)}")
-        elif dest == "torch_threads":
-            if value is not None and (type(value) is not int or not 1 <= value <= MAX_TORCH_THREADS):
-                raise ConfigError(f"{where}: takes an integer from 1 to {MAX_TORCH_THREADS} (or null: the server's), got {config_value(value)}")
-        elif dest == "max_delay_ms":
-            if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_DELAY_MS:
-                raise ConfigError(f"{where}: takes a number from 0 to {MAX_DELAY_MS}, got {config_value(value)}")
-            value = float(value)
-        elif dest == "batching":
-            if not isinstance(value, bool):
+        if dest in PER_MODEL:  # the flag's own rule (ServerConfig's field), null meaning the server's value
+            check = SERVER_FIELDS[dest].metadata["range"]
+            if check is None and not isinstance(value, bool):
                 raise ConfigError(f"{where}: takes true or false, got {config_value(value)}")
+            if check is not None and not check.holds(value):
+                raise ConfigError(f"{where}: {check.text(none='null: the server' + chr(39) + 's')}, got {config_value(value)}")
+            value = _model_value(dest, value)
         elif dest == "version_policy":
             value = _version_policy(where, value)
         else:
