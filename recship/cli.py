@@ -12,7 +12,7 @@ import sys
 from typing import List, Optional
 
 from recship import __version__
-from recship.flags import FlagError, apply_config_file
+from recship.flags import FlagError, apply_config_argument
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
@@ -55,16 +55,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     # --version, --help and a mistyped command need no subcommand module: answer them without torch
     command = argv[0] if argv and argv[0] in _COMMANDS else ""
     parser = build_parser(command)
-    if command and getattr(importlib.import_module(_COMMANDS[command][0]), "CONFIG_FILE", False):
-        pre = argparse.ArgumentParser(add_help=False)
-        pre.add_argument("--config")
-        known, _ = pre.parse_known_args(argv[1:])
-        if known.config:
-            try:
-                apply_config_file(subcommand_parser(parser, command), known.config)
-            except (ValueError, FileNotFoundError) as e:
-                print(f"recship {command}: error: {e}", file=sys.stderr)
-                return 2
+    if command:  # a --config file of the subcommand's flags: its values become their defaults
+        try:
+            apply_config_argument(subcommand_parser(parser, command), argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            print(f"recship {command}: error: {e}", file=sys.stderr)
+            return 2
     try:
         args = parser.parse_args(argv)
     except FlagError as e:

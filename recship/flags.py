@@ -86,6 +86,8 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
         if action is None:
             raise ValueError(f"--config {file}: unknown key {key!r}; the keys are these flags: {', '.join(flags)}")
         flag = action.option_strings[0]
+        if action.dest in defaults:
+            raise ValueError(f"--config {file}: {key}: {flag} given twice (spelled with - and _)")
         convert = action.type if callable(action.type) else str
         kind = "an integer" if convert is int else "a number" if convert is float else "a string" if convert is str else "a value"
         if isinstance(action, argparse.BooleanOptionalAction):
@@ -94,6 +96,13 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
         elif isinstance(value, bool) or (convert is int and isinstance(value, float)):
             # what YAML reads as true or 1.5 is no integer, number or name: int() would make it 1, str() "True"
             raise ValueError(f"--config {file}: {key}: {flag} takes {kind}, got {value!r}")
+        elif action.nargs == "+":  # a list flag: a list, or one value
+            items = value if isinstance(value, list) else [value]
+            if any(isinstance(v, bool) or (convert is int and not isinstance(v, int)) for v in items):
+                raise ValueError(f"--config {file}: {key}: {flag} takes {kind} or a list of them, got {value!r}")
+            value = [convert(v) for v in items]
+        elif isinstance(value, dict) and action.type is json_object:  # a JSON-object flag: the mapping itself
+            pass
         elif value is not None and callable(action.type):
             try:
                 value = convert(value)
@@ -105,9 +114,28 @@ def apply_config_file(parser: argparse.ArgumentParser, path: str) -> Dict[str, A
             value = [str(v) for v in (value if isinstance(value, list) else [value])]
         elif isinstance(value, (dict, list)):
             raise ValueError(f"--config {file}: {key}: {flag} takes one value, got {value!r}")
-        if action.choices is not None and value not in action.choices:
+        if action.choices is not None and value is not None and value not in action.choices:
             raise ValueError(f"--config {file}: {key}: {flag} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
         defaults[action.dest] = value
         action.required = False  # given by the file
     parser.set_defaults(**defaults)
     return defaults
+
+
+def parse_with_config(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with a ``--config FILE`` among them applied first (its values as defaults, so
+    flags on the command line win), for a parser that has a --config option."""
+    apply_config_argument(parser, argv)
+    return parser.parse_args(argv)
+
+
+def apply_config_argument(parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Applies the ``--config FILE`` in ``argv`` to ``parser`` (see ``apply_config_file``); nothing without one, or
+    when ``parser`` takes no --config."""
+    if not any("--config" in a.option_strings for a in parser._actions):
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(list(argv))
+    if known.config:
+        apply_config_file(parser, known.config)

@@ -41,8 +41,7 @@ if TYPE_CHECKING:
     from recship.serving.front import CppFront
 
 # `recship serve --config FILE` takes every flag from a YAML/JSON file, flags on the command line winning
-# (recship/cli.py applies it); this module imports grpc and torch only once a server starts, so --help is quick.
-CONFIG_FILE = True
+# (recship/flags.py applies it); this module imports grpc and torch only once a server starts, so --help is quick.
 
 log = logging.getLogger("recship.serving")
 

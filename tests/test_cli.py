@@ -91,11 +91,12 @@ def test_the_grpc_client_imports_without_torch():
 
 
 def _train_config(argv):
+    from recship.flags import parse_with_config
     from recship.trainer.cli import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return config_from_args(parser.parse_args(argv))
+    return config_from_args(parse_with_config(parser, argv))
 
 
 def test_train_config_file_takes_flag_spelling_and_names_valid_keys(tmp_path):
@@ -105,13 +106,19 @@ def test_train_config_file_takes_flag_spelling_and_names_valid_keys(tmp_path):
     assert (c.batch_size, c.embedding_dim, c.eval_every, c.optimizer) == (16, 4, 0, "exact_sgd")  # the flag wins
     assert c.num_embeddings_per_feature == [5000] * 26
     f.write_text("batch-size: 16\nbach-size: 3\n")
-    with pytest.raises(ValueError, match=r"unknown fields \['bach-size'\].*batch-size.*num-embeddings-per-feature"):
+    with pytest.raises(ValueError, match=r"unknown key 'bach-size'; the keys are these flags: .*batch-size.*num-embeddings-per-feature"):
         _train_config(["--config", str(f)])
     f.write_text("steps: many\n")
     with pytest.raises(ValueError, match="steps takes an integer, got 'many'"):
         _train_config(["--config", str(f)])
     f.write_text("batch-size: 16\nbatch_size: 8\n")
-    with pytest.raises(ValueError, match="given twice"):
+    with pytest.raises(ValueError, match="batch_size: --batch-size given twice"):
+        _train_config(["--config", str(f)])
+    f.write_text("dense-arch: [8, 4]\nmodel_args: {rows: 10, names: [a]}\nsharding: null\n")  # lists, mappings, null
+    c = _train_config(["--config", str(f)])
+    assert (c.dense_arch, c.model_args, c.sharding) == ([8, 4], {"rows": 10, "names": ["a"]}, None)
+    f.write_text("dense-arch: [8, 1.5]\n")
+    with pytest.raises(ValueError, match=r"dense-arch: --dense-arch takes an integer or a list of them, got \[8, 1.5\]"):
         _train_config(["--config", str(f)])
 
 

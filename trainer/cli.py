@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
-from recship.flags import FlagError, json_object, one_of, read_config_file
+from recship.flags import FlagError, json_object, one_of, parse_with_config
 from recship.trainer.config import CHOICES, HELP, TrainConfig, default_of
 
 
@@ -59,44 +59,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, **kw)
 
 
-def _checked(file: str, key: str, name: str, value: Any) -> Any:
-    """A config file's ``value`` for field ``name`` if it has the field's type, else a ValueError naming both."""
-    default = default_of(name)
-    kinds = {bool: "true or false", int: "an integer", float: "a number", list: "a list of integers (or one integer)",
-             dict: "a mapping", str: "a string"}
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        list: lambda v: isinstance(v, (int, list)) and not isinstance(v, bool),
-        dict: lambda v: isinstance(v, dict),
-        str: lambda v: isinstance(v, str),
-    }
-    kind = type(default) if default is not None else str
-    if value is not None and not ok[kind](value):
-        raise ValueError(f"--config {file}: {key} takes {kinds[kind]}, got {value!r}")
-    return value
-
-
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig of parsed flags over a ``--config`` file's values over TrainConfig's defaults."""
-    names = [f.name for f in fields(TrainConfig)]
-    values: Dict[str, Any] = {}
-    if args.config:
-        given = read_config_file(args.config)
-        unknown = [key for key in given if str(key).replace("-", "_") not in names]
-        if unknown:
-            raise ValueError(f"--config {args.config}: unknown fields {unknown}; the keys are TrainConfig's fields, "
-                             f"spelled as fields or flags: {', '.join(n.replace('_', '-') for n in names)}")
-        for key, value in given.items():
-            name = str(key).replace("-", "_")
-            if name in values:
-                raise ValueError(f"--config {args.config}: {key!r} given twice (as {name} and {name.replace('_', '-')})")
-            values[name] = _checked(args.config, key, name, value)
-    for name in names:
-        v = getattr(args, name, None)
-        if v is not None:
-            values[name] = v
+    """The TrainConfig of parsed flags (a ``--config`` file's values are their defaults: ``recship.flags``), over
+    TrainConfig's defaults."""
+    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     return TrainConfig(**values)
 
 
@@ -138,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="recship train", description="Train a DLRM with sharded embedding tables.")
     add_arguments(parser)
     try:
-        return run(parser.parse_args(argv))
+        return run(parse_with_config(parser, sys.argv[1:] if argv is None else argv))
     except (ValueError, FileNotFoundError, FlagError) as e:
         print(f"recship train: error: {e}", file=sys.stderr)
         return 2
