@@ -14,7 +14,8 @@ checked against the float model and the unsharded quantized one on synthetic bat
 and written as the usual artifact, which the server, its KServe fronts and the C++
 loader serve without model-specific code.
 
-Not yet: checkpoints of such models (export takes the module in memory), CUDA.
+A model comes in memory or from a checkpoint (``recship train --model``); either way its
+EmbeddingBagCollections' float tables stream one at a time (``_streamed_quantization``). Not yet: CUDA.
 """
 
 import copy
@@ -93,15 +94,30 @@ def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
     return [(*synthetic_batch(spec, batch, config.seed * 7919 + i), None) for i in range(n)], "synthetic (uniform ids, no labels)"
 
 
-class _Recorded(nn.Module):
-    """Stands in for a float EmbeddingBagCollection: returns the pooled lookups recorded for batch ``index``."""
+class _Captured(nn.Module):
+    """Stands in for a float EmbeddingBagCollection while the model runs once per validation batch: keeps the
+    features each call gets (a collection shared by two paths is called more than once) and answers zeros."""
 
-    def __init__(self, keys: List[str], dims: List[int], per_batch: List[Dict[str, torch.Tensor]]) -> None:
+    def __init__(self, keys: List[str], dims: List[int]) -> None:
         super().__init__()
-        self.keys, self.dims, self.per_batch, self.index = keys, dims, per_batch, 0
+        self.keys, self.dims = keys, dims
+        self.calls: List[List[KeyedJaggedTensor]] = []  # per validation batch, the features of each call
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        pooled = self.per_batch[self.index]
+        self.calls[-1].append(features)
+        return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=torch.zeros(features.stride(), sum(self.dims)), key_dim=1)
+
+
+class _Recorded(nn.Module):
+    """Stands in for a float EmbeddingBagCollection: for batch ``index``, the pooled lookups recorded for its calls, in order."""
+
+    def __init__(self, keys: List[str], dims: List[int], per_batch: List[List[Dict[str, torch.Tensor]]]) -> None:
+        super().__init__()
+        self.keys, self.dims, self.per_batch, self.index, self.call = keys, dims, per_batch, 0, 0
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        pooled = self.per_batch[self.index][self.call]
+        self.call += 1
         return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=torch.cat([pooled[k] for k in self.keys], dim=1), key_dim=1)
 
 
@@ -111,13 +127,36 @@ def _swap(model: nn.Module, paths: List[str], module: nn.Module) -> None:
         setattr(model.get_submodule(parent), name, module)
 
 
+def tables_by_reference(module: nn.Module) -> Tuple[nn.Module, Callable[[str, str], torch.Tensor]]:
+    """(a copy of ``module`` whose EmbeddingBagCollections hold their tables on meta, ``load_table(path, table)``
+    reading a table from ``module`` itself): an in-memory model streams its tables as a checkpoint does, and
+    no float table is copied."""
+    memo: Dict[int, Any] = {}
+    for _, m in module.named_modules():
+        if type(m) is EmbeddingBagCollection:
+            for p in m.parameters():
+                memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+    copied = copy.deepcopy(module, memo)
+
+    def load_table(path: str, table: str) -> torch.Tensor:
+        ebc = module.get_submodule(path) if path else module
+        assert isinstance(ebc, EmbeddingBagCollection)  # the path of one in the copy, which has the same tree
+        bag = ebc.embedding_bags[table]
+        assert isinstance(bag, nn.EmbeddingBag)  # an EmbeddingBagCollection holds one per table
+        return bag.weight.detach()
+
+    return copied, load_table
+
+
 def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     """Quantizes ``model`` (its EBC tables on meta, loaded one at a time by ``load_table(path, table)``)
     and returns (float outputs per validation batch, quantized model, report).
 
-    The float model never exists whole: while each float table is loaded, its pooled
-    lookups for the validation batches are recorded; the float outputs then come from the
-    model with recorded stand-ins for its EBCs and its float EmbeddingCollections.
+    The float model never exists whole. First the model runs each validation batch with stand-ins for its
+    EBCs that keep the features each EBC call gets (what the model's forward made of the request: features
+    it hashed, filtered or passed to a shared collection twice). Then each float table is loaded once and
+    its pooled lookups for those calls are recorded; the float outputs come from the model with recorded
+    stand-ins for its EBCs and its float EmbeddingCollections.
     """
     from recship.export.validation import pooled_lookup
 
@@ -128,25 +167,40 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
             paths.setdefault(id(m), []).append(path)
             modules[id(m)] = m
     first = {key: ps[0] for key, ps in paths.items()}
-    recorded: Dict[str, List[Dict[str, torch.Tensor]]] = {}
-    weighted = {first[key]: m.is_weighted() for key, m in modules.items() if isinstance(m, EmbeddingBagCollection)}
+    bags = {key: m for key, m in modules.items() if isinstance(m, EmbeddingBagCollection)}
+    layout = {key: ([f for t in m.embedding_bag_configs() for f in t.feature_names],
+                    [t.embedding_dim for t in m.embedding_bag_configs() for _ in t.feature_names]) for key, m in bags.items()}
+    captured = {key: _Captured(*layout[key]) for key in bags}
+    try:
+        for key, stand_in in captured.items():
+            _swap(model, paths[key], stand_in)
+        with torch.no_grad():
+            for dense, kjt, _ in validation:
+                for stand_in in captured.values():
+                    stand_in.calls.append([])
+                model(dense, kjt)
+    finally:
+        for key in captured:
+            _swap(model, paths[key], bags[key])
+    weighted = {first[key]: m.is_weighted() for key, m in bags.items()}
+    calls = {first[key]: stand_in.calls for key, stand_in in captured.items()}
+    recorded: Dict[str, List[List[Dict[str, torch.Tensor]]]] = {
+        path: [[{} for _ in batch] for batch in per_batch] for path, per_batch in calls.items()}
 
     def record(path: str, table, weight: torch.Tensor) -> None:
-        per_batch = recorded.setdefault(path, [{} for _ in validation])
-        for i, (_, kjt, _) in enumerate(validation):
-            for f in table.feature_names:
-                per_batch[i][f] = pooled_lookup(weight, kjt[f], table, weighted[path])
+        for batch, per_batch in zip(calls[path], recorded[path]):
+            for features, pooled in zip(batch, per_batch):
+                for f in table.feature_names:
+                    pooled[f] = pooled_lookup(weight, features[f], table, weighted[path])
 
     quantized, report = quantize(model, load_table, record)
     stand_ins: Dict[int, nn.Module] = {}
     for key, m in modules.items():
-        if isinstance(m, EmbeddingBagCollection):
-            configs = m.embedding_bag_configs()
-            keys = [f for t in configs for f in t.feature_names]
-            stand_ins[key] = _Recorded(keys, [t.embedding_dim for t in configs for _ in t.feature_names], recorded.get(first[key], []))
+        if key in bags:
+            stand_ins[key] = _Recorded(*layout[key], recorded[first[key]])
         else:
             stand_ins[key] = m  # the float EmbeddingCollection (its weights were loaded with the dense part)
-    done = {key: quantized.get_submodule(ps[0]) for key, ps in paths.items()}
+    done = {key: quantized.get_submodule(ps[0]) if ps[0] else quantized for key, ps in paths.items()}
     outputs = []
     try:
         for key, stand_in in stand_ins.items():
@@ -155,7 +209,7 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
             for i, (dense, kjt, _) in enumerate(validation):
                 for stand_in in stand_ins.values():
                     if isinstance(stand_in, _Recorded):
-                        stand_in.index = i
+                        stand_in.index, stand_in.call = i, 0
                 outputs.append(quantized(dense, kjt))
     finally:
         for key, q in done.items():
@@ -175,11 +229,11 @@ def export_any_model(
     see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
-    ``owned``: the module was built for this export (from a checkpoint), so its tables are
-    quantized in place instead of in a copy (peak memory: one float model, not two).
+    ``owned``: the module was built for this export (from a checkpoint), so it is quantized in place.
     ``data_seed``: the training run's seed, for synthetic validation data drawn like its own.
     ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
-    from a checkpoint one at a time (peak memory: one float table plus the quantized model).
+    from a checkpoint one at a time; without it they stream from ``module`` itself (``tables_by_reference``).
+    Either way peak memory is one float table plus the quantized model, beside the float model given.
     """
     from recship.export.config import ExportError, expand_id_policy
     from recship.export.validation import refuse_non_finite
@@ -188,7 +242,11 @@ def export_any_model(
 
     if config.device != "cpu":
         raise ExportError("exporting a model other than the built-in DLRM runs on CPU only for now (--device cpu)")
-    model = (module if owned else copy.deepcopy(module)).eval()
+    if load_table is None:
+        model, load_table = tables_by_reference(module)
+    else:
+        model = module if owned else copy.deepcopy(module)
+    model.eval()
     try:
         spec = describe_model(model, config.num_dense)
     except ValueError as e:
@@ -208,12 +266,8 @@ def export_any_model(
         )
 
     try:
-        if load_table is None:
-            with torch.no_grad():
-                raw = [model(dense, kjt) for dense, kjt, _ in validation]
-        else:
-            progress("quantize + shard")
-            raw, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
+        progress("quantize + shard")
+        raw, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
     except ValueError as e:
         raise ExportError(str(e)) from None
     except Exception as e:
@@ -231,9 +285,6 @@ def export_any_model(
         score_name = None
 
     try:
-        if load_table is None:
-            progress("quantize + shard")
-            quantized, report = quantize(model)
         sharded: nn.Module = quantized
         plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
         if config.shards > 1 or config.sharding:
