@@ -203,13 +203,13 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     done = {key: quantized.get_submodule(ps[0]) if ps[0] else quantized for key, ps in paths.items()}
     outputs = []
     try:
-        for key, stand_in in stand_ins.items():
-            _swap(quantized, paths[key], stand_in)
+        for key, replacement in stand_ins.items():
+            _swap(quantized, paths[key], replacement)
         with torch.no_grad():
             for i, (dense, kjt, _) in enumerate(validation):
-                for stand_in in stand_ins.values():
-                    if isinstance(stand_in, _Recorded):
-                        stand_in.index, stand_in.call = i, 0
+                for replacement in stand_ins.values():
+                    if isinstance(replacement, _Recorded):
+                        replacement.index, replacement.call = i, 0
                 outputs.append(quantized(dense, kjt))
     finally:
         for key, q in done.items():
