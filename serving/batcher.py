@@ -248,7 +248,7 @@ class Batcher:
 
     def _forward(self, requests: List[ParsedRequest]) -> Dict[str, torch.Tensor]:
         r = requests[0] if len(requests) == 1 else merge(requests)
-        inputs = (r.dense, r.lengths.view(-1), r.values, r.weights)
+        inputs = (r.dense, r.lengths.view(-1), r.ids, r.weights)
         with torch.inference_mode(), self._device_lock:
             if self._stream is None:
                 return self.model(*inputs)
@@ -285,9 +285,9 @@ def merge(requests: List[ParsedRequest]) -> ParsedRequest:
     key = np.int16 if lengths.shape[0] < 2**15 else np.int32
     feature_of_id = np.repeat(np.tile(np.arange(lengths.shape[0], dtype=key), len(requests)), counts.reshape(-1))
     order = torch.from_numpy(np.argsort(feature_of_id, kind="stable"))
-    values = torch.cat([r.values for r in requests])[order]
+    ids = torch.cat([r.ids for r in requests])[order]
     weights = None if requests[0].weights is None else torch.cat([r.weights for r in requests if r.weights is not None])[order]
-    return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, values, weights, counts.sum(0))
+    return ParsedRequest(int(lengths.shape[1]), torch.cat([r.dense for r in requests]), lengths, ids, weights, counts.sum(0))
 
 
 def _split(outputs: Dict[str, torch.Tensor], sizes: List[int]) -> List[Dict[str, torch.Tensor]]:

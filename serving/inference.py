@@ -255,7 +255,7 @@ class Inference:
                     raise
         assert served is not None
         outputs = await asyncio.wait_for(asyncio.wrap_future(future), timeout=remaining)
-        self.metrics.ids.labels(served.name).inc(int(parsed.values.numel()))
+        self.metrics.ids.labels(served.name).inc(int(parsed.ids.numel()))
         return served, outputs
 
     async def call(self, method: str, work: Callable[[Outcome], Awaitable[T]]) -> T:

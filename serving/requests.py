@@ -138,8 +138,8 @@ class RequestArrays:
 class ParsedRequest:
     """A validated request in the model's feature order.
 
-    dense: float32 [B, n_dense]; lengths: int32 [F, B]; values: int64 [sum(lengths)],
-    feature-major (ids of modulo features already hashed); weights: float32 like values (1 for the
+    dense: float32 [B, n_dense]; lengths: int32 [F, B]; ids: int64 [sum(lengths)],
+    feature-major (ids of modulo features already hashed); weights: float32 like ids (1 for the
     ids of unweighted features) when any feature is weighted, else None;
     id_counts: int64 [F], ids per feature (what validation summed; the batcher's merge uses it).
     """
@@ -147,7 +147,7 @@ class ParsedRequest:
     batch_size: int
     dense: torch.Tensor
     lengths: torch.Tensor
-    values: torch.Tensor
+    ids: torch.Tensor
     weights: Optional[torch.Tensor] = None
     id_counts: Optional[np.ndarray] = None
 

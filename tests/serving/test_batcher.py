@@ -45,11 +45,11 @@ def _expected(r):
 def test_merge_equals_concatenating_the_kjts(weighted):
     reqs = [_req(1 + i % 4, i, features=5, weighted=weighted) for i in range(9)]
     merged = merge(reqs)
-    kjts = [KeyedJaggedTensor(keys=list("abcde"), values=r.values, lengths=r.lengths.view(-1), weights=r.weights) for r in reqs]
+    kjts = [KeyedJaggedTensor(keys=list("abcde"), values=r.ids, lengths=r.lengths.view(-1), weights=r.weights) for r in reqs]
     want = KeyedJaggedTensor.concat_batch(kjts)  # recship.sparse's own join along the batch: an independent reference
     assert merged.batch_size == sum(r.batch_size for r in reqs)
     assert torch.equal(merged.lengths.view(-1), want.lengths().to(torch.int32))
-    assert torch.equal(merged.values, want.values())
+    assert torch.equal(merged.ids, want.values())
     if weighted:
         assert torch.equal(merged.weights, want.weights())
     assert torch.equal(merged.dense, torch.cat([r.dense for r in reqs]))
