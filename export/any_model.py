@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from recship.export.artifact import ModelFields, ModelInfo, Sharding, SparseFeature
 from recship.export.model import build_kjt, trace_and_script
 from recship.quantize.flat import flatten_collections
+from recship.quantize.sharded import Shard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import describe_model
@@ -224,7 +226,7 @@ def export_any_model(
     owned: bool = False,
     data_seed: Optional[int] = None,
     load_table: Optional[Callable[[str, str], torch.Tensor]] = None,
-) -> Tuple[Any, Dict[str, Any], Any, nn.Module]:
+) -> Tuple[Any, ModelFields, Any, nn.Module]:
     """(scripted artifact module, manifest fields, sample batch, the module that was scripted) of ``module``;
     see the module docstring.
 
@@ -349,22 +351,20 @@ def export_any_model(
     features = []
     for f, path, t, pooling, weighted in spec["features"]:
         qualified = f"{path}.{t.name}" if path else t.name
-        features.append({
-            "name": f, "table": qualified, "pooling": pooling, "dim": t.embedding_dim, "rows": t.num_embeddings,
-            "weight_type": types[qualified], "id_policy": config.id_policy.get(f, "reject"), "weighted": weighted,
-        })
-    shards = [{"table": f"{path}.{table}" if path else table, **{k: v for k, v in vars(s).items() if k != "table"}}
+        features.append(SparseFeature(f, qualified, pooling, t.embedding_dim, t.num_embeddings, types[qualified],
+                                      config.id_policy.get(f, "reject"), weighted))
+    shards: List[Shard] = [dataclasses.replace(s, table=f"{path}.{table}" if path else table)
               for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
-    fields = {
-        "model": {"name": config.model_name, "version": config.model_version, "kind": "module",
-                  "class": f"{type(module).__module__}.{type(module).__qualname__}",
-                  "entry_point": {"model": config.model, "args": config.model_args} if config.model else None, "config": None},
-        "num_dense": spec["num_dense"],
-        "weighted": spec["weighted"],
-        "sparse_features": features,
-        "sharding": {"device": "cpu", "num_devices": config.shards, "row_alignment": report.row_alignment, "shards": shards},
-        "quantization": report.to_dict(),
-        "validation": validation_report,
-    }
+    entry_point = {"model": config.model, "args": config.model_args} if config.model else None
+    fields = ModelFields(
+        model=ModelInfo(config.model_name, config.model_version, "module",
+                        {"class": f"{type(module).__module__}.{type(module).__qualname__}", "entry_point": entry_point, "config": None}),
+        num_dense=spec["num_dense"],
+        weighted=spec["weighted"],
+        sparse_features=features,
+        sharding=Sharding("cpu", config.shards, report.row_alignment, shards),
+        quantization=report.to_dict(),
+        validation=validation_report,
+    )
     return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
 

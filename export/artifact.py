@@ -111,6 +111,20 @@ class Sharding:
 
 
 @dataclass
+class ModelFields:
+    """What an exporter says of the model it exported: the manifest's fields that depend on it (``Manifest.from_fields``
+    adds the inputs, outputs, sample, releases, op libraries and checksums)."""
+
+    model: ModelInfo
+    num_dense: int
+    weighted: bool  # any feature is weighted
+    sparse_features: List[SparseFeature]
+    sharding: Sharding
+    quantization: Dict[str, Any]  # the QuantizationReport's to_dict()
+    validation: Dict[str, Any]  # the exporter's validation report
+
+
+@dataclass
 class Versions:
     """The releases the artifact was built with (a loader refuses another torch)."""
 
@@ -272,27 +286,26 @@ class Manifest:
         return out
 
     @staticmethod
-    def from_fields(fields: Dict[str, Any], output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
+    def from_fields(fields: ModelFields, output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
                     versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None,
                     tables: Optional[TablesSpec] = None) -> "Manifest":
-        """The manifest an exporter writes. ``fields``: model, num_dense, weighted, sparse_features,
-        sharding, quantization and validation as JSON objects; ``output_dims``: output -> its shape
-        after the batch dimension; ``versions``: default the running torch / fbgemm_gpu / python."""
+        """The manifest an exporter writes, checked as a loader would check it. ``fields``: what the exporter says
+        of the model; ``output_dims``: output -> its shape after the batch dimension; ``versions``: default the
+        running torch / fbgemm_gpu / python."""
         versions = versions or Versions.current()
-        weighted = fields["weighted"]
         manifest = {
             "format": FORMAT,
-            "model": fields["model"],
-            "inputs": _inputs(fields["num_dense"], weighted),
-            "num_dense": fields["num_dense"],
-            "sparse_features": fields["sparse_features"],
-            "weighted": weighted,
+            "model": fields.model.to_dict(),
+            "inputs": _inputs(fields.num_dense, fields.weighted),
+            "num_dense": fields.num_dense,
+            "sparse_features": [f.to_dict() for f in fields.sparse_features],
+            "weighted": fields.weighted,
             "outputs": {k: OutputSpec(list(d)).to_dict() for k, d in output_dims.items()},
-            "sharding": fields["sharding"],
+            "sharding": fields.sharding.to_dict(),
             "versions": versions.to_dict(),
             "op_libraries": list(OP_LIBRARIES),
-            "quantization": fields["quantization"],
-            "validation": fields["validation"],
+            "quantization": fields.quantization,
+            "validation": fields.validation,
             "sample": sample.to_dict(),
             "model_sha256": model_sha256,
             **({"aoti": aoti.to_dict()} if aoti is not None else {}),

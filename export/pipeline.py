@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch import nn
 
-from recship.export.artifact import AotiSpec, Manifest, file_sha256, write_sample
+from recship.export.artifact import AotiSpec, Manifest, ModelFields, ModelInfo, Sharding, SparseFeature, file_sha256, write_sample
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError, expand_id_policy
 from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
@@ -467,29 +467,21 @@ def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, co
     return result
 
 
-def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validation: Dict[str, Any], config: ExportConfig) -> Dict[str, Any]:
+def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validation: Dict[str, Any], config: ExportConfig) -> ModelFields:
     """The manifest fields that depend on the model (``write_artifact`` adds the rest)."""
-    return {
-        "model": {"name": config.model_name, "version": config.model_version, "kind": src.kind, "config": src.model_config},
-        "num_dense": src.num_dense,
-        "weighted": src.is_weighted,
-        "sparse_features": [
-            {
-                "name": f, "table": t.name, "pooling": t.pooling.value, "dim": t.embedding_dim,
-                "rows": t.num_embeddings, "weight_type": types[t.name].name,
-                "id_policy": config.id_policy.get(f, "reject"), "weighted": src.is_weighted,
-            }
+    return ModelFields(
+        model=ModelInfo(config.model_name, config.model_version, src.kind, {"config": src.model_config}),
+        num_dense=src.num_dense,
+        weighted=src.is_weighted,
+        sparse_features=[
+            SparseFeature(f, t.name, t.pooling.value, t.embedding_dim, t.num_embeddings, types[t.name].name,
+                          config.id_policy.get(f, "reject"), src.is_weighted)
             for t in src.tables for f in t.feature_names
         ],
-        "sharding": {
-            "device": config.device,
-            "num_devices": config.shards,
-            "row_alignment": report.row_alignment,
-            "shards": [asdict(s) for t in src.tables for s in plan[t.name]],
-        },
-        "quantization": report.to_dict(),
-        "validation": validation,
-    }
+        sharding=Sharding(config.device, config.shards, report.row_alignment, [s for t in src.tables for s in plan[t.name]]),
+        quantization=report.to_dict(),
+        validation=validation,
+    )
 
 
 def staging_folder(out: Path, config: ExportConfig) -> Path:
@@ -519,14 +511,14 @@ def _staging(out: Path, config: ExportConfig) -> Tuple[Path, StagedTables]:
 
 
 def write_artifact(
-    tmp: Path, staged: Optional[StagedTables], out: Path, scripted: torch.jit.ScriptModule, fields: Dict[str, Any], sample: Batch, config: ExportConfig,
+    tmp: Path, staged: Optional[StagedTables], out: Path, scripted: torch.jit.ScriptModule, fields: ModelFields, sample: Batch, config: ExportConfig,
     exported: Optional[nn.Module] = None,
 ) -> Dict[str, Any]:
     """Writes the artifact into the staging folder ``tmp`` (``staging_folder``) and renames it into place.
 
     With ``config.repo``, ``out`` is the model folder and the artifact becomes its next version
     (``publish_version``), else ``out`` is the artifact's folder. ``fields``: model, num_dense,
-    weighted, sparse_features, sharding, quantization and validation of the manifest;
+    weighted, sparse_features, sharding, quantization and validation of the manifest (``ModelFields``);
     ``Manifest.from_fields`` adds the inputs, outputs, sample, versions and checksum (the
     artifact contract is export/artifact.py's). ``exported``: the module that was scripted,
     compiled into model.pt2 when ``config.format`` asks for it. ``staged``: ``tmp``/tables.bin
@@ -706,16 +698,15 @@ def _wants_aoti(config: ExportConfig) -> bool:
     return True
 
 
-def _compile_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], config: ExportConfig) -> "AotiPackage":
+def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: ExportConfig) -> "AotiPackage":
     """Compiles ``exported`` into tmp/model.pt2 (without its constants: they go into the tables file)."""
     from recship.export.aoti import AotiError, compile_package
 
-    num_features = len(fields["sparse_features"])
-    weighted = bool(fields["weighted"])
+    num_features = len(fields.sparse_features)
     # a fixed request with every size >= 2 (sizes 0 and 1 would be specialised by torch.export)
     example = (
-        torch.zeros(2, int(fields["num_dense"])), torch.ones(2 * num_features, dtype=torch.int32),
-        torch.zeros(2 * num_features, dtype=torch.int64), torch.ones(2 * num_features) if weighted else None,
+        torch.zeros(2, fields.num_dense), torch.ones(2 * num_features, dtype=torch.int32),
+        torch.zeros(2 * num_features, dtype=torch.int64), torch.ones(2 * num_features) if fields.weighted else None,
     )
     if num_features == 0:
         raise ExportError("an AOTInductor model needs at least one sparse feature")
@@ -726,7 +717,7 @@ def _compile_aoti(tmp: Path, exported: nn.Module, fields: Dict[str, Any], config
         raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
 
 
-def _finish_aoti(package: "AotiPackage", fields: Dict[str, Any], inputs: Dict[str, torch.Tensor],
+def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, torch.Tensor],
                  outputs: Dict[str, torch.Tensor], tables: TablesSpec) -> AotiSpec:
     """Adds the tables spec to model.pt2 (so it pins the tables), checks it against the TorchScript
     outputs of the sample, and returns the manifest's ``aoti``."""
@@ -737,10 +728,9 @@ def _finish_aoti(package: "AotiPackage", fields: Dict[str, Any], inputs: Dict[st
         compiled = load_package(package.path, package.target_isa, package.constants)
     except AotiError as e:
         raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
-    weighted = bool(fields["weighted"])
     spec = AotiSpec(
         file="model.pt2", sha256=file_sha256(package.path), target_isa=package.target_isa, torch=torch.__version__,
-        dynamic=package.dynamic, input_order=["dense", "lengths", "values"] + (["weights"] if weighted else []),
+        dynamic=package.dynamic, input_order=["dense", "lengths", "values"] + (["weights"] if fields.weighted else []),
         output_order=list(outputs), compile_seconds=round(package.compile_seconds, 2),
     )
     with torch.no_grad():

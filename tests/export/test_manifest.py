@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from recship.export.artifact import ArtifactError, Manifest, open_artifact, read_sample, write_sample
+from recship.export.artifact import ArtifactError, Manifest, ModelFields, open_artifact, read_sample, write_sample
 from recship.export.tables import TablesSpec
 
 KINDS = [("dlrm", "int8"), ("emb", "int4")]  # unweighted with dense inputs; weighted, no dense, a modulo feature
@@ -153,7 +153,8 @@ def test_from_fields_and_write_sample_rebuild_the_exported_manifest_and_sample(a
     sample = write_sample(tmp_path, raw["sample"]["batch_size"], inputs, outputs)
     for spec in [*raw["sample"]["inputs"].values(), *raw["sample"]["outputs"].values()]:
         assert (tmp_path / spec["file"]).read_bytes() == (artifact / spec["file"]).read_bytes()
-    fields = {k: raw[k] for k in ("model", "num_dense", "weighted", "sparse_features", "sharding", "quantization", "validation")}
+    m = Manifest.read(artifact)
+    fields = ModelFields(m.model, m.num_dense, m.weighted, m.sparse_features, m.sharding, m.quantization, m.validation)
     built = Manifest.from_fields(fields, {k: list(v.shape[1:]) for k, v in outputs.items()}, sample, raw["model_sha256"],
                                  tables=TablesSpec.from_dict(raw["tables"]))
     assert json.dumps(built.to_dict(), indent=2) == (artifact / "manifest.json").read_text()
