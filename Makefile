@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: demo test test-sanitize install clean cpp-deps
+.PHONY: demo test test-fast test-sanitize install clean cpp-deps
 
 install: $(STAMP) cpp-deps
 
@@ -42,6 +42,11 @@ demo: $(STAMP) cpp-deps
 # tests' AddressSanitizer + UBSan run, tests/cpp_loader/test_cpp_sanitized.py, is part of the suite)
 test: $(STAMP) cpp-deps
 	$(PY) -m pytest -q -rs
+
+# the quick loop (under 3 minutes on 2 cores): every package, without the tests marked slow, cpp (the C++ build),
+# distributed (several ranks) or gpu; tests/conftest.py assigns the markers, `make test` runs them all
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -rs -m "not slow and not cpp and not distributed and not gpu"
 
 # only that sanitizer run (its build is cached in build/cpp_loader_sanitize, as the normal one in build/cpp_loader)
 test-sanitize: $(STAMP) cpp-deps

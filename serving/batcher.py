@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
+from recship.serving import refusals
 from recship.serving.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,7 @@ class Batcher:
             if self._stopping:
                 raise Unloaded("the model version is being unloaded")
             if self._queue.qsize() >= self.max_queue:
-                raise QueueFull(f"queue full ({self.max_queue} requests waiting)")
+                raise QueueFull(refusals.QUEUE_FULL.format(max_queue=self.max_queue))
             self._queue.put_nowait(item)
         return item.future
 
@@ -223,7 +224,7 @@ class Batcher:
         live = []
         for item in batch:
             if item.expired(now):
-                item.fail(DeadlineExpired("deadline passed while queued"))
+                item.fail(DeadlineExpired(refusals.DEADLINE_QUEUED))
             elif item.future.set_running_or_notify_cancel():  # False: the caller cancelled it
                 live.append(item)
         if not live:

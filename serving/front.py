@@ -60,6 +60,36 @@ def build_front() -> Path:
     return binary
 
 
+def front_tables() -> Dict[str, Any]:
+    """What the C++ front counts and says as the Python server does, taken from the Python definitions and sent to
+    it at start (``--tables``; the front has no copy of its own, cpp_loader/tools/front/tables.h): the histograms'
+    buckets (``metrics.py``), the sampled log's interval and each outcome's status name (``inference.py``), the
+    gRPC code of each refusal (``grpc_status.py``) and its message template (``refusals.py``)."""
+    import grpc
+
+    from recship.serving import refusals
+    from recship.serving.grpc_status import CODES
+    from recship.serving.inference import LOG_INTERVAL_S, ErrorKind
+    from recship.serving.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+
+    def refusal(kind: ErrorKind, message: str) -> Dict[str, Any]:
+        return {"code": CODES[kind].value[0], "status": kind.label, "message": message}
+
+    return {
+        "latency_buckets": list(LATENCY_BUCKETS),
+        "batch_buckets": list(BATCH_BUCKETS),
+        "log_interval_s": LOG_INTERVAL_S,
+        "answered": grpc.StatusCode.OK.name,
+        "refusals": {
+            "cancelled": refusal(ErrorKind.CANCELLED, refusals.CANCELLED),
+            "deadline": refusal(ErrorKind.DEADLINE, refusals.DEADLINE_QUEUED),
+            "queue_full": refusal(ErrorKind.OVERLOADED, refusals.QUEUE_FULL),
+            "overloaded": refusal(ErrorKind.OVERLOADED, refusals.OVERLOADED),
+            "internal": refusal(ErrorKind.INTERNAL, refusals.INTERNAL),
+        },
+    }
+
+
 class CppFront:
     """A running ``recship_front`` process and its command pipe (one command at a time)."""
 
@@ -72,7 +102,7 @@ class CppFront:
             str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
             "--max-batch-size", str(config.max_batch_size), "--max-delay-ms", str(config.max_delay_ms),
             "--batching", "1" if config.batching else "0", "--max-queue", str(config.max_queue), "--max-message-bytes", str(config.max_message_bytes),
-            "--max-inflight-bytes", str(config.max_inflight_bytes),
+            "--max-inflight-bytes", str(config.max_inflight_bytes), "--tables", json.dumps(front_tables()),
         ]
         from recship.serving.settings import default_torch_threads
 
@@ -162,6 +192,10 @@ class CppFront:
 
     def stats(self) -> Dict[str, Any]:
         return self.command(op="stats")["stats"]
+
+    def tables(self) -> Dict[str, Any]:
+        """The tables the front took at start (``front_tables()``'s, as it holds them)."""
+        return self.command(op="tables")["tables"]
 
     def stop(self, grace: float = 5.0) -> None:
         """Stops taking calls, lets those in flight finish (up to ``grace`` s), unloads and exits."""

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterator, Optional, Tuple, Ty
 
 import torch
 
+from recship.serving import refusals
 from recship.serving.batcher import DeadlineExpired, QueueFull, Unloaded, WorkerDied
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ControlRefused, ModelNotFound, ModelRepository, ServedVersion
@@ -100,9 +101,9 @@ def error_of(e: BaseException) -> Tuple[ErrorKind, str]:
     """The one place that classifies an exception: (its kind, the message a client is shown)."""
     kind = next((k for types, k in _KINDS if isinstance(e, types)), ErrorKind.INTERNAL)
     if kind is ErrorKind.INTERNAL:
-        message = f"{type(e).__name__}: {e}"
+        message = refusals.INTERNAL.format(type=type(e).__name__, error=e)
     elif kind is ErrorKind.CANCELLED:
-        message = "cancelled by the client"
+        message = refusals.CANCELLED
     elif kind is ErrorKind.DEADLINE:
         message = str(e) or "deadline exceeded"  # asyncio's TimeoutError says nothing
     else:
@@ -129,7 +130,7 @@ class _Source:
 class SampledLog:
     """Lines a client can cause once per request, logged at a bounded rate: from each source (a fixed name, never
     client data) the first line, then at most one per ``interval_s``, which says how many were left out since the
-    one before; ``flush()`` says the rest. The same words as the C++ front's (cpp_loader/tools/recship_front.cpp),
+    one before; ``flush()`` says the rest. The same words as the C++ front's (cpp_loader/tools/front/log.cpp),
     so that one reading of the log covers both processes."""
 
     def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
@@ -214,10 +215,7 @@ class Inference:
             raise too_large(nbytes, self.max_message_bytes)
         with self._inflight_lock:
             if self._inflight + nbytes > self.max_inflight_bytes:
-                raise Overloaded(
-                    f"{self._inflight + nbytes} bytes of requests would be in flight, over the limit of "
-                    f"{self.max_inflight_bytes} (--max-inflight-mb); retry later"
-                )
+                raise Overloaded(refusals.OVERLOADED.format(total=self._inflight + nbytes, limit=self.max_inflight_bytes))
             self._inflight += nbytes
         try:
             yield

@@ -36,8 +36,9 @@ log = logging.getLogger("recship.serving")
 # samples another process counted (the C++ front), by family name: (sample name, labels, value)
 ExtraSamples = Dict[str, List[Tuple[str, Dict[str, str], float]]]
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+# the histograms' buckets (seconds; examples per forward), the C++ front's too: serving/front.py sends them to it
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class _Merged:
@@ -104,10 +105,10 @@ class Metrics:
         self.requests = Counter("recship_requests_total", "requests by method, model, version and status",
                                 ["method", "model", "version", "status"], registry=r)
         mv = ["model", "version"]
-        self.latency = Histogram("recship_request_seconds", "end-to-end latency of a request", mv, buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("recship_queue_seconds", "time from enqueue to forward", mv, buckets=_LATENCY_BUCKETS, registry=r)
-        self.compute = Histogram("recship_compute_seconds", "forward time per batch", mv, buckets=_LATENCY_BUCKETS, registry=r)
-        self.batch = Histogram("recship_batch_examples", "examples per forward", mv, buckets=_BATCH_BUCKETS, registry=r)
+        self.latency = Histogram("recship_request_seconds", "end-to-end latency of a request", mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("recship_queue_seconds", "time from enqueue to forward", mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.compute = Histogram("recship_compute_seconds", "forward time per batch", mv, buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("recship_batch_examples", "examples per forward", mv, buckets=BATCH_BUCKETS, registry=r)
         self.ids = Counter("recship_ids_total", "ids looked up", ["model"], registry=r)
         self.rejected_ids = Counter("recship_rejected_id_requests_total", "requests refused for out-of-range ids", ["model"], registry=r)
         self.load_failures = Counter("recship_model_load_failures_total", "versions or config.yaml files refused by the repository",

@@ -1,21 +1,24 @@
-# tests/ is put on sys.path by this file's presence, so tests import `reference`.
-"""Fixtures shared across test folders: the small artifacts (each exported once per session) and the manifest schema."""
+# tests/ is put on sys.path by this file's presence, so tests import `reference` and `model_requests`.
+"""Fixtures shared across test folders (the small artifacts, each exported once per session; the C++ loader's binary;
+the manifest schema) and the one place tests get their markers (slow, cpp, distributed, gpu)."""
 
 import copy
+import importlib.util
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Set, Tuple
 
 import pytest
 import torch
+
+from model_requests import SMALL_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
 # exports in tests write model.pt only unless a test asks for model.pt2 (format="both"): an AOTInductor
 # compile takes 15-40 s here; tests/export/test_aoti.py covers it (subprocesses inherit this too)
 os.environ["RECSHIP_AOTI"] = "0"
-SMALL_ROWS = [20 + i for i in range(26)]  # table sizes of the small DLRM's features cat_0..cat_25
 
 
 @pytest.fixture(scope="session")
@@ -70,6 +73,15 @@ def small_artifacts(tmp_path_factory):
 def small_artifact(small_artifacts):
     """Path of the INT8 CPU artifact of the small DLRM (see ``small_artifacts``)."""
     return small_artifacts()
+
+
+@pytest.fixture(scope="session")
+def binary() -> Path:
+    """Path of the built recship_predict, the C++ loader's CLI (cpp_loader/build.py: cmake, incremental)."""
+    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build() / "recship_predict"
 
 
 class ManifestSchema:
@@ -173,3 +185,72 @@ class ManifestSchema:
 @pytest.fixture(scope="session")
 def manifest_schema() -> ManifestSchema:
     return ManifestSchema()
+
+
+# -- markers -------------------------------------------------------------------------------------------------------
+# Registered in pyproject.toml, assigned here only; `make test-fast` runs the tests that have none of them. An entry
+# names a folder or a module under tests/, or module::name for one test of it or for the tests that use one of its
+# fixtures.
+
+TESTS = Path(__file__).resolve().parent
+SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInductor compiles (~20 s each), mypy
+    "export/test_any_model.py",  # trains four models
+    "export/test_aoti.py::test_aoti_artifact_equals_torchscript_bitwise",
+    "export/test_aoti.py::test_aoti_model_checks_what_the_compiled_code_would_not",
+    "export/test_aoti.py::test_open_artifact_format_choice_and_a_tampered_package",
+    "export/test_aoti.py::test_the_server_runs_model_pt2_unless_told_otherwise",
+    "export/test_aoti.py::test_two_tower_with_an_embedding_collection_compiles",
+    "export/test_aoti_folder.py::aoti_artifact",
+    "export/test_artifact_integrity.py::both",  # the small DLRM with model.pt2
+    "export/test_export.py::test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size",
+    "export/test_staged_tables.py::test_rows_quantized_into_the_file_equal_the_written_ones",
+    "serving/test_leftovers.py",
+    "serving/test_reload_memory.py",
+    "test_examples.py",
+    "test_package.py::test_cli_version_and_demo",
+    "test_typing.py",
+    "tutorials",
+}
+CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or a parameter "cpp" (a front)
+    "cpp_loader",
+    "serving/test_front.py",
+    "serving/test_leftovers.py::test_a_restarted_cpp_front_does_not_accumulate_folders_nor_does_a_killed_cpp_server",
+    "serving/test_repository_reload.py::test_the_cpp_front_loads_only_the_manifest_the_server_verified",
+}
+DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks, torchrun)
+    "trainer/distributed/test_gpu.py",
+    "trainer/distributed/test_model_parallel.py",
+    "trainer/distributed/test_sharded_ebc.py::test_table_row_wise_on_two_hosts_of_two",
+    "trainer/test_train.py::test_checkpoint_reshards_on_load",
+    "trainer/test_train.py::test_reader_maps_tables_equal_to_dcp_load",
+    "tutorials/test_tutorials.py::test_sharding_tutorial_prints_the_tutorials_plans_on_two_ranks",
+    "export/test_any_model.py::exported",  # trains the two-tower on 2 gloo ranks
+}
+
+
+def _places(item: pytest.Item) -> Set[str]:
+    """The names an entry of SLOW, CPP or DISTRIBUTED may give ``item``: its folders, its module, module::test and
+    module::fixture for each fixture it uses."""
+    module = item.path.relative_to(TESTS)
+    folders = {parent.as_posix() for parent in module.parents if parent != Path(".")}
+    names = [getattr(item, "originalname", item.name), *item.fixturenames]
+    return folders | {module.as_posix()} | {f"{module.as_posix()}::{name}" for name in names}
+
+
+def _markers(item: pytest.Item) -> Iterator[str]:
+    places = _places(item)
+    params = item.callspec.params if isinstance(item, pytest.Function) and hasattr(item, "callspec") else {}
+    if places & SLOW:
+        yield "slow"
+    if places & CPP or "binary" in item.fixturenames or any(isinstance(v, str) and v == "cpp" for v in params.values()):
+        yield "cpp"
+    if places & DISTRIBUTED or params.get("nproc", 1) > 1 or params.get("world_size", 1) > 1:
+        yield "distributed"
+    if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):  # skipped without CUDA
+        yield "gpu"
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    for item in items:
+        for name in _markers(item):
+            item.add_marker(name)

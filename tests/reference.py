@@ -1,11 +1,15 @@
-"""Test helpers: random KJTs with an independent plain-Python reference copy."""
+"""Test helpers: random KJTs (with an independent plain-Python reference copy) as inputs of the sparse, trainer,
+quantize and export modules' tests."""
 
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import pytest
 import torch
 
 from recship.sparse import KeyedJaggedTensor
+
+if TYPE_CHECKING:
+    from recship.trainer import EmbeddingBagConfig
 
 # Reference form of a KJT: {key: [[ids of example 0], [ids of example 1], ...]}
 Ref = Dict[str, List[List[int]]]
@@ -16,33 +20,51 @@ def random_kjt(
     batch_size: int,
     seed: int,
     max_len: int = 4,
-    max_id: int = 100,
+    max_id: Union[int, Sequence[int]] = 100,
     weighted: bool = False,
     lengths_dtype: torch.dtype = torch.int64,
     values_dtype: torch.dtype = torch.int64,
+    min_len: int = 0,
 ) -> Tuple[KeyedJaggedTensor, Ref, Optional[Dict[str, List[List[float]]]]]:
-    """A random KJT plus the same data as nested Python lists (built independently)."""
+    """A random KJT plus the same data as nested Python lists (built independently).
+
+    Drawn key by key, in ``keys`` order: lengths [batch_size] in [min_len, max_len], then the ids, each in
+    [0, max_id) (``max_id``: one bound, or one per key), then with ``weighted`` a weight per id in [0, 1).
+    A repeated key gets ids of its own at each occurrence; the lists hold its last, as
+    ``KeyedJaggedTensor.to_dict`` reads it.
+    """
+    bounds = [max_id] * len(keys) if isinstance(max_id, int) else list(max_id)
+    if len(bounds) != len(keys):
+        raise ValueError(f"random_kjt: {len(bounds)} bounds in max_id for {len(keys)} keys")
     g = torch.Generator().manual_seed(seed)
+    lengths, values, weights = [], [], []
     ref: Ref = {}
     wref: Dict[str, List[List[float]]] = {}
-    for k in keys:
-        rows, wrows = [], []
-        for _ in range(batch_size):
-            n = int(torch.randint(0, max_len + 1, (1,), generator=g))
-            rows.append(torch.randint(0, max_id, (n,), generator=g).tolist())
-            wrows.append(torch.rand(n, generator=g).tolist())
-        ref[k] = rows
-        wref[k] = wrows
-    lengths = [len(r) for k in keys for r in ref[k]]
-    values = [v for k in keys for r in ref[k] for v in r]
-    weights = [w for k in keys for r in wref[k] for w in r]
+    for key, bound in zip(keys, bounds):
+        n = torch.randint(min_len, max_len + 1, (batch_size,), generator=g)
+        ids = torch.randint(0, bound, (int(n.sum()),), generator=g)
+        lengths.append(n)
+        values.append(ids)
+        ref[key] = [row.tolist() for row in ids.split(n.tolist())]
+        if weighted:
+            w = torch.rand(ids.numel(), generator=g)
+            weights.append(w)
+            wref[key] = [row.tolist() for row in w.split(n.tolist())]
     kjt = KeyedJaggedTensor(
         keys=keys,
-        values=torch.tensor(values, dtype=values_dtype),
-        lengths=torch.tensor(lengths, dtype=lengths_dtype),
-        weights=torch.tensor(weights, dtype=torch.float32) if weighted else None,
+        values=torch.cat(values).to(values_dtype),
+        lengths=torch.cat(lengths).to(lengths_dtype),
+        weights=torch.cat(weights) if weighted else None,
     )
     return kjt, ref, (wref if weighted else None)
+
+
+def tables_kjt(tables: Sequence["EmbeddingBagConfig"], batch_size: int, seed: int, **kwargs: Any) -> KeyedJaggedTensor:
+    """A ``random_kjt`` of every feature of ``tables`` in table order, each feature's ids inside its table
+    (``kwargs``: random_kjt's lengths, weights and dtypes)."""
+    keys = [f for t in tables for f in t.feature_names]
+    rows = [t.num_embeddings for t in tables for _ in t.feature_names]
+    return random_kjt(keys, batch_size, seed, max_id=rows, **kwargs)[0]
 
 
 def kjt_as_lists(kjt: KeyedJaggedTensor) -> Ref:

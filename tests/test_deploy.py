@@ -33,6 +33,8 @@ import yaml
 
 from recship.serving.server import Server, add_arguments, config_from_args
 
+from model_requests import model_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -124,9 +126,7 @@ class Running:
 @pytest.fixture(scope="module")
 def repo(small_artifact, tmp_path_factory):
     """A model repository as the manifests expect it: <model>/<version>/."""
-    root = tmp_path_factory.mktemp("deploy-repo")
-    shutil.copytree(small_artifact, root / "dlrm" / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("deploy-repo"), {"dlrm": small_artifact})
 
 
 @pytest.fixture

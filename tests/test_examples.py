@@ -16,6 +16,8 @@ import torch
 
 from recship.export.artifact import open_artifact
 
+from model_requests import in_process, model_repo
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -135,7 +137,6 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
     """The two request files hold the same 2 examples for the model `make demo` serves (the default DLRM: cat_0..cat_25,
     13 dense). The small test DLRM has the same inputs with 20+ rows per table, so it serves them here: the REST
     answer to the file as curl sends it, and `recship predict --request`'s, equal the artifact run in-process."""
-    import shutil
     import urllib.request
 
     from recship.cli import main as recship
@@ -158,14 +159,10 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
         assert (values["datatype"], values["shape"], values["data"]) == ("INT64", [sum(map(len, rows))], [i for r in rows for i in r]), f
         assert all(0 <= i < min(table, 20) for r in rows for i in r), f  # inside the demo's tables and the small DLRM's
 
-    repo = tmp_path / "repo"
-    shutil.copytree(small_artifact, repo / "dlrm" / "1")
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     model, manifest = open_artifact(repo / "dlrm" / "1")
     assert manifest.feature_names == demo.sparse_feature_names and manifest.num_dense == demo.num_dense
-    with torch.no_grad():
-        want = model(torch.tensor(predict["dense"], dtype=torch.float32),
-                     torch.tensor([len(r) for f in manifest.feature_names for r in predict["sparse"][f]], dtype=torch.int32),
-                     torch.tensor([i for f in manifest.feature_names for r in predict["sparse"][f] for i in r]), None)
+    want = in_process(model, predict["sparse"], predict["dense"], names=manifest.feature_names)
     server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0))
     try:
         post = urllib.request.Request(f"http://127.0.0.1:{server.rest.port}/v2/models/dlrm/infer", data=rest_text.encode(),
@@ -180,5 +177,5 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
         server.stop()
     assert answer["id"] == rest["id"] and sorted(o["name"] for o in answer["outputs"]) == sorted(want) == ["logit", "prob"]
     for out in answer["outputs"]:
-        np.testing.assert_array_equal(np.asarray(out["data"], dtype=np.float32).reshape(out["shape"]), want[out["name"]].numpy())
-        np.testing.assert_array_equal(np.asarray(predicted[out["name"]], dtype=np.float32), want[out["name"]].numpy())
+        np.testing.assert_array_equal(np.asarray(out["data"], dtype=np.float32).reshape(out["shape"]), want[out["name"]])
+        np.testing.assert_array_equal(np.asarray(predicted[out["name"]], dtype=np.float32), want[out["name"]])

@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "args.h"
+
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
@@ -162,37 +164,16 @@ struct Caller {
 static bool parse_args(int argc, char** argv, std::string& target, std::string& method, std::vector<std::string>& files,
                        int& concurrency, double& seconds, double& warmup, int& channels, int& timeout_ms,
                        int64_t& max_requests, std::string& err) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (i + 1 >= argc) {
-      err = "unknown argument or missing value: " + a;
-      return false;
-    }
-    std::string v = argv[++i];
-    size_t used = 0;
-    try {
-      if (a == "--target") target = v;
-      else if (a == "--method") method = v;
-      else if (a == "--request") files.push_back(v);
-      else if (a == "--concurrency") concurrency = std::stoi(v, &used);
-      else if (a == "--seconds") seconds = std::stod(v, &used);
-      else if (a == "--warmup-seconds") warmup = std::stod(v, &used);
-      else if (a == "--channels") channels = std::stoi(v, &used);
-      else if (a == "--timeout-ms") timeout_ms = std::stoi(v, &used);
-      else if (a == "--max-requests") max_requests = std::stoll(v, &used);
-      else {
-        err = "unknown argument " + a;
-        return false;
-      }
-    } catch (const std::exception&) {
-      used = std::string::npos;
-    }
-    if (used != 0 && used != v.size()) {
-      err = "not a number: " + a + " " + v;
-      return false;
-    }
-  }
-  if (target.empty()) err = "--target is required";
+  recship::args::Flags flags;
+  flags.text("--target", &target).text("--method", &method).texts("--request", &files);
+  flags.integer("--concurrency", &concurrency).number("--seconds", &seconds).number("--warmup-seconds", &warmup);
+  flags.integer("--channels", &channels).integer("--timeout-ms", &timeout_ms).integer("--max-requests", &max_requests);
+  using Kind = recship::args::Problem::Kind;
+  const recship::args::Problem p = flags.parse(argc, argv);
+  if (p.kind == Kind::kMissingValue) err = "unknown argument or missing value: " + p.flag;
+  else if (p.kind == Kind::kUnknown) err = "unknown argument " + p.flag;
+  else if (p) err = "not a number: " + p.flag + " " + p.value;
+  else if (target.empty()) err = "--target is required";
   else if (files.empty()) err = "--request is required";
   else if (method.empty() || method[0] != '/') err = "--method must look like /package.Service/Method";
   else if (concurrency < 1) err = "--concurrency must be at least 1";
@@ -205,12 +186,9 @@ static bool parse_args(int argc, char** argv, std::string& target, std::string& 
 }
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::cout << kUsage;
-      return 0;
-    }
+  if (recship::args::wants_help(argc, argv)) {
+    std::cout << kUsage;
+    return 0;
   }
   std::string target, method = "/recship.serving.v1.Predictor/Predict", err;
   std::vector<std::string> files;

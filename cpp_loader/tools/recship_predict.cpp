@@ -2,9 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cctype>
-#include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -14,8 +12,8 @@
 #include <set>
 #include <sstream>
 #include <thread>
-#include <tuple>
 
+#include "args.h"
 #include "recship/model.h"
 
 using json = nlohmann::json;
@@ -156,17 +154,6 @@ static ordered_json parse_request(std::istream& in, const std::string& file) {
   }
 }
 
-// A flag's whole-number value in [lo, hi]; otherwise false (the caller says so and exits 2).
-static bool parse_int(const std::string& text, int64_t lo, int64_t hi, int64_t* out) {
-  if (text.empty()) return false;
-  char* end = nullptr;
-  errno = 0;
-  const long long v = std::strtoll(text.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0' || v < lo || v > hi) return false;
-  *out = v;
-  return true;
-}
-
 // Example b of a request, as a batch of one.
 static recship::Request one_example(const recship::Request& r, int64_t b) {
   recship::Request out;
@@ -264,12 +251,9 @@ static const char* kUsage =
     "Exit codes: 0 ok, 1 the artifact cannot be loaded or run, 2 bad arguments or an invalid request.\n";
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::cout << kUsage;
-      return 0;
-    }
+  if (recship::args::wants_help(argc, argv)) {
+    std::cout << kUsage;
+    return 0;
   }
   if (argc < 2) {
     std::cerr << kUsage;
@@ -277,26 +261,18 @@ int main(int argc, char** argv) {
   }
   std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto", trusted_file;
   int64_t bench = 0, threads = 0, max_batch_size = 512;
-  // the numeric flags: name -> (variable, smallest, largest)
-  const std::map<std::string, std::tuple<int64_t*, int64_t, int64_t>> numbers = {
-      {"--bench", {&bench, 0, INT32_MAX}}, {"--threads", {&threads, 0, 4096}}, {"--max-batch-size", {&max_batch_size, 1, INT32_MAX}}};
-  for (int i = 2; i < argc; ++i) {
-    std::string a = argv[i];
-    auto number = numbers.find(a);
-    if (a == "--request" && i + 1 < argc) request_file = argv[++i];
-    else if (a == "--fbgemm-dir" && i + 1 < argc) fbgemm_dir = argv[++i];
-    else if (a == "--format" && i + 1 < argc) format = argv[++i];
-    else if (a == "--trusted-sha256" && i + 1 < argc) trusted_file = argv[++i];
-    else if (number != numbers.end() && i + 1 < argc) {
-      const auto& [target, lo, hi] = number->second;
-      if (!parse_int(argv[++i], lo, hi, target)) {
-        std::cerr << "recship_predict: error: " << a << " takes a whole number from " << lo << " to " << hi << ", got " << argv[i] << "\n";
-        return 2;
-      }
-    } else {
-      std::cerr << "recship_predict: error: unknown argument " << a << "\n";
-      return 2;
-    }
+  recship::args::Flags flags;
+  flags.text("--request", &request_file).text("--fbgemm-dir", &fbgemm_dir).text("--format", &format);
+  flags.text("--trusted-sha256", &trusted_file);
+  flags.integer("--bench", &bench, 0, INT32_MAX).integer("--threads", &threads, 0, 4096);
+  flags.integer("--max-batch-size", &max_batch_size, 1, INT32_MAX);
+  if (const recship::args::Problem p = flags.parse(argc, argv, 2)) {
+    using Kind = recship::args::Problem::Kind;
+    if (p.kind == Kind::kNotANumber || p.kind == Kind::kOutOfRange)
+      std::cerr << "recship_predict: error: " << p.flag << " takes a whole number from " << p.lo << " to " << p.hi << ", got " << p.value << "\n";
+    else
+      std::cerr << "recship_predict: error: unknown argument " << p.flag << "\n";
+    return 2;
   }
   if (format != "auto" && format != "torchscript" && format != "aoti") {
     std::cerr << "recship_predict: error: --format must be auto, torchscript or aoti, got " << format << "\n";

@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from recship.export.artifact import ArtifactError, Manifest, open_artifact, read_sample
 
+from model_requests import request_file, sample_request
+
 _EXPLORE = os.environ.get("RECSHIP_FUZZ_EXAMPLES")
 EXAMPLES = int(_EXPLORE or 120)  # ~50 s here; RECSHIP_FUZZ_EXAMPLES=N explores N fresh random ones
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=_EXPLORE is None, database=None,
@@ -59,16 +61,8 @@ def original(small_artifact, binary, tmp_path_factory):
     inputs, _ = read_sample(art, manifest)
     with torch.no_grad():
         want = model(inputs["dense"], inputs["lengths"], inputs["values"], None)
-    b = manifest.sample.batch_size
-    lengths = inputs["lengths"].view(len(manifest.sparse_features), b).tolist()
-    values, sparse, at = inputs["values"].tolist(), {}, 0
-    for f, row in zip(manifest.sparse_features, lengths):
-        sparse[f.name] = []
-        for n in row:
-            sparse[f.name].append(values[at: at + n])
-            at += n
-    request = folder / "request.json"
-    request.write_text(json.dumps({"sparse": sparse, "dense": inputs["dense"].tolist()}))
+    sparse, dense = sample_request(art)
+    request = request_file(folder / "request.json", sparse, dense)
     cpp = _cpp(binary, art, request)
     assert cpp.returncode == 0, cpp.stderr
     yield {"dir": art, "folder": folder, "python": want, "inputs": inputs, "request": request, "cpp": json.loads(cpp.stdout),

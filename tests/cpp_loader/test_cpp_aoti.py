@@ -17,6 +17,7 @@ from recship.serving import PredictClient
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
 
 from bad_requests import bad_requests
+from model_requests import ModelInputs, hash_ids, in_process, random_request, request_file
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cmake") is None or shutil.which(os.environ.get("CXX", "g++")) is None,
@@ -36,43 +37,25 @@ def _run(binary, *args):
 
 
 def _requests(manifest, seed):
-    """(sparse, dense, weights) in recship_predict's JSON form: batch 1, 7, 513, then batch 2 with 0 ids and with 1.
+    """(sparse, dense, weights): batch 1, 7, 513, then batch 2 with 0 ids and with 1.
     Ids stay inside each table, except modulo features' (up to 3 times past it: the loader hashes them)."""
     g = np.random.default_rng(seed)
-    feats = manifest.sparse_features
-
-    def body(batch, sparse):
-        weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest.weighted else None
-        dense = g.random((batch, manifest.num_dense)).tolist() if manifest.num_dense else None
-        return sparse, dense, weights
-
+    inputs = ModelInputs.of(manifest)
     for batch in (1, 7, 513):
-        yield body(batch, {f.name: [[int(i) for i in g.integers(0, f.rows * (3 if f.id_policy == "modulo" else 1), size=g.integers(0, 4))]
-                                    for _ in range(batch)] for f in feats})
+        yield random_request(inputs, batch, g, past_modulo=3)
     for n_ids in (0, 1):  # the sizes torch.export likes to specialise
-        sparse = {f.name: [[], []] for f in feats}
+        sparse, dense, weights = random_request(inputs, 2, g, ids=(0, 0))
         if n_ids:
-            sparse[feats[0].name][1] = [int(g.integers(0, feats[0].rows))]
-        yield body(2, sparse)
-
-
-def _request_file(path, sparse, dense, weights):
-    body = {"sparse": sparse, **({"dense": dense} if dense is not None else {}), **({"weights": weights} if weights else {})}
-    path.write_text(json.dumps(body))
-    return path
+            first = manifest.sparse_features[0]
+            sparse[first.name][1] = [int(g.integers(0, first.rows))]
+            if first.weighted:
+                weights[first.name][1] = [float(g.random())]
+        yield sparse, dense, weights
 
 
 def _torchscript_outputs(model, manifest, sparse, dense, weights):
     """The reference: Python's torch.jit model.pt on the same request, modulo ids hashed as the loader does."""
-    rows = {f.name: f.rows for f in manifest.sparse_features}
-    names = manifest.feature_names
-    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
-    values = torch.tensor([i % rows[n] for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
-    b = len(sparse[names[0]])
-    d = torch.tensor(dense, dtype=torch.float32) if dense is not None else torch.zeros(b, 0)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(d, lengths, values, w).items()}
+    return in_process(model, hash_ids(sparse, ModelInputs.of(manifest)), dense, weights, names=manifest.feature_names)
 
 
 @pytest.mark.parametrize("name", [n for n, _ in CASES])
@@ -82,7 +65,7 @@ def test_cpp_aoti_equals_python_torchscript_bitwise(binary, compiled, tmp_path, 
     assert manifest.aoti is not None and (art / "model.pt2").is_file()
     scripted, _ = open_artifact(art, format="torchscript")
     for i, (sparse, dense, weights) in enumerate(_requests(manifest, 5)):
-        request = _request_file(tmp_path / f"r{i}.json", sparse, dense, weights)
+        request = request_file(tmp_path / f"r{i}.json", sparse, dense, weights)
         want = _torchscript_outputs(scripted, manifest, sparse, dense, weights)
         for fmt in ("aoti", "torchscript"):  # the C++ TorchScript path still runs model.pt of the same artifact
             result = _run(binary, art, "--request", request, "--format", fmt, "--max-batch-size", 1024)
@@ -109,7 +92,7 @@ def test_invalid_requests_are_refused_before_the_compiled_model(binary, compiled
     # cat_0 with 1 example, the others 2: recship_predict takes the batch from the first feature, as PredictClient does
     cases.append(({**good, "cat_0": [[1]]}, [[0.5] * manifest.num_dense] * 2, None))
     for sparse, d, weights in cases:
-        request = _request_file(tmp_path / "bad.json", sparse, d, weights)
+        request = request_file(tmp_path / "bad.json", sparse, d, weights)
         aoti = _run(binary, art, "--request", request, "--format", "aoti")
         scripted = _run(binary, art, "--request", request, "--format", "torchscript")
         assert aoti.returncode == scripted.returncode == 2, aoti.stderr
@@ -120,7 +103,7 @@ def test_invalid_requests_are_refused_before_the_compiled_model(binary, compiled
     assert aoti.stderr.strip() == "recship_predict: invalid request: sparse feature 'cat_1': 2 lengths for batch_size 1"
     out_of_range = [c for c in cases if c[0]["cat_3"] == [[1], [rows[3]]]]
     assert out_of_range  # bad_requests still has the id one past its table
-    result = _run(binary, art, "--request", _request_file(tmp_path / "oor.json", *out_of_range[0]), "--format", "aoti")
+    result = _run(binary, art, "--request", request_file(tmp_path / "oor.json", *out_of_range[0]), "--format", "aoti")
     assert result.stderr.strip() == f"recship_predict: invalid request: feature 'cat_3': id {rows[3]} is out of range [0, {rows[3]})"
 
 

@@ -8,7 +8,6 @@ once per such request.
 """
 
 import logging
-import shutil
 import socket
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import pytest
 
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
+
+from model_requests import model_repo
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
 
@@ -30,9 +31,7 @@ def repo(small_artifact, tmp_path_factory):
         build_front()
     except FrontError as e:
         pytest.skip(f"the C++ front cannot be built here: {e}")
-    root = tmp_path_factory.mktemp("front") / "repo"
-    shutil.copytree(small_artifact, root / "dlrm" / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("front") / "repo", {"dlrm": small_artifact})
 
 
 def _listening(reuseport: bool) -> socket.socket:

@@ -14,6 +14,7 @@ from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, v
 from recship.serving import PredictClient
 
 from bad_requests import bad_requests
+from model_requests import ModelInputs, hash_ids, in_process, random_request, request_file
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,43 +29,17 @@ def _run(binary, *args):
     return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
 
 
-def _request_json(path, sparse, dense=None, weights=None):
-    body = {"sparse": sparse}
-    if dense is not None:
-        body["dense"] = dense
-    if weights is not None:
-        body["weights"] = weights
-    path.write_text(json.dumps(body))
-    return path
-
-
-def _python_outputs(art, sparse, dense, weights):
-    model, manifest = open_artifact(art)
-    names = manifest.feature_names
-    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
-    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    w = torch.tensor([x for n in names for r in weights[n] for x in r], dtype=torch.float32) if weights else None
-    b = len(sparse[names[0]])
-    d = torch.tensor(dense, dtype=torch.float32) if dense is not None else torch.zeros(b, 0)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(d, lengths, values, w).items()}
-
-
 @pytest.mark.parametrize("name", ["dlrm", "emb"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dtype):
     art = artifacts[(name, dtype)]
     manifest = Manifest.read(art)
-    g = np.random.default_rng(3)
-    feats = manifest.sparse_features
-    sparse = {f.name: [[int(i) for i in g.integers(0, f.rows * (3 if f.id_policy == "modulo" else 1), size=g.integers(0, 5))] for _ in range(6)] for f in feats}
-    weights = {n: [[float(x) for x in g.random(len(r))] for r in rows] for n, rows in sparse.items()} if manifest.weighted else None
-    dense = g.random((6, manifest.num_dense)).tolist() if manifest.num_dense else None
-    result = _run(binary, art, "--request", _request_json(tmp_path / "r.json", sparse, dense, weights))
+    inputs = ModelInputs.of(manifest)
+    sparse, dense, weights = random_request(inputs, 6, 3, ids=(0, 4), past_modulo=3)
+    result = _run(binary, art, "--request", request_file(tmp_path / "r.json", sparse, dense, weights))
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
-    hashed = {f.name: [[i % f.rows for i in r] for r in sparse[f.name]] for f in feats}
-    want = _python_outputs(art, hashed, dense, weights)
+    want = in_process(open_artifact(art)[0], hash_ids(sparse, inputs), dense, weights, names=manifest.feature_names)
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32), want[k])
@@ -80,7 +55,7 @@ def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
     for _, sparse, d, weights in bad_requests(rows, manifest.num_dense):
         with pytest.raises(InvalidRequest) as server_error:
             validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
-        result = _run(binary, art, "--request", _request_json(tmp_path / "bad.json", sparse, d, weights))
+        result = _run(binary, art, "--request", request_file(tmp_path / "bad.json", sparse, d, weights))
         assert result.returncode == 2
         assert result.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
 
@@ -144,12 +119,13 @@ def test_max_batch_size_is_an_option(binary, artifacts, tmp_path):
     art = artifacts[("emb", "int8")]
     sparse = {n: [[1]] * 600 for n in ("x", "y", "z")}
     weights = {n: [[0.5]] * 600 for n in sparse}
-    request = _request_json(tmp_path / "big.json", sparse, None, weights)
+    request = request_file(tmp_path / "big.json", sparse, None, weights)
     refused = _run(binary, art, "--request", request)
     assert refused.returncode != 0 and "batch_size 600 exceeds the model's limit of 512" in refused.stderr
     allowed = _run(binary, art, "--request", request, "--max-batch-size", "1024")
     assert allowed.returncode == 0, allowed.stderr
-    want = _python_outputs(art, sparse, None, weights)
+    model, manifest = open_artifact(art)
+    want = in_process(model, sparse, None, weights, names=manifest.feature_names)
     got = json.loads(allowed.stdout)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k])

@@ -20,6 +20,8 @@ import torch
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, aoti_runs_here, file_sha256, open_artifact
 from recship.export.tables import PINNED_NAME, TABLES_FILE
 
+from model_requests import ModelInputs, in_process, random_request, request_file
+
 AOTI_CASES = [("dlrm", 1), ("emb", 2)]  # as tests/cpp_loader/test_cpp_aoti.py compiles them (shared in the session)
 
 
@@ -182,7 +184,7 @@ def test_a_corrupt_copy_of_live_tables_is_refused_by_the_process_serving_them(bi
                 for sparse, dense, weights in _requests(manifest, seed=11):
                     response = client.stub.Predict(client.request(name, sparse, dense, weights), timeout=30)
                     assert response.model_version == (1 if name == "dlrm" else 3)
-                    got, expected = outputs_of(response), _python_outputs(model, manifest, sparse, dense, weights)
+                    got, expected = outputs_of(response), in_process(model, sparse, dense, weights, names=manifest.feature_names)
                     assert sorted(got) == sorted(expected)
                     for k in expected:
                         np.testing.assert_array_equal(got[k], expected[k], err_msg=f"{name} {k}")
@@ -316,41 +318,16 @@ def test_a_format_2_manifest_without_tables_is_refused(binary, small_artifact, t
 # -- 4. outputs: bitwise Python's, in each format; format 1 still loads ---------------------------------------------
 
 def _requests(manifest, seed):
-    """(sparse, dense, weights) in recship_predict's JSON form: batch 1, 7, 64, then batch 2 with no ids at all."""
+    """(sparse, dense, weights): batch 1, 7, 64 with 0-4 ids per example and feature, then batch 2 with no ids at all."""
     g = np.random.default_rng(seed)
-    feats = manifest.sparse_features
-    for batch in (1, 7, 64, 2):
-        most = 0 if batch == 2 else 4
-        sparse = {f.name: [[int(i) for i in g.integers(0, f.rows, size=g.integers(0, most + 1))] for _ in range(batch)] for f in feats}
-        weights = {f.name: [[float(x) for x in g.random(len(r))] for r in sparse[f.name]] for f in feats if f.weighted} or None
-        dense = g.random((batch, manifest.num_dense)).tolist() if manifest.num_dense else None
-        yield sparse, dense, weights
-
-
-def _request_file(path, sparse, dense, weights):
-    body = {"sparse": sparse, **({"dense": dense} if dense is not None else {}), **({"weights": weights} if weights else {})}
-    path.write_text(json.dumps(body))
-    return path
-
-
-def _python_outputs(model, manifest, sparse, dense, weights):
-    names = manifest.feature_names
-    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
-    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    w = None
-    if manifest.weighted:  # unweighted features' ids weigh 1, as the loader fills them
-        w = torch.tensor([x for n in names for k, r in enumerate(sparse[n])
-                          for x in (weights[n][k] if weights and n in weights else [1.0] * len(r))], dtype=torch.float32)
-    b = len(sparse[names[0]])
-    d = torch.tensor(dense, dtype=torch.float32) if dense is not None else torch.zeros(b, 0)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(d, lengths, values, w).items()}
+    for batch, most in ((1, 4), (7, 4), (64, 4), (2, 0)):
+        yield random_request(ModelInputs.of(manifest), batch, g, ids=(0, most))
 
 
 def _assert_cpp_equals(binary, art, fmt, model, manifest, tmp_path, seed):
     for i, (sparse, dense, weights) in enumerate(_requests(manifest, seed)):
-        want = _python_outputs(model, manifest, sparse, dense, weights)
-        result = _run(binary, art, "--request", _request_file(tmp_path / f"r{i}.json", sparse, dense, weights), "--format", fmt)
+        want = in_process(model, sparse, dense, weights, names=manifest.feature_names)
+        result = _run(binary, art, "--request", request_file(tmp_path / f"r{i}.json", sparse, dense, weights), "--format", fmt)
         assert result.returncode == 0, result.stderr
         got = json.loads(result.stdout)
         assert set(got) == set(want)

@@ -1,11 +1,9 @@
 """Export of models other than the built-in DLRM: the example two-tower model and multi-task ranker,
 exported, self-checked, served over gRPC (Predict and KServe) and run from C++, all answering alike."""
 
-import importlib.util
 import json
 import re
 import subprocess
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -14,13 +12,13 @@ import torch
 from torch import nn
 
 from recship.export import ExportConfig, ExportError, export_model
-from recship.export.artifact import open_artifact
+from recship.export.artifact import Manifest, open_artifact
 from recship.models import TwoTower
 from recship.serving import PredictClient
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+from model_requests import ModelInputs, in_process, random_request, request_file
 
 
 EXAMPLES = {
@@ -56,26 +54,6 @@ def exported(tmp_path_factory):
     return root, manifests
 
 
-def _request(manifest, batch, seed):
-    g = np.random.default_rng(seed)
-    sparse = {f["name"]: [[int(i) for i in g.integers(0, f["rows"], size=g.integers(0, 4))] for _ in range(batch)]
-              for f in manifest["sparse_features"]}
-    weighted = [f["name"] for f in manifest["sparse_features"] if f["weighted"]]  # weights for those features only
-    weights = {n: [[float(x) for x in g.random(len(r))] for r in sparse[n]] for n in weighted} or None
-    return sparse, g.random((batch, manifest["num_dense"]), dtype=np.float32), weights
-
-
-def _in_process(model, manifest, sparse, dense, weights):
-    names = [f["name"] for f in manifest["sparse_features"]]
-    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
-    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    # the artifact takes a weight per id when any feature is weighted: 1 for unweighted features (ignored)
-    w = torch.tensor([x for n in names for r in (weights[n] if n in weights else [[1.0] * len(r) for r in sparse[n]]) for x in r],
-                     dtype=torch.float32) if weights else None
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, w).items()}
-
-
 def test_the_manifests_describe_the_models(exported):
     _, manifests = exported
     tt = manifests["two_tower"]
@@ -97,12 +75,8 @@ def test_the_manifests_describe_the_models(exported):
         assert m["validation"]["max_relative_diff_vs_unsharded_quantized"] < 1e-5
 
 
-def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
+def test_served_and_cpp_answers_equal_the_artifact(exported, binary, tmp_path):
     root, manifests = exported
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    binary = build.build() / "recship_predict"
     server = Server(ServerConfig(model_repo=str(root / "repo"), port=0, max_batch_size=1024))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:
@@ -112,8 +86,8 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
             for name, manifest in manifests.items():
                 model, _ = open_artifact(root / "repo" / name / "1")
                 for batch, seed in [(1, 1), (7, 2), (513, 3)]:
-                    sparse, dense, weights = _request(manifest, batch, seed)
-                    want = _in_process(model, manifest, sparse, dense, weights)
+                    sparse, dense, weights = random_request(ModelInputs.of(Manifest.from_dict(manifest)), batch, seed)
+                    want = in_process(model, sparse, dense, weights)
                     got = client.predict(name, sparse, dense, weights)
                     assert set(got) == set(want)
                     for k in want:
@@ -135,9 +109,7 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
                     for out in answer.outputs:
                         np.testing.assert_array_equal(np.array(out.contents.fp32_contents, dtype=np.float32).reshape(list(out.shape)), want[out.name])
                     # C++: the same request through recship_predict (its limit raised like the server's)
-                    body = {"sparse": sparse, "dense": dense.tolist(), **({"weights": weights} if weights else {})}
-                    path = tmp_path / f"{name}.json"
-                    path.write_text(json.dumps(body))
+                    path = request_file(tmp_path / f"{name}.json", sparse, dense, weights)
                     result = subprocess.run([str(binary), str(root / "repo" / name / "1"), "--request", str(path),
                                              "--max-batch-size", "1024"], capture_output=True, text=True)
                     assert result.returncode == 0, result.stderr
@@ -146,15 +118,14 @@ def test_served_and_cpp_answers_equal_the_artifact(exported, tmp_path):
                         np.testing.assert_array_equal(np.asarray(cpp[k], dtype=np.float32).reshape(got[k].shape), got[k])
             # mixed weighting: weights only for weighted features, the same message from the server and from C++
             manifest = manifests["mixed"]
-            sparse, dense, weights = _request(manifest, 2, 9)
+            sparse, dense, weights = random_request(ModelInputs.of(Manifest.from_dict(manifest)), 2, 9)
             for bad, expected in (({**weights, "country": [[0.5] * len(r) for r in sparse["country"]]},
                                   "sparse feature 'country': weights given, but this feature is unweighted"),
                                  ({k: v for k, v in weights.items() if k != "candidate"}, "sparse feature 'candidate': 0 weights for")):
                 with pytest.raises(grpc.RpcError) as e:
                     client.predict("mixed", sparse, dense, bad)
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and expected in e.value.details()
-                path = tmp_path / "bad.json"
-                path.write_text(json.dumps({"sparse": sparse, "dense": dense.tolist(), "weights": bad}))
+                path = request_file(tmp_path / "bad.json", sparse, dense, bad)
                 result = subprocess.run([str(binary), str(root / "repo" / "mixed" / "1"), "--request", str(path)], capture_output=True, text=True)
                 assert result.returncode != 0 and expected in result.stderr, result.stderr
             channel.close()
@@ -286,7 +257,7 @@ def test_streamed_export_equals_the_in_memory_one(exported, tmp_path):
     assert a["float_auc"] == b["float_auc"] and a["auc"] == b["auc"]
     m1, _ = open_artifact(tmp_path / "streamed")
     m2, _ = open_artifact(tmp_path / "memory")
-    sparse, dense, _ = _request(streamed, 9, 4)
-    want = _in_process(m2, streamed, sparse, dense, None)
-    for k, v in _in_process(m1, streamed, sparse, dense, None).items():
+    sparse, dense, _ = random_request(ModelInputs.of(Manifest.from_dict(streamed)), 9, 4)
+    want = in_process(m2, sparse, dense)
+    for k, v in in_process(m1, sparse, dense).items():
         np.testing.assert_array_equal(v, want[k])

@@ -23,6 +23,8 @@ from recship.quantize import quantize_embedding_bag_collection
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
+from model_requests import ModelInputs, in_process, model_repo, random_request
+
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                     reason="AOTInductor needs a C++ compiler (g++)")
 
@@ -201,25 +203,20 @@ def test_the_server_runs_model_pt2_unless_told_otherwise(small_artifacts, tmp_pa
     from recship.serving import PredictClient
     from recship.serving.server import Server, ServerConfig
 
-    shutil.copytree(small_artifacts("dlrm", "int8", "cpu", "both"), tmp_path / "dlrm" / "1")
+    model_repo(tmp_path, {"dlrm": small_artifacts("dlrm", "int8", "cpu", "both")})
     model, manifest = open_artifact(tmp_path / "dlrm" / "1", format="aoti" if model_format == "auto" else "torchscript")
     server = Server(ServerConfig(model_repo=str(tmp_path), port=0, max_delay_ms=5, model_format=model_format))
     try:
         assert server.repo.get("dlrm").format == ("aoti" if model_format == "auto" else "torchscript")
         g = np.random.default_rng(0)
-        rows = [f.rows for f in manifest.sparse_features]
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             for batch in (1, 7, 33):
-                sparse = {f: [list(g.integers(0, r, size=g.integers(0, 4))) for _ in range(batch)]
-                          for f, r in zip(manifest.feature_names, rows)}
-                dense = g.random((batch, manifest.num_dense), dtype=np.float32)
+                sparse, dense, _ = random_request(ModelInputs.of(manifest), batch, g)
                 got = client.predict("dlrm", sparse, dense)
-                lengths = torch.tensor([len(x) for f in sparse for x in sparse[f]], dtype=torch.int32)
-                values = torch.tensor([i for f in sparse for x in sparse[f] for i in x], dtype=torch.int64)
-                want = model(torch.from_numpy(dense), lengths, values, None)
+                want = in_process(model, sparse, dense)
                 for k in want:
-                    np.testing.assert_array_equal(got[k], want[k].detach().numpy())
-            sparse["cat_3"][0] = [rows[3]]
+                    np.testing.assert_array_equal(got[k], want[k])
+            sparse["cat_3"][0] = [manifest.sparse_features[3].rows]
             import grpc
 
             with pytest.raises(grpc.RpcError) as e:

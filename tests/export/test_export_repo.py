@@ -3,7 +3,6 @@
 import os
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -13,6 +12,8 @@ from recship.export.artifact import Manifest
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
+
+from model_requests import dlrm_request
 
 ROWS = [20 + i for i in range(26)]
 
@@ -27,12 +28,6 @@ def _config(repo, name="dlrm", **kw):
                 format="torchscript")
     base.update(kw)
     return ExportConfig(**base)
-
-
-def _request(seed, batch):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, 13), dtype=np.float32)
 
 
 def test_next_version_counts_only_number_folders(tmp_path):
@@ -144,7 +139,7 @@ def test_a_running_server_picks_up_each_new_version(tmp_path, capsys):
     assert sorted(p.name for p in (repo / "dlrm").iterdir()) == [".version.tmp-deadbeef", "1", "notes"]
     server = Server(ServerConfig(model_repo=str(repo), port=0, poll_interval_s=0.2))
     try:
-        sparse, dense = _request(5, 3)
+        sparse, dense = dlrm_request(3, 5)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             assert client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version == 1
             manifest = export_model(_dlrm(1), _config(repo, dtype="fp16", progress=True))

@@ -19,12 +19,11 @@ from recship.fx import Tracer
 from recship.quantize import QuantEmbeddingBagCollection, dequantize_rows
 from recship.quantize.embedding_modules import EmbeddingBagCollection as QuantEBC
 from recship.quantize.rowwise import QuantizedRows
-from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.planner.types import EmbeddingComputeKernel, ParameterSharding, ShardingPlan, ShardingType
 
-from reference import InferenceModule, random_kjt
+from reference import InferenceModule, tables_kjt
 
 
 TABLES = [
@@ -46,12 +45,6 @@ def _quantized(dtype=torch.int8, seed=0):
                                   mapping={EmbeddingBagCollection: QuantEBC}, inplace=False)
 
 
-def _kjt(batch=7, seed=1):
-    """0-4 ids per example and feature, uniform over each feature's table."""
-    per_table = [random_kjt(t.feature_names, batch, seed * 101 + i, max_id=t.num_embeddings)[0] for i, t in enumerate(TABLES)]
-    return KeyedJaggedTensor.concat(per_table)
-
-
 def _reference(qebc, kjt):
     """Pooled lookups over the quantized module's dequantized rows, in plain torch."""
     per_feature = kjt.to_dict()
@@ -67,7 +60,7 @@ def _reference(qebc, kjt):
 
 def test_the_tutorials_inference_steps_on_cpu():
     qmodel = _quantized()
-    kjt = _kjt()
+    kjt = tables_kjt(TABLES, 7, seed=1)
     want = qmodel(kjt).values()
     torch.testing.assert_close(want, _reference(qmodel.ebc_, kjt), atol=1e-5, rtol=1e-5)
 
@@ -88,13 +81,14 @@ def test_the_tutorials_inference_steps_on_cpu():
     buffer = io.BytesIO()
     torch.jit.save(scripted, buffer)
     buffer.seek(0)
-    assert torch.equal(torch.jit.load(buffer)(_kjt(seed=9)).values(), sharded(_kjt(seed=9)).values())
+    kjt = tables_kjt(TABLES, 7, seed=9)
+    assert torch.equal(torch.jit.load(buffer)(kjt).values(), sharded(kjt).values())
 
 
 @pytest.mark.parametrize("dtype", [torch.quint4x2, torch.half])
 def test_several_local_shards_answer_what_the_unsharded_module_does(dtype):
     qmodel = _quantized(dtype)
-    kjt = _kjt()
+    kjt = tables_kjt(TABLES, 7, seed=1)
     want = qmodel(kjt).values()
     sharded = _shard_modules(qmodel, env=ShardingEnv.from_local(3, 1), device=torch.device("cpu"))
     assert len(sharded.ebc_.shards) == 3  # every table whole on one of the 3 devices
@@ -106,7 +100,7 @@ def test_several_local_shards_answer_what_the_unsharded_module_does(dtype):
 
 def test_a_sharding_plan_places_tables_and_row_blocks():
     qmodel = _quantized()
-    kjt = _kjt()
+    kjt = tables_kjt(TABLES, 7, seed=1)
     want = qmodel(kjt).values()
     kernel = EmbeddingComputeKernel.FUSED
     plan = ShardingPlan({"ebc_": {
@@ -126,7 +120,7 @@ def test_a_sharding_plan_places_tables_and_row_blocks():
 
 def test_a_bare_collection_and_resharding():
     qmodel = _quantized()
-    kjt = _kjt()
+    kjt = tables_kjt(TABLES, 7, seed=1)
     whole = _shard_modules(qmodel.ebc_, env=ShardingEnv.from_local(1, 0), device="cpu")
     assert type(whole) is ShardedQuantEmbeddingBagCollection
     torch.testing.assert_close(whole(kjt).values(), qmodel(kjt).values(), atol=1e-6, rtol=1e-6)

@@ -10,6 +10,8 @@ from recship.quantize import quantize_embeddings
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
+from reference import random_kjt
+
 
 class Ranker(nn.Module):
     """Two collections: unweighted SUM/MEAN tables (one shared by two features) and a weighted one."""
@@ -32,16 +34,9 @@ class Ranker(nn.Module):
         return self.head(torch.cat([self.ids(ids).values(), self.scored["ebc"](scored).values()], dim=1))
 
 
-def _kjt(keys, rows, batch, seed, weighted=False):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 5, (len(keys) * batch,), generator=g)
-    per = [r for r in rows for _ in range(batch)]
-    values = torch.cat([torch.randint(0, r, (int(n),), generator=g) for r, n in zip(per, lengths)])
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=torch.rand(values.numel(), generator=g) if weighted else None)
-
-
 def _inputs(batch, seed):
-    return _kjt(["f0", "f1", "f2"], [37, 37, 23], batch, seed), _kjt(["w0"], [41], batch, seed + 1, weighted=True)
+    return (random_kjt(["f0", "f1", "f2"], batch, seed, max_id=[37, 37, 23])[0],
+            random_kjt(["w0"], batch, seed + 1, max_id=41, weighted=True)[0])
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3])

@@ -5,7 +5,6 @@ from the format-2 one) run in-process, plain file sizes, /proc/self/maps and VmR
 """
 
 import gc
-import importlib.util
 import json
 import os
 import shutil
@@ -22,7 +21,7 @@ from recship.export.tables import TABLES_FILE
 from recship.models import TwoTower
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
 
 
 @pytest.fixture(scope="module")
@@ -52,29 +51,6 @@ def _segment(manifest: Manifest, index: int = 3):
     """(tensor, segment) of the ``index``-th table in the tables file."""
     pairs = [(t, s) for t in manifest.tables.tensors for s in t.segments if s.rows is not None]
     return pairs[index]
-
-
-def _request(manifest: Manifest, batch: int, seed: int):
-    """(sparse {feature: [[ids of example 0], ...]}, dense [batch, num_dense] float32, weights {feature: [[...]]} or
-    None): 0-3 in-range ids per example, a weight per id of each weighted feature."""
-    g = np.random.default_rng(seed)
-    sparse = {f.name: [g.integers(0, f.rows, size=g.integers(0, 4)).tolist() for _ in range(batch)] for f in manifest.sparse_features}
-    weights = {f.name: [g.random(len(r), dtype=np.float32).tolist() for r in sparse[f.name]]
-               for f in manifest.sparse_features if f.weighted} or None
-    return sparse, g.random((batch, manifest.num_dense), dtype=np.float32), weights
-
-
-def _outputs(model, manifest: Manifest, sparse, dense, weights):
-    """{output: float32 array} of ``model`` run in-process on a request of ``_request``."""
-    names = manifest.feature_names
-    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
-    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
-    w = None
-    if manifest.weighted:  # the artifact takes a weight per id: 1 for an unweighted feature's ids (ignored)
-        w = torch.tensor([x for n in names for k, r in enumerate(sparse[n])
-                          for x in (weights[n][k] if n in weights else [1.0] * len(r))], dtype=torch.float32)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, w).items()}
 
 
 def _assert_bitwise(got, want, where: str) -> None:
@@ -141,17 +117,14 @@ def test_outputs_equal_the_format_1_artifact_bitwise(kinds, kind, batch):
     art, old = kinds[kind]
     new_model, manifest = open_artifact(art)
     old_model, _ = open_artifact(old)
-    request = _request(manifest, batch, seed=batch)
-    _assert_bitwise(_outputs(new_model, manifest, *request), _outputs(old_model, manifest, *request), f"{kind} batch {batch}")
+    request = random_request(ModelInputs.of(manifest), batch, seed=batch)
+    _assert_bitwise(in_process(new_model, *request), in_process(old_model, *request), f"{kind} batch {batch}")
 
 
 @pytest.fixture(scope="module")
 def repo(kinds, tmp_path_factory) -> Path:
     """A model repository of the three format-2 artifacts, each as version 1 of its kind. Read-only."""
-    root = tmp_path_factory.mktemp("tables-repo")
-    for kind, (art, _) in kinds.items():
-        shutil.copytree(art, root / kind / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("tables-repo"), {kind: art for kind, (art, _) in kinds.items()})
 
 
 def _assert_answers_equal_format_1(kinds, answer) -> None:
@@ -160,8 +133,8 @@ def _assert_answers_equal_format_1(kinds, answer) -> None:
     for kind, (_, old) in kinds.items():
         old_model, manifest = open_artifact(old)
         for batch in BATCHES:
-            request = _request(manifest, batch, seed=batch)
-            _assert_bitwise(answer(kind, *request), _outputs(old_model, manifest, *request), f"{kind} batch {batch}")
+            request = random_request(ModelInputs.of(manifest), batch, seed=batch)
+            _assert_bitwise(answer(kind, *request), in_process(old_model, *request), f"{kind} batch {batch}")
 
 
 @pytest.mark.parametrize("front", ["python", "cpp"])
@@ -180,8 +153,7 @@ def test_served_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, front):
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_batch_size=1024, max_delay_ms=1, front=front))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:
-            _assert_answers_equal_format_1(kinds, lambda kind, sparse, dense, weights: client.predict(
-                kind, sparse, dense if dense.shape[1] else None, weights, timeout=60))
+            _assert_answers_equal_format_1(kinds, lambda kind, sparse, dense, weights: client.predict(kind, sparse, dense, weights, timeout=60))
         # the C++ front answered every Predict itself: one of a model it failed to load would reach the Python server
         counted = {kind: server.metrics.requests.labels("Predict", kind, "1", "OK")._value.get() for kind in kinds}
         assert counted == {kind: 0 if front == "cpp" else len(BATCHES) for kind in kinds}
@@ -189,18 +161,13 @@ def test_served_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, front):
         server.stop()  # and frees its models (tables equal to medium()'s, which a later test must find unshared)
 
 
-def test_cpp_loader_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, tmp_path):
-    """recship_predict (the C++ loader's CLI, built as tests/cpp_loader/conftest.py builds it) on each format-2 artifact
-    answers, bitwise, what its format-1 rebuild answers in-process here."""
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    binary = build.build() / "recship_predict"
+def test_cpp_loader_outputs_equal_the_format_1_artifact_bitwise(kinds, repo, binary, tmp_path):
+    """recship_predict (the C++ loader's CLI) on each format-2 artifact answers, bitwise, what its format-1 rebuild
+    answers in-process here."""
 
     def answer(kind, sparse, dense, weights):
-        body = {"sparse": sparse, **({"dense": dense.tolist()} if dense.shape[1] else {}), **({"weights": weights} if weights else {})}
-        (tmp_path / "request.json").write_text(json.dumps(body))
-        result = subprocess.run([str(binary), str(repo / kind / "1"), "--request", str(tmp_path / "request.json"),
+        request = request_file(tmp_path / "request.json", sparse, dense, weights)
+        result = subprocess.run([str(binary), str(repo / kind / "1"), "--request", str(request),
                                  "--max-batch-size", "1024"], capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)  # {output: nested lists of the output's shape}

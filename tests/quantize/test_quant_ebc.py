@@ -13,6 +13,8 @@ from recship.quantize import QuantConfig, QuantEmbeddingBagCollection, dequantiz
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
+from reference import tables_kjt
+
 
 def _ebc(dims=(64, 32, 16), rows=(200, 120, 90), weighted=False, pooling=(PoolingType.SUM, PoolingType.MEAN, PoolingType.SUM), seed=0):
     torch.manual_seed(seed)
@@ -26,19 +28,6 @@ def _ebc(dims=(64, 32, 16), rows=(200, 120, 90), weighted=False, pooling=(Poolin
         for t in tables:
             ebc.embedding_bags[t.name].weight.normal_(0, 0.1)
     return ebc
-
-
-def _kjt(ebc, batch, pooling, seed, weighted=False):
-    g = torch.Generator().manual_seed(seed)
-    keys, lengths, values = [], [], []
-    for t in ebc.embedding_bag_configs():
-        for f in t.feature_names:
-            keys.append(f)
-            n = torch.randint(max(0, pooling - 3), pooling + 1, (batch,), generator=g)
-            lengths.append(n)
-            values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=g))
-    v = torch.cat(values)
-    return KeyedJaggedTensor(keys=keys, values=v, lengths=torch.cat(lengths), weights=torch.rand(v.numel(), generator=g) if weighted else None)
 
 
 def _dequantized_float(ebc, qebc):
@@ -61,7 +50,7 @@ def test_quantized_module_computes_exactly_on_its_stored_values(weighted, types)
     ebc = _ebc(weighted=weighted)
     per_table = dict(zip(["t0", "t1", "t2"], types))
     qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(table_dtypes=per_table, chunk_rows=37))
-    kjt = _kjt(ebc, batch=16, pooling=6, seed=1, weighted=weighted)
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 16, seed=1, min_len=3, max_len=6, weighted=weighted)
     out = qebc(kjt)
     assert out.keys() == ["f0", "f1", "f2", "f3"] and out.values().dtype == torch.float32
     torch.testing.assert_close(out.values(), _dequantized_float(ebc, qebc)(kjt).values(), atol=1e-5, rtol=1e-5)
@@ -69,7 +58,7 @@ def test_quantized_module_computes_exactly_on_its_stored_values(weighted, types)
 
 def _rel_error(ebc, dtype, error_minimizing):
     qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype=dtype, error_minimizing=error_minimizing))
-    kjt = _kjt(ebc, batch=256, pooling=20, seed=7)
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 256, seed=7, min_len=17, max_len=20)
     want = ebc(kjt).values()
     got = qebc(kjt).values()
     return float((got - want).norm() / want.norm()), qebc, report
@@ -141,7 +130,7 @@ def test_modulo_policy_hashes_ids_into_the_table():
 def test_script_fx_and_state_dict_round_trip():
     ebc = _ebc(weighted=True)
     qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int4"))
-    kjt = _kjt(ebc, batch=8, pooling=5, seed=3, weighted=True)
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 8, seed=3, min_len=2, max_len=5, weighted=True)
     want = qebc(kjt).values()
     assert float(want.abs().sum()) > 0
     assert torch.equal(torch.jit.script(qebc)(kjt).values(), want)
@@ -176,7 +165,7 @@ def test_jit_save_load_in_a_fresh_process_without_recship(tmp_path):
         def forward(self, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
             return self.inner(KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=values, lengths=lengths)).values()
 
-    kjt = _kjt(ebc, batch=4, pooling=3, seed=5)
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 4, seed=5, min_len=0, max_len=3)
     want = qebc(kjt).values()
     torch.jit.save(torch.jit.script(Plain(qebc)), str(tmp_path / "m.pt"))
     torch.save({"values": kjt.values(), "lengths": kjt.lengths(), "want": want}, tmp_path / "io.pt")
@@ -280,7 +269,7 @@ def test_quantized_embedding_collection_returns_each_ids_row():
 def test_single_group_fast_path_equals_gathered_path_and_traces():
     ebc = _ebc(pooling=(PoolingType.SUM,) * 3, weighted=True)
     qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
-    kjt = _kjt(ebc, batch=6, pooling=4, seed=9, weighted=True)  # keys in table order: the direct path
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 6, seed=9, min_len=1, max_len=4, weighted=True)  # keys in table order: the direct path
     shuffled = kjt.permute([3, 1, 0, 2])  # same data, other key order: the gathering path
     want = qebc(kjt).values()
     assert torch.equal(qebc(shuffled).values(), want)

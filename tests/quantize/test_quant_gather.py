@@ -12,6 +12,8 @@ from recship.quantize import QuantConfig, quantize_embedding_bag_collection
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
+from reference import random_kjt
+
 
 def _module(weighted: bool):
     torch.manual_seed(0)
@@ -25,19 +27,12 @@ def _module(weighted: bool):
     return qebc
 
 
-def _kjt(keys, seed, weighted, ids_dtype=torch.int64):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(keys) * 5,), generator=g)
-    values = torch.randint(0, 20, (int(lengths.sum()),), generator=g).to(ids_dtype)
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=torch.rand(values.shape[0], generator=g) if weighted else None)
-
-
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("keys", [["w", "z", "y", "x"], ["q", "x", "y", "z", "w"], ["x", "y", "z", "w", "x", "z"]])
 def test_gathered_output_equals_canonical_order(weighted, ids_dtype, keys):
     qebc = _module(weighted)
-    kjt = _kjt(keys, seed=len(keys), weighted=weighted, ids_dtype=ids_dtype)
+    kjt, _, _ = random_kjt(keys, 5, seed=len(keys), max_len=3, max_id=20, weighted=weighted, values_dtype=ids_dtype)
     per_key = kjt.to_dict()  # the last occurrence of a repeated key, as the module must read it
     canonical = KeyedJaggedTensor.from_jt_dict({f: per_key[f] for f in ["x", "y", "z", "w"]})
     assert canonical.keys() == ["x", "y", "z", "w"]
@@ -47,7 +42,7 @@ def test_gathered_output_equals_canonical_order(weighted, ids_dtype, keys):
 def test_missing_feature_is_named():
     qebc = _module(weighted=False)
     with pytest.raises(ValueError, match=r"lacks feature 'y'"):
-        qebc(_kjt(["x", "z", "w"], seed=0, weighted=False))
+        qebc(random_kjt(["x", "z", "w"], 5, seed=0, max_len=3, max_id=20)[0])
 
 
 def test_out_of_range_id_on_the_gathering_path_names_the_feature():

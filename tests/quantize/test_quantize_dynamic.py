@@ -25,7 +25,7 @@ from recship.quantize import embedding_modules
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 
-from reference import InferenceModule
+from reference import InferenceModule, tables_kjt
 
 OBSERVED = {"int8": torch.int8, "int4": torch.quint4x2, "int2": torch.quint2x4, "fp16": torch.half}
 
@@ -55,18 +55,6 @@ def _ebc(seed=0):
         for t in tables:
             ebc.embedding_bags[t.name].weight.normal_(0, 0.1)
     return ebc
-
-
-def _kjt(tables, batch=6, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    keys, lengths, values = [], [], []
-    for t in tables:
-        for f in t.feature_names:
-            n = torch.randint(0, 6, (batch,), generator=g)
-            keys.append(f)
-            lengths.append(n)
-            values.append(torch.randint(0, t.num_embeddings, (int(n.sum()),), generator=g))
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
 
 
 def _decode(stored: torch.Tensor, data_type: str, dim: int) -> torch.Tensor:
@@ -102,7 +90,7 @@ def test_quantize_dynamic_equals_recships_quantizer_and_a_plain_torch_reference(
     assert type(q.ebc_) is QuantEmbeddingBagCollection and type(module.ebc_) is EmbeddingBagCollection  # not in place
     tables = ebc.embedding_bag_configs()
     assert q.ebc_.weight_types() == {t.name: DataType[data_type.upper()] for t in tables}
-    kjt = _kjt(tables)
+    kjt = tables_kjt(tables, 6, seed=1, max_len=5)
     got = q(kjt)
     assert got.keys() == ["f0", "f1", "f2", "f3"] and got.values().dtype == torch.float32
 
@@ -156,7 +144,7 @@ def test_state_dict_round_trip_through_the_per_table_buffers():
     ebc = _ebc()
     q = _quantize(InferenceModule(ebc), _qconfig(torch.quint4x2))
     other = _quantize(InferenceModule(_ebc(seed=5)), _qconfig(torch.quint4x2))
-    kjt = _kjt(ebc.embedding_bag_configs())
+    kjt = tables_kjt(ebc.embedding_bag_configs(), 6, seed=1, max_len=5)
     assert not torch.equal(other(kjt).values(), q(kjt).values())
     other.load_state_dict(q.state_dict())
     assert torch.equal(other(kjt).values(), q(kjt).values())
@@ -190,7 +178,7 @@ def test_embedding_collection_and_torch_qconfig():
     assert type(q.ebc_) is QuantEmbeddingCollection
     assert {n: b.shape for n, b in q.named_buffers() if n.endswith(".weight")} == {
         "ebc_.embeddings.e0.weight": (50, 32), "ebc_.embeddings.e1.weight": (30, 16)}
-    kjt = _kjt(tables)
+    kjt = tables_kjt(tables, 6, seed=1, max_len=5)
     own, _ = quantize_embedding_collection(ec, QuantConfig(dtype="int8"))
     got, want = q(kjt), own(kjt)
     for f in ("x", "y"):

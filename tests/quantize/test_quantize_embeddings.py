@@ -11,6 +11,8 @@ from recship.quantize.rowwise import QuantizedRows
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 
+from reference import random_kjt
+
 
 def _tables(prefix, rows, dims, features, pooling=PoolingType.SUM):
     return [EmbeddingBagConfig(name=f"{prefix}{i}", num_embeddings=r, embedding_dim=d, feature_names=f, pooling=pooling)
@@ -45,17 +47,10 @@ class TwoTowers(nn.Module):
         return self.head(torch.cat(parts, dim=1))
 
 
-def _kjt(keys, rows, batch, seed, weighted=False):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(keys) * batch,), generator=g)
-    values = torch.cat([torch.randint(0, r, (int(n),), generator=g) for r, n in zip([r for r in rows for _ in range(batch)], lengths)])
-    return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=torch.rand(values.numel(), generator=g) if weighted else None)
-
-
 def _inputs(batch, seed):
-    return (_kjt(["user", "country", "history"], [50, 40, 30], batch, seed),
-            _kjt(["item", "category"], [60, 60], batch, seed + 1, weighted=True),
-            _kjt(["tag"], [20], batch, seed + 2))
+    return (random_kjt(["user", "country", "history"], batch, seed, max_len=3, max_id=[50, 40, 30])[0],
+            random_kjt(["item", "category"], batch, seed + 1, max_len=3, max_id=60, weighted=True)[0],
+            random_kjt(["tag"], batch, seed + 2, max_len=3, max_id=20)[0])
 
 
 def _dequantized(float_model, quantized):

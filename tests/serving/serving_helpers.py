@@ -1,4 +1,5 @@
-"""Shared by the serving tests: the small artifact's shape, a raw HTTP/1.1 client, the C++ front's binary."""
+"""Shared by the serving tests: the small artifact's shape, its requests in KServe's form, a raw HTTP/1.1 client,
+the C++ front's binary. (Requests and the in-process reference of every folder: tests/model_requests.py.)"""
 
 import socket
 from typing import Dict, Optional, Tuple
@@ -6,25 +7,27 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import pytest
 
-ROWS = [20 + i for i in range(26)]  # table sizes of the 26 features cat_0..cat_25
-NUM_DENSE = 13
+from model_requests import NUM_DENSE, SMALL_ROWS, dlrm_request  # NUM_DENSE: the serving tests import it from here too
+
+ROWS = SMALL_ROWS  # table sizes of the 26 features cat_0..cat_25
 FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
 
 
 def random_request(seed: int):
-    """(sparse {feature: [ids per example]}, dense [B, 13]) of a valid request for the small DLRM, 1-5 examples."""
+    """(sparse {feature: [ids per example]}, dense [B, 13]) of a valid request for the small DLRM: 1-5 examples
+    (drawn first), 0-2 ids per example and feature."""
     g = np.random.default_rng(seed)
-    b = int(g.integers(1, 6))
-    sparse = {f: [list(map(int, g.integers(0, ROWS[i], size=g.integers(0, 3)))) for _ in range(b)] for i, f in enumerate(FEATURES)}
-    return sparse, g.random((b, NUM_DENSE), dtype=np.float32)
+    return dlrm_request(int(g.integers(1, 6)), g, ids=(0, 2))
 
 
-def kserve_tensors(sparse, dense):
+def kserve_tensors(sparse, dense, weights=None):
     """[(input name, KServe datatype, numpy array)] of a request, in the order the requests send them."""
     out = []
     for name, rows in sparse.items():
         out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
         out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
+        if weights and name in weights:
+            out.append((f"{name}.weights", "FP32", np.array([w for r in weights[name] for w in r], dtype=np.float32)))
     out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
     return out
 

@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import shutil
 
 import grpc
 import numpy as np
@@ -23,6 +22,7 @@ from recship.export.artifact import open_artifact
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
+from model_requests import model_repo
 from serving_helpers import NUM_DENSE, ROWS, front_binary, http_request
 
 FEATURES = [f"cat_{i}" for i in range(len(ROWS))]
@@ -40,8 +40,7 @@ def served(request, small_artifact, tmp_path_factory):
     (the C++ front answers the Predicts it accepts and forwards the rest to the Python server behind it)."""
     if request.param == "cpp":
         front_binary()
-    repo = tmp_path_factory.mktemp("fuzz-repo")
-    shutil.copytree(small_artifact, repo / "dlrm" / "1")
+    repo = model_repo(tmp_path_factory.mktemp("fuzz-repo"), {"dlrm": small_artifact})
     server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1, front=request.param))
     model, _ = open_artifact(repo / "dlrm" / "1")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")

@@ -21,22 +21,10 @@ from recship.serving import PredictClient
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
-from serving_helpers import NUM_DENSE, ROWS, http_request, read_response
+from model_requests import dlrm_request, model_repo
+from serving_helpers import http_request, read_response
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
-
-
-def _request(seed: int, batch: int = 2):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(map(int, g.integers(0, ROWS[i], size=g.integers(1, 3)))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, NUM_DENSE), dtype=np.float32)
-
-
-def _repo(tmp_path: Path, artifact: Path, models=("dlrm",)) -> Path:
-    root = tmp_path / "repo"
-    for name in models:
-        shutil.copytree(artifact, root / name / "1")
-    return root
 
 
 def _wait(condition, seconds: float = 20.0, what: str = "condition") -> None:
@@ -65,9 +53,10 @@ def _index(port: int):
 # -- 1. deadlines, cancellations and a full queue -----------------------------------------------
 
 def test_an_expired_deadline_or_a_cancel_in_the_queue_does_not_stop_the_model(small_artifact, tmp_path):
-    server = Server(ServerConfig(model_repo=str(_repo(tmp_path, small_artifact)), port=0, max_delay_ms=100, max_queue=4))
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=100, max_queue=4))
     try:
-        sparse, dense = _request(1)
+        sparse, dense = dlrm_request(2, 1, ids=(1, 2))
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             with pytest.raises(grpc.RpcError) as e:  # waits 100 ms for company: its 50 ms deadline passes in the queue
                 client.predict("dlrm", sparse, dense, timeout=0.05)
@@ -94,7 +83,7 @@ def test_an_expired_deadline_or_a_cancel_in_the_queue_does_not_stop_the_model(sm
 def test_sigterm_after_expired_requests_in_a_small_queue_drains_and_exits(small_artifact, tmp_path):
     """The reported sequence: --max-queue 4, five requests with 0.5 ms deadlines, then normal ones, then SIGTERM.
     (The batcher's own tests fill its queue and stop it; here the whole process must answer and exit.)"""
-    repo = _repo(tmp_path, small_artifact)
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     proc = subprocess.Popen(
         [sys.executable, "-m", "recship.cli", "serve", "--model-repo", str(repo), "--port", "0", "--max-queue", "4",
          "--max-delay-ms", "500", "--log-format", "text"],
@@ -106,7 +95,7 @@ def test_sigterm_after_expired_requests_in_a_small_queue_drains_and_exits(small_
             assert line, "the server exited before listening"
             line = proc.stdout.readline()
         port = int(line.split(":")[-1].split(",")[0])
-        sparse, dense = _request(2)
+        sparse, dense = dlrm_request(2, 2, ids=(1, 2))
         data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
@@ -127,7 +116,8 @@ def test_sigterm_after_expired_requests_in_a_small_queue_drains_and_exits(small_
 
 
 def test_a_dead_worker_turns_health_not_serving_and_is_restarted(small_artifact, tmp_path):
-    server = Server(ServerConfig(model_repo=str(_repo(tmp_path, small_artifact)), port=0, http_port=0, poll_interval_s=0.5))
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, poll_interval_s=0.5))
     try:
         served = server.repo.get("dlrm")
         batcher = served.batcher
@@ -136,7 +126,7 @@ def test_a_dead_worker_turns_health_not_serving_and_is_restarted(small_artifact,
             raise SystemExit("a bug in the worker loop")
 
         batcher._collect = broken  # the worker is waiting inside the real _collect: the next pass dies
-        sparse, dense = _request(3)
+        sparse, dense = dlrm_request(2, 3, ids=(1, 2))
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             client.predict("dlrm", sparse, dense)
             _wait(lambda: batcher.died is not None, what="the worker to die")
@@ -172,7 +162,7 @@ def _bad_neighbours(root: Path, artifact: Path) -> None:
 
 
 def test_bad_neighbours_are_refused_listed_and_do_not_stop_other_models(small_artifact, tmp_path):
-    root = _repo(tmp_path, small_artifact)
+    root = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     _bad_neighbours(root, small_artifact)
     server = Server(ServerConfig(model_repo=str(root), port=0, http_port=0, poll_interval_s=0.2))
     try:
@@ -200,12 +190,12 @@ def test_bad_neighbours_are_refused_listed_and_do_not_stop_other_models(small_ar
 
 
 def test_removing_the_serving_version_rolls_back_then_unloads(small_artifact, tmp_path):
-    root = _repo(tmp_path, small_artifact)
+    root = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     shutil.copytree(small_artifact, root / "dlrm" / "2")
     server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.2))
     try:
         assert server.repo.get("dlrm").version == 2
-        sparse, dense = _request(4)
+        sparse, dense = dlrm_request(2, 4, ids=(1, 2))
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             shutil.rmtree(root / "dlrm" / "2")
             _wait(lambda: server.repo.get("dlrm").version == 1, what="the rollback to version 1")
@@ -234,8 +224,7 @@ def test_a_bad_repository_entry_at_start_does_not_stop_the_server_starting(small
 
 @pytest.fixture(scope="module")
 def server(small_artifact, tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults") / "repo"
-    shutil.copytree(small_artifact, root / "dlrm" / "1")
+    root = model_repo(tmp_path_factory.mktemp("faults") / "repo", {"dlrm": small_artifact})
     s = Server(ServerConfig(model_repo=str(root), port=0, http_port=0, metrics_port=0, max_delay_ms=1, http_idle_timeout_s=1.0,
                             max_message_bytes=1 << 20))
     yield s
@@ -284,7 +273,7 @@ def _kserve_body(sparse, dense, extra=()):
 
 
 def test_an_input_sent_twice_is_refused_over_grpc_and_rest(server):
-    sparse, dense = _request(5)
+    sparse, dense = dlrm_request(2, 5, ids=(1, 2))
     body = _kserve_body(sparse, dense, extra=[{"name": "dense", "shape": list(dense.shape), "datatype": "FP32",
                                                "data": np.zeros_like(dense).reshape(-1).tolist()}])
     status, _, answer = http_request(server.rest.port, "POST", "/v2/models/dlrm/infer", json.dumps(body).encode())
@@ -299,7 +288,7 @@ def test_an_input_sent_twice_is_refused_over_grpc_and_rest(server):
 
 
 def test_huge_names_are_cut_short_in_the_answer(server):
-    sparse, dense = _request(6)
+    sparse, dense = dlrm_request(2, 6, ids=(1, 2))
     long = "m" * 16384
     for request in (PredictClient.request(long, sparse, dense), PredictClient.request("dlrm", {**sparse, long: [[1], [1]]}, dense)):
         code, details = _raw(server, PREDICT, request.SerializeToString())
@@ -348,7 +337,7 @@ def test_bad_json_is_400_never_500(server, body):
 
 def test_http_bodies_are_bounded_and_framed(server):
     port = server.rest.port
-    sparse, dense = _request(7)
+    sparse, dense = dlrm_request(2, 7, ids=(1, 2))
     good = json.dumps(_kserve_body(sparse, dense)).encode()
     want = json.loads(http_request(port, "POST", "/v2/models/dlrm/infer", good)[2])
     # a body over --max-message-mb (1 MiB here): 413 from its Content-Length, nothing read
@@ -392,9 +381,10 @@ def test_idle_and_slow_http_connections_are_closed(server):
 # -- 10: in-flight bytes ---------------------------------------------------------------------------
 
 def test_request_bytes_in_flight_are_bounded(small_artifact, tmp_path):
-    sparse, dense = _request(8, batch=20)
+    sparse, dense = dlrm_request(20, 8, ids=(1, 2))
     data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
-    server = Server(ServerConfig(model_repo=str(_repo(tmp_path, small_artifact)), port=0, max_delay_ms=200,
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=200,
                                  max_inflight_bytes=4 * len(data) + 100))  # 4 requests at a time
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -421,12 +411,13 @@ def test_every_listener_binds_to_host_and_tls_with_client_certificates(small_art
                        ("key", cert.private_key_pem.bytes()), ("ca", ca.cert_pem.bytes())]:
         files[name] = tmp_path / f"{name}.pem"
         files[name].write_bytes(blob)
-    server = Server(ServerConfig(model_repo=str(_repo(tmp_path, small_artifact)), host="127.0.0.2", port=0, http_port=0, metrics_port=0,
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), host="127.0.0.2", port=0, http_port=0, metrics_port=0,
                                  tls_cert=str(files["cert"]), tls_key=str(files["key"]), tls_client_ca=str(files["ca"]), reflection=False))
     try:
         with pytest.raises(OSError):  # metrics listen on --host, not 127.0.0.1
             socket.create_connection(("127.0.0.1", server.metrics.port), timeout=2).close()
-        sparse, dense = _request(9)
+        sparse, dense = dlrm_request(2, 9, ids=(1, 2))
         data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
         good = grpc.ssl_channel_credentials(ca.cert_pem.bytes(), client.private_key_pem.bytes(), client.cert_chain_pems[0].bytes())
         anonymous = grpc.ssl_channel_credentials(ca.cert_pem.bytes())
@@ -463,7 +454,7 @@ def test_every_listener_binds_to_host_and_tls_with_client_certificates(small_art
 
 
 def test_only_trusted_manifests_load(small_artifact, tmp_path):
-    root = _repo(tmp_path, small_artifact)
+    root = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     trusted = tmp_path / "trusted.txt"
     trusted.write_text("# sha256 of manifest.json files allowed to load\n" + "0" * 64 + "  someone/else/manifest.json\n")
     server = Server(ServerConfig(model_repo=str(root), port=0, poll_interval_s=0.2, trusted_sha256=str(trusted)))

@@ -21,7 +21,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from recship.export.artifact import Manifest, aoti_runs_here, open_artifact
@@ -30,6 +29,7 @@ from recship.serving.client import outputs_of
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
+from model_requests import dlrm_request, in_process, model_repo
 from serving_helpers import NUM_DENSE, ROWS, front_binary
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
@@ -38,24 +38,10 @@ LIMIT = 64 * 1024  # max_message_bytes of the shared servers (the transport admi
 
 # -- helpers ----------------------------------------------------------------------------------------
 
-def _request(seed: int, batch: int):
-    """({feature: [[ids of example 0], ...]}, dense [batch, 13]): 0-3 in-range ids per example."""
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(map(int, g.integers(0, ROWS[i], size=g.integers(0, 4)))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, NUM_DENSE), dtype=np.float32)
-
-
 def _concat(requests):
     """Several requests as one batch, in order (what a merged forward runs)."""
     sparse = {f: [row for s, _ in requests for row in s[f]] for f in requests[0][0]}
     return sparse, np.concatenate([d for _, d in requests])
-
-
-def _in_process(model, sparse, dense):
-    lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)
-    values = torch.tensor([i for f in sparse for r in sparse[f] for i in r], dtype=torch.int64)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, None).items()}
 
 
 def _assert_bitwise(got, want):
@@ -141,9 +127,7 @@ def _front_children():
 @pytest.fixture(scope="module")
 def repo(small_artifact, tmp_path_factory):
     front_binary()  # skips the module where the front cannot be built
-    root = tmp_path_factory.mktemp("front") / "repo"
-    shutil.copytree(small_artifact, root / "dlrm" / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("front") / "repo", {"dlrm": small_artifact})
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +156,12 @@ def test_predict_is_answered_by_the_front_and_equals_the_artifact_in_process_bit
     before, python_before = _ok(_scrape(cpp)), _python_count(cpp)
     with PredictClient(f"127.0.0.1:{cpp.port}") as client, PredictClient(f"127.0.0.1:{py.port}") as reference:
         for seed, batch in [(1, 1), (2, 5), (3, 64)]:
-            sparse, dense = _request(seed, batch)
+            sparse, dense = dlrm_request(batch, seed)
             request = PredictClient.request("dlrm", sparse, dense, request_id=f"req-{seed}")
             response = client.stub.Predict(request, timeout=10)
             assert (response.model_name, response.model_version, response.request_id) == ("dlrm", 1, f"req-{seed}")
             assert [(t.name, list(t.shape)) for t in response.outputs] == [("logit", [batch, 1]), ("prob", [batch, 1])]
-            _assert_bitwise(outputs_of(response), _in_process(model, sparse, dense))
+            _assert_bitwise(outputs_of(response), in_process(model, sparse, dense))
             assert response == reference.stub.Predict(request, timeout=10)  # the Python front's answer, field for field
     assert _python_count(cpp) == python_before  # none of them reached the Python server
     assert _ok(_scrape(cpp)) - before == 3
@@ -188,8 +172,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(cpp, model):
     requests, want, seed = [], [], 1000
     while len(requests) < threads * per_thread:  # requests whose answers are 1e-5 apart: a row answered to
         seed += 1                                  # the wrong caller cannot pass the checks below
-        r = _request(seed, 1)
-        w = _in_process(model, *r)
+        r = dlrm_request(1, seed)
+        w = in_process(model, *r)
         if all(abs(w["logit"][0, 0] - o["logit"][0, 0]) > 1e-5 for o in want):
             requests.append(r)
             want.append(w)
@@ -234,7 +218,7 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
     """Requests that arrive within one batch window run as one forward: each gets exactly its rows of it."""
     server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=400, front="cpp"))
     try:
-        requests = [_request(50 + i, b) for i, b in enumerate([1, 3, 2, 5, 1, 4])]
+        requests = [dlrm_request(b, 50 + i) for i, b in enumerate([1, 3, 2, 5, 1, 4])]
         before = _scrape(server)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
@@ -246,7 +230,7 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
         after = _scrape(server)
         assert _sample(after, "recship_batch_examples_count", model="dlrm", version="1") - _sample(before, "recship_batch_examples_count", model="dlrm", version="1") == 1
         assert _sample(after, "recship_batch_examples_sum", model="dlrm", version="1") - _sample(before, "recship_batch_examples_sum", model="dlrm", version="1") == 16
-        whole = _in_process(model, *_concat(requests))
+        whole = in_process(model, *_concat(requests))
         row = 0
         for r, got in zip(requests, answers):
             n = len(r[1])
@@ -278,8 +262,8 @@ def test_the_front_runs_model_pt2_and_equals_torchscript_in_process_bitwise(smal
         python_before = _python_count(server)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             for seed, batch in [(11, 1), (12, 5), (13, 64)]:
-                sparse, dense = _request(seed, batch)
-                _assert_bitwise(client.predict("dlrm", sparse, dense), _in_process(scripted, sparse, dense))
+                sparse, dense = dlrm_request(batch, seed)
+                _assert_bitwise(client.predict("dlrm", sparse, dense), in_process(scripted, sparse, dense))
         assert _python_count(server) == python_before  # the front ran them, not the Python server
         assert sum(r["count"] for r in server.front.stats()["requests"] if r["status"] == "OK") == 3
     finally:
@@ -289,7 +273,7 @@ def test_the_front_runs_model_pt2_and_equals_torchscript_in_process_bitwise(smal
 # -- 3. refusals: the Python server's exact status and message ---------------------------------------
 
 def _body(seed=7, batch=2, **changes):
-    sparse, dense = _request(seed, batch)
+    sparse, dense = dlrm_request(batch, seed)
     request = PredictClient.request("dlrm", sparse, dense)
     for key, value in changes.items():
         value(request) if callable(value) else setattr(request, key, value)
@@ -430,8 +414,8 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
     shutil.copytree(repo / "dlrm" / "1", root / "dlrm" / "1")
     old_model, _ = open_artifact(root / "dlrm" / "1", format="torchscript")
     new_model, _ = open_artifact(new_artifact, format="torchscript")
-    sparse, dense = _request(21, 4)
-    old, new = _in_process(old_model, sparse, dense), _in_process(new_model, sparse, dense)
+    sparse, dense = dlrm_request(4, 21)
+    old, new = in_process(old_model, sparse, dense), in_process(new_model, sparse, dense)
     assert not np.array_equal(old["prob"], new["prob"])
     server = Server(ServerConfig(model_repo=str(root), port=0, max_delay_ms=1, poll_interval_s=0.1, front="cpp"))
     try:
@@ -495,9 +479,9 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
 # -- 6. deadlines and overload ----------------------------------------------------------------------
 
 def test_tiny_deadlines_interleaved_with_normal_requests(cpp, model):
-    sparse0, dense0 = _request(300, 3)
+    sparse0, dense0 = dlrm_request(3, 300)
     tiny = PredictClient.request("dlrm", sparse0, dense0).SerializeToString()
-    normal = [_request(400 + i, 1 + i % 4) for i in range(40)]
+    normal = [dlrm_request(1 + i % 4, 400 + i) for i in range(40)]
     pid = cpp.front._proc.pid
     codes, stop = [], threading.Event()
 
@@ -521,20 +505,20 @@ def test_tiny_deadlines_interleaved_with_normal_requests(cpp, model):
     assert set(codes) <= {grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}
     assert codes.count(grpc.StatusCode.DEADLINE_EXCEEDED) > 0
     for (s, d), got in zip(normal, answers):  # may have shared a forward with a live short-deadline one
-        want = _in_process(model, s, d)
+        want = in_process(model, s, d)
         for k in want:
             np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-6)
     with PredictClient(f"127.0.0.1:{cpp.port}") as client:  # alone again: bitwise
         for s, d in normal[:5]:
-            _assert_bitwise(client.predict("dlrm", s, d), _in_process(model, s, d))
+            _assert_bitwise(client.predict("dlrm", s, d), in_process(model, s, d))
     assert cpp.front._proc.pid == pid and cpp.front._proc.poll() is None
 
 
 def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_goes_on(repo, model):
     server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, batching=False, max_queue=1, front="cpp"))
     try:
-        requests = [_request(600 + i, 64) for i in range(8)]
-        want = [_in_process(model, *r) for r in requests]
+        requests = [dlrm_request(64, 600 + i) for i in range(8)]
+        want = [in_process(model, *r) for r in requests]
         data = [PredictClient.request("dlrm", *r).SerializeToString() for r in requests]
         before = _scrape(server)
         results = []
@@ -578,7 +562,7 @@ def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_g
 
 
 def test_request_bytes_in_flight_are_bounded_and_released(repo, model):
-    sparse, dense = _request(650, 20)
+    sparse, dense = dlrm_request(20, 650)
     data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
     limit = 4 * len(data) + 100  # 4 requests at a time
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=200, max_inflight_bytes=limit, front="cpp"))
@@ -594,7 +578,7 @@ def test_request_bytes_in_flight_are_bounded_and_released(repo, model):
                 m = re.fullmatch(r"(\d+) bytes of requests would be in flight, over the limit of (\d+) \(--max-inflight-mb\); retry later", details)
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and m, details
                 assert int(m.group(2)) == limit and limit < int(m.group(1)) <= limit + len(data)
-            want = _in_process(model, sparse, dense)
+            want = in_process(model, sparse, dense)
             for response in answered:  # identical requests: a merged forward gives each the same rows
                 for k in want:
                     np.testing.assert_allclose(outputs_of(response)[k], want[k], rtol=0, atol=1e-6)
@@ -613,7 +597,7 @@ def test_stop_drains_requests_in_flight_and_the_front_exits(repo, model):
     port, proc = server.port, server.front._proc
     backend_dir = Path(server._backend_dir)
     assert proc.pid in _front_children()
-    requests = [_request(700 + i, 2) for i in range(4)]
+    requests = [dlrm_request(2, 700 + i) for i in range(4)]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
         futures = []
@@ -627,7 +611,7 @@ def test_stop_drains_requests_in_flight_and_the_front_exits(repo, model):
         assert time.monotonic() - started < 15
         answers = [outputs_of(f.result(timeout=5)) for f in futures]  # drained, not dropped
         assert forwarded.exception(timeout=5).code() == grpc.StatusCode.NOT_FOUND
-    whole = _in_process(model, *_concat(requests))
+    whole = in_process(model, *_concat(requests))
     for n, got in enumerate(answers):
         _assert_bitwise(got, {k: v[2 * n:2 * n + 2] for k, v in whole.items()})
     assert proc.poll() == 0
@@ -651,14 +635,14 @@ def test_tls_front_answers_predict_and_refuses_plaintext(repo, model, tmp_path, 
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=1, front="cpp", tls_cert=str(tmp_path / "cert.pem"),
                                  tls_key=str(tmp_path / "key.pem"), tls_client_ca=str(tmp_path / "ca.pem") if client_ca else None))
     try:
-        sparse, dense = _request(800, 3)
+        sparse, dense = dlrm_request(3, 800)
         data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
         good = (grpc.ssl_channel_credentials(ca.cert_pem.bytes(), client_cert.private_key_pem.bytes(), client_cert.cert_chain_pems[0].bytes())
                 if client_ca else grpc.ssl_channel_credentials(ca.cert_pem.bytes()))
         python_before = _python_count(server)
         with grpc.secure_channel(f"127.0.0.1:{server.port}", good) as channel:
             predict = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
-            _assert_bitwise(outputs_of(predict(data, timeout=10)), _in_process(model, sparse, dense))
+            _assert_bitwise(outputs_of(predict(data, timeout=10)), in_process(model, sparse, dense))
             listing = channel.unary_unary("/recship.serving.v1.Predictor/ListModels", request_serializer=None,
                                           response_deserializer=pb.ListModelsResponse.FromString)(b"", timeout=10)
             assert [m.name for m in listing.models] == ["dlrm"]  # forwarded over the TLS connection too
@@ -742,7 +726,7 @@ def test_a_replaced_version_is_freed_once_its_calls_are_answered(repo, small_art
     removed) the version's Model is destroyed, which the front logs, and its tables.bin is no longer mapped."""
     root = tmp_path / "repo"
     shutil.copytree(repo / "dlrm" / "1", root / "dlrm" / "1")
-    sparse, dense = _request(31, 3)
+    sparse, dense = dlrm_request(3, 31)
 
     def mapping(version: int) -> bool:  # whether a recship_front child of this process maps that version's tables
         path = str(root / "dlrm" / str(version) / "tables.bin")

@@ -13,10 +13,9 @@ from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU serving)"),
-]
+from model_requests import dlrm_request, in_process
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (GPU serving)")
 
 ROWS = [50 + i for i in range(26)]
 
@@ -30,32 +29,18 @@ def cuda_repo(tmp_path_factory):
     return root
 
 
-def _request(seed, batch):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, 13), dtype=np.float32)
-
-
-def _in_process(model, sparse, dense):
-    lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)
-    values = torch.tensor([i for f in sparse for r in sparse[f] for i in r], dtype=torch.int64)
-    with torch.inference_mode():
-        out = model(torch.from_numpy(dense), lengths, values, None)
-    return {k: v.cpu().numpy() for k, v in out.items()}
-
-
 def test_gpu_server_equals_the_cuda_artifact_in_process_and_keeps_rows_apart(cuda_repo):
     model, _ = open_artifact(cuda_repo / "dlrm" / "1")
     server = Server(ServerConfig(model_repo=str(cuda_repo), port=0, device="cuda", max_delay_ms=5))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             for seed, batch in [(1, 1), (2, 7), (3, 256)]:
-                sparse, dense = _request(seed, batch)
+                sparse, dense = dlrm_request(batch, seed, rows=ROWS)
                 got = client.predict("dlrm", sparse, dense)
-                want = _in_process(model, sparse, dense)
+                want = in_process(model, sparse, dense)
                 for k in want:
                     np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
-            requests = [_request(100 + i, 1 + i % 6) for i in range(48)]
+            requests = [dlrm_request(1 + i % 6, 100 + i, rows=ROWS) for i in range(48)]
             start = threading.Barrier(len(requests))
 
             def call(req):
@@ -65,7 +50,7 @@ def test_gpu_server_equals_the_cuda_artifact_in_process_and_keeps_rows_apart(cud
             with ThreadPoolExecutor(len(requests)) as pool:
                 results = list(pool.map(call, requests))
             for (sparse, dense), got in zip(requests, results):
-                np.testing.assert_allclose(got["prob"], _in_process(model, sparse, dense)["prob"], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(got["prob"], in_process(model, sparse, dense)["prob"], rtol=1e-5, atol=1e-6)
     finally:
         server.stop()
 

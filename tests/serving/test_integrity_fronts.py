@@ -9,7 +9,6 @@ client's refusals with what the REST front's own check says for the same values 
 import json
 import logging
 import math
-import shutil
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from recship.serving.kserve import message
 from recship.serving.requests import InvalidRequest
 from recship.serving.server import Server, ServerConfig, config_from_args
 from recship.serving.v1 import predictor_pb2 as pb
+from model_requests import model_repo
 from serving_helpers import front_binary, http_request
 from test_fault_properties import expected_kserve, expected_predict, valid_kserve, valid_predict, valid_rest
 
@@ -44,8 +44,7 @@ def served(request, small_artifact, tmp_path_factory):
     """(server, the artifact in-process, a channel to it), once per front; max_message_bytes LIMIT."""
     if request.param == "cpp":
         front_binary()
-    repo = tmp_path_factory.mktemp("integrity-repo")
-    shutil.copytree(small_artifact, repo / "dlrm" / "1")
+    repo = model_repo(tmp_path_factory.mktemp("integrity-repo"), {"dlrm": small_artifact})
     server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_delay_ms=1, max_message_bytes=LIMIT, front=request.param))
     model, _ = open_artifact(repo / "dlrm" / "1")
     channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")

@@ -2,7 +2,6 @@
 
 import json
 import re
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,16 +21,15 @@ from recship.serving.server import Server, ServerConfig  # noqa: E402
 from bad_requests import bad_requests  # noqa: E402
 from recship.export.artifact import Manifest  # noqa: E402
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate  # noqa: E402
-from serving_helpers import ROWS  # noqa: E402
+from model_requests import dlrm_request, model_repo  # noqa: E402
+from serving_helpers import ROWS, kserve_tensors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory, small_artifact):
-    root = tmp_path_factory.mktemp("repo")
-    shutil.copytree(small_artifact, root / "dlrm" / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("repo"), {"dlrm": small_artifact})
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +46,9 @@ def client(server):
     c.close()
 
 
-def _request(seed, batch):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, 13), dtype=np.float32)
-
-
-def _tensors(sparse, dense, weights=None):
-    """[(input name, KServe datatype, numpy data)] of a request given as lists of ids per example."""
-    out = []
-    for name, rows in sparse.items():
-        out.append((f"{name}.lengths", "INT32", np.array([len(r) for r in rows], dtype=np.int32)))
-        out.append((f"{name}.values", "INT64", np.array([i for r in rows for i in r], dtype=np.int64)))
-        if weights and name in weights:
-            out.append((f"{name}.weights", "FP32", np.array([w for r in weights[name] for w in r], dtype=np.float32)))
-    out.append(("dense", "FP32", np.asarray(dense, dtype=np.float32)))
-    return out
-
-
 def _infer_inputs(sparse, dense, weights=None):
     inputs = []
-    for name, dtype, data in _tensors(sparse, dense, weights):
+    for name, dtype, data in kserve_tensors(sparse, dense, weights):
         t = tg.InferInput(name, list(data.shape), dtype)
         t.set_data_from_numpy(data)
         inputs.append(t)
@@ -76,7 +56,7 @@ def _infer_inputs(sparse, dense, weights=None):
 
 
 def _rest_body(sparse, dense, weights=None):
-    inputs = [{"name": n, "shape": list(d.shape), "datatype": t, "data": d.tolist()} for n, t, d in _tensors(sparse, dense, weights)]
+    inputs = [{"name": n, "shape": list(d.shape), "datatype": t, "data": d.tolist()} for n, t, d in kserve_tensors(sparse, dense, weights)]
     return json.dumps({"id": "q1", "inputs": inputs}).encode()
 
 
@@ -145,7 +125,7 @@ def test_health_metadata_and_index(client, repo):
 
 @pytest.mark.parametrize("batch", [1, 5, 64])
 def test_infer_equals_predict(client, server, batch):
-    sparse, dense = _request(batch, batch)
+    sparse, dense = dlrm_request(batch, batch)
     result = client.infer("dlrm", _infer_inputs(sparse, dense), model_version="1", request_id=f"r{batch}")
     want = _predict(server, sparse, dense)
     for name in ("logit", "prob"):
@@ -156,7 +136,7 @@ def test_infer_equals_predict(client, server, batch):
 
 def test_typed_contents_and_requested_outputs(server):
     """Values in InferTensorContents (not raw bytes) work, and the answer comes back typed."""
-    sparse, dense = _request(7, 3)
+    sparse, dense = dlrm_request(3, 7)
     req = triton_pb2.ModelInferRequest(model_name="dlrm")
     for name, rows in sparse.items():
         lengths = req.inputs.add(name=f"{name}.lengths", datatype="INT32", shape=[3])
@@ -186,7 +166,7 @@ def _replace(inputs, name, data, dtype):
 def test_kserve_specific_invalid_inputs(client, server):
     """What only KServe inputs can get wrong; the request rules shared by every front are in
     test_every_front_refuses_the_shared_bad_requests_with_the_servers_words."""
-    sparse, dense = _request(11, 2)
+    sparse, dense = dlrm_request(2, 11)
     good = _infer_inputs(sparse, dense)
     cases = [
         (_replace(good, "cat_0.lengths", np.array([1, 1], dtype=np.int64), "INT64"), "input 'cat_0.lengths' must be INT32"),
@@ -212,7 +192,7 @@ def _batch_count(server):
 
 
 def test_concurrent_tritonclients_batch_together_and_get_their_own_rows(server):
-    requests = [_request(200 + i, 1 + i % 5) for i in range(32)]
+    requests = [dlrm_request(1 + i % 5, 200 + i) for i in range(32)]
     want = [_predict(server, s, d) for s, d in requests]
     before = _batch_count(server)
     start = threading.Barrier(len(requests))
@@ -274,7 +254,7 @@ def test_rest_front_health_metadata_infer_and_errors(repo):
         grpc_meta = c.get_model_metadata("dlrm", as_json=True)
         c.close()
         assert status == 200 and [(i["name"], i["datatype"]) for i in meta["inputs"]] == [(i["name"], i["datatype"]) for i in grpc_meta["inputs"]]
-        sparse, dense = _request(31, 4)
+        sparse, dense = dlrm_request(4, 31)
         body = _rest_body  # dense goes as nested lists
         status, answer = _http(port, "/v2/models/dlrm/infer", body(sparse, dense))
         assert status == 200 and answer["id"] == "q1" and answer["model_version"] == "1"

@@ -20,6 +20,7 @@ import pytest
 
 from recship.export.artifact import Manifest, aoti_runs_here
 from recship.serving import PredictClient
+from model_requests import model_repo
 from serving_helpers import front_binary, random_request
 
 
@@ -46,9 +47,7 @@ def aoti_repo(small_artifacts, tmp_path_factory) -> Path:
     runs, why = aoti_runs_here(Manifest.read(artifact))
     if not runs:
         pytest.skip(f"model.pt2 cannot run here: {why}")
-    root = tmp_path_factory.mktemp("leftovers") / "repo"
-    shutil.copytree(artifact, root / "dlrm" / "1")
-    return root
+    return model_repo(tmp_path_factory.mktemp("leftovers") / "repo", {"dlrm": artifact})
 
 
 class _Serve:

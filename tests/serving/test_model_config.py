@@ -19,6 +19,8 @@ from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
+from model_requests import dlrm_request, in_process
+
 ROWS = [20 + i for i in range(26)]
 
 
@@ -54,20 +56,6 @@ def _served(server, model):
     return [s.version for s in server.repo.versions(model)]
 
 
-def _request(seed, batch):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
-    return sparse, g.random((batch, 13), dtype=np.float32)
-
-
-def _in_process(path, sparse, dense):
-    model, _ = open_artifact(path)
-    lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)
-    values = torch.tensor([i for f in sparse for r in sparse[f] for i in r], dtype=torch.int64)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, None).items()}
-
-
 def _predict(client, model, sparse, dense, version=0, weights=None):
     """(the version that answered, its outputs)."""
     r = client.stub.Predict(client.request(model, sparse, dense, weights, version), timeout=10)
@@ -87,11 +75,11 @@ def test_latest_two_serves_two_versions_each_bitwise_and_follows_adds_and_remova
     server = _server(root, http_port=0)
     try:
         assert _served(server, "m") == [2, 1]
-        sparse, dense = _request(1, 3)
+        sparse, dense = dlrm_request(3, 1)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             for asked, answered in ((1, 1), (2, 2), (0, 2)):  # 0: the newest served
                 version, got = _predict(client, "m", sparse, dense, asked)
-                want = _in_process(staged / str(answered), sparse, dense)
+                want = in_process(open_artifact(staged / str(answered))[0], sparse, dense)
                 assert version == answered and set(got) == set(want)
                 for k in want:
                     np.testing.assert_array_equal(got[k], want[k])
@@ -114,7 +102,7 @@ def test_latest_two_serves_two_versions_each_bitwise_and_follows_adds_and_remova
             _wait(lambda: _served(server, "m") == [2, 1], "the rollback to versions 2 and 1")
             version, got = _predict(client, "m", sparse, dense, 1)
             assert version == 1
-            np.testing.assert_array_equal(got["prob"], _in_process(staged / "1", sparse, dense)["prob"])
+            np.testing.assert_array_equal(got["prob"], in_process(open_artifact(staged / "1")[0], sparse, dense)["prob"])
             assert _predict(client, "m", sparse, dense)[0] == 2
     finally:
         server.stop()
@@ -131,11 +119,11 @@ def test_all_then_an_edited_config_specific_one_serves_only_that_version(tmp_pat
         assert _served(server, "m") == [3, 2, 1]
         (root / "m" / "config.yaml").write_text("version_policy:\n  specific: [1]\n")  # picked up on the next scan
         _wait(lambda: _served(server, "m") == [1], "version 1 alone")
-        sparse, dense = _request(2, 2)
+        sparse, dense = dlrm_request(2, 2)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             version, got = _predict(client, "m", sparse, dense)
             assert version == 1
-            np.testing.assert_array_equal(got["logit"], _in_process(staged / "1", sparse, dense)["logit"])
+            np.testing.assert_array_equal(got["logit"], in_process(open_artifact(staged / "1")[0], sparse, dense)["logit"])
             with pytest.raises(grpc.RpcError) as err:
                 _predict(client, "m", sparse, dense, 3)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
@@ -159,7 +147,7 @@ def test_per_model_batch_limit_a_bad_config_refuses_only_its_model_and_edits_tak
         assert [(e["version"], e["state"]) for e in index] == [("", "UNAVAILABLE")]
         assert str(root / "bad" / "config.yaml") in index[0]["reason"] and "unknown key 'bogus-key'" in index[0]["reason"]
         assert server.repo.get("small").batcher.max_batch_size == 4 and server.repo.get("plain").batcher.max_batch_size == 64
-        sparse5, dense5 = _request(3, 5)
+        sparse5, dense5 = dlrm_request(5, 3)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             with pytest.raises(grpc.RpcError) as err:
                 _predict(client, "small", sparse5, dense5)
@@ -177,7 +165,7 @@ def test_per_model_batch_limit_a_bad_config_refuses_only_its_model_and_edits_tak
             _wait(lambda: [m.name for m in server.repo.models()] == ["bad", "plain", "small"], "the fixed model")
             assert [e for e in repository_index(server.repo) if e["state"] != "READY"] == []
             version, got = _predict(client, "small", sparse5, dense5)
-            np.testing.assert_array_equal(got["logit"], _in_process(staged / "1", sparse5, dense5)["logit"])
+            np.testing.assert_array_equal(got["logit"], in_process(open_artifact(staged / "1")[0], sparse5, dense5)["logit"])
 
             (root / "small" / "config.yaml").write_text("max-batch-size: 0\n")  # bad: small keeps serving, with its last good settings
             _wait(lambda: any(e["name"] == "small" and e["version"] == "" for e in repository_index(server.repo)), "the refusal")

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from recship.export.artifact import Manifest
+from model_requests import model_repo
 from serving_helpers import front_binary, http_request
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
@@ -155,16 +156,12 @@ def test_a_stopped_server_frees_its_models(small_artifact, tmp_path, front):
     import gc
     import weakref
 
-    from recship.serving.front import FrontError, build_front
     from recship.serving.server import Server, ServerConfig
 
     if front == "cpp":
-        try:
-            build_front()
-        except FrontError as e:
-            pytest.skip(f"the C++ front cannot be built here: {e}")
-    shutil.copytree(small_artifact, tmp_path / "repo" / "dlrm" / "1")
-    server = Server(ServerConfig(model_repo=str(tmp_path / "repo"), port=0, front=front))
+        front_binary()
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, front=front))
     served = server.repo.versions("dlrm")
     assert len(served) == 1
     model = weakref.ref(served[0].model)

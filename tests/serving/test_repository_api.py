@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 tg = pytest.importorskip("tritonclient.grpc")
 th = pytest.importorskip("tritonclient.http")
@@ -18,7 +17,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from recship.export.artifact import open_artifact  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
-from serving_helpers import FEATURES, kserve_tensors, random_request  # noqa: E402
+from model_requests import in_process, model_repo  # noqa: E402
+from serving_helpers import kserve_tensors, random_request  # noqa: E402
 
 MAX_BATCH = 64
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "recship.json"
@@ -27,9 +27,8 @@ DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "recshi
 @pytest.fixture(scope="module")
 def repo(small_artifact, tmp_path_factory):
     """a/1, a/2 and b/1 (the small DLRM), broken/1 (a manifest that is not JSON)."""
-    root = tmp_path_factory.mktemp("control-repo")
-    for model, version in (("a", 1), ("a", 2), ("b", 1), ("broken", 1)):
-        shutil.copytree(small_artifact, root / model / str(version))
+    root = model_repo(tmp_path_factory.mktemp("control-repo"), dict.fromkeys(("a", "b", "broken"), small_artifact))
+    shutil.copytree(small_artifact, root / "a" / "2")
     (root / "broken" / "1" / "manifest.json").write_text("{not json")
     return root
 
@@ -88,15 +87,6 @@ def client(request, explicit):
     c.close()
 
 
-def _in_process(path, sparse, dense):
-    model, _ = open_artifact(path)
-    lengths = [len(r) for f in FEATURES for r in sparse[f]]
-    values = [i for f in FEATURES for r in sparse[f] for i in r]
-    with torch.no_grad():
-        out = model(torch.tensor(dense), torch.tensor(lengths, dtype=torch.int32), torch.tensor(values, dtype=torch.int64), None)
-    return {k: v.numpy() for k, v in out.items()}
-
-
 def _refused(call, code_grpc: str, status_http: str):
     """Runs ``call`` and returns the message of the error it must raise (gRPC status name or HTTP status)."""
     with pytest.raises(InferenceServerException) as e:
@@ -119,7 +109,7 @@ def test_explicit_load_unload_and_the_index(client, explicit, repo):
     client.c.load_model("b")
     assert client.c.is_model_ready("b") and client.index()[("b", "1")] == ("READY", "")
     got = client.infer("b", sparse, dense)
-    want = _in_process(repo / "b" / "1", sparse, dense)
+    want = in_process(open_artifact(repo / "b" / "1")[0], sparse, dense)
     for k in want:
         np.testing.assert_array_equal(got[k], want[k])
 
@@ -136,7 +126,7 @@ def test_explicit_load_unload_and_the_index(client, explicit, repo):
     _refused(lambda: client.infer("b", sparse, dense), "StatusCode.NOT_FOUND", "404")
     client.c.unload_model("b")  # not loaded: nothing to do, not an error
     assert client.c.is_model_ready("a")  # the others keep serving
-    np.testing.assert_array_equal(client.infer("a", sparse, dense)["prob"], _in_process(repo / "a" / "2", sparse, dense)["prob"])
+    np.testing.assert_array_equal(client.infer("a", sparse, dense)["prob"], in_process(open_artifact(repo / "a" / "2")[0], sparse, dense)["prob"])
     # a load reads the repository again: a version added since is served (latest 1: the newest)
     shutil.copytree(repo / "a" / "2", repo / "a" / "3")
     try:
@@ -362,7 +352,7 @@ def test_rest_repository_routes_mutated(explicit_module, repo, route, body):
         assert (name in {s.name for s in server.repo.versions()}) == (kind == "load")
     sparse, dense = random_request(len(body))
     got = Client("http", server).infer("a", sparse, dense)
-    np.testing.assert_array_equal(got["prob"], _in_process(repo / "a" / "2", sparse, dense)["prob"])
+    np.testing.assert_array_equal(got["prob"], in_process(open_artifact(repo / "a" / "2")[0], sparse, dense)["prob"])
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from recship.export.artifact import Manifest, open_artifact, read_sample
+from recship.export.artifact import open_artifact
 from recship.serving.client import PredictClient
 from recship.serving.server import Server, ServerConfig
+from model_requests import in_process, sample_request
 from serving_helpers import front_binary
 
 
@@ -25,30 +25,6 @@ def _wait(condition, seconds: float = 60.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
-
-
-def _request(art: Path):
-    """The artifact's sample as a PredictClient request: ({feature: [ids per example]}, dense)."""
-    manifest = Manifest.read(art)
-    inputs, _ = read_sample(art, manifest)
-    b = manifest.sample.batch_size
-    lengths = inputs["lengths"].view(len(manifest.sparse_features), b).tolist()
-    values, sparse, at = inputs["values"].tolist(), {}, 0
-    for f, row in zip(manifest.sparse_features, lengths):
-        sparse[f.name] = []
-        for n in row:
-            sparse[f.name].append(values[at: at + n])
-            at += n
-    return sparse, inputs["dense"].numpy()
-
-
-def _answer(art: Path, sparse, dense):
-    """What the artifact answers in-process (torchscript) to the request."""
-    model, manifest = open_artifact(art, format="torchscript")
-    lengths = torch.tensor([len(ids) for f in manifest.feature_names for ids in sparse[f]], dtype=torch.int32)
-    values = torch.tensor([i for f in manifest.feature_names for ids in sparse[f] for i in ids], dtype=torch.int64)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, None).items()}
 
 
 def _swap_in(source: Path, version: Path, staging: Path) -> None:
@@ -80,8 +56,9 @@ def test_a_served_version_whose_files_change_is_loaded_again_as_a_unit(small_art
     root = tmp_path / "repo"
     version = root / "dlrm" / "1"
     shutil.copytree(first, version)
-    sparse, dense = _request(first)
-    want_first, want_second = _answer(first, sparse, dense), _answer(second, sparse, dense)
+    sparse, dense = sample_request(first)
+    want_first = in_process(open_artifact(first, format="torchscript")[0], sparse, dense)
+    want_second = in_process(open_artifact(second, format="torchscript")[0], sparse, dense)
     assert not _same(want_second, want_first)
     staging = root / "dlrm" / ".incoming"  # hidden: the repository skips it
 
@@ -133,8 +110,8 @@ def test_the_cpp_front_loads_only_the_manifest_the_server_verified(small_artifac
 
     root = tmp_path / "repo"
     shutil.copytree(small_artifact, root / "dlrm" / "1")
-    sparse, dense = _request(small_artifact)
-    want = _answer(small_artifact, sparse, dense)
+    sparse, dense = sample_request(small_artifact)
+    want = in_process(open_artifact(small_artifact, format="torchscript")[0], sparse, dense)
     server = Server(ServerConfig(model_repo=str(root), port=0, max_delay_ms=1, front="cpp"))
     try:
         path = root / "dlrm" / "1"

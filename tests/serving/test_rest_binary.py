@@ -7,11 +7,9 @@ with serving/rest.py. Answers that succeed equal the artifact run in-process, bi
 """
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +17,7 @@ th = pytest.importorskip("tritonclient.http")
 
 from recship.export.artifact import open_artifact  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
+from model_requests import in_process, model_repo  # noqa: E402
 from serving_helpers import FEATURES, NUM_DENSE, ROWS, kserve_tensors, random_request, http_request  # noqa: E402
 
 OUTPUTS = ("logit", "prob")
@@ -31,21 +30,11 @@ NUMPY = {"INT32": "<i4", "INT64": "<i8", "FP32": "<f4"}
 @pytest.fixture(scope="module")
 def served(small_artifact, tmp_path_factory):
     """(server with --http-port, the artifact in-process)."""
-    repo = tmp_path_factory.mktemp("binary-repo")
-    shutil.copytree(small_artifact, repo / "dlrm" / "1")
+    repo = model_repo(tmp_path_factory.mktemp("binary-repo"), {"dlrm": small_artifact})
     server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1))
     model, _ = open_artifact(repo / "dlrm" / "1")
     yield server, model
     server.stop()
-
-
-def _in_process(model, sparse, dense):
-    lengths = [len(r) for f in FEATURES for r in sparse[f]]
-    values = [i for f in FEATURES for r in sparse[f] for i in r]
-    with torch.no_grad():
-        out = model(torch.tensor(np.asarray(dense, dtype=np.float32).reshape(-1, NUM_DENSE)), torch.tensor(lengths, dtype=torch.int32),
-                    torch.tensor(values, dtype=torch.int64), None)
-    return {k: v.numpy() for k, v in out.items()}
 
 
 def binary_request(seed: int, json_inputs=(), outputs=None, binary_output=None):
@@ -109,7 +98,7 @@ def good_request_still_exact(server, model, seed: int) -> None:
     assert status == 200, body
     got, binary = read_answer(headers, body)
     assert binary == {"prob": True, "logit": False}
-    want = _in_process(model, *random_request(seed))
+    want = in_process(model, *random_request(seed))
     for k in OUTPUTS:
         np.testing.assert_array_equal(got[k], want[k])
 
@@ -152,7 +141,7 @@ def test_tritonclient_http_health_metadata_and_infer_bitwise(served):
             response = result.get_response()
             assert response["id"] == f"t{seed}" and response["model_version"] == "1"
             assert {o["name"]: "parameters" in o for o in response["outputs"]} == binary
-            want = _in_process(model, sparse, dense)
+            want = in_process(model, sparse, dense)
             for name in binary:
                 got = result.as_numpy(name)
                 assert got.dtype == np.float32
@@ -268,7 +257,7 @@ def test_valid_framings_answer_exactly(served):
         assert status == 200, answer
         got, was_binary = read_answer(answer_headers, answer)
         assert was_binary == binary and (HEADER.lower() in answer_headers) == any(binary.values())
-        want = _in_process(model, *random_request(seed))
+        want = in_process(model, *random_request(seed))
         for name in binary:
             np.testing.assert_array_equal(got[name], want[name])
     # the JSON-only request without the header is unchanged
@@ -276,7 +265,7 @@ def test_valid_framings_answer_exactly(served):
     status, answer_headers, answer = post(server, json.dumps(doc).encode())
     assert status == 200 and HEADER.lower() not in answer_headers
     got, _ = read_answer(answer_headers, answer)
-    for name, value in _in_process(model, *random_request(9)).items():
+    for name, value in in_process(model, *random_request(9)).items():
         np.testing.assert_array_equal(got[name], value)
     status, _, answer = http_request(server.rest.port, "GET", "/v2")
     assert status == 200 and json.loads(answer)["extensions"].count("binary_tensor_data") == 1
@@ -364,7 +353,7 @@ def expected(body: bytes, header_values, model):
     for f in FEATURES:
         ids = iter(tensors[f"{f}.values"][2])
         sparse[f] = [[next(ids) for _ in range(n)] for n in tensors[f"{f}.lengths"][2]]
-    outputs = _in_process(model, sparse, np.asarray(tensors["dense"][2], dtype=np.float32).reshape(b, NUM_DENSE))
+    outputs = in_process(model, sparse, np.asarray(tensors["dense"][2], dtype=np.float32).reshape(b, NUM_DENSE))
     return 200, {k: (outputs[k], flag) for k, flag in wanted.items()}
 
 

@@ -17,6 +17,8 @@ from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
+from model_requests import dlrm_request, in_process
+
 ROWS = [20 + i for i in range(26)]
 
 
@@ -39,27 +41,13 @@ def server(repo):
     s.stop()
 
 
-def _request(seed, batch):
-    g = np.random.default_rng(seed)
-    sparse = {f"cat_{i}": [list(g.integers(0, ROWS[i], size=g.integers(0, 4))) for _ in range(batch)] for i in range(26)}
-    dense = g.random((batch, 13), dtype=np.float32)
-    return sparse, dense
-
-
-def _in_process(model, sparse, dense):
-    lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)
-    values = torch.tensor([i for f in sparse for r in sparse[f] for i in r], dtype=torch.int64)
-    with torch.no_grad():
-        return {k: v.numpy() for k, v in model(torch.from_numpy(dense), lengths, values, None).items()}
-
-
 def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
     model, _ = open_artifact(repo / "dlrm" / "1")
     with PredictClient(f"127.0.0.1:{server.port}") as client:
         for seed, batch in [(1, 1), (2, 5), (3, 64)]:
-            sparse, dense = _request(seed, batch)
+            sparse, dense = dlrm_request(batch, seed)
             got = client.predict("dlrm", sparse, dense)
-            want = _in_process(model, sparse, dense)
+            want = in_process(model, sparse, dense)
             assert set(got) == {"logit", "prob"}
             for k in want:
                 assert got[k].shape == (batch, 1)
@@ -68,7 +56,7 @@ def test_outputs_over_grpc_equal_the_artifact_in_process(server, repo):
 
 def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
     model, _ = open_artifact(repo / "dlrm" / "1")
-    requests = [_request(100 + i, 1 + i % 7) for i in range(64)]
+    requests = [dlrm_request(1 + i % 7, 100 + i) for i in range(64)]
     before = server.metrics.batch.labels("dlrm", "1")._sum.get()
     count_before = _histogram_count(server, "recship_batch_examples")
     with PredictClient(f"127.0.0.1:{server.port}") as client:
@@ -81,7 +69,7 @@ def test_concurrent_clients_get_exactly_their_own_rows(server, repo):
         with ThreadPoolExecutor(64) as pool:
             results = list(pool.map(call, requests))
     for (sparse, dense), got in zip(requests, results):
-        want = _in_process(model, sparse, dense)
+        want = in_process(model, sparse, dense)
         np.testing.assert_allclose(got["logit"], want["logit"], rtol=1e-5, atol=1e-6)
     forwards = _histogram_count(server, "recship_batch_examples") - count_before
     assert forwards < 64  # requests were merged into shared batches
@@ -96,7 +84,7 @@ def _histogram_count(server, name):
 
 
 def _bad(**changes):
-    sparse, dense = _request(7, 2)
+    sparse, dense = dlrm_request(2, 7)
     req = PredictClient.request("dlrm", sparse, dense)
     for key, fn in changes.items():
         fn(req)
@@ -119,7 +107,7 @@ INVALID = [
 
 @pytest.mark.parametrize("mutate, message", INVALID, ids=[m for _, m in INVALID])
 def test_invalid_requests_are_refused_and_the_server_keeps_answering(server, mutate, message):
-    sparse, dense = _request(7, 2)
+    sparse, dense = dlrm_request(2, 7)
     req = PredictClient.request("dlrm", sparse, dense)
     mutate(req)
     with PredictClient(f"127.0.0.1:{server.port}") as client:
@@ -159,7 +147,7 @@ def test_hot_reload_under_load_loses_no_request_and_refuses_a_broken_version(tmp
     try:
         def load():
             with PredictClient(f"127.0.0.1:{server.port}") as client:
-                sparse, dense = _request(5, 3)
+                sparse, dense = dlrm_request(3, 5)
                 while not stop.is_set():
                     try:
                         r = client.stub.Predict(client.request("m", sparse, dense), timeout=10)
@@ -202,7 +190,7 @@ def test_recship_serve_answers_and_drains_on_sigterm(repo):
         line = proc.stdout.readline()
         assert "listening on 127.0.0.1:" in line, proc.stderr.read()
         port = int(line.strip().rsplit(":", 1)[1])
-        sparse, dense = _request(1, 2)
+        sparse, dense = dlrm_request(2, 1)
         with PredictClient(f"127.0.0.1:{port}") as client:
             assert client.predict("dlrm", sparse, dense)["prob"].shape == (2, 1)
         proc.send_signal(signal.SIGTERM)
@@ -237,9 +225,9 @@ def test_oversized_request_is_invalid_argument_naming_the_size(repo):
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_message_bytes=5000))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:
-            small_sparse, small_dense = _request(1, 1)
+            small_sparse, small_dense = dlrm_request(1, 1)
             assert client.predict("dlrm", small_sparse, small_dense)["prob"].shape == (1, 1)
-            sparse, dense = _request(2, 16)
+            sparse, dense = dlrm_request(16, 2)
             size = PredictClient.request("dlrm", sparse, dense).ByteSize()
             assert 5000 < size <= 10000  # over the limit, but within what the transport admits
             with pytest.raises(grpc.RpcError) as err:
@@ -265,7 +253,7 @@ def test_an_artifact_for_another_device_is_refused(tmp_path, repo, caplog):
         assert server.repo.models() == []
         assert "exported for cuda, but this server runs on cpu" in caplog.text
         with PredictClient(f"127.0.0.1:{server.port}") as client, pytest.raises(grpc.RpcError) as err:
-            client.predict("dlrm", *_request(1, 1))
+            client.predict("dlrm", *dlrm_request(1, 1))
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
     finally:
         server.stop()
@@ -286,7 +274,7 @@ def test_metrics_endpoint_and_a_json_log_line_of_an_error(server):
     server.inference.failures.flush()  # earlier tests' refusals, sampled: said before this one listens
     logger.addHandler(handler)
     try:
-        sparse, dense = _request(3, 2)
+        sparse, dense = dlrm_request(2, 3)
         bad = {**sparse, "cat_5": [[ROWS[5] + 1], []]}
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             client.predict("dlrm", sparse, dense)

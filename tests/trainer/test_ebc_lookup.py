@@ -7,7 +7,7 @@ and lengths, weights, MEAN, FP16/BF16 tables, empty bags; and that every out-of-
 """
 
 import itertools
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+from reference import Ref, random_kjt
 
 
 def _tables(pooling: PoolingType, data_type: DataType = DataType.FP32) -> List[EmbeddingBagConfig]:
@@ -25,37 +27,23 @@ def _tables(pooling: PoolingType, data_type: DataType = DataType.FP32) -> List[E
     ]
 
 
-def _kjt(keys: List[str], batch: int, seed: int, weighted: bool, ids_dtype: torch.dtype, lengths_dtype: torch.dtype):
-    """A random KJT (empty bags included) and its per-key (ids, lengths, weights) as separate tensors."""
-    g = torch.Generator().manual_seed(seed)
-    parts: Dict[str, tuple] = {}
-    for k in keys:
-        lengths = torch.randint(0, 5, (batch,), generator=g)
-        ids = torch.randint(0, 30, (int(lengths.sum()),), generator=g)
-        parts[k] = (ids, lengths, torch.rand(ids.shape[0], generator=g))
-    kjt = KeyedJaggedTensor(
-        keys=keys,
-        values=torch.cat([parts[k][0] for k in keys]).to(ids_dtype),
-        lengths=torch.cat([parts[k][1] for k in keys]).to(lengths_dtype),
-        weights=torch.cat([parts[k][2] for k in keys]) if weighted else None,
-    )
-    return kjt, parts
-
-
-def _reference(ebc: EmbeddingBagCollection, parts: Dict[str, tuple], weighted: bool) -> torch.Tensor:
-    """F.embedding_bag per feature on that feature's own tensors, concatenated in table order."""
+def _reference(ebc: EmbeddingBagCollection, ref: Ref, wref: Optional[Dict[str, List[List[float]]]]) -> torch.Tensor:
+    """F.embedding_bag per feature on that feature's own ids and weights (random_kjt's lists; ``wref`` None:
+    unweighted), concatenated in table order."""
     outs = []
     for t in ebc.embedding_bag_configs():
         weight = ebc.embedding_bags[t.name].weight.detach()
         for f in t.feature_names:
-            ids, lengths, w = parts[f]
+            ids = torch.tensor([i for row in ref[f] for i in row], dtype=torch.int64)
+            lengths = torch.tensor([len(row) for row in ref[f]], dtype=torch.int64)
+            w = None if wref is None else torch.tensor([x for row in wref[f] for x in row], dtype=torch.float32)
             offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
             mean = t.pooling == PoolingType.MEAN
             # F.embedding_bag takes per-sample weights in "sum" mode only: a weighted MEAN divides after
-            mode = "mean" if mean and not weighted else "sum"
+            mode = "mean" if mean and w is None else "sum"
             out = F.embedding_bag(ids, weight, offsets, mode=mode, include_last_offset=True,
-                                  per_sample_weights=w.to(weight.dtype) if weighted else None)
-            if mean and weighted:
+                                  per_sample_weights=None if w is None else w.to(weight.dtype))
+            if mean and w is not None:
                 out = out / lengths.clamp(min=1).unsqueeze(1).to(out.dtype)
             outs.append(out.float())
     return torch.cat(outs, dim=1)
@@ -68,10 +56,10 @@ def _reference(ebc: EmbeddingBagCollection, parts: Dict[str, tuple], weighted: b
 def test_ebc_equals_embedding_bag_per_table(pooling, weighted, ids_dtype, lengths_dtype, keys):
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_tables(pooling), is_weighted=weighted)
-    kjt, parts = _kjt(keys, batch=7, seed=1, weighted=weighted, ids_dtype=ids_dtype, lengths_dtype=lengths_dtype)
+    kjt, ref, wref = random_kjt(keys, 7, seed=1, max_id=30, weighted=weighted, values_dtype=ids_dtype, lengths_dtype=lengths_dtype)
     got = ebc(kjt)
     assert got.keys() == ["f0", "f1", "f2", "f3"]
-    want = _reference(ebc, parts, weighted)
+    want = _reference(ebc, ref, wref)
     if pooling == PoolingType.SUM:
         assert torch.equal(got.values(), want)
     else:
@@ -82,7 +70,7 @@ def test_repeated_key_reads_its_last_occurrence():
     """As KeyedJaggedTensor.to_dict: a key that appears twice resolves to its last block."""
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_tables(PoolingType.SUM))
-    kjt, parts = _kjt(["f0", "f1", "f2", "f3", "f0"], batch=5, seed=2, weighted=False, ids_dtype=torch.int64, lengths_dtype=torch.int64)
+    kjt, _, _ = random_kjt(["f0", "f1", "f2", "f3", "f0"], 5, seed=2, max_id=30)
     expected = ebc(KeyedJaggedTensor.from_jt_dict(kjt.to_dict()))
     assert torch.equal(ebc(kjt).values(), expected.values())
 
@@ -91,14 +79,14 @@ def test_repeated_key_reads_its_last_occurrence():
 def test_half_tables_equal_embedding_bag(data_type):
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_tables(PoolingType.SUM, data_type), is_weighted=True)
-    kjt, parts = _kjt(["f0", "f1", "f2", "f3"], batch=6, seed=3, weighted=True, ids_dtype=torch.int64, lengths_dtype=torch.int64)
-    assert torch.equal(ebc(kjt).values(), _reference(ebc, parts, weighted=True))
+    kjt, ref, wref = random_kjt(["f0", "f1", "f2", "f3"], 6, seed=3, max_id=30, weighted=True)
+    assert torch.equal(ebc(kjt).values(), _reference(ebc, ref, wref))
 
 
 def test_scripted_and_traced_take_the_same_path():
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(_tables(PoolingType.MEAN), is_weighted=True)
-    kjt, _ = _kjt(["f3", "f2", "f1", "f0"], batch=4, seed=4, weighted=True, ids_dtype=torch.int32, lengths_dtype=torch.int32)
+    kjt, _, _ = random_kjt(["f3", "f2", "f1", "f0"], 4, seed=4, max_id=30, weighted=True, values_dtype=torch.int32, lengths_dtype=torch.int32)
     eager = ebc(kjt).values()
     assert torch.equal(torch.jit.script(ebc)(kjt).values(), eager)
     assert torch.equal(torch.fx.symbolic_trace(ebc)(kjt).values(), eager)

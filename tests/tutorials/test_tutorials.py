@@ -191,7 +191,6 @@ def test_intro_tutorial_runs_and_prints_its_minibatch_plan_and_shapes(number):
 # --- the sharding tutorial (002) ---------------------------------------------------------------
 
 
-@pytest.mark.spawn
 def test_sharding_tutorial_prints_the_tutorials_plans_on_two_ranks():
     """The four sharding types on 2 spawned gloo ranks, each rank's printed plan against the plan
     the tutorial shows for that rank: sharding type, ranks, shard offsets, sizes and placement

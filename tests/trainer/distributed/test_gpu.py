@@ -10,10 +10,7 @@ from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 from test_sharded_ebc import FORWARD_CASES, LOCAL_BATCH, global_batch, sample_tables
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, CUDA-only optimizers)"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL, CUDA-only optimizers)")
 
 
 def _nccl_forward_worker(rank, world_size):

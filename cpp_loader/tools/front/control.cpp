@@ -1,0 +1,68 @@
+#include "front/control.h"
+
+#include <iostream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "front/front.h"
+
+namespace recship::front {
+
+namespace {
+
+// The batching of a "load": the model's own config.yaml values ("settings") override the server's flags.
+Batching settings_of(const json& cmd, const Batching& defaults) {
+  Batching settings = defaults;
+  const json given = cmd.value("settings", json::object());
+  settings.max_batch_size = given.value("max_batch_size", settings.max_batch_size);
+  settings.max_delay_ms = given.value("max_delay_ms", settings.max_delay_ms);
+  settings.batching = given.value("batching", settings.batching);
+  settings.max_queue = given.value("max_queue", settings.max_queue);
+  settings.threads = given.value("threads", settings.threads);
+  if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.threads < 0)
+    throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, threads >= 0");
+  return settings;
+}
+
+}  // namespace
+
+void reply(const json& answer) { std::cout << answer.dump() << std::endl; }
+
+double run_commands(Front& front, std::istream& in) {
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty()) continue;
+    try {
+      json cmd = json::parse(line);
+      const std::string op = cmd.at("op").get<std::string>();
+      if (op == "load") {
+        const Batching settings = settings_of(cmd, front.config.defaults);
+        std::optional<std::string> manifest_sha256;
+        if (cmd.contains("manifest_sha256")) manifest_sha256 = cmd.at("manifest_sha256").get<std::string>();
+        std::string format = front.load(cmd.at("model").get<std::string>(), cmd.at("version").get<int64_t>(),
+                                        cmd.at("path").get<std::string>(), cmd.value("format", std::string("auto")), settings,
+                                        manifest_sha256);
+        reply({{"ok", true}, {"format", format}});
+      } else if (op == "unload") {
+        front.unload(cmd.at("model").get<std::string>());
+        reply({{"ok", true}});
+      } else if (op == "stats") {
+        json stats = front.stats.to_json();
+        stats["gauges"] = front.gauges();
+        reply({{"ok", true}, {"stats", stats}});
+      } else if (op == "tables") {
+        reply({{"ok", true}, {"tables", front.config.tables.to_json()}});
+      } else if (op == "stop") {
+        return cmd.value("grace_s", 5.0);
+      } else {
+        reply({{"ok", false}, {"error", "unknown op " + op}});
+      }
+    } catch (const std::exception& e) {
+      reply({{"ok", false}, {"error", e.what()}});
+    }
+  }
+  return 5.0;
+}
+
+}  // namespace recship::front

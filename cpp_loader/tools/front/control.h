@@ -1,0 +1,19 @@
+// The control plane: the Python server's JSON commands, one a line on stdin, each answered with one JSON line on
+// stdout (recship_front.cpp lists them).
+#pragma once
+
+#include <istream>
+#include <nlohmann/json.hpp>
+
+namespace recship::front {
+
+class Front;
+
+// One JSON answer line on stdout.
+void reply(const nlohmann::json& answer);
+
+// Runs commands from `in` until "stop" or the end of `in` (the parent is gone); returns the seconds calls in
+// flight get to finish ("stop"'s grace_s, else 5).
+double run_commands(Front& front, std::istream& in);
+
+}  // namespace recship::front

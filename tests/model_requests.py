@@ -1,0 +1,135 @@
+"""Requests to an exported model, and the reference answer to them: the artifact's model run in this process.
+
+Shared by the export, serving and C++ loader tests (every folder imports it: tests/ is on sys.path). A request is
+(sparse, dense, weights) as ``PredictClient.predict`` and recship_predict's JSON take them:
+sparse {feature: [[ids of example 0], [ids of example 1], ...]}, dense [B, D] float32 (None for a model without
+dense inputs), weights {feature: [[a weight per id of example 0], ...]} for weighted features (None for none).
+"""
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+
+from recship.export.artifact import Manifest, read_sample
+
+Sparse = Dict[str, List[List[int]]]
+Weights = Dict[str, List[List[float]]]
+Request = Tuple[Sparse, Optional[np.ndarray], Optional[Weights]]
+Seed = Union[int, np.random.Generator]  # a seed, or a generator to go on drawing from (several requests of one stream)
+
+SMALL_ROWS = [20 + i for i in range(26)]  # table sizes of the small DLRM's features cat_0..cat_25 (tests/conftest.py)
+NUM_DENSE = 13  # the DLRM's dense width
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What a model's requests hold: each sparse feature's table rows, in the model's feature order; the dense width;
+    the features that take a weight per id; the features whose ids the model hashes (modulo) instead of refusing."""
+
+    rows: Dict[str, int]
+    num_dense: int
+    weighted: FrozenSet[str] = frozenset()
+    modulo: FrozenSet[str] = frozenset()
+
+    @staticmethod
+    def of(manifest: Manifest) -> "ModelInputs":
+        features = manifest.sparse_features
+        return ModelInputs({f.name: f.rows for f in features}, manifest.num_dense,
+                           frozenset(f.name for f in features if f.weighted),
+                           frozenset(f.name for f in features if f.id_policy == "modulo"))
+
+    @staticmethod
+    def dlrm(rows: Sequence[int] = SMALL_ROWS, num_dense: int = NUM_DENSE) -> "ModelInputs":
+        """recship's DLRM: unweighted features cat_0 .. cat_<n-1> of ``rows`` rows each."""
+        return ModelInputs({f"cat_{i}": r for i, r in enumerate(rows)}, num_dense)
+
+
+def random_request(inputs: ModelInputs, batch: int, seed: Seed, ids: Tuple[int, int] = (0, 3), past_modulo: int = 1,
+                   dense_dtype: type = np.float32) -> Request:
+    """A valid request of ``batch`` examples: for each example and feature, from ids[0] to ids[1] ids inside the
+    feature's table (a modulo feature's up to ``past_modulo`` times its rows: the model hashes them), a weight in
+    [0, 1) per id of a weighted feature, dense values in [0, 1) (drawn as ``dense_dtype``; the model takes float32).
+    Drawn in that order: sparse, weights, dense."""
+    g = np.random.default_rng(seed)  # a Generator comes back as it is
+    low, high = ids
+    sparse = {name: [g.integers(0, rows * (past_modulo if name in inputs.modulo else 1), size=g.integers(low, high + 1)).tolist()
+                     for _ in range(batch)] for name, rows in inputs.rows.items()}
+    weights = {name: [g.random(len(r), dtype=np.float32).tolist() for r in sparse[name]]
+               for name in inputs.rows if name in inputs.weighted} or None
+    dense = g.random((batch, inputs.num_dense), dtype=dense_dtype) if inputs.num_dense else None
+    return sparse, dense, weights
+
+
+def dlrm_request(batch: int, seed: Seed, rows: Sequence[int] = SMALL_ROWS, ids: Tuple[int, int] = (0, 3)) -> Tuple[Sparse, np.ndarray]:
+    """(sparse, dense [batch, 13]) of ``random_request`` for a DLRM whose features have ``rows`` rows."""
+    sparse, dense, _ = random_request(ModelInputs.dlrm(rows), batch, seed, ids)
+    return sparse, dense
+
+
+def sample_request(artifact: Path) -> Tuple[Sparse, np.ndarray]:
+    """The artifact's recorded sample (sample/) as a request: (sparse, dense [B, D])."""
+    manifest = Manifest.read(artifact)
+    inputs, _ = read_sample(artifact, manifest)
+    b = manifest.sample.batch_size
+    lengths = inputs["lengths"].view(len(manifest.sparse_features), b).tolist()
+    values, sparse, at = inputs["values"].tolist(), {}, 0
+    for f, row in zip(manifest.sparse_features, lengths):
+        sparse[f.name] = []
+        for n in row:
+            sparse[f.name].append(values[at: at + n])
+            at += n
+    return sparse, inputs["dense"].numpy()
+
+
+def in_process(model: Any, sparse: Sparse, dense: Any = None, weights: Optional[Weights] = None,
+               names: Optional[Sequence[str]] = None) -> Dict[str, np.ndarray]:
+    """{output: array} of ``model`` (an artifact's, as open_artifact returns it) run here on a request.
+
+    What the model takes: dense [B, D] float32 (D = 0 for None), lengths [F * B] int32 and values [N] int64
+    feature-major in ``names`` order (default: the request's), and with ``weights`` a weight per id [N] float32,
+    1 for the ids of a feature that has none (the model ignores those).
+    """
+    names = list(sparse) if names is None else list(names)
+    lengths = torch.tensor([len(r) for n in names for r in sparse[n]], dtype=torch.int32)
+    values = torch.tensor([i for n in names for r in sparse[n] for i in r], dtype=torch.int64)
+    w = None
+    if weights:
+        w = torch.tensor([x for n in names for k, r in enumerate(sparse[n]) for x in (weights[n][k] if n in weights else [1.0] * len(r))],
+                         dtype=torch.float32)
+    d = torch.zeros(len(sparse[names[0]]), 0) if dense is None else torch.from_numpy(np.asarray(dense, dtype=np.float32))
+    with torch.no_grad():
+        return {k: v.cpu().numpy() for k, v in model(d, lengths, values, w).items()}
+
+
+def hash_ids(sparse: Sparse, inputs: ModelInputs) -> Sparse:
+    """The request with each id taken modulo its table's rows, as the loader and the server hash a modulo feature's
+    ids before the model sees them (in-range ids stay as they are)."""
+    return {name: [[i % inputs.rows[name] for i in r] for r in rows] for name, rows in sparse.items()}
+
+
+def request_body(sparse: Sparse, dense: Any = None, weights: Optional[Weights] = None) -> Dict[str, Any]:
+    """The request as recship_predict's --request JSON object: dense and weights left out when None."""
+    body: Dict[str, Any] = {"sparse": sparse}
+    if dense is not None:
+        body["dense"] = dense.tolist() if isinstance(dense, np.ndarray) else dense
+    if weights is not None:
+        body["weights"] = weights
+    return body
+
+
+def request_file(path: Path, sparse: Sparse, dense: Any = None, weights: Optional[Weights] = None) -> Path:
+    """``path``, holding ``request_body`` of the request."""
+    path.write_text(json.dumps(request_body(sparse, dense, weights)))
+    return path
+
+
+def model_repo(root: Path, models: Mapping[str, Path]) -> Path:
+    """``root``, made a model repository: a copy of each artifact of ``models`` as version 1 (root/<name>/1)."""
+    for name, artifact in models.items():
+        shutil.copytree(artifact, root / name / "1")
+    return root
