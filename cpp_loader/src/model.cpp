@@ -45,15 +45,9 @@ using json = nlohmann::json;
 
 // The bytes of the file at path, or nullopt with errno set (a folder: EISDIR).
 std::optional<std::string> read_bytes(const std::string& path) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
   struct stat st {};
-  if (fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
-    const int error = S_ISDIR(st.st_mode) ? EISDIR : errno;
-    close(fd);
-    errno = error;
-    return std::nullopt;
-  }
+  const int fd = tables::open_file(path, &st);
+  if (fd < 0) return std::nullopt;
   std::string out;
   out.reserve(static_cast<size_t>(std::max<off_t>(0, st.st_size)));
   char buffer[1 << 16];

@@ -125,10 +125,8 @@ std::optional<std::string> stored_entry(const std::string& a, uint64_t local, ui
 
 }  // namespace
 
-std::string sha256_hex(const void* data, size_t n) {
-  unsigned char digest[EVP_MAX_MD_SIZE];
-  unsigned int len = 0;
-  if (EVP_Digest(data, n, digest, &len, EVP_sha256(), nullptr) != 1) throw Error("sha256 failed");
+// A digest's bytes as lower-case hex.
+static std::string hex_of(const unsigned char* digest, unsigned int len) {
   static const char* hex = "0123456789abcdef";
   std::string out(2 * len, '0');
   for (unsigned int i = 0; i < len; ++i) {
@@ -138,16 +136,29 @@ std::string sha256_hex(const void* data, size_t n) {
   return out;
 }
 
-std::optional<std::string> sha256_file(const std::string& path) {
+std::string sha256_hex(const void* data, size_t n) {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(data, n, digest, &len, EVP_sha256(), nullptr) != 1) throw Error("sha256 failed");
+  return hex_of(digest, len);
+}
+
+int open_file(const std::string& path, struct stat* st) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return std::nullopt;
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || S_ISDIR(st.st_mode)) {
-    const int error = S_ISDIR(st.st_mode) ? EISDIR : errno;
+  if (fd < 0) return -1;
+  if (fstat(fd, st) != 0 || S_ISDIR(st->st_mode)) {
+    const int error = S_ISDIR(st->st_mode) ? EISDIR : errno;
     close(fd);
     errno = error;
-    return std::nullopt;
+    return -1;
   }
+  return fd;
+}
+
+std::optional<std::string> sha256_file(const std::string& path) {
+  struct stat st {};
+  const int fd = open_file(path, &st);
+  if (fd < 0) return std::nullopt;
   std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
   if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
     close(fd);
@@ -170,13 +181,7 @@ std::optional<std::string> sha256_file(const std::string& path) {
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   if (EVP_DigestFinal_ex(ctx.get(), digest, &len) != 1) throw Error("sha256 failed");
-  static const char* hex = "0123456789abcdef";
-  std::string out(2 * len, '0');
-  for (unsigned int i = 0; i < len; ++i) {
-    out[2 * i] = hex[digest[i] >> 4];
-    out[2 * i + 1] = hex[digest[i] & 15];
-  }
-  return out;
+  return hex_of(digest, len);
 }
 
 std::string py_repr(const std::string& s) {

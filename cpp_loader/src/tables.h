@@ -6,6 +6,8 @@
 
 #include <ATen/Tensor.h>
 
+#include <sys/stat.h>
+
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -85,6 +87,9 @@ std::string sha256_hex(const void* data, size_t n);
 
 // Lowercase hex sha256 of the file at path, read as a stream; nullopt (errno set) if it cannot be opened or read.
 std::optional<std::string> sha256_file(const std::string& path);
+
+// A regular file opened read-only (its stat in *st), or -1 with errno set (a folder: EISDIR).
+int open_file(const std::string& path, struct stat* st);
 
 // Python's repr() of a str ('t_cat_0@0'), as export/*.py's messages print names and files.
 std::string py_repr(const std::string& s);
