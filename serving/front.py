@@ -106,7 +106,7 @@ class CppFront:
         ]
         from recship.serving.settings import default_torch_threads
 
-        args += ["--threads", str(config.torch_threads or default_torch_threads())]
+        args += ["--torch-threads", str(config.torch_threads or default_torch_threads())]
         if config.tls_cert is not None:
             args += ["--tls-cert", config.tls_cert, "--tls-key", config.tls_key]
             if config.tls_client_ca is not None:
@@ -179,7 +179,7 @@ class CppFront:
              manifest_sha256: Optional[str] = None) -> str:
         """Loads (verified as a unit, self-checked) a version in the front and routes ``name`` to it; returns the format it runs.
 
-        ``settings``: the model's own batching (max_batch_size, max_delay_ms, batching, max_queue, threads);
+        ``settings``: the model's own batching (max_batch_size, max_delay_ms, batching, max_queue, torch_threads);
         what it leaves out is the server's flags. ``manifest_sha256``: the manifest the front may load (the one
         this process verified; the C++ loader's LoadOptions::trusted), None: any.
         """

@@ -239,9 +239,10 @@ class ModelSettings:
         return tuple(getattr(self, name) for name in PER_MODEL) + (self.id_policy,)
 
     def front_settings(self) -> Dict[str, Any]:
-        """The ``settings`` of the C++ front's load command (serving/front.py): the per-model ones, threads resolved."""
+        """The ``settings`` of the C++ front's load command (serving/front.py): the per-model ones by the same names,
+        the default thread count resolved."""
         settings = {name: getattr(self, name) for name in PER_MODEL}
-        settings["threads"] = settings.pop("torch_threads") or default_torch_threads()
+        settings["torch_threads"] = settings["torch_threads"] or default_torch_threads()
         return settings
 
 

@@ -7,7 +7,7 @@
 // messages are the Python server's own.
 //
 //   recship_front --listen HOST:PORT --backend ADDRESS --tables JSON [--max-batch-size 512] [--max-delay-ms 2]
-//                 [--batching 1] [--max-queue 1024] [--max-message-bytes N] [--max-inflight-bytes N] [--threads N]
+//                 [--batching 1] [--max-queue 1024] [--max-message-bytes N] [--max-inflight-bytes N] [--torch-threads N]
 //                 [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
 //
 // --tables: what the front counts and says as the Python server does (buckets, status names, refusal messages),
@@ -15,7 +15,7 @@
 //
 // The Python server is the control plane: one JSON command a line on stdin, one JSON answer a line on stdout:
 //   {"op": "load", "model": M, "version": V, "path": DIR, "format": "auto", "settings": {...}} -> {"ok": true, "format": "aoti"}
-//     (settings, optional: max_batch_size, max_delay_ms, batching, max_queue, threads: the model's own, else the flags';
+//     (settings, optional: max_batch_size, max_delay_ms, batching, max_queue, torch_threads: the model's own, else the flags';
 //     manifest_sha256, optional: the only manifest.json it may load, the one Python verified: LoadOptions::trusted)
 //   {"op": "unload", "model": M}                                           -> {"ok": true}
 //   {"op": "stats"}                                                         -> {"ok": true, "stats": [...]}
@@ -41,7 +41,7 @@ namespace {
 
 int usage(const std::string& why) {
   std::cerr << "recship_front: " << why << "\nusage: recship_front --listen HOST:PORT --backend ADDRESS --tables JSON [--max-batch-size N] "
-               "[--max-delay-ms F] [--batching 0|1] [--max-queue N] [--max-message-bytes N] [--max-inflight-bytes N] [--threads N] "
+               "[--max-delay-ms F] [--batching 0|1] [--max-queue N] [--max-message-bytes N] [--max-inflight-bytes N] [--torch-threads N] "
                "[--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n";
   return 2;
 }
@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   flags.integer("--max-batch-size", &c.defaults.max_batch_size).number("--max-delay-ms", &c.defaults.max_delay_ms);
   flags.integer("--batching", &batching).integer("--max-queue", &c.defaults.max_queue);
   flags.integer("--max-message-bytes", &c.max_message_bytes).integer("--max-inflight-bytes", &c.max_inflight_bytes);
-  flags.integer("--threads", &c.defaults.threads);
+  flags.integer("--torch-threads", &c.defaults.torch_threads);
   flags.text("--tls-cert", &c.tls_cert).text("--tls-key", &c.tls_key).text("--tls-client-ca", &c.tls_client_ca);
   if (const recship::args::Problem p = flags.parse(argc, argv)) {
     using Kind = recship::args::Problem::Kind;

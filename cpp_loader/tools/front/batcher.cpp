@@ -32,7 +32,7 @@ void Batcher::stop() {
 }
 
 void Batcher::main() {
-  if (settings.threads > 0) recship::set_intra_op_threads(settings.threads);
+  if (settings.torch_threads > 0) recship::set_intra_op_threads(settings.torch_threads);
   std::vector<Call*> batch;
   while (collect(batch)) {
     if (!batch.empty()) run(batch);

@@ -23,7 +23,7 @@ struct Batching {
   double max_delay_ms = 2.0;  // 0: no waiting, but calls queued during a forward still run together
   bool batching = true;       // false: every call runs alone
   int64_t max_queue = 1024;
-  int threads = 0;            // intra-op threads per forward; 0: torch's default
+  int torch_threads = 0;      // intra-op threads per forward; 0: torch's default
 };
 
 // Queues Predict calls for one model version and runs them in merged batches on one thread: the oldest call waits

@@ -19,9 +19,9 @@ Batching settings_of(const json& cmd, const Batching& defaults) {
   settings.max_delay_ms = given.value("max_delay_ms", settings.max_delay_ms);
   settings.batching = given.value("batching", settings.batching);
   settings.max_queue = given.value("max_queue", settings.max_queue);
-  settings.threads = given.value("threads", settings.threads);
-  if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.threads < 0)
-    throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, threads >= 0");
+  settings.torch_threads = given.value("torch_threads", settings.torch_threads);
+  if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.torch_threads < 0)
+    throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, torch_threads >= 0");
   return settings;
 }
 
