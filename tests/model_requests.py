@@ -7,15 +7,16 @@ dense inputs), weights {feature: [[a weight per id of example 0], ...]} for weig
 """
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
-from recship.export.artifact import Manifest, read_sample
+from recship.export.artifact import Manifest, aoti_runs_here, read_sample
 
 Sparse = Dict[str, List[List[int]]]
 Weights = Dict[str, List[List[float]]]
@@ -133,3 +134,19 @@ def model_repo(root: Path, models: Mapping[str, Path]) -> Path:
     for name, artifact in models.items():
         shutil.copytree(artifact, root / name / "1")
     return root
+
+
+def runnable_aoti(export: Callable[[], Path]) -> Path:
+    """``export()``'s artifact, which must hold a model.pt2 this machine runs; else the test is skipped, saying why
+    (no C++ compiler to export one, none written, or kernels this CPU or torch cannot run)."""
+    import pytest
+
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("model.pt2 needs a C++ compiler (g++) to be exported")
+    artifact = export()
+    if not (artifact / "model.pt2").is_file():
+        pytest.skip("the export wrote no model.pt2 (no compiler for AOTInductor)")
+    runs, why = aoti_runs_here(Manifest.read(artifact))
+    if not runs:
+        pytest.skip(f"model.pt2 cannot run here: {why}")
+    return artifact

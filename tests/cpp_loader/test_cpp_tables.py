@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, aoti_runs_here, file_sha256, open_artifact
+from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
 from recship.export.tables import PINNED_NAME, TABLES_FILE
 
-from model_requests import ModelInputs, in_process, random_request, request_file
+from model_requests import ModelInputs, in_process, random_request, request_file, runnable_aoti
 
 AOTI_CASES = [("dlrm", 1), ("emb", 2)]  # as tests/cpp_loader/test_cpp_aoti.py compiles them (shared in the session)
 
@@ -45,13 +45,7 @@ def other(small_artifact, tmp_path_factory):
 
 
 def _aoti_artifact(small_artifacts, name="dlrm", shards=1):
-    art = small_artifacts(name, "int8", "cpu", "both", shards)
-    if not (art / "model.pt2").is_file():
-        pytest.skip("the export wrote no model.pt2 (no compiler for AOTInductor)")
-    runs, why = aoti_runs_here(Manifest.read(art))
-    if not runs:
-        pytest.skip(f"model.pt2 cannot run here: {why}")
-    return art
+    return runnable_aoti(lambda: small_artifacts(name, "int8", "cpu", "both", shards))
 
 
 def _python_error(art, **kwargs) -> str:

@@ -10,7 +10,6 @@ when this CPU cannot run it.
 import fcntl
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from recship.export import aoti
-from recship.export.artifact import AotiModel, ArtifactError, Manifest, aoti_runs_here, open_artifact
+from recship.export.artifact import AotiModel, ArtifactError, open_artifact
+from model_requests import runnable_aoti
 
 
 @pytest.fixture
@@ -101,15 +101,7 @@ def test_only_folders_of_dead_pids_nobody_locks_are_removed(temp):
 
 @pytest.fixture(scope="module")
 def aoti_artifact(small_artifacts) -> Path:
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("model.pt2 needs a C++ compiler (g++) to be exported")
-    artifact = small_artifacts(format="both")
-    if not (artifact / "model.pt2").is_file():
-        pytest.skip("the export wrote no model.pt2")
-    runs, why = aoti_runs_here(Manifest.read(artifact))
-    if not runs:
-        pytest.skip(f"model.pt2 cannot run here: {why}")
-    return artifact
+    return runnable_aoti(lambda: small_artifacts(format="both"))
 
 
 def test_loading_model_pt2_twice_says_nothing_of_the_isa_and_leaves_nothing(aoti_artifact, temp):

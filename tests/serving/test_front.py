@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from recship.export.artifact import Manifest, aoti_runs_here, open_artifact
+from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.client import outputs_of
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
-from model_requests import dlrm_request, in_process, model_repo
+from model_requests import dlrm_request, in_process, model_repo, runnable_aoti
 from serving_helpers import NUM_DENSE, ROWS, front_binary
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
@@ -244,14 +244,7 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
 
 def test_the_front_runs_model_pt2_and_equals_torchscript_in_process_bitwise(small_artifacts, tmp_path, caplog):
     front_binary()
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("AOTInductor needs a C++ compiler (g++)")
-    artifact = small_artifacts(format="both")
-    if not (artifact / "model.pt2").is_file():
-        pytest.skip("the export wrote no model.pt2 (no compiler for AOTInductor)")
-    runs, why = aoti_runs_here(Manifest.read(artifact))
-    if not runs:
-        pytest.skip(f"model.pt2 cannot run here: {why}")
+    artifact = runnable_aoti(lambda: small_artifacts(format="both"))
     root = tmp_path / "repo"
     shutil.copytree(artifact, root / "dlrm" / "1")
     scripted, _ = open_artifact(root / "dlrm" / "1", format="torchscript")

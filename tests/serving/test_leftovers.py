@@ -18,9 +18,8 @@ from typing import List, Tuple
 
 import pytest
 
-from recship.export.artifact import Manifest, aoti_runs_here
 from recship.serving import PredictClient
-from model_requests import model_repo
+from model_requests import model_repo, runnable_aoti
 from serving_helpers import front_binary, random_request
 
 
@@ -39,14 +38,7 @@ def _count(tmp: Path, prefix: str) -> int:
 @pytest.fixture(scope="module")
 def aoti_repo(small_artifacts, tmp_path_factory) -> Path:
     """A model repository serving the small DLRM with a model.pt2 this machine runs (dlrm/1)."""
-    if shutil.which(os.environ.get("CXX", "g++")) is None:
-        pytest.skip("model.pt2 needs a C++ compiler (g++) to be exported")
-    artifact = small_artifacts(format="both")
-    if not (artifact / "model.pt2").is_file():
-        pytest.skip("the export wrote no model.pt2")
-    runs, why = aoti_runs_here(Manifest.read(artifact))
-    if not runs:
-        pytest.skip(f"model.pt2 cannot run here: {why}")
+    artifact = runnable_aoti(lambda: small_artifacts(format="both"))
     return model_repo(tmp_path_factory.mktemp("leftovers") / "repo", {"dlrm": artifact})
 
 
