@@ -59,8 +59,7 @@ def _time(fn: Callable[[], object], calls: int) -> float:
 
 def _baseline_module(model: torch.nn.Module, num_dense: Optional[int]):
     """The pre-flat exported forward of ``model`` (KJT + inference-sharded modules + TBE modules), scripted."""
-    from recship.export.any_model import ExportedModule
-    from recship.export.model import trace_and_script
+    from recship.export.model import ExportedModule, trace_and_script
     from recship.quantize.sharded import shard_quant_model
     from recship.quantize import quantize_embeddings
     from recship.trainer.entry_point import describe_model
@@ -68,22 +67,8 @@ def _baseline_module(model: torch.nn.Module, num_dense: Optional[int]):
     q, _ = quantize_embeddings(copy.deepcopy(model), dtype="int8")
     sharded, _ = shard_quant_model(q, shards=1, sharding="table_wise")
     names = [f[0] for f in describe_model(model, num_dense)["features"]]
-    single = not hasattr(model, "eval_output")  # the DLRM answers a logit [B]: wrapped as the artifact did
-    exported = ExportedModule(sharded, names, single_output=single).eval()
-    return trace_and_script(_AsDLRMArtifact(exported) if single else exported)
-
-
-class _AsDLRMArtifact(torch.nn.Module):
-    """{"logit": [B, 1], "prob": [B, 1]} from a module answering {"output": logit [B]} (the DLRM artifact's outputs)."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor,
-                weights: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        logit = self.module(dense, lengths, values, weights)["output"].unsqueeze(1)
-        return {"logit": logit, "prob": torch.sigmoid(logit)}
+    single = not hasattr(model, "eval_output")  # the DLRM names its outputs (serving_outputs); TwoTower answers a dict
+    return trace_and_script(ExportedModule(sharded, names, single_output=single).eval())
 
 
 def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional[str], rounds: int,

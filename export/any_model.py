@@ -1,21 +1,26 @@
-"""Export of any model that holds embedding collections (not only the built-in DLRM).
+"""Export of a model: any ``nn.Module`` that follows the model contract, the built-in DLRM and a bare
+EmbeddingBagCollection alike (one path for all).
 
 The model contract: an ``nn.Module`` whose ``forward(dense, features)`` takes ``dense``
 float32 [B, num_dense] (num_dense may be 0) and ``features`` a KeyedJaggedTensor, and
-returns a Tensor [B, ...] or a Dict[str, Tensor] of [B, ...] tensors; its
+returns a Tensor [B, ...] or a Dict[str, Tensor] of [B, ...] tensors (or names its served
+outputs with ``serving_outputs``, as the DLRM does: ``recship.export.model``); its
 EmbeddingBagCollections and EmbeddingCollections may sit anywhere in its tree, and its
 forward must be traceable by torch.fx with those collections as leaves (no Python
 branching on tensor values; transforms of raw inputs, such as a log of dense counts,
-belong in forward so that clients send raw values).
+belong in forward so that clients send raw values). A bare EmbeddingBagCollection is
+exported as ``PooledEmbeddings``: each feature's pooled embedding.
 
-The steps are TorchRec's inference flow on recship's modules: ``quantize_embeddings``,
-``shard_quant_model``, ``recship.fx`` tracing, TorchScript; then the exported model is
-checked against the float model and the unsharded quantized one on synthetic batches
-and written as the usual artifact, which the server, its KServe fronts and the C++
-loader serve without model-specific code.
+The steps are TorchRec's inference flow on recship's modules: quantize the tables
+(straight into their inference shards: ``plan_inference_shards``, ``shard_quantized``),
+``recship.fx`` tracing, TorchScript; then the exported model is checked against the float
+model and the unsharded quantized one (``quantized_pooled_lookup``) on validation batches
+and written as the usual artifact, which the server, its KServe fronts and the C++ loader
+serve without model-specific code.
 
-A model comes in memory or from a checkpoint (``recship train --model``); either way its
-EmbeddingBagCollections' float tables stream one at a time (``_streamed_quantization``). Not yet: CUDA.
+A model comes in memory or from a checkpoint (``recship train``); either way its
+EmbeddingBagCollections' float tables stream one at a time (``_streamed_quantization``),
+so peak memory is one float table plus the quantized model.
 """
 
 import copy
@@ -26,35 +31,19 @@ import torch
 from torch import nn
 
 from recship.export.artifact import ModelFields, ModelInfo, Sharding, SparseFeature
-from recship.export.model import build_kjt, trace_and_script
+from recship.export.model import ExportedModule, PooledEmbeddings, build_kjt, served_outputs, trace_and_script
 from recship.quantize.flat import flatten_collections
-from recship.quantize.sharded import Shard
+from recship.quantize.sharded import InferenceShard, Shard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import describe_model
+from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
     from recship.export.config import ExportConfig
+    from recship.export.validation import Batch
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
-
-
-class ExportedModule(nn.Module):
-    """The artifact's entry point around a user's (quantized) model: request tensors in, named outputs out."""
-
-    def __init__(self, model: nn.Module, feature_names: List[str], single_output: bool) -> None:
-        super().__init__()
-        self.model = model
-        self._feature_names = list(feature_names)
-        self._single_output = single_output  # a constant when traced: the branch below is resolved then
-
-    def forward(
-        self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
-    ) -> Dict[str, torch.Tensor]:
-        out = self.model(dense, build_kjt(self._feature_names, values, lengths, weights))
-        if self._single_output:
-            return {"output": out}
-        return out
 
 
 def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.Tensor, KeyedJaggedTensor]:
@@ -67,14 +56,6 @@ def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.
     weights = torch.rand(values.numel(), generator=g) if spec["weighted"] else None
     kjt = KeyedJaggedTensor(keys=[f[0] for f in features], values=values, lengths=lengths.to(torch.int32), weights=weights)
     return torch.rand(batch, spec["num_dense"], generator=g), kjt
-
-
-def _as_dict(out, error) -> Dict[str, torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return {"output": out}
-    if isinstance(out, dict) and out and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()):
-        return out
-    raise error(f"the model's forward returned {type(out).__name__}; a model to export returns a Tensor or a Dict[str, Tensor]")
 
 
 def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
@@ -150,17 +131,20 @@ def tables_by_reference(module: nn.Module) -> Tuple[nn.Module, Callable[[str, st
     return copied, load_table
 
 
-def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
-    """Quantizes ``model`` (its EBC tables on meta, loaded one at a time by ``load_table(path, table)``)
-    and returns (float outputs per validation batch, quantized model, report).
+def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_table, quantize):
+    """Quantizes ``model`` (its EBC tables on meta, loaded one at a time by ``load_table(path, table)``) and
+    returns (float outputs per validation batch, the quantized reference's outputs, quantized model, report).
 
     The float model never exists whole. First the model runs each validation batch with stand-ins for its
     EBCs that keep the features each EBC call gets (what the model's forward made of the request: features
-    it hashed, filtered or passed to a shared collection twice). Then each float table is loaded once and
-    its pooled lookups for those calls are recorded; the float outputs come from the model with recorded
-    stand-ins for its EBCs and its float EmbeddingCollections.
+    it hashed, filtered or passed to a shared collection twice). Then each float table is loaded once, and
+    its float and quantized pooled lookups for those calls are recorded (``quantize(model, load_table,
+    record)`` calls ``record(path, table, weight, data_type, blocks)``). The float outputs come from the
+    model with recorded float stand-ins for its EBCs and its float EmbeddingCollections; the reference
+    outputs (what the unsharded quantized model answers) from recorded quantized stand-ins and the
+    quantized EmbeddingCollections.
     """
-    from recship.export.validation import pooled_lookup
+    from recship.export.validation import pooled_lookup, quantized_pooled_lookup
 
     paths: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
@@ -173,50 +157,75 @@ def _streamed_quantization(model: nn.Module, validation, load_table, quantize):
     layout = {key: ([f for t in m.embedding_bag_configs() for f in t.feature_names],
                     [t.embedding_dim for t in m.embedding_bag_configs() for _ in t.feature_names]) for key, m in bags.items()}
     captured = {key: _Captured(*layout[key]) for key in bags}
-    try:
-        for key, stand_in in captured.items():
-            _swap(model, paths[key], stand_in)
-        with torch.no_grad():
-            for dense, kjt, _ in validation:
-                for stand_in in captured.values():
-                    stand_in.calls.append([])
-                model(dense, kjt)
-    finally:
-        for key in captured:
-            _swap(model, paths[key], bags[key])
+    with torch.no_grad():
+        _run(model, paths, captured, validation, lambda stand_in, _: stand_in.calls.append([]))
     weighted = {first[key]: m.is_weighted() for key, m in bags.items()}
     calls = {first[key]: stand_in.calls for key, stand_in in captured.items()}
-    recorded: Dict[str, List[List[Dict[str, torch.Tensor]]]] = {
-        path: [[{} for _ in batch] for batch in per_batch] for path, per_batch in calls.items()}
+    recorded = {which: {path: [[{} for _ in batch] for batch in per_batch] for path, per_batch in calls.items()}
+                for which in ("float", "quantized")}
 
-    def record(path: str, table, weight: torch.Tensor) -> None:
-        for batch, per_batch in zip(calls[path], recorded[path]):
-            for features, pooled in zip(batch, per_batch):
+    def record(path: str, table, weight: torch.Tensor, data_type: DataType, error_minimizing: bool,
+               blocks: List[Tuple[int, int]]) -> None:
+        for batch, floats, quants in zip(calls[path], recorded["float"][path], recorded["quantized"][path]):
+            for features, pooled, stored in zip(batch, floats, quants):
                 for f in table.feature_names:
                     pooled[f] = pooled_lookup(weight, features[f], table, weighted[path])
+                    stored[f] = quantized_pooled_lookup(weight, features[f], table, weighted[path], data_type, error_minimizing, blocks)
 
     quantized, report = quantize(model, load_table, record)
-    stand_ins: Dict[int, nn.Module] = {}
-    for key, m in modules.items():
-        if key in bags:
-            stand_ins[key] = _Recorded(*layout[key], recorded[first[key]])
-        else:
-            stand_ins[key] = m  # the float EmbeddingCollection (its weights were loaded with the dense part)
     done = {key: quantized.get_submodule(ps[0]) if ps[0] else quantized for key, ps in paths.items()}
+    outputs: Dict[str, List[Any]] = {}
+    for which in ("float", "quantized"):
+        stand_ins = {key: _Recorded(*layout[key], recorded[which][first[key]]) if key in bags
+                     else (modules[key] if which == "float" else done[key])  # an EmbeddingCollection: loaded whole
+                     for key in modules}
+
+        def start(stand_in: nn.Module, index: int) -> None:
+            if isinstance(stand_in, _Recorded):
+                stand_in.index, stand_in.call = index, 0
+
+        with torch.no_grad():
+            outputs[which] = _run(quantized, paths, stand_ins, validation, start)
+    return outputs["float"], outputs["quantized"], quantized, report
+
+
+def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Dict[int, nn.Module], validation: List["Batch"],
+         start: Callable[[nn.Module, int], None]) -> List[Any]:
+    """``model``'s answers to the validation batches with ``stand_ins`` in place of its collections
+    (``start(stand_in, batch index)`` before each batch); the collections are put back after."""
+    originals = {key: model.get_submodule(ps[0]) if ps[0] else model for key, ps in paths.items() if key in stand_ins}
     outputs = []
     try:
-        for key, replacement in stand_ins.items():
-            _swap(quantized, paths[key], replacement)
-        with torch.no_grad():
-            for i, (dense, kjt, _) in enumerate(validation):
-                for replacement in stand_ins.values():
-                    if isinstance(replacement, _Recorded):
-                        replacement.index, replacement.call = i, 0
-                outputs.append(quantized(dense, kjt))
+        for key, stand_in in stand_ins.items():
+            _swap(model, paths[key], stand_in)
+        for i, (dense, kjt, _) in enumerate(validation):
+            for stand_in in stand_ins.values():
+                start(stand_in, i)
+            outputs.append(model(dense, kjt))
     finally:
-        for key, q in done.items():
-            _swap(quantized, paths[key], q)
-    return outputs, quantized, report
+        for key, original in originals.items():
+            _swap(model, paths[key], original)
+    return outputs
+
+
+def _dense_to(model: nn.Module, device: torch.device) -> None:
+    """Moves ``model``'s parameters and buffers to ``device``, except the flat collections' (their shards
+    stay on the devices they were placed on)."""
+    from recship.quantize.flat import FlatEmbeddingBagCollection, FlatEmbeddingCollection
+
+    def move(m: nn.Module) -> None:
+        if isinstance(m, (FlatEmbeddingBagCollection, FlatEmbeddingCollection)):
+            return
+        for name, p in m._parameters.items():
+            if p is not None:
+                m._parameters[name] = nn.Parameter(p.detach().to(device), requires_grad=p.requires_grad)
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+        for child in m.children():
+            move(child)
+
+    move(model)
 
 
 def export_any_model(
@@ -239,18 +248,21 @@ def export_any_model(
     """
     from recship.export.config import ExportError, expand_id_policy
     from recship.export.validation import refuse_non_finite
-    from recship.quantize.sharded import InferenceShard, shard_quant_model
     from recship.quantize import quantize_embeddings
+    from recship.quantize.rowwise import row_bytes
+    from recship.quantize.sharded import plan_inference_shards, shard_quantized
+    from recship.trainer.planner.types import ShardingType
 
-    if config.device != "cpu":
-        raise ExportError("exporting a model other than the built-in DLRM runs on CPU only for now (--device cpu)")
+    bare = type(module) is EmbeddingBagCollection
+    if bare:  # its tables keep their names: the wrapper's path is left out of them
+        module = PooledEmbeddings(module)
     if load_table is None:
         model, load_table = tables_by_reference(module)
     else:
         model = module if owned else copy.deepcopy(module)
     model.eval()
     try:
-        spec = describe_model(model, config.num_dense)
+        spec = describe_model(model, None if bare else config.num_dense)
     except ValueError as e:
         raise ExportError(str(e)) from None
     names = [f[0] for f in spec["features"]]
@@ -258,24 +270,56 @@ def export_any_model(
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")
+    held = {(path, t.name) for _, path, t, _, _ in spec["features"]}
+    unknown = sorted(set(config.table_dtypes) - {t for _, t in held} - {f"{path}.{t}" for path, t in held})
+    if unknown:
+        raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
     validation, data = _validation_batches(spec, config, data_seed)
 
-    def quantize(target: nn.Module, weights=None, on_table=None):
+    def qualified(path: str, table: str) -> str:
+        path = path[len(PooledEmbeddings.PATH):].lstrip(".") if bare else path
+        return f"{path}.{table}" if path else table
+
+    # where each collection's rows go: one QuantEmbeddingBagCollection, or inference shards on ``devices``
+    devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
+    sharded = config.shards > 1 or bool(config.sharding) or config.device != "cpu"
+    capacity = _device_capacity(config)
+    stored: Dict[str, Tuple[Dict[str, DataType], Dict[str, List[Tuple[int, int]]]]] = {}  # path -> (types, column blocks)
+    plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
+
+    def layout(path, tables, types, weighted, qconfig):
+        if not sharded:
+            stored[path] = (types, {t.name: [(0, t.embedding_dim)] for t in tables})
+            return None
+        sizes = {t.name: t.num_embeddings * row_bytes(types[t.name], t.embedding_dim, qconfig.alignment) for t in tables}
+        forced = {t.name: ShardingType(config.sharding) for t in tables} if config.sharding else None
+        plans[path] = plan = plan_inference_shards(tables, config.shards, forced, sizes, capacity)
+        stored[path] = (types, {t.name: sorted({(s.col_offset, s.cols) for s in plan[t.name]}) for t in tables})
+        return shard_quantized(tables, types, plan, devices, weighted, qconfig.id_policy, qconfig.alignment)
+
+    def quantize(target: nn.Module, weights, record):
+        def on_table(path: str, table, weight: torch.Tensor) -> None:
+            types, blocks = stored[path]
+            record(path, table, weight, types[table.name], config.error_minimizing, blocks[table.name])
+
         return quantize_embeddings(  # in place: ``target`` is this export's own model
-            target, inplace=True, weights=weights, on_table=on_table, dtype=config.dtype, table_dtypes=dict(config.table_dtypes),
-            error_budget=config.error_budget or 0.01, error_minimizing=config.error_minimizing,
-            id_policy=dict(config.id_policy), seed=config.seed,
+            target, inplace=True, weights=weights, on_table=on_table, layout=layout, dtype=config.dtype,
+            table_dtypes=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
+            error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed, device=config.device,
         )
 
     try:
         progress("quantize + shard")
-        raw, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
+        raw, raw_reference, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
+        single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
+        float_outputs = [served_outputs(model, r) for r in raw]
+        reference_outputs = [served_outputs(model, r) for r in raw_reference]
+    except ExportError:
+        raise
     except ValueError as e:
         raise ExportError(str(e)) from None
     except Exception as e:
         raise ExportError(f"the float model failed on a validation batch ({data}): {type(e).__name__}: {e}") from e
-    single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
-    float_outputs = [_as_dict(r, ExportError) for r in raw]
     for outputs in float_outputs:
         refuse_non_finite(outputs, "the float model", model)
     for k, v in float_outputs[0].items():
@@ -286,16 +330,10 @@ def export_any_model(
     if score_name is not None and (score_name not in float_outputs[0] or float_outputs[0][score_name][0].numel() != 1):
         score_name = None
 
-    try:
-        sharded: nn.Module = quantized
-        plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
-        if config.shards > 1 or config.sharding:
-            sharded, plans = shard_quant_model(quantized, shards=config.shards, sharding=config.sharding or "table_wise")
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-
     progress("trace + script")
-    exported = ExportedModule(flatten_collections(sharded), names, single).eval()
+    flat = flatten_collections(quantized)
+    _dense_to(flat, devices[0])  # the dense layers run where the shards' outputs are merged: the first device
+    exported = ExportedModule(flat, names, single, str(devices[0])).eval()
     try:
         scripted = trace_and_script(exported)
     except Exception as e:
@@ -305,24 +343,72 @@ def export_any_model(
         ) from e
 
     progress("validate")
-    unsharded = ExportedModule(quantized, names, single).eval()
+    validation_report = _validate(scripted, validation, float_outputs, reference_outputs, score_name, data, config, model)
+
+    types = {t.table: t.data_type for t in report.tables}  # named "<path>.<table>" by quantize_embeddings
+    features = []
+    for f, path, t, pooling, weighted in spec["features"]:
+        key = f"{path}.{t.name}" if path else t.name
+        features.append(SparseFeature(f, qualified(path, t.name), pooling, t.embedding_dim, t.num_embeddings, types[key],
+                                      config.id_policy.get(f, "reject"), weighted))
+    shards: List[Shard] = [dataclasses.replace(s, table=qualified(path, table))
+                           for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
+    tables = [dataclasses.replace(t, table=qualified(*t.table.rpartition(".")[::2])) for t in report.tables]
+    report = dataclasses.replace(report, tables=tables)
+    entry_point = {"model": config.model, "args": config.model_args} if config.model else None
+    user = module.collection if bare else module
+    shape = getattr(user, "config", None)  # a model's config dataclass (the DLRM's DLRMConfig), recorded for people
+    details = {"class": f"{type(user).__module__}.{type(user).__qualname__}", "entry_point": entry_point,
+               "config": dataclasses.asdict(shape) if dataclasses.is_dataclass(shape) and not isinstance(shape, type) else None}
+    fields = ModelFields(
+        model=ModelInfo(config.model_name, config.model_version, "module", details),
+        num_dense=spec["num_dense"],
+        weighted=spec["weighted"],
+        sparse_features=features,
+        sharding=Sharding(config.device, config.shards, report.row_alignment, shards),
+        quantization=report.to_dict(),
+        validation=validation_report,
+    )
+    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
+
+
+def _device_capacity(config: "ExportConfig") -> Optional[int]:
+    """Bytes of quantized rows one shard's device may hold: 90% of the smallest GPU's memory; None on CPU
+    (host memory: the OS decides)."""
+    if config.device == "cuda":
+        return min(torch.cuda.get_device_properties(i).total_memory for i in range(config.shards)) * 9 // 10
+    return None
+
+
+def _validate(scripted, validation: List["Batch"], float_outputs: List[Dict[str, torch.Tensor]],
+              reference_outputs: List[Dict[str, torch.Tensor]], score_name: Optional[str], data: str,
+              config: "ExportConfig", model: nn.Module) -> Dict[str, Any]:
+    """The manifest's ``validation``: the exported model against the float model and the unsharded quantized
+    reference on the validation batches. ExportError when it differs from the reference beyond float
+    rounding (a sharding or tracing bug), or from the float model beyond ``config.error_budget``."""
+    from recship.export.config import ExportError
+    from recship.export.validation import refuse_non_finite
+
     max_diff: Dict[str, float] = {}
     sums = [0.0, 0.0]
     vs_quantized = 0.0
+    scored: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     with torch.no_grad():
-        scored: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for (dense, kjt, labels), want in zip(validation, float_outputs):
-            args = (dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
-            got, reference = scripted(*args), unsharded(*args)
+        for (dense, kjt, labels), want, reference in zip(validation, float_outputs, reference_outputs):
+            raw = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
+            got = {k: v.cpu() for k, v in raw.items()}
             refuse_non_finite(got, "the exported model", model)
             if labels is not None and score_name is not None:
                 scored.append((got[score_name].reshape(-1), want[score_name].reshape(-1), labels))
             for k, w in want.items():
-                max_diff[k] = max(max_diff.get(k, 0.0), float((got[k] - w).abs().max()) if w.numel() else 0.0)
+                if not w.numel():
+                    max_diff.setdefault(k, 0.0)
+                    continue
+                max_diff[k] = max(max_diff.get(k, 0.0), float((got[k] - w).abs().max()))
                 sums[0] += float((got[k] - w).double().norm() ** 2)
                 sums[1] += float(w.double().norm() ** 2)
-                scale = max(1.0, float(reference[k].abs().max()) if reference[k].numel() else 1.0)
-                vs_quantized = max(vs_quantized, float((got[k] - reference[k]).abs().max()) / scale if w.numel() else 0.0)
+                scale = max(1.0, float(reference[k].abs().max()))
+                vs_quantized = max(vs_quantized, float((got[k] - reference[k]).abs().max()) / scale)
     relative = (sums[0] / max(sums[1], 1e-30)) ** 0.5
     if vs_quantized > 1e-4:
         raise ExportError(f"validation failed: the exported model differs from the unsharded quantized model by {vs_quantized:.3g} "
@@ -330,7 +416,7 @@ def export_any_model(
     if config.error_budget is not None and relative > config.error_budget:
         raise ExportError(f"validation failed: the outputs' relative difference from the float model is {relative:.3g}, "
                           f"over the error budget {config.error_budget:g} (choose wider types or a larger --error-budget)")
-    validation_report = {
+    report: Dict[str, Any] = {
         "data": data,
         "batches": len(validation),
         "batch_size": config.validation_batch_size,
@@ -344,27 +430,6 @@ def export_any_model(
 
         scores, float_scores, targets = (torch.cat(parts) for parts in zip(*scored))
         bce = nn.functional.binary_cross_entropy_with_logits
-        validation_report.update(output=score_name, auc=auc(scores, targets), float_auc=auc(float_scores, targets),
-                                 log_loss=float(bce(scores, targets)), float_log_loss=float(bce(float_scores, targets)))
-
-    types = {t.table: t.data_type for t in report.tables}
-    features = []
-    for f, path, t, pooling, weighted in spec["features"]:
-        qualified = f"{path}.{t.name}" if path else t.name
-        features.append(SparseFeature(f, qualified, pooling, t.embedding_dim, t.num_embeddings, types[qualified],
-                                      config.id_policy.get(f, "reject"), weighted))
-    shards: List[Shard] = [dataclasses.replace(s, table=f"{path}.{table}" if path else table)
-              for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
-    entry_point = {"model": config.model, "args": config.model_args} if config.model else None
-    fields = ModelFields(
-        model=ModelInfo(config.model_name, config.model_version, "module",
-                        {"class": f"{type(module).__module__}.{type(module).__qualname__}", "entry_point": entry_point, "config": None}),
-        num_dense=spec["num_dense"],
-        weighted=spec["weighted"],
-        sparse_features=features,
-        sharding=Sharding("cpu", config.shards, report.row_alignment, shards),
-        quantization=report.to_dict(),
-        validation=validation_report,
-    )
-    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
-
+        report.update(output=score_name, auc=auc(scores, targets), float_auc=auc(float_scores, targets),
+                      log_loss=float(bce(scores, targets)), float_log_loss=float(bce(float_scores, targets)))
+    return report

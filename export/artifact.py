@@ -567,16 +567,21 @@ def _check_sample_spec(m: Dict[str, Any], fail: Callable[[str], None]) -> None:
 
 def _check_table_rows(m: Dict[str, Any], fail: Callable[[str], None]) -> None:
     """Each sparse feature's rows (the bound requests are validated by) are the rows tables.bin holds of its
-    table, whose segments name it ``<table>@<shard>`` (the model files pin that list): all of them (row-wise)
-    or each of them (table- and column-wise). A table no segment names is not checked."""
-    held: Dict[str, List[int]] = {}
+    table: segments named ``<table>`` or ``<table>@<shard>`` in a tensor of its collection (``model.<path>.``,
+    for a table named ``<path>.<table>``; the model files pin that list): all of them (row-wise) or each of
+    them (table- and column-wise). A table no segment names is not checked."""
+    held: Dict[Tuple[str, str], List[int]] = {}
     for t in m["tables"]["tensors"]:
         for seg in t["segments"]:
             table, at, index = seg["name"].rpartition("@")
-            if at and re.fullmatch(r"[0-9]+", index) and seg.get("rows") is not None:
-                held.setdefault(table, []).append(seg["rows"])
+            if not (at and re.fullmatch(r"[0-9]+", index)):
+                table = seg["name"]
+            if seg.get("rows") is not None:
+                held.setdefault((t["name"], table), []).append(seg["rows"])
     for i, f in enumerate(m["sparse_features"]):
-        rows = held.get(f["table"])
+        path, _, table = f["table"].rpartition(".")
+        rows = [r for (tensor, name), rs in held.items() if name == table and tensor.startswith(f"model.{path}." if path else "")
+                for r in rs]
         if rows and f["rows"] != sum(rows) and any(r != f["rows"] for r in rows):
             fail(f"sparse_features[{i}].rows is {f['rows']}, but tables holds {'+'.join(map(str, rows))} rows "
                  f"of its table {f['table']!r}")

@@ -5,25 +5,22 @@
             values [N] int64,
             weights Optional[[N] float32]) -> Dict[str, Tensor]   (batch first)
 
-A DLRM answers {"logit": [B, 1], "prob": [B, 1]}; an embedding-only model answers
-each feature's pooled embedding [B, dim] (its ``dense`` input is [B, 0]).
-Inside, the quantized, inference-sharded tables run as a ``FlatPooledLookup`` on the
-request tensors themselves (no KeyedJaggedTensor is built); callers need no recship
-classes. The same modules are what torch.export / AOTInductor compile.
+``ExportedModule`` wraps any model that follows the contract (``recship.export.any_model``):
+the built-in DLRM answers {"logit": [B, 1], "prob": [B, 1]}; a bare EmbeddingBagCollection
+(``PooledEmbeddings``) each feature's pooled embedding [B, dim] (its ``dense`` input is [B, 0]).
+Inside, the quantized, inference-sharded collections are their flat twins
+(``recship.quantize.flat``); callers need no recship classes. The same module is what
+torch.export / AOTInductor compile.
 """
 
 import warnings
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
 
 from recship.fx import symbolic_trace
-from recship.quantize.flat import FlatPooledLookup
 from recship.sparse import KeyedJaggedTensor
-
-if TYPE_CHECKING:
-    from recship.trainer.dlrm import DLRM
 
 
 @torch.fx.wrap
@@ -38,51 +35,61 @@ def build_kjt(
     )
 
 
-class ExportedDLRM(nn.Module):
-    """A DLRM whose sparse arch is quantized and sharded for inference.
+class ExportedModule(nn.Module):
+    """The artifact's entry point around a (quantized, flattened) model: request tensors in, named outputs out.
 
-    Args:
-        dlrm: the DLRM (its dense layers are used; its sparse arch is not called).
-        lookup: the flat lookup of its quantized, sharded tables (features in table order).
-        device: where the dense layers (and the merged embeddings) live.
+    What the model answers becomes named outputs as ``served_outputs`` says; ``single_output``: it
+    answers one Tensor (known from an eager call: fx traces proxies, which are not Tensors).
+    ``device``: where the model's dense layers are (its tables may be on several devices).
     """
 
-    _feature_names: List[str]
-
-    def __init__(self, dlrm: "DLRM", lookup: FlatPooledLookup, device: str = "cpu") -> None:
+    def __init__(self, model: nn.Module, feature_names: List[str], single_output: bool, device: str = "cpu") -> None:
         super().__init__()
-        self.model = dlrm
-        self.lookup = lookup
-        self._feature_names = list(lookup.feature_names)
+        self.model = model
+        self._feature_names = list(feature_names)
+        self._single_output = single_output  # constants when traced: the branches below are resolved then
+        self._named = hasattr(model, "serving_outputs")
         self._device = device
 
     def forward(
         self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
     ) -> Dict[str, torch.Tensor]:
-        pooled = self.lookup(lengths, values, weights)
-        logit = self.model.predict(dense.to(torch.device(self._device)), pooled).unsqueeze(1)
-        return {"logit": logit, "prob": torch.sigmoid(logit)}
-
-
-class ExportedEmbeddings(nn.Module):
-    """An embedding-only model: each feature's pooled embedding."""
-
-    def __init__(self, lookup: FlatPooledLookup) -> None:
-        super().__init__()
-        self.lookup = lookup
-        self._feature_names = list(lookup.feature_names)
-        self._dims = list(lookup.dims)
-
-    def forward(
-        self, dense: torch.Tensor, lengths: torch.Tensor, values: torch.Tensor, weights: Optional[torch.Tensor] = None
-    ) -> Dict[str, torch.Tensor]:
-        pooled = self.lookup(lengths, values, weights)
-        out: Dict[str, torch.Tensor] = {}
-        col = 0
-        for name, dim in zip(self._feature_names, self._dims):
-            out[name] = pooled[:, col : col + dim]
-            col += dim
+        out = self.model(dense.to(torch.device(self._device)), build_kjt(self._feature_names, values, lengths, weights))
+        if self._named:
+            return self.model.serving_outputs(out)
+        if self._single_output:
+            return {"output": out}
         return out
+
+
+def served_outputs(model: nn.Module, out: Any) -> Dict[str, torch.Tensor]:
+    """The artifact's named outputs from what ``model``'s forward answered: its ``serving_outputs(out)``
+    if it names them (the built-in DLRM: logit [B] -> logit and prob [B, 1]), else a Tensor as
+    "output", a Dict[str, Tensor] as it is; ValueError for anything else."""
+    named = getattr(model, "serving_outputs", None)
+    if named is not None:
+        out = named(out)
+    if isinstance(out, torch.Tensor):
+        return {"output": out}
+    if isinstance(out, dict) and out and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()):
+        return out
+    raise ValueError(f"the model's forward returned {type(out).__name__}; a model to export returns a Tensor or a Dict[str, Tensor]"
+                     + (" (from serving_outputs)" if named is not None else ""))
+
+
+class PooledEmbeddings(nn.Module):
+    """A bare EmbeddingBagCollection as a model: ``forward(dense [B, 0], features)`` -> each feature's pooled
+    embedding [B, dim], named by the feature. Its tables keep their own names in the artifact."""
+
+    num_dense = 0
+    PATH = "collection"  # the collection's path inside, left out of the artifact's table names
+
+    def __init__(self, collection: nn.Module) -> None:
+        super().__init__()
+        self.collection = collection
+
+    def forward(self, dense: torch.Tensor, features: KeyedJaggedTensor) -> Dict[str, torch.Tensor]:
+        return self.collection(features).to_dict()
 
 
 def trace_and_script(module: nn.Module) -> torch.jit.ScriptModule:

@@ -8,9 +8,12 @@ The artifact directory (the contract the server and the C++ loader read):
     sample/         one request as raw little-endian tensors and the outputs the
                     exported model gave for it (any loader can self-check at start)
 
-Float tables are streamed one at a time from the checkpoint: each is quantized into
-its inference shards and its float lookups for the validation batches are computed,
-then it is dropped, so peak memory stays near the quantized model plus one table.
+Any model, the built-in DLRM and a bare EmbeddingBagCollection take the one path of
+``recship.export.any_model``: float tables are streamed one at a time (from the checkpoint,
+or from the model in memory), each quantized into its inference shards while its float and
+quantized lookups for the validation batches are recorded, then dropped, so peak memory
+stays near the quantized model plus one table. This module runs the stages and writes,
+publishes and names the artifact.
 """
 
 import ctypes
@@ -22,78 +25,40 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from recship.export.artifact import AotiSpec, Manifest, ModelFields, ModelInfo, Sharding, SparseFeature, file_sha256, write_sample
-from recship.export.config import TABLES_CHART, ExportConfig, ExportError, expand_id_policy
-from recship.export.model import ExportedDLRM, ExportedEmbeddings, trace_and_script
+from recship.export.any_model import export_any_model
+from recship.export.artifact import AotiSpec, Manifest, ModelFields, file_sha256, write_sample
+from recship.export.config import TABLES_CHART, ExportConfig, ExportError
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
-from recship.export.validation import Batch, eval_batches, pooled_lookup, refuse_non_finite
+from recship.export.validation import Batch
 from recship.names import VERSION_NAME
-from recship.quantize.flat import FlatPooledLookup
-from recship.quantize.quantizer import QuantizationReport, TableReport, choose_types, quantize_into
-from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
-from recship.quantize.sharded import plan_inference_shards, shard_quantized
+from recship.quantize.quantizer import QuantizationReport, TableReport
 from recship.quantize.tbe import host_rows_from
-from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.planner.types import ShardingType
-from recship.trainer.types import DataType
 
 if TYPE_CHECKING:
     from recship.export.aoti import AotiPackage
-    from recship.trainer.data import SyntheticCriteo
-    from recship.trainer.dlrm import DLRMConfig
 
 log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
 
 
 # ---------------------------------------------------------------------------
-# sources: a checkpoint, a DLRM, or an EmbeddingBagCollection
+# sources: a model in memory, or a checkpoint of one
 # ---------------------------------------------------------------------------
-
-
-@dataclass
-class _Source:
-    kind: str  # "dlrm" or "embeddings"
-    tables: List[EmbeddingBagConfig]
-    load: Callable[[str], torch.Tensor]  # table name -> its float weight [rows, dim] (read when called)
-    dense_model: Optional[nn.Module]  # the DLRM with its dense weights (sparse arch on meta)
-    model_config: Optional[Dict[str, Any]]
-    is_weighted: bool
-    num_dense: int
-    data_seed: Optional[int] = None  # the training run's seed: synthetic validation data is drawn like its own
-    synthetic: Optional["SyntheticCriteo"] = None  # that data's generator, once built
-
-
-def _dense_dlrm(config: "DLRMConfig", dense: Dict[str, torch.Tensor], where: str) -> nn.Module:
-    """The DLRM's dense layers with ``dense`` weights; no float tables are allocated."""
-    from recship.trainer.dlrm import DLRM
-
-    model: nn.Module = DLRM(config, device="meta")  # a plain Module: its sparse arch is swapped out
-    model.sparse_arch = nn.Module()  # the quantized, sharded tables run beside it (ExportedDLRM)
-    model.to_empty(device="cpu")
-    dense = {k: v for k, v in dense.items() if not k.startswith("sparse_arch.")}
-    missing = sorted(set(model.state_dict()) - set(dense))
-    if missing:
-        raise ExportError(f"{where} lacks dense parameters {missing}")
-    model.load_state_dict(dense)
-    return model
 
 
 def _module_from_checkpoint(
     path: Path, config: ExportConfig
-) -> Optional[Tuple[nn.Module, ExportConfig, Optional[int], Callable[[str, str], torch.Tensor]]]:
-    """For a checkpoint written by ``recship train --model`` (or a model named by ``config.model``):
-    (the model, its dense part loaded and its EmbeddingBagCollection tables not, the config naming
-    its entry point, the training run's seed, ``load_table(path, table)`` reading one float table).
-    None for a checkpoint of the built-in DLRM (exported by its own streaming path)."""
+) -> Tuple[nn.Module, ExportConfig, Optional[int], Callable[[str, str], torch.Tensor]]:
+    """For a checkpoint written by ``recship train`` (its model's entry point recorded, or named by
+    ``config.model``): (the model, its dense part loaded and its EmbeddingBagCollection tables not,
+    the config naming its entry point, the training run's seed, ``load_table(path, table)`` reading
+    one float table)."""
     from recship.trainer.checkpoint_reader import CheckpointError, CheckpointReader
     from recship.trainer.entry_point import build_model
 
@@ -106,7 +71,8 @@ def _module_from_checkpoint(
     recorded = (reader.config or {}).get("entry_point")
     entry = config.model or (recorded or {}).get("model")
     if entry is None:
-        return None
+        raise ExportError(f"{path}: the checkpoint does not record its model's entry point; name it with --model "
+                          "(model=... in ExportConfig)")
     if config.model:
         args = config.model_args
     else:
@@ -154,88 +120,6 @@ def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), name, module)
 
 
-def _is_any_model(src: object) -> bool:
-    """A module other than the built-in DLRM or a bare EmbeddingBagCollection (those have their streaming path)."""
-    from recship.trainer.dlrm import DLRM
-
-    return isinstance(src, nn.Module) and not isinstance(src, (DLRM, EmbeddingBagCollection))
-
-
-def _source(src: Union[str, Path, nn.Module]) -> _Source:
-    from recship.trainer.dlrm import DLRM, DLRMConfig
-
-    if isinstance(src, (str, Path)):
-        from recship.trainer.checkpoint_reader import CheckpointReader
-
-        if not Path(src).exists():
-            raise ExportError(f"checkpoint not found: {src}")
-        reader = CheckpointReader(src)
-        model = (reader.config or {}).get("model")
-        if model is None:
-            raise ExportError(f"{src}: the checkpoint does not record its model config")
-        config = DLRMConfig(**model)
-        dense_model = _dense_dlrm(config, reader.dense_state_dict(), str(src))
-        paths = {cfg.name: mpath for mpath, cfg in reader.table_configs()}
-        tables = [cfg for _, cfg in reader.table_configs()]
-        seed = ((reader.config or {}).get("train") or {}).get("seed")
-        return _Source("dlrm", tables, lambda name: reader.table(paths[name], name, reuse=True), dense_model, model, False,
-                       config.num_dense, seed)
-    if isinstance(src, DLRM):
-        ebc = src.sparse_arch
-        dense_model = _dense_dlrm(src.config, {k: v.detach() for k, v in src.state_dict().items()}, "the model")
-        return _Source(
-            "dlrm", ebc.embedding_bag_configs(), lambda name: _bag_weight(ebc, name),
-            dense_model, asdict(src.config), ebc.is_weighted(), src.config.num_dense,
-        )
-    if isinstance(src, EmbeddingBagCollection):
-        return _Source(
-            "embeddings", src.embedding_bag_configs(), lambda name: _bag_weight(src, name),
-            None, None, src.is_weighted(), 0,
-        )
-    raise ExportError(f"cannot export a {type(src).__name__}: give a checkpoint path, a DLRM or an EmbeddingBagCollection")
-
-
-def _bag_weight(ebc: EmbeddingBagCollection, table: str) -> torch.Tensor:
-    """Table ``table``'s float weight [rows, dim], detached."""
-    bag = ebc.embedding_bags[table]
-    assert isinstance(bag, nn.EmbeddingBag)  # an EmbeddingBagCollection holds one per table
-    return bag.weight.detach()
-
-
-# ---------------------------------------------------------------------------
-# validation batches
-# ---------------------------------------------------------------------------
-
-
-def _batches(source: _Source, config: ExportConfig, n: int, batch: int, stream: int) -> List[Batch]:
-    """[(dense, kjt, labels or None)] held-out requests (synthetic, fixed seed)."""
-    from recship.trainer.data import SyntheticConfig, SyntheticCriteo
-
-    rows = [t.num_embeddings for t in source.tables]
-    names = [f for t in source.tables for f in t.feature_names]
-    out: List[Batch] = []
-    if source.kind == "dlrm" and config.eval_data is not None and stream == 0:
-        return eval_batches(config.eval_data, names, rows, source.num_dense, False, n, batch)
-    if source.kind == "dlrm":
-        seed = source.data_seed if source.data_seed is not None else config.seed
-        if source.synthetic is None or source.synthetic.config.seed != seed:  # built once: it holds a score per row
-            source.synthetic = SyntheticCriteo(SyntheticConfig(rows, num_dense=source.num_dense, seed=seed), names)
-        for i in range(n):
-            b = source.synthetic.batch(i, 2_000_000 + stream, batch_size=batch)
-            out.append((b.dense, b.sparse, b.labels))
-        return out
-    g = torch.Generator().manual_seed(config.seed * 7919 + stream)
-    per_feature_rows = [t.num_embeddings for t in source.tables for _ in t.feature_names]
-    for _ in range(n):
-        lengths = torch.randint(0, 21, (len(names) * batch,), generator=g)
-        limits = torch.tensor(per_feature_rows).repeat_interleave(batch).repeat_interleave(lengths)
-        values = (torch.rand(int(lengths.sum()), generator=g) * limits).long()
-        weights = torch.rand(values.numel(), generator=g) if source.is_weighted else None
-        kjt = KeyedJaggedTensor(keys=names, values=values, lengths=lengths.to(torch.int32), weights=weights)
-        out.append((torch.zeros(batch, 0), kjt, None))
-    return out
-
-
 # ---------------------------------------------------------------------------
 # the pipeline
 # ---------------------------------------------------------------------------
@@ -262,96 +146,16 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         data_seed: Optional[int] = None
         load_table: Optional[Callable[[str, str], torch.Tensor]] = None
         if isinstance(source, (str, Path)):
-            rebuilt = _module_from_checkpoint(Path(source), config)
-            if rebuilt is not None:
-                (source, config, data_seed, load_table), owned = rebuilt, True
-        if load_table is not None or _is_any_model(source):  # (a DLRM rebuilt from its entry point too)
-            from recship.export.any_model import export_any_model
-
-            assert isinstance(source, nn.Module)  # rebuilt from the checkpoint, or given as one
-            staging = _staging(out, config)
-            # rows go straight into the tables file, unless sharding copies the quantized module afterwards
-            straight = config.device == "cpu" and config.shards == 1 and not config.sharding
-            with host_rows_from(staging[1].allocate if straight else None):
-                scripted, fields, sample, wrapped = export_any_model(
-                    source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
-                )
-            bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
-            manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, wrapped)
-            bar.finish()
-            bar.close()
-            _print_summary(manifest, out, config)
-            return manifest
-        src = _source(source)
-        names = [f for t in src.tables for f in t.feature_names]
-        config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
-        unknown = sorted(set(config.table_dtypes) - {t.name for t in src.tables})
-        if unknown:
-            raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
-        unknown_features = sorted(set(config.id_policy) - set(names))
-        if unknown_features:
-            raise ExportError(f"id policy names features the model does not have: {unknown_features}")
-        validation = _batches(src, config, config.validation_batches, config.validation_batch_size, stream=0)
-        qconfig = config.quant_config()
-
-        bar.next("quantize + shard")
-        choices = choose_types(list(src.tables), src.load, qconfig)  # a first streaming pass if a type is "auto"
-        types = {name: c.data_type for name, c in choices.items()}
-        sizes = {t.name: t.num_embeddings * row_bytes(types[t.name], t.embedding_dim, qconfig.alignment) for t in src.tables}
-        forced = {t.name: ShardingType(config.sharding) for t in src.tables} if config.sharding else None
-        capacity = _device_capacity(config)
-        try:
-            plan = plan_inference_shards(src.tables, config.shards, forced, sizes, capacity)
-        except ValueError as e:
-            raise ExportError(str(e)) from None
-        devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
+            (source, config, data_seed, load_table), owned = _module_from_checkpoint(Path(source), config), True
+        if not isinstance(source, nn.Module):
+            raise ExportError(f"cannot export a {type(source).__name__}: give a checkpoint path or a model (an nn.Module)")
         staging = _staging(out, config)
-        with host_rows_from(staging[1].allocate):  # CPU shards' rows are quantized straight into the tables file
-            sparse, views = shard_quantized(src.tables, types, plan, devices, src.is_weighted, config.id_policy, qconfig.alignment)
-        float_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
-        quant_pooled: List[Dict[str, torch.Tensor]] = [{} for _ in validation]
-        reports: List[TableReport] = []
-        # Stream: each float table is quantized into its shards, its float lookups for the
-        # validation batches are kept (small), and then it is dropped.
-        for index, t in enumerate(src.tables):
-            weight = src.load(t.name)
-            reports.append(quantize_into(index, t, weight, choices[t.name], views[t.name], qconfig))
-            blocks = sorted({(s.col_offset, s.cols) for s in plan[t.name]})
-            for i, (_, kjt, _) in enumerate(validation):
-                for f in t.feature_names:
-                    jt = kjt[f]
-                    float_pooled[i][f] = pooled_lookup(weight, jt, t, src.is_weighted)
-                    quant_pooled[i][f] = _quantized_pool(
-                        weight, jt, t, src.is_weighted, types[t.name], qconfig.error_minimizing, blocks
-                    )
-            del weight
-        report = QuantizationReport(reports, qconfig.alignment, qconfig.error_minimizing)
-
-        bar.next("trace + script")
-        if src.kind == "dlrm":
-            from recship.trainer.dlrm import DLRM
-
-            model = src.dense_model
-            assert isinstance(model, DLRM)  # every DLRM source has its dense part
-            # dense layers run where the shards' outputs are merged: the first device
-            model.to(devices[0])
-            exported: nn.Module = ExportedDLRM(model, FlatPooledLookup.of(sparse), str(devices[0]))
-        else:
-            exported = ExportedEmbeddings(FlatPooledLookup.of(sparse))
-        exported.eval()
-        try:
-            scripted = trace_and_script(exported)
-        except Exception as e:  # any tracing/scripting failure ends the export with its reason
-            raise ExportError(f"fx tracing / TorchScript failed: {type(e).__name__}: {e}") from e
-
-        bar.next("validate")
-        validation_report = _validate(scripted, src, validation, float_pooled, quant_pooled, config)
-
+        with host_rows_from(staging[1].allocate):  # CPU rows are quantized straight into the tables file
+            scripted, fields, sample, exported = export_any_model(
+                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
+            )
         bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
-        sample = _batches(src, config, 1, config.sample_batch_size, stream=1)[0]
-        manifest = write_artifact(
-            *staging, out, scripted, _dlrm_fields(src, types, plan, report, validation_report, config), sample, config, exported
-        )
+        manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, exported)
         bar.finish()
     except BaseException:
         if staging is not None:
@@ -365,123 +169,6 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.close()
     _print_summary(manifest, out, config)
     return manifest
-
-
-def _device_capacity(config: ExportConfig) -> Optional[int]:
-    if config.device == "cuda":
-        return min(torch.cuda.get_device_properties(i).total_memory for i in range(config.shards)) * 9 // 10
-    return None  # host memory: the OS decides
-
-
-def _quantized_pool(weight, jt, t: EmbeddingBagConfig, weighted: bool, dt: DataType, error_minimizing: bool, blocks) -> torch.Tensor:
-    """What the unsharded quantized table gives for ``jt`` (column blocks quantized as the shards are)."""
-    ids = jt.values().to(torch.int64)
-    unique, inverse = torch.unique(ids, return_inverse=True)
-    rows = weight[unique].float()
-    deq = torch.cat(
-        [dequantize_rows(quantize_rows(rows[:, c : c + w], dt, error_minimizing), dt, w) for c, w in blocks], dim=1
-    )
-    fake = type(jt)(values=inverse, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
-    return pooled_lookup(deq, fake, t, weighted)
-
-
-def _dense_outputs(src: _Source, dense, kjt, pooled: Dict[str, torch.Tensor], names, dims) -> Dict[str, torch.Tensor]:
-    """The model's outputs from given pooled embeddings (the float or the quantized ones)."""
-    kt = KeyedTensor(keys=names, length_per_key=dims, values=torch.cat([pooled[f] for f in names], dim=1))
-    if src.kind != "dlrm":
-        return kt.to_dict()
-    from recship.trainer.dlrm import DLRM
-
-    model = src.dense_model
-    assert isinstance(model, DLRM)  # every DLRM source has its dense part
-    device = next(model.parameters()).device
-    logit = model.predict(dense.to(device), kt.values().to(device)).unsqueeze(1).cpu()
-    return {"logit": logit, "prob": torch.sigmoid(logit)}
-
-
-def _validate(scripted, src: _Source, validation, float_pooled, quant_pooled, config: ExportConfig) -> Dict[str, Any]:
-    """Exported vs float and vs the unsharded quantized model on held-out batches.
-
-    Raises ExportError when the exported model disagrees with the unsharded quantized
-    one beyond float rounding (a sharding bug), or exceeds the error budget vs float.
-    """
-    from recship.trainer.metrics import auc
-
-    names = [f for t in src.tables for f in t.feature_names]
-    dims = [t.embedding_dim for t in src.tables for _ in t.feature_names]
-    max_err: Dict[str, float] = {}
-    rel_err = 0.0
-    vs_quantized = 0.0
-    probs, float_probs, labels = [], [], []
-    with torch.no_grad():
-        for (dense, kjt, label), pooled, qpooled in zip(validation, float_pooled, quant_pooled):
-            raw = scripted(dense, kjt.lengths().to(torch.int32), kjt.values().to(torch.int64), kjt.weights_or_none())
-            got = {k: v.cpu() for k, v in raw.items()}
-            want = _dense_outputs(src, dense, kjt, pooled, names, dims)
-            refuse_non_finite(want, "the float model", src.dense_model)
-            refuse_non_finite(got, "the exported model", src.dense_model)
-            quantized = _dense_outputs(src, dense, kjt, qpooled, names, dims)
-            for k in quantized:
-                scale = max(1.0, float(quantized[k].abs().max()))
-                vs_quantized = max(vs_quantized, float((got[k] - quantized[k]).abs().max()) / scale)
-            if src.kind == "dlrm":
-                probs.append(got["prob"][:, 0])
-                float_probs.append(want["prob"][:, 0])
-                labels.append(label)
-            else:
-                num = sum(float((got[k] - want[k]).norm() ** 2) for k in want)
-                den = sum(float(want[k].norm() ** 2) for k in want)
-                rel_err = max(rel_err, (num / max(den, 1e-30)) ** 0.5)
-            for k in want:
-                max_err[k] = max(max_err.get(k, 0.0), float((got[k] - want[k]).abs().max()))
-    seed = src.data_seed if src.data_seed is not None else config.seed
-    result: Dict[str, Any] = {
-        "data": config.eval_data if config.eval_data is not None and src.kind == "dlrm" else f"synthetic (seed {seed})",
-        "max_abs_error": max_err,
-        "max_relative_error_vs_unsharded_quantized": vs_quantized,
-        "batches": len(validation),
-        "batch_size": config.validation_batch_size,
-    }
-    if vs_quantized > 1e-4:
-        raise ExportError(
-            f"validation failed: the exported model differs from the unsharded quantized model by {vs_quantized:.3g} "
-            "(more than float rounding): a sharding or tracing error"
-        )
-    if src.kind == "dlrm":
-        p, fp, l = torch.cat(probs), torch.cat(float_probs), torch.cat(labels)
-        bce = nn.functional.binary_cross_entropy
-        result.update(
-            auc=auc(p, l), float_auc=auc(fp, l),
-            log_loss=float(bce(p.clamp(1e-7, 1 - 1e-7), l)), float_log_loss=float(bce(fp.clamp(1e-7, 1 - 1e-7), l)),
-        )
-        measured, what = max_err["prob"], "max |prob - float prob|"
-    else:
-        result["relative_error"] = rel_err
-        measured, what = rel_err, "relative error of pooled outputs"
-    result["error"] = measured
-    if config.error_budget is not None and measured > config.error_budget:
-        raise ExportError(
-            f"validation failed: {what} = {measured:.3g} exceeds the error budget {config.error_budget:g} "
-            "(choose wider types or a larger --error-budget)"
-        )
-    return result
-
-
-def _dlrm_fields(src: _Source, types, plan, report: QuantizationReport, validation: Dict[str, Any], config: ExportConfig) -> ModelFields:
-    """The manifest fields that depend on the model (``write_artifact`` adds the rest)."""
-    return ModelFields(
-        model=ModelInfo(config.model_name, config.model_version, src.kind, {"config": src.model_config}),
-        num_dense=src.num_dense,
-        weighted=src.is_weighted,
-        sparse_features=[
-            SparseFeature(f, t.name, t.pooling.value, t.embedding_dim, t.num_embeddings, types[t.name].name,
-                          config.id_policy.get(f, "reject"), src.is_weighted)
-            for t in src.tables for f in t.feature_names
-        ],
-        sharding=Sharding(config.device, config.shards, report.row_alignment, [s for t in src.tables for s in plan[t.name]]),
-        quantization=report.to_dict(),
-        validation=validation,
-    )
 
 
 def staging_folder(out: Path, config: ExportConfig) -> Path:
@@ -772,14 +459,10 @@ def _print_summary(manifest: Dict[str, Any], out: Path, config: ExportConfig) ->
         return
     print(report_text(manifest))
     v = manifest["validation"]
-    if "relative_diff_vs_float" in v:
-        diffs = ", ".join(f"{k} {d:.3g}" for k, d in v["max_abs_diff_vs_float"].items())
-        quality = f"; {v['output']}: AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
-        print(f"validation ({v['batches']} batches of {v['batch_size']}, {v['data']}): outputs differ from the float model's by "
-              f"{v['relative_diff_vs_float']:.3g} relative; max |difference| {diffs}{quality}")
-    else:
-        extra = f", AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
-        print(f"validation: error {v['error']:.3g}{extra}")
+    diffs = ", ".join(f"{k} {d:.3g}" for k, d in v["max_abs_diff_vs_float"].items())
+    quality = f"; {v['output']}: AUC {v['auc']:.4f} (float {v['float_auc']:.4f})" if "auc" in v else ""
+    print(f"validation ({v['batches']} batches of {v['batch_size']}, {v['data']}): outputs differ from the float model's by "
+          f"{v['relative_diff_vs_float']:.3g} relative; max |difference| {diffs}{quality}")
     if config.repo is not None:
         version = manifest["model"]["version"]
         out = out / str(version)

@@ -1,5 +1,6 @@
-"""What validation runs on and compares: batches of the user's data (``eval_batches``), the float reference of a
-pooled lookup (``pooled_lookup``), and the refusal of non-finite outputs (``refuse_non_finite``)."""
+"""What validation runs on and compares: batches of the user's data (``eval_batches``), the float and quantized
+references of a pooled lookup (``pooled_lookup``, ``quantized_pooled_lookup``), and the refusal of non-finite
+outputs (``refuse_non_finite``)."""
 
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -10,6 +11,7 @@ from torch import nn
 from recship.export.config import ExportError
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.types import DataType
 
 # a validation request: dense [B, num_dense] float32, its KJT, labels [B] float32 or None
 Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]
@@ -74,6 +76,23 @@ def pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: EmbeddingBagConfig,
     if weighted and t.pooling.value == "MEAN":
         out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
     return out
+
+
+def quantized_pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: EmbeddingBagConfig, weighted: bool, data_type: DataType,
+                            error_minimizing: bool, blocks: List[Tuple[int, int]]) -> torch.Tensor:
+    """What table ``t`` stored as ``data_type`` answers for ``jt``: the float rows it looks up, each column
+    block (col_offset, cols) quantized and dequantized as its shard stores it, then pooled as
+    ``pooled_lookup`` does. The exported model must agree with it up to float rounding, whatever its
+    sharding and kernels."""
+    from recship.quantize.rowwise import dequantize_rows, quantize_rows
+
+    ids = jt.values().to(torch.int64)
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    rows = weight[unique].float()
+    stored = torch.cat([dequantize_rows(quantize_rows(rows[:, c : c + w], data_type, error_minimizing), data_type, w)
+                        for c, w in blocks], dim=1)
+    local = type(jt)(values=inverse, weights=jt.weights_or_none(), lengths=jt.lengths(), offsets=jt.offsets())
+    return pooled_lookup(stored, local, t, weighted)
 
 
 def refuse_non_finite(outputs: Dict[str, torch.Tensor], which: str, model: Optional[nn.Module]) -> None:

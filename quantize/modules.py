@@ -10,6 +10,7 @@ Each table is quantized by ``recship.quantize.quantizer`` (types, rows, error re
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, cast, overload
 
 import torch
@@ -187,6 +188,12 @@ FloatCollection = Union[EmbeddingBagCollection, EmbeddingCollection]
 Q = TypeVar("Q", QuantEmbeddingBagCollection, QuantEmbeddingCollection)
 
 
+# Where a collection's quantized rows go: (its tables, their chosen types, is_weighted, the QuantConfig)
+# -> (the module holding them, each table's blocks to fill), or None for one QuantEmbeddingBagCollection.
+# Inference sharding at export passes one, so the rows are quantized straight into their shards.
+Layout = Callable[[List[EmbeddingBagConfig], Dict[str, DataType], bool, QuantConfig], Optional[Tuple[nn.Module, Dict[str, List[BlockView]]]]]
+
+
 def quantize_embedding_bag_collection(
     ebc: EmbeddingBagCollection, config: Optional[QuantConfig] = None,
     weights: Optional[TableLoader] = None, on_table: Optional[TableHook] = None,
@@ -197,21 +204,33 @@ def quantize_embedding_bag_collection(
     module's own parameters may then be on ``meta``); ``on_table(config, weight)`` sees each
     float table while it is loaded.
     """
-    config = config or QuantConfig()
+    module, report = _quantize_bags(ebc, config or QuantConfig(), weights, on_table, None)
+    assert isinstance(module, QuantEmbeddingBagCollection)  # no layout: one module of the tables
+    return module, report
+
+
+def _quantize_bags(ebc: EmbeddingBagCollection, config: QuantConfig, weights: Optional[TableLoader],
+                   on_table: Optional[TableHook], layout: Optional[Layout]) -> Tuple[nn.Module, QuantizationReport]:
+    """``quantize_embedding_bag_collection``, the rows placed by ``layout`` when it gives a place."""
     tables = ebc.embedding_bag_configs()
     source: Union[_OneAtATime, Dict[str, torch.Tensor]] = (
         _OneAtATime(weights) if weights is not None else {t.name: _table_weight(ebc.embedding_bags, t.name) for t in tables}
     )
-    return _quantize(
-        tables,
-        source.__getitem__,
-        lambda types: QuantEmbeddingBagCollection(
-            tables, types, is_weighted=ebc.is_weighted(), device=config.device,
-            row_alignment=config.alignment, id_policy=config.id_policy,
-        ),
-        config,
-        on_table,
-    )
+
+    def build(types: Dict[str, DataType]) -> Tuple[nn.Module, Dict[str, List[BlockView]]]:
+        placed = None if layout is None else layout(tables, types, ebc.is_weighted(), config)
+        if placed is not None:
+            return placed
+        return _whole(QuantEmbeddingBagCollection(tables, types, is_weighted=ebc.is_weighted(), device=config.device,
+                                                  row_alignment=config.alignment, id_policy=config.id_policy))
+
+    return _quantize(tables, source.__getitem__, build, config, on_table)
+
+
+def _whole(module: Q) -> Tuple[Q, Dict[str, List[BlockView]]]:
+    """``module`` and each of its tables as one block."""
+    return module, {name: [BlockView(slice(None), slice(None), data, scale_bias)]
+                    for name, (data, scale_bias) in module.table_weights().items()}
 
 
 class _OneAtATime:
@@ -242,31 +261,30 @@ def quantize_embedding_collection(
     """A QuantEmbeddingCollection holding ``ec``'s tables in the configured types, and its report."""
     config = config or QuantConfig()
     weights = {t.name: _table_weight(ec.embeddings, t.name) for t in ec.embedding_configs()}
-    return _quantize(
+    module, report = _quantize(
         ec.embedding_configs(),
         weights.__getitem__,
-        lambda types: QuantEmbeddingCollection(
+        lambda types: _whole(QuantEmbeddingCollection(
             ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
-        ),
+        )),
         config,
     )
+    assert isinstance(module, QuantEmbeddingCollection)  # built just above
+    return module, report
 
 
 def _quantize(
     tables: Sequence[BaseEmbeddingConfig],
     weight: TableLoader,  # a dict's or _OneAtATime's __getitem__
-    build: Callable[[Dict[str, DataType]], Q],
+    build: Callable[[Dict[str, DataType]], Tuple[nn.Module, Dict[str, List[BlockView]]]],
     config: QuantConfig,
     on_table: Optional[TableHook] = None,
-) -> Tuple[Q, QuantizationReport]:
+) -> Tuple[nn.Module, QuantizationReport]:
     choices = choose_types(tables, weight, config)
-    module = build({name: c.data_type for name, c in choices.items()})
-    views = module.table_weights()
+    module, views = build({name: c.data_type for name, c in choices.items()})
     reports = []
     for index, t in enumerate(tables):
-        data, scale_bias = views[t.name]
-        whole = BlockView(slice(None), slice(None), data, scale_bias)
-        reports.append(quantize_into(index, t, weight(t.name), choices[t.name], [whole], config))
+        reports.append(quantize_into(index, t, weight(t.name), choices[t.name], views[t.name], config))
         if on_table is not None:
             on_table(t, weight(t.name))
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
@@ -279,6 +297,7 @@ def quantize_embeddings(
     inplace: bool = False,
     weights: Optional[Callable[[str, str], torch.Tensor]] = None,
     on_table: Optional[Callable[[str, BaseEmbeddingConfig, torch.Tensor], None]] = None,
+    layout: Optional[Callable[..., Optional[Tuple[nn.Module, Dict[str, List[BlockView]]]]]] = None,
     **options: Any,
 ) -> Tuple[nn.Module, QuantizationReport]:
     """Swaps every float EmbeddingBagCollection and EmbeddingCollection in ``module``'s tree for its quantized twin.
@@ -296,6 +315,8 @@ def quantize_embeddings(
             collections' own parameters may then be on ``meta``.
         on_table: ``on_table(collection path, table config, weight)`` sees each
             EmbeddingBagCollection table while its float weight is loaded.
+        layout: ``layout(collection path, *Layout's arguments)`` places an EmbeddingBagCollection's
+            rows (export's inference shards); None, or its None: one QuantEmbeddingBagCollection.
         options: the other QuantConfig fields (error_budget, error_minimizing, device,
             chunk_rows, id_policy, ...); id_policy's features may belong to any collection.
 
@@ -326,7 +347,7 @@ def quantize_embeddings(
         if isinstance(m, EmbeddingBagCollection):
             load = None if weights is None else (lambda name, path=path: weights(path, name))
             hook = None if on_table is None else (lambda t, w, path=path: on_table(path, t, w))
-            swapped[key], report = quantize_embedding_bag_collection(m, sub, load, hook)
+            swapped[key], report = _quantize_bags(m, sub, load, hook, None if layout is None else functools.partial(layout, path))
         else:
             swapped[key], report = quantize_embedding_collection(m, sub)
         reports += [dataclasses.replace(r, table=f"{path}.{r.table}" if path else r.table) for r in report.tables]

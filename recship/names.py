@@ -185,6 +185,8 @@ EXPORT_FORMATS = ("auto", "torchscript", "aoti", "both")  # what export writes: 
 LOAD_FORMATS = ("auto", "torchscript", "aoti")  # what a loader runs (auto: model.pt2 where it runs here)
 ID_POLICIES = ("reject", "modulo")  # an id outside its table: refused, or hashed into it
 
+DLRM_ENTRY = "recship.models:dlrm"  # the built-in DLRM: what `recship train` trains without --model
+
 # Criteo's layout (the built-in DLRM and data reader): 13 integer (dense) features, 26 categorical (sparse) ones
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26

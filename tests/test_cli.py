@@ -125,7 +125,11 @@ def test_train_config_file_takes_flag_spelling_and_names_valid_keys(tmp_path):
 def test_one_table_size_is_every_features():
     from recship.trainer.train import TrainConfig
 
-    tables = TrainConfig(num_embeddings_per_feature=[5000]).model_config().tables()
+    from recship.trainer.dlrm import DLRMConfig
+
+    entry, args = TrainConfig(num_embeddings_per_feature=[5000]).entry_point()
+    assert entry == "recship.models:dlrm"
+    tables = DLRMConfig(**args).tables()
     assert [t.num_embeddings for t in tables] == [5000] * 26 and len({t.name for t in tables}) == 26
     assert _train_config(["--num-embeddings-per-feature", "5000"]).num_embeddings_per_feature == [5000] * 26
     assert TrainConfig(num_embeddings_per_feature=[7, 8]).num_embeddings_per_feature == [7, 8]  # several: as given
@@ -219,9 +223,9 @@ def test_an_export_shows_no_instance_annotation_warning(tmp_path):
     import torch
 
     from recship.export import ExportConfig, export_model
-    from recship.export.model import ExportedEmbeddings
+    from recship.export.model import ExportedModule, PooledEmbeddings
     from recship.fx import symbolic_trace
-    from recship.quantize.flat import FlatPooledLookup
+    from recship.quantize.flat import flatten_collections
     from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=4, num_embeddings=10, feature_names=[f"f{i}"]) for i in range(2)]
@@ -232,7 +236,7 @@ def test_an_export_shows_no_instance_annotation_warning(tmp_path):
         from recship.quantize import QuantConfig, quantize_embedding_bag_collection
 
         qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
-        torch.jit.script(symbolic_trace(ExportedEmbeddings(FlatPooledLookup.of(qebc))))
+        torch.jit.script(symbolic_trace(ExportedModule(flatten_collections(PooledEmbeddings(qebc)), ["f0", "f1"], False)))
     if not any(message in str(w.message) for w in raw):
         pytest.skip("this torch no longer warns about instance-level annotations")
     with warnings.catch_warnings(record=True) as seen:

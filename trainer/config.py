@@ -5,13 +5,10 @@ argument errors answer at once; ``recship.trainer.train`` runs the config.
 """
 
 from dataclasses import MISSING, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
-from recship.names import CPU_OPTIMIZERS, CRITEO_NUM_SPARSE, LOG_FORMATS, OPTIMIZERS, SHARDINGS
+from recship.names import CPU_OPTIMIZERS, CRITEO_NUM_SPARSE, DLRM_ENTRY, LOG_FORMATS, OPTIMIZERS, SHARDINGS
 from recship.names import DEVICES as _DEVICES
-
-if TYPE_CHECKING:
-    from recship.trainer.dlrm import DLRMConfig
 
 DEVICES = ("auto",) + _DEVICES  # auto: cuda where torch sees a GPU, else cpu
 
@@ -60,16 +57,13 @@ class TrainConfig:
             return torch.cuda.is_available()
         return self.device == "cuda"
 
-    def model_config(self) -> "DLRMConfig":
-        """The built-in DLRM's DLRMConfig (imports torch)."""
-        from recship.trainer.dlrm import DLRMConfig
-
-        return DLRMConfig(
-            num_embeddings_per_feature=list(self.num_embeddings_per_feature),
-            embedding_dim=self.embedding_dim,
-            dense_arch=list(self.dense_arch),
-            over_arch=list(self.over_arch),
-        )
+    def entry_point(self) -> Tuple[str, Dict[str, Any]]:
+        """(entry point, its arguments) of the model to train: ``model``, else the built-in DLRM
+        (``recship.models:dlrm``) shaped by the DLRM flags."""
+        if self.model is not None:
+            return self.model, dict(self.model_args)
+        return DLRM_ENTRY, {"num_embeddings_per_feature": list(self.num_embeddings_per_feature), "embedding_dim": self.embedding_dim,
+                            "dense_arch": list(self.dense_arch), "over_arch": list(self.over_arch)}
 
     def __post_init__(self) -> None:
         self.num_embeddings_per_feature = table_sizes(self.num_embeddings_per_feature)

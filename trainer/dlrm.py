@@ -7,7 +7,7 @@
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -91,8 +91,15 @@ class DLRM(nn.Module):
         self.over_arch = _mlp([d + num_pairs] + config.over_arch + [1], device, final_activation=False)
         self._num_vectors = f + 1
 
+    eval_output = "logit"  # the served output that export measures AUC and log loss on
+
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.predict(dense, self.sparse_arch(sparse).values())
+
+    def serving_outputs(self, logit: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The exported model's outputs (``recship.export.model``): logit and prob, [B, 1] each."""
+        logit = logit.unsqueeze(1)
+        return {"logit": logit, "prob": torch.sigmoid(logit)}
 
     def predict(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
         """The logit [B] from dense features [B, num_dense] and the pooled embeddings [B, F * D]

@@ -1,4 +1,4 @@
-"""Training: a DLRM (or an entry-point model) with sharded tables on one or more ranks, with checkpoints.
+"""Training: any model (an entry point; the built-in DLRM by default) with sharded tables on one or more ranks, with checkpoints.
 
     launch(TrainConfig(out="runs/demo", steps=300))       # what ``recship train`` (recship.trainer.cli) runs
 
@@ -30,7 +30,6 @@ from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.config import TrainConfig
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
-from recship.trainer.dlrm import DLRM
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.entry_point import build_model, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
@@ -54,22 +53,14 @@ class _Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         torch.manual_seed(config.seed)
-        if config.model is None:
-            model_config = config.model_config()
-            model: nn.Module = DLRM(model_config, device="meta")
-            tables = model_config.tables()
-            self.features = [f for t in tables for f in t.feature_names]
-            self.rows = list(config.num_embeddings_per_feature)
-            self.num_dense, self.weighted = model_config.num_dense, False
-            self.saved_model = {"model": asdict(model_config)}
-        else:
-            model = build_model(config.model, config.model_args, device="meta")
-            contract = describe_model(model)
-            tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
-            self.features = [f[0] for f in contract["features"]]
-            self.rows = [f[2].num_embeddings for f in contract["features"]]
-            self.num_dense, self.weighted = contract["num_dense"], contract["weighted"]
-            self.saved_model = {"entry_point": {"model": config.model, "args": config.model_args}}
+        entry, args = config.entry_point()  # the built-in DLRM is the entry point recship.models:dlrm
+        model = build_model(entry, args, device="meta")
+        contract = describe_model(model)
+        tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
+        self.features = [f[0] for f in contract["features"]]
+        self.rows = [f[2].num_embeddings for f in contract["features"]]
+        self.num_dense, self.weighted = contract["num_dense"], contract["weighted"]
+        self.saved_model = {"entry_point": {"model": entry, "args": args}}
         self.user_model = model  # its loss() and eval_output, if it defines them
         constraints = None
         if config.sharding is not None:

@@ -1,9 +1,9 @@
 // The manifest checked (manifest.h): export/artifact.py check_manifest's rules and words.
 #include "manifest.h"
 
-#include <map>
 #include <regex>
 #include <set>
+#include <tuple>
 
 #include "recship/model.h"
 
@@ -132,33 +132,38 @@ void check_values(const json& m, const std::string& file) {
     for (size_t d = 1; d < dims.size(); ++d) shape.push_back(dims[d].get<uint64_t>());
     need("outputs", name, "float32", shape, "batch_size, the output's shape");
   }
-  // each feature's rows: all of its table's segment rows (row-wise) or each of them (export/artifact.py _check_table_rows)
-  std::map<std::string, std::vector<uint64_t>> held;
+  // each feature's rows: all of its table's segment rows (row-wise) or each of them (export/artifact.py _check_table_rows);
+  // a segment "<table>" or "<table>@<shard>" of a tensor "model.<path>." holds rows of the feature table "<path>.<table>"
+  std::vector<std::tuple<std::string, std::string, uint64_t>> held;  // (tensor, table, rows) of each segment, in file order
   static const std::regex shard_index("[0-9]+");
   for (const auto& t : m.value("tables", json::object()).value("tensors", json::array())) {
     for (const auto& seg : t["segments"]) {
-      const std::string& name = seg["name"].get_ref<const std::string&>();
+      if (!seg.contains("rows") || seg["rows"].is_null()) continue;
+      std::string name = seg["name"].get<std::string>();
       const size_t at = name.rfind('@');
-      if (at == std::string::npos || !std::regex_match(name.substr(at + 1), shard_index) || !seg.contains("rows") || seg["rows"].is_null())
-        continue;
-      held[name.substr(0, at)].push_back(seg["rows"].get<uint64_t>());
+      if (at != std::string::npos && std::regex_match(name.substr(at + 1), shard_index)) name = name.substr(0, at);
+      held.emplace_back(t["name"].get<std::string>(), name, seg["rows"].get<uint64_t>());
     }
   }
   for (size_t i = 0; i < features.size(); ++i) {
-    auto it = held.find(features[i]["table"].get<std::string>());
-    if (it == held.end()) continue;
+    const std::string& qualified = features[i]["table"].get_ref<const std::string&>();
+    const size_t dot = qualified.rfind('.');
+    const std::string table = dot == std::string::npos ? qualified : qualified.substr(dot + 1);
+    const std::string prefix = dot == std::string::npos ? "" : "model." + qualified.substr(0, dot) + ".";
     const uint64_t rows = features[i]["rows"].get<uint64_t>();
     unsigned __int128 sum = 0;
-    bool each = true;
+    bool each = true, any = false;
     std::string listed;
-    for (uint64_t r : it->second) {
+    for (const auto& [tensor, name, r] : held) {
+      if (name != table || tensor.compare(0, prefix.size(), prefix) != 0) continue;
+      any = true;
       sum += r;
       each = each && r == rows;
       listed += (listed.empty() ? "" : "+") + std::to_string(r);
     }
-    if (sum != rows && !each)
+    if (any && sum != rows && !each)
       fail("sparse_features[" + std::to_string(i) + "].rows is " + std::to_string(rows) + ", but tables holds " + listed +
-           " rows of its table " + tables::py_repr(it->first));
+           " rows of its table " + tables::py_repr(qualified));
   }
   if (m.contains("aoti")) {
     const json& aoti = m["aoti"];

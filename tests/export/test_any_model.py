@@ -204,7 +204,7 @@ def test_validation_is_drawn_like_the_training_data_or_from_eval_data(exported, 
     for name, manifest in manifests.items():  # no --eval-data: synthetic batches with the training run's labelling model
         v = manifest["validation"]
         assert v["data"] == "synthetic, as the training run's (seed 0)"
-        assert v["output"] == {"two_tower": "score", "dlrm": "output"}.get(name, "click")
+        assert v["output"] == {"two_tower": "score", "dlrm": "logit"}.get(name, "click")
         assert abs(v["auc"] - v["float_auc"]) < 0.02 and v["float_auc"] > 0.6, v
     checkpoint = sorted((root / "runs" / "two_tower" / "checkpoints").iterdir())[-1]
     out = tmp_path / "a"

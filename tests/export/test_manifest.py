@@ -9,10 +9,11 @@ import pytest
 from recship.export.artifact import ArtifactError, Manifest, ModelFields, open_artifact, read_sample, write_sample
 from recship.export.tables import TablesSpec
 
-KINDS = [("dlrm", "int8"), ("emb", "int4")]  # unweighted with dense inputs; weighted, no dense, a modulo feature
+KINDS = [("dlrm", "int8", "cpu", "torchscript", 1), ("emb", "int4", "cpu", "torchscript", 2)]  # unweighted with dense inputs,
+# unsharded; weighted, no dense, a modulo feature, row-wise on 2 shards
 
 
-@pytest.fixture(params=KINDS, ids=["_".join(k) for k in KINDS])
+@pytest.fixture(params=KINDS, ids=["_".join(map(str, k[:2])) for k in KINDS])
 def artifact(request, small_artifacts):
     return small_artifacts(*request.param)
 
@@ -66,7 +67,8 @@ def test_manifest_writes_exactly_the_fields_the_schema_lists(artifact, manifest_
 
     walk(manifest_schema.schema, written, "manifest")
     assert {"manifest", "manifest.inputs", "manifest.sharding", "manifest.versions", "manifest.sample",
-            "manifest.sparse_features[0]", "manifest.sharding.shards[0]", "manifest.sample.inputs['dense']"} <= set(checked)
+            "manifest.sparse_features[0]", "manifest.sample.inputs['dense']"} <= set(checked)
+    assert ("manifest.sharding.shards[0]" in checked) == (written["sharding"]["shards"] != [])
 
 
 def test_each_required_field_missing_is_refused_naming_it(artifact, manifest_schema):
@@ -109,8 +111,8 @@ def test_an_optional_field_missing_is_accepted(artifact, manifest_schema):
     (lambda m: m["versions"].update(torch=2), "versions.torch"),
     (lambda m: m.update(op_libraries="fbgemm_gpu_py.so"), "op_libraries"),
 ])
-def test_schema_and_manifest_refuse_the_same_bad_values(small_artifact, manifest_schema, edit, field):
-    raw = _raw(small_artifact)
+def test_schema_and_manifest_refuse_the_same_bad_values(small_artifacts, manifest_schema, edit, field):
+    raw = _raw(small_artifacts("dlrm", "int8", "cpu", "torchscript", 2))  # sharded: its shards are checked too
     edit(raw)
     assert any(e.startswith(field) for e in manifest_schema.errors(raw)), manifest_schema.errors(raw)
     with pytest.raises(ArtifactError, match="manifest.json: .*" + re.escape(field)):
@@ -136,7 +138,8 @@ def test_inputs_must_agree_with_num_dense_and_weighted(small_artifact):
 
 def test_open_artifact_gives_the_typed_manifest_and_self_checks(small_artifact, tmp_path):
     model, manifest = open_artifact(small_artifact)
-    assert isinstance(manifest, Manifest) and manifest.model.kind == "dlrm" and manifest.model.details["config"]["embedding_dim"] == 8
+    assert isinstance(manifest, Manifest) and manifest.model.kind == "module" and manifest.model.details["config"]["embedding_dim"] == 8
+    assert manifest.model.details["class"] == "recship.trainer.dlrm.DLRM"
     art = tmp_path / "a"
     shutil.copytree(small_artifact, art)
     prob = art / manifest.sample.outputs["prob"].file

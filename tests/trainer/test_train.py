@@ -46,12 +46,12 @@ def test_resume_is_exact(tmp_path, nproc):
 
 def _gathered_after_load(rank, world_size, checkpoint, sharding):
     """Builds a DMP under a new plan, loads the checkpoint, gathers tables and row-wise states."""
-    from recship.trainer.dlrm import DLRM
+    from recship.trainer.dlrm import DLRM, DLRMConfig
     from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
     from recship.trainer.model_parallel import DistributedModelParallel
     from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
-    config = small("unused", sharding=sharding).model_config()
+    config = DLRMConfig(**small("unused", sharding=sharding).entry_point()[1])
     model = DLRM(config, device="meta")
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType(sharding)]) for t in config.tables()}
     optim = FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
