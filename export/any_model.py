@@ -25,7 +25,7 @@ so peak memory is one float table plus the quantized model.
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -157,12 +157,17 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
     layout = {key: ([f for t in m.embedding_bag_configs() for f in t.feature_names],
                     [t.embedding_dim for t in m.embedding_bag_configs() for _ in t.feature_names]) for key, m in bags.items()}
     captured = {key: _Captured(*layout[key]) for key in bags}
+
+    def new_batch(stand_in: nn.Module, index: int) -> None:
+        assert isinstance(stand_in, _Captured)  # the stand-ins of this run
+        stand_in.calls.append([])
+
     with torch.no_grad():
-        _run(model, paths, captured, validation, lambda stand_in, _: stand_in.calls.append([]))
+        _run(model, paths, captured, validation, new_batch)
     weighted = {first[key]: m.is_weighted() for key, m in bags.items()}
     calls = {first[key]: stand_in.calls for key, stand_in in captured.items()}
-    recorded = {which: {path: [[{} for _ in batch] for batch in per_batch] for path, per_batch in calls.items()}
-                for which in ("float", "quantized")}
+    recorded: Dict[str, Dict[str, List[List[Dict[str, torch.Tensor]]]]] = {
+        which: {path: [[{} for _ in batch] for batch in per_batch] for path, per_batch in calls.items()} for which in ("float", "quantized")}
 
     def record(path: str, table, weight: torch.Tensor, data_type: DataType, error_minimizing: bool,
                blocks: List[Tuple[int, int]]) -> None:
@@ -189,7 +194,7 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
     return outputs["float"], outputs["quantized"], quantized, report
 
 
-def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Dict[int, nn.Module], validation: List["Batch"],
+def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Mapping[int, nn.Module], validation: List["Batch"],
          start: Callable[[nn.Module, int], None]) -> List[Any]:
     """``model``'s answers to the validation batches with ``stand_ins`` in place of its collections
     (``start(stand_in, batch index)`` before each batch); the collections are put back after."""

@@ -56,7 +56,9 @@ class ExportedModule(nn.Module):
     ) -> Dict[str, torch.Tensor]:
         out = self.model(dense.to(torch.device(self._device)), build_kjt(self._feature_names, values, lengths, weights))
         if self._named:
-            return self.model.serving_outputs(out)
+            named = self.model.serving_outputs
+            assert callable(named)  # checked at construction (hasattr): a method of the model
+            return named(out)
         if self._single_output:
             return {"output": out}
         return out

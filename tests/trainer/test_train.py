@@ -142,7 +142,8 @@ def test_corrupt_checkpoints_name_the_missing_piece(tmp_path):
 def test_load_for_export_streams_tables(tmp_path):
     summary = launch(small(tmp_path, steps=4))
     reader = CheckpointReader(summary["checkpoint"])
-    assert reader.step == 4 and reader.config["model"]["embedding_dim"] == 8
+    entry = reader.config["entry_point"]  # the built-in DLRM is recorded as the entry point it is built from
+    assert reader.step == 4 and entry["model"] == "recship.models:dlrm" and entry["args"]["embedding_dim"] == 8
     names = [cfg.name for _, cfg, _ in reader.tables()]
     assert names == [f"t_cat_{i}" for i in range(26)]
     dense = reader.dense_state_dict()
