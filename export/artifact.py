@@ -750,10 +750,10 @@ def _check_versions(path: Path, manifest: Manifest) -> None:
 
     built, running = _release(manifest.versions.torch), _release(torch.__version__)
     if built != running:
-        raise ArtifactError(f"{path}: artifact built with torch {built}, this loader runs torch {running}")
+        raise ArtifactError(f"{path / 'manifest.json'}: artifact built with torch {built}, this loader runs torch {running}")
     found = getattr(fbgemm_gpu, "__version__", "")
     if found and _release(found) != _release(manifest.versions.fbgemm_gpu):
-        raise ArtifactError(f"{path}: artifact built with fbgemm_gpu {manifest.versions.fbgemm_gpu}, this loader runs "
+        raise ArtifactError(f"{path / 'manifest.json'}: artifact built with fbgemm_gpu {manifest.versions.fbgemm_gpu}, this loader runs "
                             f"fbgemm_gpu {found}")
 
 

@@ -224,12 +224,14 @@ def _flat_tbes(module: torch.nn.Module) -> Iterable[Tuple[str, Any]]:
 def _tbe_segments(tbe: Any, uvm: bool, total: int) -> List[Tuple[str, int, int, int]]:
     """(table name, start, end, rows) of each table whose rows live in the TBE's ``weights``
     (``uvm`` False) or ``weights_uvm``, in offset order; together they cover [0, total)."""
+    # weights_offsets and weights_placements have one entry per feature (a table looked up by two features has
+    # two): a table's are its first feature's
     placements = [int(p) for p in tbe.weights_placements.tolist()]
     offsets = [int(o) for o in tbe.weights_offsets.tolist()]
-    names, rows = list(tbe.table_names), list(tbe.table_rows)
+    names, rows, first = list(tbe.table_names), list(tbe.table_rows), list(tbe.table_first_feature)
     # at one offset, the table with fewer rows first: a table of no rows has its next one's offset, and must not
     # take that table's bytes
-    mine = sorted((offsets[t], rows[t], names[t]) for t in range(len(names)) if (placements[t] in _UVM_PLACEMENTS) == uvm)
+    mine = sorted((offsets[first[t]], rows[t], names[t]) for t in range(len(names)) if (placements[first[t]] in _UVM_PLACEMENTS) == uvm)
     out = []
     for k, (start, n, name) in enumerate(mine):
         end = mine[k + 1][0] if k + 1 < len(mine) else total

@@ -79,6 +79,9 @@ class FlatTBE(nn.Module):
         specs = getattr(tbe, "embedding_specs")
         self.table_names: List[str] = [str(s[0]) for s in specs]
         self.table_rows: List[int] = [int(s[1]) for s in specs]
+        # weights_offsets and weights_placements have one entry per feature: a table's is its first feature's
+        feature_table_map = [int(t) for t in getattr(tbe, "feature_table_map")]
+        self.table_first_feature: List[int] = [feature_table_map.index(t) for t in range(len(specs))]
 
     def forward(self, indices: torch.Tensor, offsets: torch.Tensor, weights: Optional[torch.Tensor]) -> torch.Tensor:
         """indices [N] int64, offsets [T*B + 1] int64 (T: the TBE's features), weights [N] float32 or None

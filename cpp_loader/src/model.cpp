@@ -312,11 +312,11 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
     std::string running_torch = release(TORCH_VERSION);
     if (built_torch != running_torch)
-      throw VersionMismatch(artifact_dir + ": artifact built with torch " + built_torch + ", this loader runs torch " + running_torch);
+      throw VersionMismatch(artifact_dir + "/manifest.json: artifact built with torch " + built_torch + ", this loader runs torch " + running_torch);
     std::string built_fbgemm = m.manifest["versions"]["fbgemm_gpu"].get<std::string>();
     std::string found = fbgemm_version(fbgemm_dir);
     if (!found.empty() && release(found) != release(built_fbgemm))
-      throw VersionMismatch(artifact_dir + ": artifact built with fbgemm_gpu " + built_fbgemm + ", this loader runs fbgemm_gpu " + found);
+      throw VersionMismatch(artifact_dir + "/manifest.json: artifact built with fbgemm_gpu " + built_fbgemm + ", this loader runs fbgemm_gpu " + found);
   }
   // 3. which model file runs
   m.format = options.format == "auto" ? "torchscript" : options.format;

@@ -38,7 +38,7 @@ TALLY: collections.Counter = collections.Counter()
 _NUMBER = itertools.count()
 
 # manifest fields an edit can change without changing any answer: reports and names (nothing validates by them)
-HARMLESS = [("validation", "auc"), ("validation", "data"), ("quantization", "error_minimizing"), ("model", "name"),
+HARMLESS = [("validation", "relative_diff_vs_float"), ("validation", "data"), ("quantization", "error_minimizing"), ("model", "name"),
             ("model", "version"), ("versions", "python")]
 # fields a loader must refuse when they are edited to another value (sizes, checksums, files, shapes, bounds)
 STRUCTURAL = [("num_dense",), ("weighted",), ("model_sha256",), ("format",), ("sample", "batch_size"),

@@ -112,7 +112,7 @@ def test_version_mismatch_is_refused(binary, artifacts, tmp_path):
     manifest["versions"]["torch"] = "9.9.9"
     (art / "manifest.json").write_text(json.dumps(manifest))
     result = _run(binary, art)
-    assert result.returncode == 1 and f"{art}: artifact built with torch 9.9.9, this loader runs torch" in result.stderr
+    assert result.returncode == 1 and f"{art}/manifest.json: artifact built with torch 9.9.9, this loader runs torch" in result.stderr
 
 
 def test_max_batch_size_is_an_option(binary, artifacts, tmp_path):

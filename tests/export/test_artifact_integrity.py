@@ -128,7 +128,7 @@ def test_an_artifact_of_another_torch_is_refused(small_artifact, tmp_path):
     _edit_manifest(art, lambda m: m["versions"].update(torch="9.9.9"))
     with pytest.raises(ArtifactError) as e:
         open_artifact(art)
-    assert str(e.value) == f"{art}: artifact built with torch 9.9.9, this loader runs torch {torch.__version__.split('+')[0]}"
+    assert str(e.value) == f"{art}/manifest.json: artifact built with torch 9.9.9, this loader runs torch {torch.__version__.split('+')[0]}"
 
 
 # -- a version is verified as a unit ------------------------------------------------------------------------------

@@ -289,3 +289,35 @@ def test_an_unchanged_export_into_a_repository_links_the_tables_file(tmp_path):
     export_model(model, ExportConfig(**config))  # other tables: a file of its own
     assert (tmp_path / "m" / "4" / TABLES_FILE).stat().st_ino != v1.stat().st_ino
     open_artifact(tmp_path / "m" / "4")
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_each_tables_segment_holds_its_own_rows(tmp_path, shards):
+    """In a TBE whose first table is looked up by two features (fbgemm keeps one weights offset per feature), a
+    byte flipped in the next table's first row is refused naming that table, not the one before it. The row's
+    bytes come from the quantized module's own views of its storage, not from the tables file's map."""
+    from recship.quantize import QuantConfig, quantize_embedding_bag_collection
+    from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
+
+    tables = [EmbeddingBagConfig(name="a", num_embeddings=40, embedding_dim=16, feature_names=["x", "y"]),
+              EmbeddingBagConfig(name="b", num_embeddings=30, embedding_dim=8, feature_names=["z"]),
+              EmbeddingBagConfig(name="c", num_embeddings=20, embedding_dim=4, feature_names=["u", "v", "w"])]
+    torch.manual_seed(0)
+    ebc = EmbeddingBagCollection(tables)
+    art = tmp_path / "a"
+    export_model(ebc, ExportConfig(out=str(art), dtype="int8", progress=False, validation_batches=1, format="torchscript", plot=False,
+                                   shards=shards, sharding="row_wise" if shards > 1 else None))
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
+    for name, (data, scale_bias) in qebc.table_weights().items():
+        storage = torch.empty(0, dtype=torch.uint8).set_(data.untyped_storage())
+        start = min(data.storage_offset(), scale_bias.storage_offset())
+        first_row = storage[start : start + data.stride(0)].numpy().tobytes()
+        copy = _copy(art, tmp_path / f"flipped-{name}")
+        raw = bytearray((copy / TABLES_FILE).read_bytes())
+        at = raw.find(first_row)
+        assert at >= 0 and raw.find(first_row, at + 1) < 0, f"table {name}'s first row is not in the file exactly once"
+        raw[at + len(first_row) // 2] ^= 0x10
+        (copy / TABLES_FILE).write_bytes(bytes(raw))
+        shown = f"{name}@0" if shards > 1 else name
+        with pytest.raises(ArtifactError, match=rf"tables\.bin: table '{shown}' \(bytes"):
+            open_artifact(copy)
