@@ -17,7 +17,7 @@ from recship.flags import FlagError, apply_config_argument
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
-    "train": ("recship.trainer.cli", "train a DLRM with sharded embedding tables"),
+    "train": ("recship.trainer.cli", "train a model (the built-in DLRM, or --model) with sharded embedding tables"),
     "export": ("recship.export.cli", "export a checkpoint to a quantized TorchScript artifact"),
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
     "serve": ("recship.serving.server", "serve exported models over gRPC"),

@@ -247,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
         _expect(
             abs(v["auc"] - v["float_auc"]) < 0.01,
             f"{out}: {manifest.quantization['quantized_bytes']:,} bytes of tables, AUC {v['auc']:.4f} vs float {v['float_auc']:.4f}, "
-            f"max |prob diff| {v['error']:.2g}; reloaded and self-checked",
+            f"max |prob diff| {v['max_abs_diff_vs_float']['prob']:.2g}; reloaded and self-checked",
         )
 
     _step("Serve the repository (the INT8 artifact) over gRPC, query it with the client, shut down")

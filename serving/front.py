@@ -98,15 +98,13 @@ class CppFront:
         self.binary = binary = binary or build_front()
         self._on_exit = on_exit
         self._stopping = False
-        args = [
-            str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
-            "--max-batch-size", str(config.max_batch_size), "--max-delay-ms", str(config.max_delay_ms),
-            "--batching", "1" if config.batching else "0", "--max-queue", str(config.max_queue), "--max-message-bytes", str(config.max_message_bytes),
-            "--max-inflight-bytes", str(config.max_inflight_bytes), "--tables", json.dumps(front_tables()),
-        ]
-        from recship.serving.settings import default_torch_threads
+        from recship.serving.settings import ModelSettings
 
-        args += ["--torch-threads", str(config.torch_threads or default_torch_threads())]
+        # the server's settings by ServerConfig's field names, as a model's own go in its load command
+        settings = {**ModelSettings.defaults(config).front_settings(),
+                    "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes}
+        args = [str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
+                "--settings", json.dumps(settings), "--tables", json.dumps(front_tables())]
         if config.tls_cert is not None:
             args += ["--tls-cert", config.tls_cert, "--tls-key", config.tls_key]
             if config.tls_client_ca is not None:

@@ -28,6 +28,7 @@ from recship.serving.inference import Inference, Outcome
 from recship.serving.metrics import Metrics
 from recship.serving.repository import VERSION_NAME, ModelNotFound, ModelRepository, ServedVersion
 from recship.serving.requests import InvalidRequest, RequestArrays, SparseArrays, output_shapes, shown
+from recship.serving.settings import PER_MODEL
 from recship.serving.v1 import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
@@ -169,9 +170,10 @@ def model_config(served: ServedVersion) -> dict:
     policy = s.version_policy
     version_policy: Dict[str, Any] = ({"latest": {"num_versions": policy[1]}} if policy[0] == "latest" else {"all": {}} if policy[0] == "all"
                       else {"specific": {"versions": list(policy[1])}})
-    parameters = {"batching": str(s.batching).lower(), "max_queue": str(s.max_queue),
-                  "torch_threads": str(s.torch_threads or "auto"), "format": served.format,
-                  **{f"id_policy.{f.name}": ("modulo" if served.spec.modulo[f.name] else "reject") for f in m.sparse_features}}
+    # every per-model setting ModelConfig has no field for (max_batch_size and max_delay_ms have theirs), by its name
+    parameters = {name: _parameter(getattr(s, name)) for name in PER_MODEL if name not in ("max_batch_size", "max_delay_ms")}
+    parameters.update(format=served.format,
+                      **{f"id_policy.{f.name}": ("modulo" if served.spec.modulo[f.name] else "reject") for f in m.sparse_features})
     config: Dict[str, Any] = {
         "name": served.name,
         "platform": PLATFORM,
@@ -187,6 +189,11 @@ def model_config(served: ServedVersion) -> dict:
     if s.batching:
         config["dynamic_batching"] = {"max_queue_delay_microseconds": int(round(s.max_delay_ms * 1000))}
     return config
+
+
+def _parameter(value: Any) -> str:
+    """A setting as ModelConfig's string parameter: true/false, a number, or "auto" for the default (None)."""
+    return "auto" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def model_statistics(repo: ModelRepository, metrics: Metrics, name: str, version: str) -> dict:

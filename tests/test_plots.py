@@ -73,7 +73,7 @@ def test_table_chart_from_a_real_artifact(tmp_path, small_artifact):
     with pytest.raises(ValueError, match="no tables"):
         plots.plot_table_report(tmp_path / "t.png", [])
     broken = [{k: v for k, v in tables[0].items() if k != "quantized_bytes"}]
-    with pytest.raises(ValueError, match=r"'t_cat_0' lacks \['quantized_bytes'\]"):
+    with pytest.raises(ValueError, match=r"'sparse_arch.t_cat_0' lacks \['quantized_bytes'\]"):
         plots.plot_table_report(tmp_path / "t.png", broken)
 
 

@@ -1,4 +1,4 @@
-"""``recship train``: train a DLRM with sharded tables on one or more ranks, with checkpoints.
+"""``recship train``: train a model (the built-in DLRM, or --model's) with sharded tables on one or more ranks, with checkpoints.
 
     recship train --out runs/demo                         # 1 rank, synthetic data, defaults
     recship train --out runs/demo --nproc-per-node 2      # spawns 2 local gloo ranks
@@ -15,7 +15,9 @@ from dataclasses import fields
 from typing import Any, Dict, List, Optional
 
 from recship.flags import FlagError, json_object, one_of, parse_with_config
-from recship.trainer.config import CHOICES, HELP, TrainConfig, default_of
+from recship.trainer.config import TrainConfig, default_of
+
+_FIELDS = {f.name: f for f in fields(TrainConfig)}
 
 
 def _default_text(name: str) -> str:
@@ -33,7 +35,7 @@ def _default_text(name: str) -> str:
 
 def help_text(name: str) -> str:
     """Field ``name``'s flag help: its sentence (lower-case, no full stop) and, unless it says it, the default."""
-    text = HELP[name].rstrip(".")
+    text = _FIELDS[name].metadata["help"].rstrip(".")
     text = text[0].lower() + text[1:]  # argparse's style, as recship serve's flags
     return text if "default" in text else f"{text} (default {_default_text(name)})"
 
@@ -45,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         value = default_of(f.name)
         kw: Dict[str, Any] = {"default": None, "help": help_text(f.name)}  # None: not given, the file or TrainConfig decides
-        if f.name in CHOICES:
-            names = CHOICES[f.name]
+        names = f.metadata["choices"]
+        if names is not None:
             parser.add_argument(flag, type=one_of(names, f.name.replace("_", " ")), choices=names, **kw)
         elif isinstance(value, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)

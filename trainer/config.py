@@ -13,42 +13,65 @@ from recship.names import DEVICES as _DEVICES
 DEVICES = ("auto",) + _DEVICES  # auto: cuda where torch sees a GPU, else cpu
 
 
+def option(default: Any = MISSING, help: str = "", *, choices: Optional[Tuple[str, ...]] = None,
+           default_factory: Any = MISSING) -> Any:
+    """A TrainConfig field with what makes it a flag (recship.trainer.cli): ``help``, its sentence (the default is
+    appended to it), and the ``choices`` of a name, taken in either case."""
+    metadata = {"help": help, "choices": choices}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class TrainConfig:
-    """Everything a training run needs; ``HELP`` below says what each field means.
+    """Everything a training run needs; each field's ``help`` says what it means.
 
     ``num_embeddings_per_feature`` with one value (or a bare int) gives every one of the DLRM's 26
     features that many rows. ``optimizer``, ``sharding`` and ``device`` take their names in either
     case (``EXACT_SGD`` or ``exact_sgd``) and are stored lower-case.
     """
 
-    out: str = "runs/recship"
-    steps: int = 300
-    batch_size: int = 256
-    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * CRITEO_NUM_SPARSE)
-    embedding_dim: int = 16
-    dense_arch: List[int] = field(default_factory=lambda: [64])
-    over_arch: List[int] = field(default_factory=lambda: [64, 32])
-    optimizer: str = "exact_rowwise_adagrad"
-    embedding_lr: float = 0.05
-    dense_lr: float = 0.05
-    sharding: Optional[str] = None
-    data: str = "synthetic"
-    eval_data: Optional[str] = None
-    eval_every: int = 100
-    eval_batches: int = 8
-    checkpoint_every: int = 100
-    resume: bool = False
-    overwrite: bool = False
-    keep_last: int = 0
-    seed: int = 0
-    model: Optional[str] = None
-    model_args: Dict[str, Any] = field(default_factory=dict)
-    nproc_per_node: int = 1
-    device: str = "auto"
-    progress: bool = True
-    plot: bool = True
-    log_format: str = "text"
+    out: str = option("runs/recship", "The run folder: checkpoints go to OUT/checkpoints, each rank's summary to "
+                      "OUT/summary_rank<r>.json, the loss and eval history to OUT/history.jsonl.")
+    steps: int = option(300, "Train until this global step; with --resume, the steps already done count.")
+    batch_size: int = option(256, "Examples per rank per step.")
+    num_embeddings_per_feature: List[int] = option(
+        help=f"Rows of each sparse feature's table, one value per feature; one value gives every one of the DLRM's "
+             f"{CRITEO_NUM_SPARSE} features that many rows.", default_factory=lambda: [1000] * CRITEO_NUM_SPARSE)
+    embedding_dim: int = option(16, "Width of every embedding table and of the dense arch's output (a multiple of 4).")
+    dense_arch: List[int] = option(help="Hidden widths of the DLRM's dense MLP.", default_factory=lambda: [64])
+    over_arch: List[int] = option(help="Hidden widths of the DLRM's over MLP (its output is one logit).", default_factory=lambda: [64, 32])
+    optimizer: str = option("exact_rowwise_adagrad", "The fused embedding optimizer, in either case; on CPU only "
+                            + ", ".join(CPU_OPTIMIZERS) + " run.", choices=OPTIMIZERS)
+    embedding_lr: float = option(0.05, "Learning rate of the fused embedding optimizer.")
+    dense_lr: float = option(0.05, "Learning rate of the dense layers' Adagrad.")
+    sharding: Optional[str] = option(None, "Shard every table this way, in either case (default: the planner picks per table).",
+                                     choices=SHARDINGS)
+    data: str = option("synthetic", "Training data: synthetic, a Criteo TSV file (repeated epoch after epoch), or a data "
+                                    "function package.module:function.")
+    eval_data: Optional[str] = option(None, "Evaluation data of the same kinds (default: synthetic data's own held-out stream; "
+                                            "none for a file).")
+    eval_every: int = option(100, "Evaluate log loss and AUC every this many steps; 0 evaluates at the end only.")
+    eval_batches: int = option(8, "Batches per rank in each evaluation.")
+    checkpoint_every: int = option(100, "Save a checkpoint every this many steps; 0 saves at the end only.")
+    resume: bool = option(False, "Continue from the newest complete checkpoint in OUT/checkpoints.")
+    overwrite: bool = option(False, "Delete OUT/checkpoints and start over (a run refuses to train over checkpoints without "
+                                    "--resume or this).")
+    keep_last: int = option(0, "Keep only the newest N checkpoints; 0 keeps all.")
+    seed: int = option(0, "Random seed of the model's initialisation and of synthetic data.")
+    model: Optional[str] = option(None, "The model to train, an entry point package.module:factory (default: the built-in "
+                                        "DLRM shaped by the flags above).")
+    model_args: Dict[str, Any] = option(help="Keyword arguments of --model's factory, a JSON object.", default_factory=dict)
+    nproc_per_node: int = option(1, "Local ranks to spawn (gloo on CPU, nccl on CUDA); under torchrun the launcher decides.")
+    device: str = option("auto", "Where ranks train: cuda puts rank r on cuda:r of its host, auto picks cuda when torch sees "
+                                 "one.", choices=DEVICES)
+    progress: bool = option(True, "Show rank 0's progress bar (step, loss, samples/s, epoch) and the final summary.")
+    plot: bool = option(True, "Draw OUT/curves.png (train loss, eval log loss and AUC per step, over the whole run across "
+                              "resumes) at each evaluation and at the end; it needs matplotlib (pip install 'recship[plots]'), "
+                              "without which a run warns once.")
+    log_format: str = option("text", "Log lines (warnings, epochs) as text (time, level, logger, message) or json (one object "
+                                     "per line, as recship serve writes them).", choices=LOG_FORMATS)
 
     def use_cuda(self) -> bool:
         if self.device == "auto":
@@ -76,54 +99,14 @@ class TrainConfig:
             raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
         if self.keep_last < 0:
             raise ValueError(f"--keep-last must be >= 0 (0 keeps every checkpoint), got {self.keep_last}")
-        self.optimizer = name_in(self.optimizer, OPTIMIZERS, "optimizer")
-        self.device = name_in(self.device, DEVICES, "device")
-        self.log_format = name_in(self.log_format, LOG_FORMATS, "log format")
-        if self.sharding is not None:
-            self.sharding = name_in(self.sharding, SHARDINGS, "sharding")
+        for f in fields(self):  # names given in either case, stored lower-case
+            if f.metadata["choices"] is not None and getattr(self, f.name) is not None:
+                setattr(self, f.name, name_in(getattr(self, f.name), f.metadata["choices"], f.name.replace("_", " ")))
         if self.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-
-
-# Each field's help: a sentence, and TrainConfig's default is appended to it.
-HELP = {
-    "out": "The run folder: checkpoints go to OUT/checkpoints, each rank's summary to OUT/summary_rank<r>.json, "
-           "the loss and eval history to OUT/history.jsonl.",
-    "steps": "Train until this global step; with --resume, the steps already done count.",
-    "batch_size": "Examples per rank per step.",
-    "num_embeddings_per_feature": "Rows of each sparse feature's table, one value per feature; one value gives every one of "
-                                  f"the DLRM's {CRITEO_NUM_SPARSE} features that many rows.",
-    "embedding_dim": "Width of every embedding table and of the dense arch's output (a multiple of 4).",
-    "dense_arch": "Hidden widths of the DLRM's dense MLP.",
-    "over_arch": "Hidden widths of the DLRM's over MLP (its output is one logit).",
-    "optimizer": "The fused embedding optimizer, in either case; on CPU only " + ", ".join(CPU_OPTIMIZERS) + " run.",
-    "embedding_lr": "Learning rate of the fused embedding optimizer.",
-    "dense_lr": "Learning rate of the dense layers' Adagrad.",
-    "sharding": "Shard every table this way, in either case (default: the planner picks per table).",
-    "data": "Training data: synthetic, a Criteo TSV file (repeated epoch after epoch), or a data function package.module:function.",
-    "eval_data": "Evaluation data of the same kinds (default: synthetic data's own held-out stream; none for a file).",
-    "eval_every": "Evaluate log loss and AUC every this many steps; 0 evaluates at the end only.",
-    "eval_batches": "Batches per rank in each evaluation.",
-    "checkpoint_every": "Save a checkpoint every this many steps; 0 saves at the end only.",
-    "resume": "Continue from the newest complete checkpoint in OUT/checkpoints.",
-    "overwrite": "Delete OUT/checkpoints and start over (a run refuses to train over checkpoints without --resume or this).",
-    "keep_last": "Keep only the newest N checkpoints; 0 keeps all.",
-    "seed": "Random seed of the model's initialisation and of synthetic data.",
-    "model": "The model to train, an entry point package.module:factory (default: the built-in DLRM shaped by the flags above).",
-    "model_args": "Keyword arguments of --model's factory, a JSON object.",
-    "nproc_per_node": "Local ranks to spawn (gloo on CPU, nccl on CUDA); under torchrun the launcher decides.",
-    "device": "Where ranks train: cuda puts rank r on cuda:r of its host, auto picks cuda when torch sees one.",
-    "progress": "Show rank 0's progress bar (step, loss, samples/s, epoch) and the final summary.",
-    "plot": "Draw OUT/curves.png (train loss, eval log loss and AUC per step, over the whole run across resumes) at each "
-            "evaluation and at the end; it needs matplotlib (pip install 'recship[plots]'), without which a run warns once.",
-    "log_format": "Log lines (warnings, epochs) as text (time, level, logger, message) or json (one object per line, "
-                  "as recship serve writes them).",
-}
-
-CHOICES = {"optimizer": OPTIMIZERS, "sharding": SHARDINGS, "device": DEVICES, "log_format": LOG_FORMATS}
 
 
 def default_of(name: str) -> Any:

@@ -6,9 +6,11 @@
 // front would refuse (it cannot parse it, a check fails, it is over the size limit), so error statuses and
 // messages are the Python server's own.
 //
-//   recship_front --listen HOST:PORT --backend ADDRESS --tables JSON [--max-batch-size 512] [--max-delay-ms 2]
-//                 [--batching 1] [--max-queue 1024] [--max-message-bytes N] [--max-inflight-bytes N] [--torch-threads N]
-//                 [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
+//   recship_front --listen HOST:PORT --backend ADDRESS --tables JSON --settings JSON [--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]
+//
+// --settings: the server's settings by ServerConfig's field names (serving/front.py): max_batch_size, max_delay_ms,
+// batching, max_queue, torch_threads (each model's default: a "load" may override them), max_message_bytes,
+// max_inflight_bytes; one spelling, the one config files and the load command's settings use.
 //
 // --tables: what the front counts and says as the Python server does (buckets, status names, refusal messages),
 // from serving/front.py front_tables(); the front has no copy of its own (front/tables.h).
@@ -40,8 +42,7 @@
 namespace {
 
 int usage(const std::string& why) {
-  std::cerr << "recship_front: " << why << "\nusage: recship_front --listen HOST:PORT --backend ADDRESS --tables JSON [--max-batch-size N] "
-               "[--max-delay-ms F] [--batching 0|1] [--max-queue N] [--max-message-bytes N] [--max-inflight-bytes N] [--torch-threads N] "
+  std::cerr << "recship_front: " << why << "\nusage: recship_front --listen HOST:PORT --backend ADDRESS --tables JSON --settings JSON "
                "[--tls-cert PEM --tls-key PEM [--tls-client-ca PEM]]\n";
   return 2;
 }
@@ -51,14 +52,9 @@ int usage(const std::string& why) {
 int main(int argc, char** argv) {
   using namespace recship::front;
   Config c;
-  std::string tables;
-  int batching = 1;
+  std::string tables, settings;
   recship::args::Flags flags;
-  flags.text("--listen", &c.listen).text("--backend", &c.backend).text("--tables", &tables);
-  flags.integer("--max-batch-size", &c.defaults.max_batch_size).number("--max-delay-ms", &c.defaults.max_delay_ms);
-  flags.integer("--batching", &batching).integer("--max-queue", &c.defaults.max_queue);
-  flags.integer("--max-message-bytes", &c.max_message_bytes).integer("--max-inflight-bytes", &c.max_inflight_bytes);
-  flags.integer("--torch-threads", &c.defaults.torch_threads);
+  flags.text("--listen", &c.listen).text("--backend", &c.backend).text("--tables", &tables).text("--settings", &settings);
   flags.text("--tls-cert", &c.tls_cert).text("--tls-key", &c.tls_key).text("--tls-client-ca", &c.tls_client_ca);
   if (const recship::args::Problem p = flags.parse(argc, argv)) {
     using Kind = recship::args::Problem::Kind;
@@ -66,11 +62,14 @@ int main(int argc, char** argv) {
     if (p.kind == Kind::kUnknown) return usage("unknown option " + p.flag);
     return usage("a numeric option has a value that is not a number");
   }
-  c.defaults.batching = batching != 0;
   if (c.listen.empty() || c.backend.empty()) return usage("--listen and --backend are required");
   if (c.tls_cert.empty() != c.tls_key.empty()) return usage("--tls-cert and --tls-key go together");
-  if (tables.empty()) return usage("--tables is required (serving/front.py front_tables())");
+  if (tables.empty() || settings.empty()) return usage("--tables and --settings are required (serving/front.py)");
   try {
+    const nlohmann::json given = nlohmann::json::parse(settings);
+    c.defaults = batching_of(given, c.defaults);
+    c.max_message_bytes = given.value("max_message_bytes", c.max_message_bytes);
+    c.max_inflight_bytes = given.value("max_inflight_bytes", c.max_inflight_bytes);
     c.tables = Tables::parse(tables);
   } catch (const std::exception& e) {
     return usage(e.what());

@@ -9,12 +9,8 @@
 
 namespace recship::front {
 
-namespace {
-
-// The batching of a "load": the model's own config.yaml values ("settings") override the server's flags.
-Batching settings_of(const json& cmd, const Batching& defaults) {
+Batching batching_of(const json& given, const Batching& defaults) {
   Batching settings = defaults;
-  const json given = cmd.value("settings", json::object());
   settings.max_batch_size = given.value("max_batch_size", settings.max_batch_size);
   settings.max_delay_ms = given.value("max_delay_ms", settings.max_delay_ms);
   settings.batching = given.value("batching", settings.batching);
@@ -24,8 +20,6 @@ Batching settings_of(const json& cmd, const Batching& defaults) {
     throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, torch_threads >= 0");
   return settings;
 }
-
-}  // namespace
 
 void reply(const json& answer) { std::cout << answer.dump() << std::endl; }
 
@@ -37,7 +31,8 @@ double run_commands(Front& front, std::istream& in) {
       json cmd = json::parse(line);
       const std::string op = cmd.at("op").get<std::string>();
       if (op == "load") {
-        const Batching settings = settings_of(cmd, front.config.defaults);
+        // the model's own config.yaml values ("settings") override the server's
+        const Batching settings = batching_of(cmd.value("settings", json::object()), front.config.defaults);
         std::optional<std::string> manifest_sha256;
         if (cmd.contains("manifest_sha256")) manifest_sha256 = cmd.at("manifest_sha256").get<std::string>();
         std::string format = front.load(cmd.at("model").get<std::string>(), cmd.at("version").get<int64_t>(),

@@ -8,6 +8,11 @@
 namespace recship::front {
 
 class Front;
+struct Batching;
+
+// `defaults` with the batching settings `given` names (ServerConfig's field names: max_batch_size, max_delay_ms,
+// batching, max_queue, torch_threads); throws std::runtime_error for a value out of range.
+Batching batching_of(const nlohmann::json& given, const Batching& defaults);
 
 // One JSON answer line on stdout.
 void reply(const nlohmann::json& answer);
