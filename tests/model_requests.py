@@ -9,6 +9,7 @@ dense inputs), weights {feature: [[a weight per id of example 0], ...]} for weig
 import json
 import os
 import shutil
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple, Union
@@ -150,3 +151,14 @@ def runnable_aoti(export: Callable[[], Path]) -> Path:
     if not runs:
         pytest.skip(f"model.pt2 cannot run here: {why}")
     return artifact
+
+
+def listening_socket(reuseport: bool) -> socket.socket:
+    """A socket listening on a free loopback port (a port a server must find taken), with SO_REUSEPORT as a gRPC
+    server sets it by default, or without."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if reuseport:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s

@@ -8,7 +8,6 @@ once per such request.
 """
 
 import logging
-import socket
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ import pytest
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 
-from model_requests import model_repo
+from model_requests import listening_socket, model_repo
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
 
@@ -34,19 +33,9 @@ def repo(small_artifact, tmp_path_factory):
     return model_repo(tmp_path_factory.mktemp("front") / "repo", {"dlrm": small_artifact})
 
 
-def _listening(reuseport: bool) -> socket.socket:
-    """A socket listening on a free loopback port, with SO_REUSEPORT as a gRPC server sets it, or without."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if reuseport:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    return s
-
-
 @pytest.mark.parametrize("reuseport", [True, False], ids=["held with SO_REUSEPORT", "held without"])
 def test_a_taken_grpc_port_fails_recship_serve_front_cpp_at_start_in_one_line(repo, reuseport):
-    with _listening(reuseport) as held:
+    with listening_socket(reuseport) as held:
         port = held.getsockname()[1]
         try:
             result = subprocess.run(

@@ -2,6 +2,7 @@
 the C++ front's binary. (Requests and the in-process reference of every folder: tests/model_requests.py.)"""
 
 import socket
+import time
 from typing import Dict, Optional, Tuple
 
 import numpy as np
@@ -73,3 +74,12 @@ def front_binary():
         return build_front()
     except FrontError as e:
         pytest.skip(f"the C++ front cannot be built here: {e}")
+
+
+def wait_until(condition, what: str = "condition", seconds: float = 60.0) -> None:
+    """Polls ``condition()`` every 50 ms until it is true; AssertionError naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)

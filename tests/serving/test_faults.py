@@ -22,17 +22,9 @@ from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from model_requests import dlrm_request, model_repo
-from serving_helpers import http_request, read_response
+from serving_helpers import http_request, read_response, wait_until
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
-
-
-def _wait(condition, seconds: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _health(port: int, name: str) -> str:
@@ -129,11 +121,11 @@ def test_a_dead_worker_turns_health_not_serving_and_is_restarted(small_artifact,
         sparse, dense = dlrm_request(2, 3, ids=(1, 2))
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             client.predict("dlrm", sparse, dense)
-            _wait(lambda: batcher.died is not None, what="the worker to die")
+            wait_until(lambda: batcher.died is not None, what="the worker to die")
             assert _health(server.port, "dlrm") == "NOT_SERVING"
             assert http_request(server.rest.port, "GET", "/v2/models/dlrm/ready")[0] == 503
-            _wait(lambda: server.repo.get("dlrm").batcher is not batcher, what="the restart")
-            _wait(lambda: _health(server.port, "dlrm") == "SERVING", what="SERVING")
+            wait_until(lambda: server.repo.get("dlrm").batcher is not batcher, what="the restart")
+            wait_until(lambda: _health(server.port, "dlrm") == "SERVING", what="SERVING")
             assert client.predict("dlrm", sparse, dense)["prob"].shape == (2, 1)
     finally:
         server.stop()
@@ -180,10 +172,10 @@ def test_bad_neighbours_are_refused_listed_and_do_not_stop_other_models(small_ar
         assert status == 200 and {(m["name"], m["version"]) for m in json.loads(body)} == set(index)
         # a new version of the good model still loads while every neighbour stays broken
         shutil.copytree(small_artifact, root / "dlrm" / "2")
-        _wait(lambda: server.repo.get("dlrm").version == 2, what="version 2")
+        wait_until(lambda: server.repo.get("dlrm").version == 2, what="version 2")
         # a new, good model too
         shutil.copytree(small_artifact, root / "other" / "7")
-        _wait(lambda: [m.name for m in server.repo.models()] == ["dlrm", "other"], what="the new model")
+        wait_until(lambda: [m.name for m in server.repo.models()] == ["dlrm", "other"], what="the new model")
         assert server.repo._watcher.is_alive()
     finally:
         server.stop()
@@ -198,10 +190,10 @@ def test_removing_the_serving_version_rolls_back_then_unloads(small_artifact, tm
         sparse, dense = dlrm_request(2, 4, ids=(1, 2))
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             shutil.rmtree(root / "dlrm" / "2")
-            _wait(lambda: server.repo.get("dlrm").version == 1, what="the rollback to version 1")
+            wait_until(lambda: server.repo.get("dlrm").version == 1, what="the rollback to version 1")
             assert client.predict("dlrm", sparse, dense)["prob"].shape == (2, 1)
             shutil.rmtree(root / "dlrm")
-            _wait(lambda: not server.repo.models(), what="the unload")
+            wait_until(lambda: not server.repo.models(), what="the unload")
             with pytest.raises(grpc.RpcError) as e:
                 client.predict("dlrm", sparse, dense)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -464,7 +456,7 @@ def test_only_trusted_manifests_load(small_artifact, tmp_path):
         assert state == "UNAVAILABLE" and "manifest.json: sha256" in reason and "not in the trusted list" in reason
         digest = file_sha256(root / "dlrm" / "1" / "manifest.json")
         trusted.write_text(trusted.read_text() + f"{digest}  dlrm/1/manifest.json\n")  # as sha256sum writes it
-        _wait(lambda: [m.name for m in server.repo.models()] == ["dlrm"], what="the trusted version")
+        wait_until(lambda: [m.name for m in server.repo.models()] == ["dlrm"], what="the trusted version")
     finally:
         server.stop()
     bad = tmp_path / "bad.txt"

@@ -30,7 +30,7 @@ from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from model_requests import dlrm_request, in_process, model_repo, runnable_aoti
-from serving_helpers import NUM_DENSE, ROWS, front_binary
+from serving_helpers import NUM_DENSE, ROWS, front_binary, wait_until
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
 LIMIT = 64 * 1024  # max_message_bytes of the shared servers (the transport admits twice that)
@@ -84,14 +84,6 @@ def _raw(port: int, method: str, data: bytes, timeout: float = 10):
             return grpc.StatusCode.OK, "", channel.unary_unary(method, request_serializer=None, response_deserializer=None)(data, timeout=timeout)
         except grpc.RpcError as e:
             return e.code(), e.details(), None
-
-
-def _wait(condition, seconds: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _health(port: int, service: str):
@@ -434,7 +426,7 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
                 time.sleep(0.2)
                 shutil.copytree(new_artifact, root / "dlrm" / ".incoming")
                 (root / "dlrm" / ".incoming").rename(root / "dlrm" / "2")  # a version appears complete
-                _wait(lambda: [(m.name, m.serving_version) for m in client.stub.ListModels(pb.ListModelsRequest(), timeout=5).models]
+                wait_until(lambda: [(m.name, m.serving_version) for m in client.stub.ListModels(pb.ListModelsRequest(), timeout=5).models]
                       == [("dlrm", 2)], what="ListModels to show version 2")
                 time.sleep(0.2)
             finally:
@@ -459,7 +451,7 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
                 client.predict("dlrm", sparse, dense, version=1)
             assert (e.value.code(), e.value.details()) == (grpc.StatusCode.NOT_FOUND, "model 'dlrm' version 1 is not served (serving version 2)")
             shutil.rmtree(root / "dlrm")
-            _wait(lambda: _health(server.port, "dlrm") == "NOT_SERVING", what="dlrm to stop serving")
+            wait_until(lambda: _health(server.port, "dlrm") == "NOT_SERVING", what="dlrm to stop serving")
             assert client.stub.ListModels(pb.ListModelsRequest(), timeout=5).models == []
             for version in (0, 2):
                 with pytest.raises(grpc.RpcError) as e:
@@ -733,12 +725,12 @@ def test_a_replaced_version_is_freed_once_its_calls_are_answered(repo, small_art
                 assert mapping(1)
                 shutil.copytree(small_artifacts(dtype="fp16"), root / "dlrm" / ".incoming")
                 (root / "dlrm" / ".incoming").rename(root / "dlrm" / "2")
-                _wait(lambda: "freed dlrm version 1" in caplog.messages, what="the front to free version 1")
+                wait_until(lambda: "freed dlrm version 1" in caplog.messages, what="the front to free version 1")
                 assert not mapping(1) and mapping(2)
                 assert client.stub.Predict(client.request("dlrm", sparse, dense), timeout=10).model_version == 2
                 assert "freed dlrm version 2" not in caplog.messages
                 shutil.rmtree(root / "dlrm")
-                _wait(lambda: "freed dlrm version 2" in caplog.messages, what="the front to free version 2")
+                wait_until(lambda: "freed dlrm version 2" in caplog.messages, what="the front to free version 2")
                 assert not mapping(2)
         finally:
             server.stop()

@@ -29,7 +29,7 @@ from recship.serving.kserve import message
 from recship.serving.requests import InvalidRequest
 from recship.serving.server import Server, ServerConfig, config_from_args
 from recship.serving.v1 import predictor_pb2 as pb
-from model_requests import model_repo
+from model_requests import listening_socket, model_repo
 from serving_helpers import front_binary, http_request
 from test_fault_properties import expected_kserve, expected_predict, valid_kserve, valid_predict, valid_rest
 
@@ -255,19 +255,9 @@ def test_sampled_log_lines_are_bounded_and_account_for_every_call(gaps, sources)
 
 # -- 9 and 12. ports and settings, checked at start ----------------------------------------------------
 
-def _listening(reuseport: bool) -> socket.socket:
-    """A socket listening on a free loopback port, with SO_REUSEPORT as a gRPC server sets it by default, or without."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    if reuseport:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    return s
-
-
 @pytest.mark.parametrize("reuseport", [True, False], ids=["held with SO_REUSEPORT", "held without"])
 def test_a_taken_port_fails_the_start_in_the_same_words_for_grpc_http_and_metrics(tmp_path, reuseport):
-    with _listening(reuseport) as held:
+    with listening_socket(reuseport) as held:
         port = held.getsockname()[1]
         for field in ("port", "http_port", "metrics_port"):
             with pytest.raises(OSError) as refused:

@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import List, Tuple
 
@@ -20,7 +19,7 @@ import pytest
 
 from recship.serving import PredictClient
 from model_requests import model_repo, runnable_aoti
-from serving_helpers import front_binary, random_request
+from serving_helpers import front_binary, random_request, wait_until
 
 
 def _leftovers(tmp: Path) -> List[str]:
@@ -98,14 +97,6 @@ def tmp():
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def _wait(condition, what: str, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-
-
 def _gone(pid: int) -> bool:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().split(")")[-1].split()[0] == "Z"
@@ -145,7 +136,7 @@ def test_a_restarted_cpp_front_does_not_accumulate_folders_nor_does_a_killed_cpp
         for crash in range(2):
             first = server.front_pid()
             os.kill(first, signal.SIGKILL)
-            _wait(lambda: server.log.read_text().count("the C++ front is back on port") == crash + 1, "the front's restart")
+            wait_until(lambda: server.log.read_text().count("the C++ front is back on port") == crash + 1, "the front's restart")
             assert server.front_pid() != first
             assert server.predict()[1] == 1
             assert _count(tmp, "aotinductor_") == sum(1 for p in before if Path(p).name.startswith("aotinductor_"))
@@ -159,7 +150,7 @@ def test_a_restarted_cpp_front_does_not_accumulate_folders_nor_does_a_killed_cpp
     try:
         front = killed.front_pid()
         killed.kill()
-        _wait(lambda: _gone(front), "the orphaned front's exit (its stdin closed)")
+        wait_until(lambda: _gone(front), "the orphaned front's exit (its stdin closed)")
     finally:
         killed.close()
     left = _leftovers(tmp)

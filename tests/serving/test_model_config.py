@@ -2,7 +2,6 @@
 
 import json
 import shutil
-import time
 import urllib.request
 
 import grpc
@@ -20,6 +19,7 @@ from recship.serving.v1 import predictor_pb2 as pb
 from recship.trainer.dlrm import DLRM, DLRMConfig
 
 from model_requests import dlrm_request, in_process
+from serving_helpers import wait_until
 
 ROWS = [20 + i for i in range(26)]
 
@@ -41,15 +41,6 @@ def _put(staged, root, model, version):
     hidden = root / model / f".incoming-{version}"
     shutil.copytree(staged / str(version), hidden)
     hidden.rename(root / model / str(version))
-
-
-def _wait(cond, what, timeout=20.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _served(server, model):
@@ -91,7 +82,7 @@ def test_latest_two_serves_two_versions_each_bitwise_and_follows_adds_and_remova
             assert [(e["version"], e["state"]) for e in repository_index(server.repo)] == [("1", "READY"), ("2", "READY")]
 
             _put(staged, root, "m", 3)  # latest: 2 -> {3, 2}: version 1 goes
-            _wait(lambda: _served(server, "m") == [3, 2], "versions 3 and 2")
+            wait_until(lambda: _served(server, "m") == [3, 2], "versions 3 and 2")
             assert _predict(client, "m", sparse, dense, 3)[0] == 3
             with pytest.raises(grpc.RpcError) as err:
                 _predict(client, "m", sparse, dense, 1)
@@ -99,7 +90,7 @@ def test_latest_two_serves_two_versions_each_bitwise_and_follows_adds_and_remova
             assert err.value.details() == "model 'm' version 1 is not served (serving versions [3, 2])"
 
             shutil.rmtree(root / "m" / "3")  # rollback: the policy picks the 2 newest of what remains, {2, 1}
-            _wait(lambda: _served(server, "m") == [2, 1], "the rollback to versions 2 and 1")
+            wait_until(lambda: _served(server, "m") == [2, 1], "the rollback to versions 2 and 1")
             version, got = _predict(client, "m", sparse, dense, 1)
             assert version == 1
             np.testing.assert_array_equal(got["prob"], in_process(open_artifact(staged / "1")[0], sparse, dense)["prob"])
@@ -118,7 +109,7 @@ def test_all_then_an_edited_config_specific_one_serves_only_that_version(tmp_pat
     try:
         assert _served(server, "m") == [3, 2, 1]
         (root / "m" / "config.yaml").write_text("version_policy:\n  specific: [1]\n")  # picked up on the next scan
-        _wait(lambda: _served(server, "m") == [1], "version 1 alone")
+        wait_until(lambda: _served(server, "m") == [1], "version 1 alone")
         sparse, dense = dlrm_request(2, 2)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
             version, got = _predict(client, "m", sparse, dense)
@@ -128,7 +119,7 @@ def test_all_then_an_edited_config_specific_one_serves_only_that_version(tmp_pat
                 _predict(client, "m", sparse, dense, 3)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
         (root / "m" / "config.yaml").unlink()  # no config.yaml: the server's default, the newest version
-        _wait(lambda: _served(server, "m") == [3], "version 3 alone")
+        wait_until(lambda: _served(server, "m") == [3], "version 3 alone")
     finally:
         server.stop()
 
@@ -161,14 +152,14 @@ def test_per_model_batch_limit_a_bad_config_refuses_only_its_model_and_edits_tak
 
             (root / "small" / "config.yaml").write_text("max-batch-size: 8\n")
             (root / "bad" / "config.yaml").write_text("max-batch-size: 4\n")
-            _wait(lambda: server.repo.get("small").spec.max_batch_size == 8, "small's new limit")
-            _wait(lambda: [m.name for m in server.repo.models()] == ["bad", "plain", "small"], "the fixed model")
+            wait_until(lambda: server.repo.get("small").spec.max_batch_size == 8, "small's new limit")
+            wait_until(lambda: [m.name for m in server.repo.models()] == ["bad", "plain", "small"], "the fixed model")
             assert [e for e in repository_index(server.repo) if e["state"] != "READY"] == []
             version, got = _predict(client, "small", sparse5, dense5)
             np.testing.assert_array_equal(got["logit"], in_process(open_artifact(staged / "1")[0], sparse5, dense5)["logit"])
 
             (root / "small" / "config.yaml").write_text("max-batch-size: 0\n")  # bad: small keeps serving, with its last good settings
-            _wait(lambda: any(e["name"] == "small" and e["version"] == "" for e in repository_index(server.repo)), "the refusal")
+            wait_until(lambda: any(e["name"] == "small" and e["version"] == "" for e in repository_index(server.repo)), "the refusal")
             reason = next(e["reason"] for e in repository_index(server.repo) if e["name"] == "small" and e["version"] == "")
             assert reason == f"{root / 'small' / 'config.yaml'}: max-batch-size: takes an integer >= 1, got 0"
             assert _predict(client, "small", sparse5, dense5)[0] == 1

@@ -16,15 +16,7 @@ from recship.export.artifact import open_artifact
 from recship.serving.client import PredictClient
 from recship.serving.server import Server, ServerConfig
 from model_requests import in_process, sample_request
-from serving_helpers import front_binary
-
-
-def _wait(condition, seconds: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+from serving_helpers import front_binary, wait_until
 
 
 def _swap_in(source: Path, version: Path, staging: Path) -> None:
@@ -72,13 +64,13 @@ def test_a_served_version_whose_files_change_is_loaded_again_as_a_unit(small_art
 
                 # another export's files over version 1: loaded again, verified, swapped in, logged
                 _swap_in(second, version, staging)
-                _wait(lambda: _same(ask(), want_second), what="version 1 to answer with its new files")
+                wait_until(lambda: _same(ask(), want_second), what="version 1 to answer with its new files")
                 assert server.repo.get("dlrm", 1) is not served
                 assert any("dlrm version 1: its files changed on disk; loading them again" in m for m in caplog.messages)
                 assert any(m.startswith("serving dlrm version 1 from ") and "(loaded again: its files changed on disk)" in m
                            for m in caplog.messages)
                 if front == "cpp":  # the front was told, and answers with the new files itself
-                    _wait(lambda: sum("C++ front serves dlrm version 1" in m for m in caplog.messages) >= 2,
+                    wait_until(lambda: sum("C++ front serves dlrm version 1" in m for m in caplog.messages) >= 2,
                           what="the front to load version 1 again")
                     before = sum(r["count"] for r in server.front.stats()["requests"] if r["status"] == "OK")
                     assert _same(ask(), want_second)
@@ -88,7 +80,7 @@ def test_a_served_version_whose_files_change_is_loaded_again_as_a_unit(small_art
                 served = server.repo.get("dlrm", 1)
                 caplog.clear()
                 _swap_in(broken, version, staging)
-                _wait(lambda: any("keeps serving what it loaded before" in m and "tables.bin: table" in m for m in caplog.messages),
+                wait_until(lambda: any("keeps serving what it loaded before" in m and "tables.bin: table" in m for m in caplog.messages),
                       what="the refusal of the broken files")
                 time.sleep(0.5)  # several scans
                 assert sum("keeps serving what it loaded before" in m and "tables.bin: table" in m for m in caplog.messages) == 1
@@ -96,7 +88,7 @@ def test_a_served_version_whose_files_change_is_loaded_again_as_a_unit(small_art
 
                 # fixed: loaded again
                 _swap_in(first, version, staging)
-                _wait(lambda: _same(ask(), want_first), what="version 1 to answer with the fixed files")
+                wait_until(lambda: _same(ask(), want_first), what="version 1 to answer with the fixed files")
         finally:
             server.stop()
 
