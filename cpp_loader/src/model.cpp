@@ -46,24 +46,8 @@ using json = nlohmann::json;
 // The bytes of the file at path, or nullopt with errno set (a folder: EISDIR).
 std::optional<std::string> read_bytes(const std::string& path) {
   struct stat st {};
-  const int fd = tables::open_file(path, &st);
-  if (fd < 0) return std::nullopt;
   std::string out;
-  out.reserve(static_cast<size_t>(std::max<off_t>(0, st.st_size)));
-  char buffer[1 << 16];
-  for (;;) {
-    const ssize_t n = read(fd, buffer, sizeof buffer);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int error = errno;
-      close(fd);
-      errno = error;
-      return std::nullopt;
-    }
-    if (n == 0) break;
-    out.append(buffer, static_cast<size_t>(n));
-  }
-  close(fd);
+  if (!tables::read_chunks(path, 1 << 16, &st, [&out](const char* data, size_t n) { out.append(data, n); })) return std::nullopt;
   return out;
 }
 

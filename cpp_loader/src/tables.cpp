@@ -155,16 +155,10 @@ int open_file(const std::string& path, struct stat* st) {
   return fd;
 }
 
-std::optional<std::string> sha256_file(const std::string& path) {
-  struct stat st {};
-  const int fd = open_file(path, &st);
-  if (fd < 0) return std::nullopt;
-  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
-  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) {
-    close(fd);
-    throw Error("sha256 failed");
-  }
-  std::vector<char> buffer(1 << 20);
+bool read_chunks(const std::string& path, size_t chunk, struct stat* st, const std::function<void(const char*, size_t)>& use) {
+  const int fd = open_file(path, st);
+  if (fd < 0) return false;
+  std::vector<char> buffer(chunk);
   for (;;) {
     const ssize_t n = read(fd, buffer.data(), buffer.size());
     if (n < 0 && errno == EINTR) continue;
@@ -172,34 +166,27 @@ std::optional<std::string> sha256_file(const std::string& path) {
       const int error = errno;
       close(fd);
       errno = error;
-      return std::nullopt;
+      return false;
     }
     if (n == 0) break;
-    EVP_DigestUpdate(ctx.get(), buffer.data(), static_cast<size_t>(n));
+    use(buffer.data(), static_cast<size_t>(n));
   }
   close(fd);
+  return true;
+}
+
+std::optional<std::string> sha256_file(const std::string& path) {
+  struct stat st {};
+  std::unique_ptr<EVP_MD_CTX, void (*)(EVP_MD_CTX*)> ctx(EVP_MD_CTX_new(), EVP_MD_CTX_free);
+  if (!ctx || EVP_DigestInit_ex(ctx.get(), EVP_sha256(), nullptr) != 1) throw Error("sha256 failed");
+  if (!read_chunks(path, 1 << 20, &st, [&ctx](const char* data, size_t n) { EVP_DigestUpdate(ctx.get(), data, n); }))
+    return std::nullopt;
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   if (EVP_DigestFinal_ex(ctx.get(), digest, &len) != 1) throw Error("sha256 failed");
   return hex_of(digest, len);
 }
 
-std::string py_repr(const std::string& s) {
-  const char quote = s.find('\'') != std::string::npos && s.find('"') == std::string::npos ? '"' : '\'';
-  std::string out(1, quote);
-  for (unsigned char c : s) {
-    if (c == '\\' || c == static_cast<unsigned char>(quote)) out += '\\', out += static_cast<char>(c);
-    else if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) {
-      char buf[5];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else out += static_cast<char>(c);
-  }
-  return out + quote;
-}
 
 json Spec::to_json() const {
   json tensors_json = json::array();
@@ -524,3 +511,29 @@ std::unordered_map<std::string, at::Tensor> aoti_constants(const Spec& spec, con
 }
 
 }  // namespace recship::tables
+
+namespace recship {
+
+std::string py_repr(const std::string& text, size_t limit) {
+  size_t chars = 0, cut = text.size();
+  for (size_t i = 0; i < text.size(); ++i)
+    if ((static_cast<unsigned char>(text[i]) & 0xC0) != 0x80 && chars++ == limit) cut = i;
+  const std::string head = text.substr(0, cut);
+  const char quote = head.find('\'') != std::string::npos && head.find('"') == std::string::npos ? '"' : '\'';
+  std::string out(1, quote);
+  for (unsigned char c : head) {
+    if (c == '\\' || c == static_cast<unsigned char>(quote)) out += '\\', out += static_cast<char>(c);
+    else if (c == '\n') out += "\\n";
+    else if (c == '\r') out += "\\r";
+    else if (c == '\t') out += "\\t";
+    else if (c < 0x20 || c == 0x7f) {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", c);
+      out += buf;
+    } else out += static_cast<char>(c);
+  }
+  out += quote;
+  return cut == text.size() ? out : out + "... (" + std::to_string(chars) + " characters)";
+}
+
+}  // namespace recship

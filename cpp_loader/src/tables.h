@@ -9,12 +9,15 @@
 #include <sys/stat.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "recship/model.h"
 
 namespace torch::jit {
 struct Module;
@@ -91,7 +94,10 @@ std::optional<std::string> sha256_file(const std::string& path);
 // A regular file opened read-only (its stat in *st), or -1 with errno set (a folder: EISDIR).
 int open_file(const std::string& path, struct stat* st);
 
-// Python's repr() of a str ('t_cat_0@0'), as export/*.py's messages print names and files.
-std::string py_repr(const std::string& s);
+// Reads the regular file at path (its stat in *st) `chunk` bytes at a time, each chunk given to `use`; false with
+// errno set if it cannot be opened or read.
+bool read_chunks(const std::string& path, size_t chunk, struct stat* st, const std::function<void(const char*, size_t)>& use);
+
+using recship::py_repr;  // (recship/model.h)
 
 }  // namespace recship::tables

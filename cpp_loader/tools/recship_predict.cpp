@@ -20,27 +20,7 @@ using json = nlohmann::json;
 using ordered_json = nlohmann::ordered_json;  // a request's keys in the file's order, as Python's json reads them
 
 // serving/requests.py shown(): Python's repr() of a client's string, cut to 64 characters (code points).
-static std::string shown(const std::string& text, size_t limit = 64) {
-  size_t chars = 0, cut = text.size();
-  for (size_t i = 0; i < text.size(); ++i)
-    if ((static_cast<unsigned char>(text[i]) & 0xC0) != 0x80 && chars++ == limit) cut = i;
-  const std::string head = text.substr(0, cut);
-  const char quote = head.find('\'') != std::string::npos && head.find('"') == std::string::npos ? '"' : '\'';
-  std::string out(1, quote);
-  for (unsigned char c : head) {
-    if (c == '\\' || c == static_cast<unsigned char>(quote)) out += '\\', out += static_cast<char>(c);
-    else if (c == '\n') out += "\\n";
-    else if (c == '\r') out += "\\r";
-    else if (c == '\t') out += "\\t";
-    else if (c < 0x20 || c == 0x7f) {
-      char buf[5];
-      std::snprintf(buf, sizeof buf, "\\x%02x", c);
-      out += buf;
-    } else out += static_cast<char>(c);
-  }
-  out += quote;
-  return cut == text.size() ? out : out + "... (" + std::to_string(chars) + " characters)";
-}
+static std::string shown(const std::string& text) { return recship::py_repr(text, 64); }
 
 // The Python type json.loads gives a JSON value (the REST front's messages name them).
 static const char* python_type(const ordered_json& v) {

@@ -120,4 +120,8 @@ class Model {
   std::unique_ptr<Impl> impl_;
 };
 
+// Python's repr() of a str ('t_cat_0@0'), as recship's messages show names and files; cut to `limit` characters
+// (code points) with "... (N characters)" after, as serving/requests.py shown() shows what a client sent.
+std::string py_repr(const std::string& text, size_t limit = std::string::npos);
+
 }  // namespace recship
