@@ -167,9 +167,6 @@ def model_config(served: ServedVersion) -> dict:
     sparse input's id count): recship's inputs are ragged, not [batch] + fixed dims. ``parameters`` carry what
     Triton's schema has no field for: the batching switch, queue size, threads, file format, id policy per feature."""
     m, s = served.manifest, served.settings
-    policy = s.version_policy
-    version_policy: Dict[str, Any] = ({"latest": {"num_versions": policy[1]}} if policy[0] == "latest" else {"all": {}} if policy[0] == "all"
-                      else {"specific": {"versions": list(policy[1])}})
     # every per-model setting ModelConfig has no field for (max_batch_size and max_delay_ms have theirs), by its name
     parameters = {name: _parameter(getattr(s, name)) for name in PER_MODEL if name not in ("max_batch_size", "max_delay_ms")}
     parameters.update(format=served.format,
@@ -178,7 +175,7 @@ def model_config(served: ServedVersion) -> dict:
         "name": served.name,
         "platform": PLATFORM,
         "backend": "recship",
-        "version_policy": version_policy,
+        "version_policy": s.version_policy.to_triton(),
         "max_batch_size": s.max_batch_size,
         "input": [{"name": n, "data_type": _TYPES[d], "dims": shape, "allow_ragged_batch": not n.startswith("dense")}
                   for n, d, shape in input_metadata(m)],

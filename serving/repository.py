@@ -404,9 +404,9 @@ class ModelRepository:
                         name, version, extra={"model": name, "version": version})
         trust = hashlib.sha256(",".join(sorted(trusted)).encode()).hexdigest() if trusted is not None else None
         policy = settings.version_policy
-        if policy[0] == "specific":
-            versions = [(v, p) for v, p in versions if v in policy[1]]
-        limit = policy[1] if policy[0] == "latest" else None
+        allowed = set(policy.choose([v for v, _ in versions]))
+        versions = [(v, p) for v, p in versions if v in allowed]
+        limit = policy.limit
         chosen: Dict[int, ServedVersion] = {}
         why: Dict[int, str] = {}
         for version, path in versions:  # newest first
@@ -439,7 +439,7 @@ class ModelRepository:
                 self._refuse(name, str(version), signature, reason)
         for version in current:
             if version not in chosen and version not in why:
-                why[version] = "its folder was removed" if version not in present else f"its version policy {_policy_text(policy)} leaves it out"
+                why[version] = "its folder was removed" if version not in present else f"its version policy {policy} leaves it out"
         self._install(name, chosen, why)
 
     def _reload(self, served: ServedVersion, path: Path, trusted: Optional[FrozenSet[str]], settings: ModelSettings,
@@ -583,14 +583,6 @@ class ModelRepository:
             self._serving.clear()
             self._front_serves.clear()
         release_memory()
-
-
-def _policy_text(policy: Tuple) -> str:
-    if policy[0] == "latest":
-        return f"latest: {policy[1]}"
-    if policy[0] == "all":
-        return "all"
-    return f"specific: {list(policy[1])}"
 
 
 def _signature(path: Path) -> Tuple:

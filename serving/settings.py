@@ -210,13 +210,42 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class VersionPolicy:
+    """Which of a model's loadable versions are served, as Triton's version_policy says: the ``latest`` N (``kind``
+    "latest", ``count`` N), ``all`` of them, or ``specific`` ones (``versions``, newest first)."""
+
+    kind: str = "latest"
+    count: int = 1
+    versions: Tuple[int, ...] = ()
+
+    def choose(self, versions: List[int]) -> List[int]:
+        """Of ``versions`` (newest first), those this policy may serve, newest first (the latest N: the first N of
+        them that load, so every one is a candidate)."""
+        return [v for v in versions if v in self.versions] if self.kind == "specific" else list(versions)
+
+    @property
+    def limit(self) -> Optional[int]:
+        """How many versions are served at most (None: no limit)."""
+        return self.count if self.kind == "latest" else None
+
+    def to_triton(self) -> Dict[str, Any]:
+        """ModelConfig's version_policy, as JSON."""
+        if self.kind == "latest":
+            return {"latest": {"num_versions": self.count}}
+        return {"all": {}} if self.kind == "all" else {"specific": {"versions": list(self.versions)}}
+
+    def __str__(self) -> str:
+        return f"latest: {self.count}" if self.kind == "latest" else "all" if self.kind == "all" else f"specific: {list(self.versions)}"
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """How one model is served: the server's flags, overridden by the model's config.yaml.
 
     The first fields are ServerConfig's ``per_model`` ones, same names (checked below): a per-model knob is a
     ServerConfig field marked ``per_model`` and its field here; flags, config files, config.yaml, the C++ front's
-    settings and ModelConfig's parameters follow from them. version_policy: ("latest", N) the N newest loadable versions; ("all",) every loadable version;
-    ("specific", (v, ...)) those versions. id_policy: (feature, "reject" | "modulo") overrides of
+    settings and ModelConfig's parameters follow from them. version_policy: which versions are served
+    (``VersionPolicy``). id_policy: (feature, "reject" | "modulo") overrides of
     the artifact's id policies, applied by validation (before the model, so either way every id
     that reaches the model is inside its table).
     """
@@ -226,7 +255,7 @@ class ModelSettings:
     batching: bool
     max_queue: int
     torch_threads: Optional[int]
-    version_policy: Tuple = ("latest", 1)
+    version_policy: VersionPolicy = VersionPolicy()
     id_policy: Tuple[Tuple[str, str], ...] = ()
 
     @staticmethod
@@ -288,27 +317,27 @@ def read_model_config(path: Path, text: str, defaults: ModelSettings) -> ModelSe
     return dataclasses.replace(defaults, **settings)
 
 
-def _version_policy(where: str, value: Any) -> Tuple:
+def _version_policy(where: str, value: Any) -> VersionPolicy:
     """Triton's version policies: ``latest: N`` (or ``{num_versions: N}``), ``all`` (or ``all: {}``),
     ``specific: [v, ...]`` (or ``{versions: [...]}``)."""
     usage = "takes latest: N, all, or specific: [versions]"
     if value == "all":
-        return ("all",)
+        return VersionPolicy("all")
     if not isinstance(value, dict) or len(value) != 1:
         raise ConfigError(f"{where}: {usage}, got {config_value(value)}")
     (kind, arg), = value.items()
     if kind == "all" and arg in (None, {}):
-        return ("all",)
+        return VersionPolicy("all")
     if kind == "latest":
         n = arg.get("num_versions") if isinstance(arg, dict) and set(arg) == {"num_versions"} else arg
         if type(n) is not int or n < 1:
             raise ConfigError(f"{where}: latest takes a number of versions >= 1, got {config_value(arg)}")
-        return ("latest", n)
+        return VersionPolicy("latest", n)
     if kind == "specific":
         versions = arg.get("versions") if isinstance(arg, dict) and set(arg) == {"versions"} else arg
         if not isinstance(versions, list) or not versions or not all(type(v) is int and 0 < v < 10**18 for v in versions):
             raise ConfigError(f"{where}: specific takes a list of version numbers >= 1, got {config_value(arg)}")
-        return ("specific", tuple(sorted(set(versions), reverse=True)))
+        return VersionPolicy("specific", versions=tuple(sorted(set(versions), reverse=True)))
     raise ConfigError(f"{where}: {usage}, got {config_value(value)}")
 
 

@@ -13,7 +13,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.kserve import repository_index
-from recship.serving.settings import ModelSettings, read_model_config
+from recship.serving.settings import ModelSettings, VersionPolicy, read_model_config
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from recship.trainer.dlrm import DLRM, DLRMConfig
@@ -229,6 +229,6 @@ def test_config_values_and_triton_spellings():
     s = read("max-batch-size: 8\nmax_delay_ms: 0\nbatching: false\nmax-queue: 3\ntorch-threads: 1\n")
     assert (s.max_batch_size, s.max_delay_ms, s.batching, s.max_queue, s.torch_threads) == (8, 0.0, False, 3, 1)
     assert s.front_settings() == {"max_batch_size": 8, "max_delay_ms": 0.0, "batching": False, "max_queue": 3, "torch_threads": 1}
-    assert read("version_policy: {latest: {num_versions: 3}}\n").version_policy == ("latest", 3)
-    assert read("version_policy: {all: {}}\n").version_policy == ("all",)
-    assert read("version_policy: {specific: {versions: [1, 3]}}\n").version_policy == ("specific", (3, 1))
+    assert read("version_policy: {latest: {num_versions: 3}}\n").version_policy == VersionPolicy("latest", 3)
+    assert read("version_policy: {all: {}}\n").version_policy == VersionPolicy("all")
+    assert read("version_policy: {specific: {versions: [1, 3]}}\n").version_policy == VersionPolicy("specific", versions=(3, 1))
