@@ -250,6 +250,23 @@ def _markers(item: pytest.Item) -> Iterator[str]:
         yield "gpu"
 
 
+def _stale(entries: Set[str]) -> List[str]:
+    """Entries of SLOW, CPP or DISTRIBUTED that name no folder, module, test or fixture here (renamed or removed)."""
+    stale = []
+    for entry in sorted(entries):
+        path, _, name = entry.partition("::")
+        where = TESTS / path
+        if not where.exists() or (name and not re.search(rf"^\s*def {re.escape(name)}\(", where.read_text(), re.M)):
+            stale.append(entry)
+    return stale
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    stale = _stale(SLOW | CPP | DISTRIBUTED)
+    if stale:  # a stale entry would silently leave its tests unmarked (and in make test-fast)
+        raise pytest.UsageError(f"tests/conftest.py's marker lists name what does not exist: {stale}")
+
+
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
     for item in items:
         for name in _markers(item):
