@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from recship.serving.metrics import ModelStats
+    from recship.serving.repository import ServedVersion
 
 log = logging.getLogger("recship.serving")
 _front_log = logging.getLogger("recship.front")
@@ -253,3 +254,51 @@ class CppFront:
         if "inflight_bytes" in gauges:
             out.setdefault("recship_inflight_bytes", []).append(("recship_inflight_bytes", {}, float(gauges["inflight_bytes"])))
         return out
+
+
+class FrontMirror:
+    """Keeps the C++ front serving what the model repository serves: each model's newest served version, with
+    its settings. The front serves one version per model; requests for the model's other versions (and for a
+    model it could not load) it forwards to the Python server."""
+
+    def __init__(self, front: CppFront, model_format: str) -> None:
+        self.front = front
+        self._format = model_format
+        self._serves: Dict[str, Optional["ServedVersion"]] = {}  # model -> the version the front was told to serve
+
+    def sync(self, name: str, newest: Optional["ServedVersion"]) -> None:
+        """Has the front serve ``newest`` (the model's newest served version; None: none)."""
+        if self._serves.get(name) is newest:
+            return
+        had = self._serves.get(name) is not None
+        self._serves[name] = newest
+        if newest is not None:
+            skip = newest.python_only()
+            if skip is None:
+                self._load(newest)
+                return
+            log.info("%s version %d is served by Python only: %s", name, newest.version, skip,
+                     extra={"model": name, "version": newest.version})
+        elif not had:
+            return
+        try:
+            self.front.unload(name)  # never leave it serving another version's or settings' answers
+        except Exception as e:
+            log.error("the C++ front did not unload %s: %s", name, e, extra={"model": name})
+
+    def _load(self, served: "ServedVersion") -> None:
+        """Loads ``served`` in the front; where it cannot, the front forwards the model's requests to Python."""
+        try:
+            # the front loads the manifest this process verified (its sha256), or nothing: a version whose
+            # files change meanwhile is refused there and served here until the next scan loads it again
+            fmt = self.front.load(served.name, served.version, served.path, self._format,
+                                  settings=served.settings.front_settings(), manifest_sha256=served.manifest.sha256)
+            log.info("C++ front serves %s version %d (%s)", served.name, served.version, fmt,
+                     extra={"model": served.name, "version": served.version})
+        except Exception as e:
+            log.error("the C++ front could not load %s version %d (%s); its requests are served by Python", served.name,
+                      served.version, e, extra={"model": served.name, "version": served.version})
+            try:
+                self.front.unload(served.name)  # never leave it serving an older version
+            except Exception:
+                pass

@@ -50,7 +50,7 @@ from recship.serving.settings import (MODEL_CONFIG, ConfigError, ModelSettings, 
                                       read_trusted)
 
 if TYPE_CHECKING:
-    from recship.serving.front import CppFront
+    from recship.serving.front import FrontMirror
     from recship.serving.settings import ServerConfig
 
 log = logging.getLogger("recship.serving")
@@ -195,11 +195,10 @@ class ModelRepository:
         self._unavailable: Dict[Tuple[str, str], Unavailable] = {}
         self._configs: Dict[str, Tuple[Optional[str], Optional[ModelSettings]]] = {}  # model -> (config.yaml text, its settings)
         self._settings: Dict[str, ModelSettings] = {}  # model -> its last good settings
-        self._front_serves: Dict[str, Optional[ServedVersion]] = {}  # model -> the version the C++ front was told to serve
         self._on_change = on_change or (lambda name, ready: None)
         self._stop = threading.Event()
         self._watcher: Optional[threading.Thread] = None
-        self.front: Optional["CppFront"] = None  # the C++ front (serving/front.py), told of every version that starts or stops serving
+        self._mirror: Optional["FrontMirror"] = None  # the C++ front, told of every version that starts or stops serving
         self.explicit = getattr(config, "model_control", "poll") == "explicit"
         self._loaded: set = set()  # explicit control: the models asked for (by --load-model or a load request)
         self._unloaded: set = set()  # explicit control: the models unloaded by a request (the index says so)
@@ -471,7 +470,8 @@ class ModelRepository:
         if old.keys() == chosen.keys() and all(old[v] is s for v, s in chosen.items()):
             return
         # the front first: it serves the newest version before this process does, and forwards what it lacks here
-        self._front_sync(name, chosen[max(chosen)] if chosen else None)
+        if self._mirror is not None:
+            self._mirror.sync(name, chosen[max(chosen)] if chosen else None)
         with self._lock:
             if chosen:
                 self._serving[name] = dict(chosen)
@@ -495,55 +495,13 @@ class ModelRepository:
             threading.Thread(target=_retire, args=([served],), daemon=True, name=f"unload-{name}-{version}").start()
         self._on_change(name, bool(chosen))
 
-    def attach_front(self, front: "CppFront") -> None:
-        """From now on ``front`` (serving/front.py CppFront) serves what this repository serves, starting now."""
+    def attach_front(self, mirror: "FrontMirror") -> None:
+        """From now on the C++ front serves what this repository serves, starting now (``mirror``: serving/front.py's
+        FrontMirror of it)."""
         with self._scanning:
-            self.front = front
-            self._front_serves = {}
+            self._mirror = mirror
             for served in self.models():
-                self._front_sync(served.name, served)
-
-    def _front_sync(self, name: str, newest: Optional[ServedVersion]) -> None:
-        """Has the C++ front serve ``newest`` (the model's newest served version; None: none), with its settings.
-
-        The front serves one version per model; requests for the model's other versions (and for a model it
-        could not load) it forwards here."""
-        if self.front is None or self._front_serves.get(name) is newest:
-            return
-        had = self._front_serves.get(name) is not None
-        self._front_serves[name] = newest
-        if newest is not None:
-            skip = newest.python_only()
-            if skip is None:
-                self._front_load(newest)
-                return
-            log.info("%s version %d is served by Python only: %s", name, newest.version, skip,
-                     extra={"model": name, "version": newest.version})
-        elif not had:
-            return
-        try:
-            self.front.unload(name)  # never leave it serving another version's or settings' answers
-        except Exception as e:
-            log.error("the C++ front did not unload %s: %s", name, e, extra={"model": name})
-
-    def _front_load(self, served: ServedVersion) -> None:
-        """Loads ``served`` in the C++ front; where it cannot, the front forwards the model's requests here."""
-        if self.front is None:
-            return
-        try:
-            # the front loads the manifest this process verified (its sha256), or nothing: a version whose
-            # files change meanwhile is refused there and served here until the next scan loads it again
-            fmt = self.front.load(served.name, served.version, served.path, self.config.model_format,
-                                  settings=served.settings.front_settings(), manifest_sha256=served.manifest.sha256)
-            log.info("C++ front serves %s version %d (%s)", served.name, served.version, fmt,
-                     extra={"model": served.name, "version": served.version})
-        except Exception as e:
-            log.error("the C++ front could not load %s version %d (%s); its requests are served by Python", served.name,
-                      served.version, e, extra={"model": served.name, "version": served.version})
-            try:
-                self.front.unload(served.name)  # never leave it serving an older version
-            except Exception:
-                pass
+                self._mirror.sync(served.name, served)
 
     def _refuse(self, model: str, version: str, signature: Optional[Tuple], reason: str) -> None:
         key = (model, version)
@@ -581,7 +539,7 @@ class ModelRepository:
             served.batcher.stop(drain=False)
         with self._lock:  # nothing keeps a stopped repository's models: they are freed now, not at a later GC
             self._serving.clear()
-            self._front_serves.clear()
+            self._mirror = None
         release_memory()
 
 

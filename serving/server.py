@@ -140,12 +140,12 @@ class Server:
             address = f"unix:{self._backend_dir}/backend.sock"
             self.grpc.add_insecure_port(address)
             await self.grpc.start()
-            from recship.serving.front import CppFront
+            from recship.serving.front import CppFront, FrontMirror
 
             self._backend = address
             front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
             self.front, self.port, self.metrics.extra, self.metrics.extra_stats = front, front.port, front.samples, front.model_stats
-            await loop.run_in_executor(None, self.repo.attach_front, front)
+            await loop.run_in_executor(None, self.repo.attach_front, FrontMirror(front, config.model_format))
         elif config.tls_cert is not None:
             assert config.tls_key is not None  # ServerConfig checks that cert and key come together
             ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
@@ -172,7 +172,7 @@ class Server:
     def _front_exited(self, code: int) -> None:
         """The C++ front died (a crash: it never exits unasked): start a new one on the same port, after a pause
         that grows while it keeps dying young (1 s, 2 s, ... 30 s), so a front that cannot run does not spin."""
-        from recship.serving.front import CppFront
+        from recship.serving.front import CppFront, FrontMirror
 
         assert self.front is not None  # only a started front calls this
         self._front_binary = self.front.binary
@@ -197,7 +197,7 @@ class Server:
                 return
             self.front = front
             self.metrics.extra, self.metrics.extra_stats = front.samples, front.model_stats
-            self.repo.attach_front(front)
+            self.repo.attach_front(FrontMirror(front, self.config.model_format))
             log.warning("the C++ front is back on port %d", self.port)
 
         threading.Thread(target=restart, name="front-restart", daemon=True).start()
