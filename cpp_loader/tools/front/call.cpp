@@ -135,6 +135,10 @@ void Call::finish_native(const grpc::Status& status, const std::string& label, g
   if (!status.ok())  // a sample of the refusals of each status (all are counted)
     sampled_log().log("refused " + label, "WARNING",
                       status.error_message() + " [Predict " + batcher_->name + " " + std::to_string(batcher_->version) + " " + label + "]");
+  if (admitted_) {  // answered: its bytes leave the in-flight count before the client sees the answer, as in Python
+    front_->admission.release(admitted_);
+    admitted_ = 0;
+  }
   if (response != nullptr) StartWriteAndFinish(response, grpc::WriteOptions(), status);
   else Finish(status);
 }
