@@ -139,7 +139,7 @@ def test_corrupt_checkpoints_name_the_missing_piece(tmp_path):
         read_metadata(tmp_path / "nope")
 
 
-def test_load_for_export_streams_tables(tmp_path):
+def test_the_checkpoint_reader_streams_tables_and_records_the_entry_point(tmp_path):
     summary = launch(small(tmp_path, steps=4))
     reader = CheckpointReader(summary["checkpoint"])
     entry = reader.config["entry_point"]  # the built-in DLRM is recorded as the entry point it is built from
