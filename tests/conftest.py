@@ -209,6 +209,7 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "test_examples.py",
     "test_package.py::test_cli_version_and_demo",
     "test_typing.py",
+    "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
     "tutorials",
 }
 CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or a parameter "cpp" (a front)
@@ -225,6 +226,7 @@ DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks,
     "trainer/test_train.py::test_reader_maps_tables_equal_to_dcp_load",
     "tutorials/test_tutorials.py::test_sharding_tutorial_prints_the_tutorials_plans_on_two_ranks",
     "export/test_any_model.py::exported",  # trains the two-tower on 2 gloo ranks
+    "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
 }
 
 

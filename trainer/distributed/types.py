@@ -11,11 +11,13 @@ runs unchanged.
 """
 
 import abc
+import operator
 from dataclasses import dataclass
-from typing import Any, Dict, Generic, List, Optional, Type, TypeVar
+from typing import Any, Callable, Dict, Generic, List, Optional, Type, TypeVar
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 
 W = TypeVar("W")
@@ -69,8 +71,9 @@ class Awaitable(abc.ABC, Generic[W]):
 
 
 class LazyAwaitable(Awaitable[W]):
-    """An Awaitable that can also be used as its result: attribute access, calls on it
-    and torch functions taking it wait first (TorchRec's LazyAwaitable semantics).
+    """An Awaitable that can also be used as its result: attribute access, calls on it, indexing,
+    arithmetic and comparisons, and torch functions taking it wait first (TorchRec's LazyAwaitable
+    semantics: ``ebc(features)["f"]`` is ``ebc(features).wait()["f"]``).
 
     Subclass it and implement ``_wait_impl``; ``awaitable.values()`` is then
     ``awaitable.wait().values()``.
@@ -87,6 +90,27 @@ class LazyAwaitable(Awaitable[W]):
         args = torch.utils._pytree.tree_map_only(LazyAwaitable, lambda a: a.wait(), args)
         kwargs = torch.utils._pytree.tree_map_only(LazyAwaitable, lambda a: a.wait(), kwargs or {})
         return func(*args, **kwargs)
+
+
+def _waited(value: Any) -> Any:
+    return value.wait() if isinstance(value, LazyAwaitable) else value
+
+
+def _forward_operator(name: str, reflected: bool) -> Callable[..., Any]:
+    """LazyAwaitable's ``__<name>__`` (or ``__r<name>__``): the operator applied to the waited result."""
+    op = getattr(operator, name)
+    if reflected:
+        return lambda self, other: op(_waited(other), self.wait())
+    return lambda self, *args: op(self.wait(), *map(_waited, args))
+
+
+# the operators torch.fx records (indexing, arithmetic, comparisons), as TorchRec's LazyAwaitable forwards them
+for _name in torch.fx.graph.magic_methods:
+    if hasattr(operator, _name):
+        setattr(LazyAwaitable, f"__{_name.strip('_')}__", _forward_operator(_name, reflected=False))
+for _name in torch.fx.graph.reflectable_magic_methods:
+    if hasattr(operator, _name) and _name != "getitem":
+        setattr(LazyAwaitable, f"__r{_name.strip('_')}__", _forward_operator(_name, reflected=True))
 
 
 class NoWait(LazyAwaitable[W]):
