@@ -113,8 +113,9 @@ def _torch_dtypes() -> "dict[DataType, torch.dtype]":
 
 
 @unique
-class ShardingType(Enum):
-    """How one table is split across ranks."""
+class ShardingType(str, Enum):
+    """How one table is split across ranks. A str, as TorchRec's ``ParameterSharding.sharding_type`` is: it equals its
+    value (``p.sharding_type == ShardingType.TABLE_WISE.value`` and ``== "table_wise"`` hold)."""
 
     DATA_PARALLEL = "data_parallel"  # a full replica on every rank, gradients all-reduced
     TABLE_WISE = "table_wise"  # the whole table on one rank
@@ -124,8 +125,8 @@ class ShardingType(Enum):
 
 
 @unique
-class EmbeddingComputeKernel(Enum):
-    """How a shard is looked up and updated."""
+class EmbeddingComputeKernel(str, Enum):
+    """How a shard is looked up and updated; a str equal to its value, as ``ShardingType``."""
 
     DENSE = "dense"  # plain torch tables, dense-gradient optimizer (data-parallel)
     FUSED = "fused"  # fbgemm TBE with the optimizer fused into backward

@@ -146,6 +146,17 @@ def test_tutorial_row_wise_gives_2048_rows_per_rank():
     assert geometry(plan, "small_0") == [(0, [0, 0], [512, 64]), (1, [512, 0], [512, 64])]
 
 
+def test_sharding_type_and_compute_kernel_compare_equal_to_their_strings():
+    """TorchRec's ParameterSharding holds strings: code written for it compares with ``ShardingType.X.value`` or a
+    literal, and must not be silently False here."""
+    plan = EmbeddingShardingPlanner(Topology(2), forced(ShardingType.ROW_WISE)).plan(ebc_of(TUTORIAL))
+    for module_plan in plan.plan.values():
+        for p in module_plan.values():
+            assert p.sharding_type == ShardingType.ROW_WISE.value == "row_wise" and p.sharding_type != "table_wise"
+            assert p.compute_kernel == "fused" and {p.sharding_type: 1}["row_wise"] == 1
+    assert ShardingType("column_wise") is ShardingType.COLUMN_WISE and isinstance(ShardingType.COLUMN_WISE, str)
+
+
 def test_tutorial_column_wise_gives_32_columns_per_rank():
     ebc = ebc_of(TUTORIAL)
     plan = EmbeddingShardingPlanner(Topology(2), forced(ShardingType.COLUMN_WISE)).plan(ebc)
