@@ -22,7 +22,7 @@ TorchScript does not apply a class's default arguments while it is still
 compiling that class.
 """
 
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -109,6 +109,13 @@ def _fmt(x: object) -> str:
 # ---------------------------------------------------------------------------
 # JaggedTensor
 # ---------------------------------------------------------------------------
+
+
+@torch.jit.unused
+def _record_stream(tensors: List[Optional[torch.Tensor]], stream: torch.Stream) -> None:
+    for t in tensors:
+        if t is not None:
+            t.record_stream(stream)
 
 
 class JaggedTensor:
@@ -204,6 +211,12 @@ class JaggedTensor:
             offsets=None,
         )
 
+    @staticmethod
+    def from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None) -> "JaggedTensor":
+        """Row b's first ``lengths[b]`` entries of dense ``values`` [B, N] (and of ``weights``, the same shape)."""
+        mask = torch.arange(values.size(1), device=values.device).expand(values.size(0), -1) < lengths.unsqueeze(-1)
+        return JaggedTensor(values=values[mask], weights=None if weights is None else weights[mask], lengths=lengths, offsets=None)
+
     def values(self) -> torch.Tensor:
         return self._values
 
@@ -218,6 +231,11 @@ class JaggedTensor:
         if w is None:
             raise ValueError("JaggedTensor has no weights")
         return w
+
+    @torch.jit.unused
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks every tensor it holds as in use by CUDA ``stream`` (``Tensor.record_stream``)."""
+        _record_stream([self._values, self._weights, self._lengths, self._offsets], stream)
 
     def weights_or_none(self) -> Optional[torch.Tensor]:
         return self._weights
@@ -463,7 +481,8 @@ class KeyedJaggedTensor:
         weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> "KeyedJaggedTensor":
-        """A KJT with no keys and batch size 0. Values default to int64 (ids)."""
+        """A KJT with no keys and batch size 0. Values default to int64: a KJT holds ids, and refuses float values
+        (TorchRec's default is torch's float dtype)."""
         keys: List[str] = []
         values_dtype = values_dtype if values_dtype is not None else torch.int64
         return KeyedJaggedTensor(
@@ -514,6 +533,24 @@ class KeyedJaggedTensor:
     def stride_per_key(self) -> List[int]:
         """[F] batch size of each key: B for every key (recship has no variable stride)."""
         return [self._stride] * len(self._keys)
+
+    def lengths_offset_per_key(self) -> List[int]:
+        """[F + 1] where each key's entries start in ``lengths``: 0, B, 2B, ..., F * B."""
+        return [self._stride * k for k in range(len(self._keys) + 1)]
+
+    @staticmethod
+    def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
+        """A KJT with no keys, ``kjt``'s batch size, dtypes and device (weights if it has them), as TorchRec's."""
+        w = kjt.weights_or_none()
+        return KeyedJaggedTensor(
+            keys=[],
+            values=torch.empty(0, dtype=kjt.values().dtype, device=kjt.device()),
+            weights=None if w is None else torch.empty(0, dtype=w.dtype, device=kjt.device()),
+            lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device()),
+            stride=kjt.stride(),
+            offsets=None,
+            length_per_key=None,
+        )
 
     def device(self) -> torch.device:
         return self._values.device
@@ -816,6 +853,11 @@ class KeyedJaggedTensor:
             length_per_key=self._length_per_key,
         )
 
+    @torch.jit.unused
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks every tensor it holds as in use by CUDA ``stream`` (``Tensor.record_stream``)."""
+        _record_stream([self._values, self._weights, self._lengths, self._offsets], stream)
+
     def pin_memory(self) -> "KeyedJaggedTensor":
         w = self._weights
         return KeyedJaggedTensor(
@@ -910,11 +952,12 @@ class KeyedTensor:
         self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
 
     @staticmethod
-    def from_tensor_list(keys: List[str], tensors: List[torch.Tensor], key_dim: int = 1) -> "KeyedTensor":
+    def from_tensor_list(keys: List[str], tensors: List[torch.Tensor], key_dim: int = 1, cat_dim: int = 1) -> "KeyedTensor":
+        """One key per tensor, its width along ``key_dim``; the tensors joined along ``cat_dim`` (as TorchRec's)."""
         return KeyedTensor(
             keys=keys,
             length_per_key=[t.shape[key_dim] for t in tensors],
-            values=torch.cat(tensors, dim=key_dim),
+            values=torch.cat(tensors, dim=cat_dim),
             key_dim=key_dim,
         )
 
@@ -1013,3 +1056,27 @@ class KeyedTensor:
             args=tracer.create_arg((self._keys, self._length_per_key, self._values, self._key_dim)),
             kwargs={},
         )
+
+
+def _same(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+
+
+def jt_is_equal(jt_1: Any, jt_2: Any) -> bool:
+    """Whether two JaggedTensors hold the same values, lengths, offsets and weights (dtypes and devices too);
+    False for anything that is not a JaggedTensor (TorchRec's ``jt_is_equal``)."""
+    if not isinstance(jt_1, JaggedTensor) or not isinstance(jt_2, JaggedTensor):
+        return False
+    return all(_same(getattr(jt_1, f)(), getattr(jt_2, f)()) for f in ("values", "lengths", "offsets", "weights_or_none"))
+
+
+def kjt_is_equal(kjt_1: Any, kjt_2: Any) -> bool:
+    """Whether two KeyedJaggedTensors have the same keys and batch size and hold the same values, lengths, offsets
+    and weights (dtypes and devices too); False for anything that is not a KeyedJaggedTensor (TorchRec's)."""
+    if not isinstance(kjt_1, KeyedJaggedTensor) or not isinstance(kjt_2, KeyedJaggedTensor):
+        return False
+    if kjt_1.keys() != kjt_2.keys() or kjt_1.stride() != kjt_2.stride():
+        return False
+    return all(_same(getattr(kjt_1, f)(), getattr(kjt_2, f)()) for f in ("values", "lengths", "offsets", "weights_or_none"))

@@ -65,9 +65,17 @@ class BaseEmbeddingConfig:
             else:
                 weight.uniform_(*self.init_range())
 
-    @property
     def num_features(self) -> int:
+        """The features looked up in this table (a method, as TorchRec's)."""
         return len(self.feature_names)
+
+    def get_weight_init_max(self) -> float:
+        """The upper end of the uniform init range (``weight_init_max``, else sqrt(1 / num_embeddings)), as TorchRec's."""
+        return self.init_range()[1]
+
+    def get_weight_init_min(self) -> float:
+        """The lower end of the uniform init range (``weight_init_min``, else -sqrt(1 / num_embeddings)), as TorchRec's."""
+        return self.init_range()[0]
 
 
 @dataclass

@@ -297,6 +297,17 @@ class EmbeddingCollection(nn.Module):
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._embedding_configs
 
+    def embedding_dim(self) -> int:
+        """The tables' common width (TorchRec's EmbeddingCollection requires one); ValueError if they differ."""
+        dims = {t.embedding_dim for t in self._embedding_configs}
+        if len(dims) != 1:
+            raise ValueError(f"the tables' widths differ ({sorted(dims)}): an EmbeddingCollection has no one embedding_dim")
+        return dims.pop()
+
+    def embedding_names_by_table(self) -> List[List[str]]:
+        """Each table's output names, in table order: its features' names (TorchRec's)."""
+        return [list(names) for names in self._feature_names]
+
     def reset_parameters(self) -> None:
         for t in self._embedding_configs:
             t.init_weight(self.embeddings[t.name].weight)

@@ -406,6 +406,6 @@ class EmbeddingShardingPlanner:
             rows, cols = s.shard_sizes
             memory[s.rank] += shard_bytes(rows, cols, st, optim)
             cost[s.rank] += shard_cost(
-                rows, cols, t.num_embeddings, st, self.batch_size, world, c.pooling_factor, t.num_features
+                rows, cols, t.num_embeddings, st, self.batch_size, world, c.pooling_factor, t.num_features()
             )
         return memory, cost
