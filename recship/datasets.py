@@ -56,12 +56,13 @@ class RandomRecDataset(IterableDataset):
                  manual_seed: Optional[int] = None, num_generated_batches: int = 10, num_batches: Optional[int] = None,
                  is_weighted: bool = False) -> None:
         super().__init__()
-        sizes = hash_sizes if hash_sizes is not None else [hash_size] * len(keys)
-        counts = ids_per_features if ids_per_features is not None else [ids_per_feature] * len(keys)
-        if len(sizes) != len(keys) or len(counts) != len(keys) or any(s is None or s < 1 for s in sizes) \
-                or any(c is None or c < 0 for c in counts):
+        given_sizes = hash_sizes if hash_sizes is not None else [hash_size] * len(keys)
+        given_counts = ids_per_features if ids_per_features is not None else [ids_per_feature] * len(keys)
+        sizes = [s for s in given_sizes if s is not None and s >= 1]
+        counts = [c for c in given_counts if c is not None and c >= 0]
+        if not len(sizes) == len(counts) == len(given_sizes) == len(given_counts) == len(keys):
             raise ValueError(f"RandomRecDataset: {len(keys)} keys need as many hash sizes >= 1 and ids per feature >= 0, "
-                             f"got {sizes} and {counts}")
+                             f"got {given_sizes} and {given_counts}")
         if batch_size < 1 or num_generated_batches < 1:
             raise ValueError(f"RandomRecDataset: batch_size and num_generated_batches must be >= 1, got {batch_size} and "
                              f"{num_generated_batches}")
