@@ -5,7 +5,7 @@
 
 TorchRec code imports these from ``torchrec.distributed.embeddingbag``,
 ``.model_parallel``, ``.planner``, ``.planner.types``, ``.types``,
-``.embedding_types``, ``.shard`` and ``torchrec.optim``; in recship they are all
+``.embedding_types``, ``.shard``, ``.sharding_plan`` and ``torchrec.optim``; in recship they are all
 here (README: "Coming from TorchRec"). The implementations live in
 ``recship.trainer`` (training) and ``recship.export`` (inference sharding).
 """
@@ -23,6 +23,8 @@ from recship.trainer.fused_optim import KeyedOptimizer, RowWiseAdagrad
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
+from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
+                                                   table_row_wise, table_wise)
 
 
 def _shard_modules(
@@ -48,5 +50,6 @@ __all__ = [
     "FusedOptimizerConfig", "KeyedOptimizer", "LazyAwaitable", "ModuleSharder", "NoWait", "ParameterConstraints",
     "ParameterSharding", "RowWiseAdagrad", "ShardMetadata", "ShardedEmbeddingBagCollection", "ShardingEnv",
     "ShardingPlan", "ShardingType", "Topology", "get_default_sharders", "in_backward_optimizer_filter",
+    "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

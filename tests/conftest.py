@@ -221,6 +221,7 @@ CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or
 DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks, torchrun)
     "trainer/distributed/test_gpu.py",
     "trainer/distributed/test_model_parallel.py",
+    "trainer/distributed/test_sharding_plan.py::test_a_dmp_from_a_plan_by_hand_trains_like_one_process",
     "trainer/distributed/test_sharded_ebc.py::test_table_row_wise_on_two_hosts_of_two",
     "trainer/test_train.py::test_checkpoint_reshards_on_load",
     "trainer/test_train.py::test_reader_maps_tables_equal_to_dcp_load",
