@@ -19,7 +19,8 @@ from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaita
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
-from recship.trainer.fused_optim import KeyedOptimizer, RowWiseAdagrad
+from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
+                                        OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
@@ -50,6 +51,7 @@ __all__ = [
     "FusedOptimizerConfig", "KeyedOptimizer", "LazyAwaitable", "ModuleSharder", "NoWait", "ParameterConstraints",
     "ParameterSharding", "RowWiseAdagrad", "ShardMetadata", "ShardedEmbeddingBagCollection", "ShardingEnv",
     "ShardingPlan", "ShardingType", "Topology", "get_default_sharders", "in_backward_optimizer_filter",
+    "GradientClipping", "GradientClippingOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper", "apply_optimizer_in_backward",
     "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

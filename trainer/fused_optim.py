@@ -279,3 +279,75 @@ class CombinedOptimizer(KeyedOptimizer):
 
     def __repr__(self) -> str:
         return ",".join(f"{key}: {opt!r}" for key, opt in self._optims)
+
+
+# -- TorchRec's torchrec.optim wrappers ----------------------------------------------------------
+
+
+def apply_optimizer_in_backward(optimizer_class: Any, params: Any, optimizer_kwargs: Dict[str, Any]) -> None:
+    """TorchRec's ``torchrec.optim.apply_optimizer_in_backward``: torch's ``_apply_optimizer_in_backward``, which
+    DistributedModelParallel reads to fuse that optimizer into a sharded table's backward."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+
+    _apply_optimizer_in_backward(optimizer_class, params, optimizer_kwargs)
+
+
+class KeyedOptimizerWrapper(KeyedOptimizer):
+    """A torch optimizer over named parameters (TorchRec's): ``optim_factory(list of the parameters)`` builds it, and
+    this keyed optimizer steps it. Typically over ``in_backward_optimizer_filter(dmp.named_parameters())``."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], optim_factory: Callable[[List[torch.Tensor]], torch.optim.Optimizer]) -> None:
+        self._optimizer = optim_factory(list(params.values()))
+        super().__init__(params, self._optimizer.state, self._optimizer.param_groups)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class OptimizerWrapper(KeyedOptimizer):
+    """Wraps a keyed optimizer and passes everything to it (TorchRec's base class for optimizer wrappers): subclass
+    it and override ``step`` to act around the wrapped step."""
+
+    def __init__(self, optimizer: KeyedOptimizer) -> None:
+        self._optimizer = optimizer
+        super().__init__(getattr(optimizer, "params", {}), optimizer.state, optimizer.param_groups)
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self._optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
+        self._optimizer.load_state_dict(state_dict)
+
+
+class GradientClipping(Enum):
+    NORM = "norm"
+    VALUE = "value"
+    NONE = "none"
+
+
+class GradientClippingOptimizer(OptimizerWrapper):
+    """Clips the wrapped optimizer's gradients before its step (TorchRec's): their total ``norm_type`` norm to
+    ``max_gradient`` (``GradientClipping.NORM``, ``torch.nn.utils.clip_grad_norm_``), or each value to
+    [-max_gradient, max_gradient] (``VALUE``). Gradients fused into a sharded table's backward are not here to clip."""
+
+    def __init__(self, optimizer: KeyedOptimizer, clipping: GradientClipping = GradientClipping.NONE, max_gradient: float = 0.1,
+                 norm_type: float = 2.0) -> None:
+        super().__init__(optimizer)
+        self._clipping, self._max_gradient, self._norm_type = GradientClipping(clipping), max_gradient, norm_type
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self._clipping == GradientClipping.NORM:
+            torch.nn.utils.clip_grad_norm_(params, self._max_gradient, norm_type=self._norm_type)
+        elif self._clipping == GradientClipping.VALUE:
+            torch.nn.utils.clip_grad_value_(params, self._max_gradient)
+        return super().step(closure)
