@@ -92,8 +92,9 @@ class QuantEmbeddingBagCollection(QuantTables):
                             self._is_weighted, groups, None)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        """The tables, each with the type it is stored in (``data_type``: INT8, INT4, ...), as TorchRec's."""
         # __init__ passed its EmbeddingBagConfigs to _build, which keeps them as the shared base type
-        return cast(List[EmbeddingBagConfig], list(self._tables))
+        return cast(List[EmbeddingBagConfig], self._stored_configs())
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingBagCollection":
@@ -161,8 +162,9 @@ class QuantEmbeddingCollection(QuantTables):
                             False, groups, None)
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
+        """The tables, each with the type it is stored in (``data_type``), as TorchRec's."""
         # __init__ passed its EmbeddingConfigs to _build, which keeps them as the shared base type
-        return cast(List[EmbeddingConfig], list(self._tables))
+        return cast(List[EmbeddingConfig], self._stored_configs())
 
     @classmethod
     def from_float(cls, module: nn.Module, use_precomputed_fake_quant: bool = False) -> "QuantEmbeddingCollection":

@@ -20,7 +20,7 @@ load_state_dict, pickling and TorchScript save/load all keep them aliased to the
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -301,6 +301,10 @@ class QuantTables(nn.Module):
 
     def tables(self) -> List[BaseEmbeddingConfig]:
         return list(self._tables)
+
+    def _stored_configs(self) -> List[BaseEmbeddingConfig]:
+        """The tables' configs with ``data_type`` the type each is stored in."""
+        return [replace(t, data_type=self._weight_types[t.name]) for t in self._tables]
 
     def weight_bytes(self) -> int:
         """Bytes of every TBE's stored rows, alignment padding included."""

@@ -279,3 +279,20 @@ def test_single_group_fast_path_equals_gathered_path_and_traces():
     bad = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone().fill_(500), lengths=kjt.lengths(), weights=kjt.weights())
     with pytest.raises(ValueError, match="feature 'f0': id 500 is out of range \\[0, 200\\)"):
         traced(bad)
+
+
+def test_a_quantized_collection_reports_the_types_its_tables_are_stored_in():
+    """TorchRec's quantized collections report each table's stored data_type in their configs (from_float and the
+    quantizer alike); the float module's configs are left as they were."""
+    from recship.quantize.modules import quantize_embedding_collection
+    from recship.trainer import EmbeddingCollection, EmbeddingConfig
+
+    ebc = _ebc()
+    names = [t.name for t in ebc.embedding_bag_configs()]
+    qebc, _ = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int4", table_dtypes={names[0]: "fp16"}))
+    assert [t.data_type for t in qebc.embedding_bag_configs()] == [DataType.FP16] + [DataType.INT4] * (len(names) - 1)
+    assert all(t.data_type == DataType.FP32 for t in ebc.embedding_bag_configs())
+    assert isinstance(qebc, QuantEmbeddingBagCollection)
+    ec = EmbeddingCollection([EmbeddingConfig(name="e", num_embeddings=10, embedding_dim=8)])
+    qec, _ = quantize_embedding_collection(ec, QuantConfig(dtype="int8"))
+    assert [t.data_type for t in qec.embedding_configs()] == [DataType.INT8]
