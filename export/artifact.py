@@ -58,7 +58,7 @@ class ModelInfo:
 
     name: str
     version: int
-    kind: str  # "dlrm", "embeddings" or "module"
+    kind: str  # "module": what every export writes (earlier artifacts may say "dlrm" or "embeddings")
     details: Dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> Dict[str, Any]:
