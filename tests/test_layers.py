@@ -23,7 +23,7 @@ LAYERS = [
     ["recship.quantize"],
     ["recship.export"],
     ["recship.serving"],
-    ["recship.distributed", "recship.datasets", "recship.demo", "recship.cli", "recship.__main__"],
+    ["recship.distributed", "recship.datasets", "recship.inference", "recship.demo", "recship.cli", "recship.__main__"],
 ]
 
 
