@@ -2,21 +2,14 @@
 rewrites the imports as it does for the tutorials): the Criteo constants against the Criteo layout, Batch, and
 RandomRecDataset against what it promises (shapes, id ranges, repetition, the seed)."""
 
+from pathlib import Path
+
 import torch
 
 from tutorials.notebook import import_map, rewrite_imports
 
-USER_CODE = '''
-from torchrec.datasets.criteo import CAT_FEATURE_COUNT, DEFAULT_CAT_NAMES, DEFAULT_COLUMN_NAMES, DEFAULT_INT_NAMES, INT_FEATURE_COUNT
-from torchrec.datasets.random import RandomRecDataset
-from torchrec.datasets.utils import Batch
-
-dataset = RandomRecDataset(keys=DEFAULT_CAT_NAMES[:3], batch_size=8, hash_sizes=[10, 20, 30], ids_per_features=[1, 2, 3],
-                           num_dense=len(DEFAULT_INT_NAMES), manual_seed=7, num_generated_batches=2, num_batches=5)
-batches = list(dataset)
-again = list(RandomRecDataset(keys=DEFAULT_CAT_NAMES[:3], batch_size=8, hash_sizes=[10, 20, 30], ids_per_features=[1, 2, 3],
-                              num_dense=len(DEFAULT_INT_NAMES), manual_seed=7, num_generated_batches=2, num_batches=5))
-'''
+# TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
+USER_CODE = (Path(__file__).parent / "snippets" / "torchrec_datasets.txt").read_text()
 
 
 def test_torchrec_datasets_through_the_import_map():

@@ -3,6 +3,7 @@ answers what ``quantize_embeddings`` makes of the same model, and the sharded on
 does (the same stored rows), with a ShardingPlan that describes the shards."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, ParameterConstraints
 from tutorials.notebook import import_map, rewrite_imports
 
-USER_CODE = "from torchrec.inference.modules import quantize_inference_model, shard_quant_model\n"
+# TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
+USER_CODE = (Path(__file__).parent / "snippets" / "torchrec_inference.txt").read_text()
 
 
 def _model_and_kjt():

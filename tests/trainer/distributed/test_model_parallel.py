@@ -49,11 +49,9 @@ def _single_process(world_size, steps):
     return model
 
 
-def _dmp_worker(rank, world_size, steps):
-    torch.manual_seed(0)
-    model = Toy()
-    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints).collective_plan(model)
+def train_dmp(model, plan, rank, world_size, steps):
+    """``model`` under DistributedModelParallel with ``plan``, trained ``steps`` steps on this rank's part of the batches
+    ``_single_process`` trains on whole (fused EXACT_SGD and dense SGD, both at LR)."""
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
     dense_opt = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
     for step in range(steps):
@@ -62,6 +60,15 @@ def _dmp_worker(rank, world_size, steps):
         nn.functional.mse_loss(dmp(local[rank]), target).backward()
         dense_opt.step()
         dense_opt.zero_grad()
+    return dmp
+
+
+def _dmp_worker(rank, world_size, steps):
+    torch.manual_seed(0)
+    model = Toy()
+    constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
+    plan = EmbeddingShardingPlanner(Topology(world_size), constraints).collective_plan(model)
+    dmp = train_dmp(model, plan, rank, world_size, steps)
     sharded = dmp.sharded_modules()[0]
     tables = {t.name: sharded.gather_table(t.name) for t in _tables()}
     return {

@@ -5,16 +5,12 @@ test_model_parallel.py)."""
 
 import pytest
 import torch
-from torch import nn
 
 from gloo_ranks import run_ranks
 from recship.distributed import (ShardingPlan, apply_to_all, column_wise, construct_module_sharding_plan, data_parallel,
                                  row_wise, table_row_wise, table_wise)
-from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
-from recship.trainer.model_parallel import DistributedModelParallel
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
-from test_model_parallel import LR, SHARDING, Toy, _single_process, _tables, _targets
-from test_sharded_ebc import LOCAL_BATCH, global_batch
+from test_model_parallel import SHARDING, Toy, _single_process, _tables, train_dmp
 
 
 def _by_hand(model: Toy, planned) -> dict:
@@ -50,15 +46,7 @@ def _worker(rank, world_size, steps):
     model = Toy()
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
     planned = EmbeddingShardingPlanner(Topology(world_size), constraints).plan(Toy(device="meta")).get_plan_for_module("sparse")
-    plan = ShardingPlan({"sparse": _by_hand(model, planned)})
-    dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
-    dense_opt = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
-    for step in range(steps):
-        _, local = global_batch(_tables(), world_size, seed=step, weighted=False)
-        target = _targets(world_size, step)[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
-        nn.functional.mse_loss(dmp(local[rank]), target).backward()
-        dense_opt.step()
-        dense_opt.zero_grad()
+    dmp = train_dmp(model, ShardingPlan({"sparse": _by_hand(model, planned)}), rank, world_size, steps)
     sharded = dmp.sharded_modules()[0]
     return {t.name: sharded.gather_table(t.name) for t in _tables() if t.name != "t2"}
 
