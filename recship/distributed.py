@@ -26,6 +26,7 @@ from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPla
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
                                                    table_row_wise, table_wise)
+from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 
 
 def _shard_modules(
@@ -53,5 +54,6 @@ __all__ = [
     "ShardingPlan", "ShardingType", "Topology", "get_default_sharders", "in_backward_optimizer_filter",
     "GradientClipping", "GradientClippingOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper", "apply_optimizer_in_backward",
     "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
+    "TrainPipeline", "TrainPipelineBase", "TrainPipelineContext", "TrainPipelineSparseDist",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]
