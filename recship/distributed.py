@@ -24,6 +24,9 @@ from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptim
 from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
+from recship.trainer.planner.components import (EmbeddingEnumerator, FixedPercentageStorageReservation, GreedyProposer,
+                                               GridSearchProposer, HeuristicalStorageReservation, PlannerError,
+                                               PlannerErrorType, StorageReservation, UniformProposer)
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
                                                    table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
@@ -55,5 +58,7 @@ __all__ = [
     "GradientClipping", "GradientClippingOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper", "apply_optimizer_in_backward",
     "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
     "TrainPipeline", "TrainPipelineBase", "TrainPipelineContext", "TrainPipelineSparseDist",
+    "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
+    "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

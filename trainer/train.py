@@ -73,7 +73,8 @@ class _Trainer:
         else:
             self.device = torch.device("cpu")
         topology = Topology(self.world_size, self.device.type, local_world_size=local if self.world_size % local == 0 else None)
-        self.plan = EmbeddingShardingPlanner(topology, constraints, optimizer, config.batch_size).collective_plan(model)
+        planner = EmbeddingShardingPlanner(topology, batch_size=config.batch_size, constraints=constraints, optimizer=optimizer)
+        self.plan = planner.collective_plan(model)
         torch.manual_seed(config.seed)  # dense init identical on every rank and for every world size
         self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer, device=self.device)
         self.dense_optimizer = torch.optim.Adagrad(self.model.dense_parameters(), lr=config.dense_lr)

@@ -1,5 +1,17 @@
 """Sharding plans: the vocabulary (types) and the planner that proposes one."""
 
+from recship.trainer.planner.components import (
+    EmbeddingEnumerator,
+    FixedPercentageStorageReservation,
+    GreedyProposer,
+    GridSearchProposer,
+    HeuristicalStorageReservation,
+    PlannerError,
+    PlannerErrorType,
+    Proposer,
+    StorageReservation,
+    UniformProposer,
+)
 from recship.trainer.planner.planner import (
     DEFAULT_SHARDING_TYPES,
     EmbeddingShardingPlanner,
@@ -22,6 +34,16 @@ from recship.trainer.planner.types import (
 
 __all__ = [
     "DEFAULT_SHARDING_TYPES",
+    "EmbeddingEnumerator",
+    "FixedPercentageStorageReservation",
+    "GreedyProposer",
+    "GridSearchProposer",
+    "HeuristicalStorageReservation",
+    "PlannerError",
+    "PlannerErrorType",
+    "Proposer",
+    "StorageReservation",
+    "UniformProposer",
     "EmbeddingComputeKernel",
     "EmbeddingShardingPlanner",
     "ParameterConstraints",

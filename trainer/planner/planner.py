@@ -22,18 +22,23 @@ busiest rank least busy. The planner is deterministic: ties go to the earlier op
 fixed order (sharding type order below, then lower ranks).
 """
 
+import logging
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, cast
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.planner.components import (EmbeddingEnumerator, PlannerError, PlannerErrorType, Proposer,
+                                               StorageReservation, proposers_of)
 from recship.trainer.planner.types import (EmbeddingComputeKernel, ParameterConstraints, ParameterSharding, ShardingPlan,
                                           ShardingType, ShardMetadata, Topology)
+
+_log = logging.getLogger(__name__)
 
 FLOAT_BYTES = 4  # the planner counts every weight and optimizer state as fp32
 
@@ -184,6 +189,11 @@ def _default_topology() -> Topology:
     return Topology(world_size=world, compute_device="cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _configs(m: nn.Module) -> List[Any]:
+    """A collection's table configs (EmbeddingBagConfig or EmbeddingConfig)."""
+    return list(m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
+
+
 def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
     if sharding_type == ShardingType.DATA_PARALLEL:
         return EmbeddingComputeKernel.DENSE
@@ -194,31 +204,75 @@ def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
 
 
 class EmbeddingShardingPlanner:
-    """Plans every EmbeddingBagCollection of a module for ``topology``.
+    """Plans every EmbeddingBagCollection (and EmbeddingCollection) of a module for ``topology``.
+
+    TorchRec's arguments, in TorchRec's order (``recship.trainer.planner.components`` says
+    what each part does here):
 
     Args:
         topology: ranks, device and memory per rank (default: the initialised process
             group's world on CUDA if available, else one CPU rank).
+        batch_size: examples per rank per step, for the cost estimate (default 512).
+        enumerator: an EmbeddingEnumerator; its constraints are the planner's.
+        storage_reservation: memory kept free on every rank (e.g.
+            HeuristicalStorageReservation(percentage=0.15)); default none.
+        proposer: a proposer or a list of them (default GreedyProposer()).
+        partitioner, performance_model, stats: TorchRec's replaceable parts; recship's
+            placement, cost model and plan printout are fixed, so these must be None.
         constraints: table name -> ParameterConstraints (applies to every collection
             holding a table of that name).
-        optimizer: the fused optimizer; its state counts against memory (default: the
-            sharders' ``fused_params`` optimizer, else EXACT_ROWWISE_ADAGRAD).
-        batch_size: examples per rank per step, for the cost estimate.
+        debug: log each plan (``str(plan)``) at INFO.
+        optimizer: recship's: the fused optimizer whose state counts against memory
+            (default: the sharders' ``fused_params`` optimizer, else EXACT_ROWWISE_ADAGRAD).
     """
 
     def __init__(
         self,
         topology: Optional[Topology] = None,
+        batch_size: Optional[int] = None,
+        enumerator: Optional[EmbeddingEnumerator] = None,
+        storage_reservation: Optional[StorageReservation] = None,
+        proposer: Union[None, Proposer, List[Proposer]] = None,
+        partitioner: Any = None,
+        performance_model: Any = None,
+        stats: Any = None,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        debug: bool = True,
+        *,
         optimizer: Optional[FusedOptimizerConfig] = None,
-        batch_size: int = 512,
     ) -> None:
+        if isinstance(topology, dict) or isinstance(batch_size, dict):
+            raise TypeError("EmbeddingShardingPlanner's second argument is batch_size (TorchRec's order): "
+                            "pass constraints=... by keyword")
+        if batch_size is None:
+            batch_size = enumerator.batch_size if enumerator is not None else 512
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        self.topology = topology or _default_topology()
+        for name, given in (("partitioner", partitioner), ("performance_model", performance_model), ("stats", stats)):
+            if given is not None and given != []:
+                raise ValueError(
+                    f"EmbeddingShardingPlanner({name}={given!r}): recship's placement (largest table first, on the least "
+                    f"busy rank), cost model (shard_cost) and plan printout (print(plan)) are fixed; leave {name} out"
+                )
+        if storage_reservation is not None and not isinstance(storage_reservation, StorageReservation):
+            raise TypeError(f"storage_reservation must be recship's HeuristicalStorageReservation or "
+                            f"FixedPercentageStorageReservation, got {type(storage_reservation).__name__}")
+        self.topology = topology or (enumerator.topology if enumerator is not None else _default_topology())
         self.constraints = dict(constraints or {})
+        if enumerator is not None:
+            if enumerator.topology != self.topology or enumerator.batch_size != batch_size:
+                raise ValueError(
+                    f"the enumerator's topology and batch_size ({enumerator.topology}, {enumerator.batch_size}) differ "
+                    f"from the planner's ({self.topology}, {batch_size}): recship plans with one of each"
+                )
+            if constraints is not None and enumerator.constraints and enumerator.constraints != self.constraints:
+                raise ValueError("the planner's and the enumerator's constraints differ: give them once")
+            self.constraints = dict(enumerator.constraints or self.constraints)
         self._optimizer = optimizer
         self.batch_size = batch_size
+        self.storage_reservation = storage_reservation
+        self.proposers = proposers_of(proposer)
+        self.debug = debug
 
     @property
     def optimizer(self) -> FusedOptimizerConfig:
@@ -227,40 +281,77 @@ class EmbeddingShardingPlanner:
     def plan(self, module: nn.Module, sharders: Optional[Sequence[Any]] = None) -> ShardingPlan:
         """A plan for every EmbeddingBagCollection in ``module`` (path "" for the module itself).
 
-        ``sharders`` (TorchRec's argument): the EmbeddingBagCollectionSharders that will
-        shard the module; their ``fused_params`` optimizer is the one whose state the plan
-        makes room for, unless the planner was given one. Without an EmbeddingBagCollection
-        sharder among them nothing is planned.
+        ``sharders`` (TorchRec's argument): the sharders that will shard the module; their
+        EmbeddingBagCollection sharder's ``fused_params`` optimizer is the one whose state the
+        plan makes room for, unless the planner was given one. Collections without a sharder
+        among them are not planned (default: EmbeddingBagCollections only).
+        EmbeddingCollections (with an EmbeddingCollectionSharder) are planned data-parallel:
+        recship trains their tables as replicas.
 
-        Raises ValueError naming the table for bad constraints or a table that fits nowhere.
+        Raises PlannerError (a ValueError) naming the table for bad constraints or a table
+        that fits nowhere, after the storage reservation.
         """
         optim = self.optimizer.optimizer
+        kinds: Tuple[type, ...] = (EmbeddingBagCollection,)
         if sharders is not None:
             ebc_sharders = [s for s in sharders if getattr(s, "module_type", None) is EmbeddingBagCollection]
-            if not ebc_sharders:
-                return ShardingPlan({})
-            if self._optimizer is None and getattr(ebc_sharders[0], "fused_params", None):
+            kinds = tuple(k for k in (EmbeddingBagCollection, EmbeddingCollection)
+                          if any(getattr(s, "module_type", None) is k for s in sharders))
+            if self._optimizer is None and ebc_sharders and getattr(ebc_sharders[0], "fused_params", None):
                 optim = ebc_sharders[0].optimizer_config().optimizer
-        collections = [(p, m) for p, m in module.named_modules() if isinstance(m, EmbeddingBagCollection)]
-        tables = [(p, t) for p, m in collections for t in m.embedding_bag_configs()]
+        collections = [(p, m) for p, m in module.named_modules() if type(m) in kinds]
+        if not collections:
+            return ShardingPlan({})
+        tables = [(p, t) for p, m in collections for t in _configs(m)]
         unknown = sorted(set(self.constraints) - {t.name for _, t in tables})
         if unknown:
-            raise ValueError(f"constraints name tables the model does not have: {unknown}")
-        allowed = [self._allowed_types(t) for _, t in tables]  # all constraint errors before placing
-
-        memory = [0] * self.topology.world_size
-        cost = [0.0] * self.topology.world_size
-        chosen: Dict[Tuple[str, str], ParameterSharding] = {}
-        sizes = [t.num_embeddings * t.embedding_dim for _, t in tables]
-        for i in sorted(range(len(tables)), key=lambda i: (-sizes[i], i)):  # largest first, then model order
-            path, t = tables[i]
-            chosen[(path, t.name)], memory, cost = self._place(t, allowed[i], optim, memory, cost)
+            raise PlannerError(f"constraints name tables the model does not have: {unknown}",
+                               PlannerErrorType.STRICT_CONSTRAINTS)
+        # all constraint errors before placing
+        allowed = [self._allowed_types(t, isinstance(m, EmbeddingCollection))
+                   for p, m in collections for t in _configs(m)]
+        reserved = 0
+        if self.storage_reservation is not None:
+            reserved = self.storage_reservation.reserve(self.topology, self.batch_size, module,
+                                                        [m for _, m in collections], self.constraints)
+        best: Optional[Tuple[Tuple[float, float, int], Dict[Tuple[str, str], ParameterSharding]]] = None
+        first_error: Optional[PlannerError] = None
+        for proposer in self.proposers:
+            for proposal in proposer.proposals(allowed):
+                try:
+                    chosen, memory, cost = self._place_all(tables, proposal, optim, reserved)
+                except PlannerError as e:
+                    first_error = first_error or e
+                    continue
+                key = (max(cost), sum(cost), max(memory))
+                if best is None or key < best[0]:
+                    best = (key, chosen)
+        if best is None:
+            if first_error is not None:
+                raise first_error
+            raise PlannerError(f"no proposer proposed a plan ({self.proposers}): grid search stops above max_proposals, "
+                               "uniform needs one sharding type every table allows", PlannerErrorType.OTHER)
+        chosen = best[1]
         for sharding in chosen.values():
             for shard in sharding.shards:
                 shard.device = self._device_of(shard.rank)
-        return ShardingPlan(
-            {p: {t.name: chosen[(p, t.name)] for t in m.embedding_bag_configs()} for p, m in collections}
-        )
+        plan = ShardingPlan({p: {t.name: chosen[(p, t.name)] for t in _configs(m)} for p, m in collections})
+        if self.debug:
+            _log.info("sharding plan:\n%s", plan)
+        return plan
+
+    def _place_all(
+        self, tables: List[Tuple[str, Any]], proposal: List[List[ShardingType]], optim: EmbOptimType, reserved: int
+    ) -> Tuple[Dict[Tuple[str, str], ParameterSharding], List[int], List[float]]:
+        """Places every table under ``proposal`` (its allowed types each), largest first, then model order."""
+        memory = [reserved] * self.topology.world_size
+        cost = [0.0] * self.topology.world_size
+        chosen: Dict[Tuple[str, str], ParameterSharding] = {}
+        sizes = [t.num_embeddings * t.embedding_dim for _, t in tables]
+        for i in sorted(range(len(tables)), key=lambda i: (-sizes[i], i)):
+            path, t = tables[i]
+            chosen[(path, t.name)], memory, cost = self._place(t, proposal[i], optim, memory, cost, reserved)
+        return chosen, memory, cost
 
     def collective_plan(
         self, module: nn.Module, sharders: Optional[Sequence[Any]] = None, pg: Optional[dist.ProcessGroup] = None
@@ -287,31 +378,43 @@ class EmbeddingShardingPlanner:
 
     # -- constraints ---------------------------------------------------------
 
-    def _allowed_types(self, t: EmbeddingBagConfig) -> List[ShardingType]:
-        """The sharding types ``t`` may use, or ValueError naming it when none can work."""
+    def _allowed_types(self, t: Any, unpooled: bool = False) -> List[ShardingType]:
+        """The sharding types ``t`` may use, or PlannerError naming it when none can work.
+
+        ``unpooled``: ``t`` is an EmbeddingCollection's table, which recship trains data-parallel only.
+        """
         c = self.constraints.get(t.name) or ParameterConstraints()
         # ParameterConstraints turned value strings into members
         types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else cast(List[ShardingType], c.sharding_types))
         if not types:
-            raise ValueError(f"table {t.name!r}: constraints allow no sharding type")
+            raise PlannerError(f"table {t.name!r}: constraints allow no sharding type", PlannerErrorType.STRICT_CONSTRAINTS)
+        if unpooled:
+            if c.sharding_types is not None and ShardingType.DATA_PARALLEL not in types:
+                raise PlannerError(
+                    f"table {t.name!r} of an EmbeddingCollection: constraints ask for {[st.value for st in types]}, but "
+                    "recship trains EmbeddingCollection tables data-parallel only (data_parallel)",
+                    PlannerErrorType.STRICT_CONSTRAINTS,
+                )
+            types = [ShardingType.DATA_PARALLEL]
         if c.pooling_factor <= 0:
-            raise ValueError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}")
+            raise PlannerError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}", PlannerErrorType.STRICT_CONSTRAINTS)
         if c.min_partition is not None and c.min_partition < 1:
-            raise ValueError(f"table {t.name!r}: min_partition must be >= 1, got {c.min_partition}")
+            raise PlannerError(f"table {t.name!r}: min_partition must be >= 1, got {c.min_partition}", PlannerErrorType.STRICT_CONSTRAINTS)
         if c.compute_kernels is not None:
             allowed = cast(List[EmbeddingComputeKernel], c.compute_kernels)
             kernels = [k.value for k in allowed]
             types = [st for st in types if _kernel(st) in allowed]
             if not types:
-                raise ValueError(
+                raise PlannerError(
                     f"table {t.name!r}: compute kernels {kernels} fit none of its sharding types "
-                    "(dense is for data_parallel only, fused for every other type)"
+                    "(dense is for data_parallel only, fused for every other type)", PlannerErrorType.STRICT_CONSTRAINTS
                 )
         if t.embedding_dim % 4 != 0 and ShardingType.COLUMN_WISE in types:
             types.remove(ShardingType.COLUMN_WISE)
             if not types:
-                raise ValueError(
-                    f"table {t.name!r}: column-wise sharding needs a dim divisible by 4, got {t.embedding_dim}"
+                raise PlannerError(
+                    f"table {t.name!r}: column-wise sharding needs a dim divisible by 4, got {t.embedding_dim}",
+                    PlannerErrorType.STRICT_CONSTRAINTS,
                 )
         return types
 
@@ -323,7 +426,8 @@ class EmbeddingShardingPlanner:
         return "cpu"
 
     def _place(
-        self, t: EmbeddingBagConfig, types: List[ShardingType], optim: EmbOptimType, memory: List[int], cost: List[float]
+        self, t: EmbeddingBagConfig, types: List[ShardingType], optim: EmbOptimType, memory: List[int], cost: List[float],
+        reserved: int = 0,
     ) -> Tuple[ParameterSharding, List[int], List[float]]:
         """The best feasible option for ``t`` and the per-rank memory and cost after it."""
         best = None
@@ -338,10 +442,12 @@ class EmbeddingShardingPlanner:
                     best = (key, sharding, new_memory, new_cost)
         if best is None:
             need = min(shard_bytes(t.num_embeddings, t.embedding_dim, st, optim) for st in types)
-            raise ValueError(
+            held = f", {reserved} of them reserved by {type(self.storage_reservation).__name__}" if reserved else ""
+            raise PlannerError(
                 f"table {t.name!r} ({need} bytes with its {optim.name} state) fits on no rank under sharding "
                 f"types {[st.value for st in types]}: capacity {self.topology.capacity} bytes per rank, "
-                f"already used by the tables placed before it (largest first): {memory}"
+                f"already used by the tables placed before it (largest first){held}: {memory}",
+                PlannerErrorType.INSUFFICIENT_STORAGE,
             )
         return best[1], best[2], best[3]
 

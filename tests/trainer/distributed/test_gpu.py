@@ -21,7 +21,7 @@ def _nccl_forward_worker(rank, world_size):
         tables = sample_tables(pooling)
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
-        plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints).plan(ebc).get_plan_for_module("")
+        plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints=constraints).plan(ebc).get_plan_for_module("")
         sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
         global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
@@ -42,7 +42,7 @@ def _adam_worker(rank, world_size):
     torch.manual_seed(0)
     tables = [EmbeddingBagConfig(name="t", num_embeddings=8, embedding_dim=8, feature_names=["f"], pooling=PoolingType.SUM)]
     ebc = EmbeddingBagCollection(tables)
-    plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), {"t": ParameterConstraints([ShardingType.TABLE_WISE])}).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints={"t": ParameterConstraints([ShardingType.TABLE_WISE])}).plan(ebc)
     sharded = ShardedEmbeddingBagCollection(
         ebc, plan.get_plan_for_module(""), FusedOptimizerConfig(EmbOptimType.ADAM, learning_rate=0.01, eps=1e-8), device=device
     )
