@@ -3,7 +3,7 @@
     from recship.distributed import (DistributedModelParallel, EmbeddingBagCollectionSharder,
                                      EmbeddingShardingPlanner, ShardingEnv, Topology)
 
-TorchRec code imports these from ``torchrec.distributed.embeddingbag``,
+TorchRec code imports these from ``torchrec.distributed.embeddingbag``, ``.embedding``,
 ``.model_parallel``, ``.planner``, ``.planner.types``, ``.types``,
 ``.embedding_types``, ``.shard``, ``.sharding_plan`` and ``torchrec.optim``; in recship they are all
 here (README: "Coming from TorchRec"). The implementations live in
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
-from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
+from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
@@ -30,6 +30,7 @@ from recship.trainer.planner.components import (EmbeddingEnumerator, FixedPercen
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
                                                    table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
+from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 
 def _shard_modules(
@@ -58,7 +59,9 @@ __all__ = [
     "GradientClipping", "GradientClippingOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper", "apply_optimizer_in_backward",
     "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
     "TrainPipeline", "TrainPipelineBase", "TrainPipelineContext", "TrainPipelineSparseDist",
+    "WarmupOptimizer", "WarmupPolicy", "WarmupStage",
     "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
     "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
+    "EmbeddingCollectionSharder",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

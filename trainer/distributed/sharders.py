@@ -1,4 +1,5 @@
-"""EmbeddingBagCollectionSharder: shards an EmbeddingBagCollection under a plan (TorchRec's sharder).
+"""EmbeddingBagCollectionSharder: shards an EmbeddingBagCollection under a plan (TorchRec's sharder);
+EmbeddingCollectionSharder: keeps an EmbeddingCollection's tables as data-parallel replicas.
 
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
     sharded = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(pg), torch.device("cpu"))
@@ -8,6 +9,11 @@ The fused optimizer comes from, in order of precedence: torch's
 unsharded tables, the sharder's ``fused_params``, or the default (row-wise adagrad,
 lr 0.01). recship fuses one optimizer per sharded module (one TBE per rank), so
 tables of one collection that ask for different optimizers are an error.
+
+recship trains an EmbeddingCollection's tables data-parallel only (TorchRec can also shard
+them table-, row- and column-wise): DistributedModelParallel leaves the collection in the
+model, where DDP all-reduces its gradients. The planner gives its tables ``data_parallel``;
+a plan asking another type for one is an error naming the table.
 """
 
 from typing import Any, Dict, List, Mapping, Optional, Type
@@ -16,7 +22,8 @@ import torch
 
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.names import ShardingType
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config, fused_config_from_torch
 from recship.trainer.planner.types import ParameterSharding
 
@@ -82,6 +89,61 @@ def _in_backward_config(name: str, param: torch.Tensor) -> Optional[FusedOptimiz
     return fused_config_from_torch(classes[0], kwargs[0])
 
 
+class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
+    """TorchRec's sharder of EmbeddingCollections; in recship their tables stay data-parallel replicas.
+
+    Args:
+        fused_params: accepted for TorchRec's signature and checked as the EBC sharder's;
+            as in TorchRec, data-parallel tables take no fused optimizer (the dense
+            optimizer of ``DistributedModelParallel.dense_parameters()`` updates them).
+    """
+
+    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None) -> None:
+        self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
+        fused_config(self.fused_params)
+
+    @property
+    def module_type(self) -> Type[EmbeddingCollection]:
+        return EmbeddingCollection
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return [ShardingType.DATA_PARALLEL.value]
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+    ) -> EmbeddingCollection:
+        """``module`` itself (on ``device`` when given), once every table's plan is data-parallel.
+
+        Raises ValueError naming the table for a table the plan lacks or gives another sharding type.
+        """
+        if not isinstance(module, EmbeddingCollection):
+            raise TypeError(f"EmbeddingCollectionSharder shards EmbeddingCollection, got {type(module).__name__}")
+        check_data_parallel(module, params)
+        return module if device is None or device.type == "meta" else module.to(device)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingCollectionSharder(fused_params={self.fused_params})"
+
+
+def check_data_parallel(module: EmbeddingCollection, params: Mapping[str, ParameterSharding]) -> None:
+    """ValueError naming the table unless ``params`` gives each of ``module``'s tables ``data_parallel``."""
+    names = [t.name for t in module.embedding_configs()]
+    missing, unknown = [n for n in names if n not in params], sorted(set(params) - set(names))
+    if missing or unknown:
+        raise ValueError(f"the plan of an EmbeddingCollection lacks its tables {missing} or names tables it lacks {unknown}")
+    for name in names:
+        st = params[name].sharding_type
+        if st != ShardingType.DATA_PARALLEL:
+            raise ValueError(
+                f"table {name!r} of an EmbeddingCollection is planned {getattr(st, 'value', st)!r}: recship trains "
+                "EmbeddingCollection tables data-parallel only (plan them data_parallel)"
+            )
+
+
 def get_default_sharders() -> List[ModuleSharder]:
-    """The sharders DistributedModelParallel uses when given none."""
-    return [EmbeddingBagCollectionSharder()]
+    """The sharders DistributedModelParallel uses when given none, as TorchRec's: EBC's and EC's."""
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]

@@ -100,10 +100,13 @@ def table_row_wise(host_index: int) -> ParameterShardingGenerator:
 
 
 def _tables(module: nn.Module) -> Dict[str, Any]:
-    """Each table's weight (what a generator reads its shape from)."""
+    """Each table's weight (what a generator reads its shape from): an EmbeddingBagCollection's
+    ``embedding_bags`` or an EmbeddingCollection's ``embeddings`` (which recship trains data-parallel only)."""
     bags = getattr(module, "embedding_bags", None)
     if not isinstance(bags, nn.ModuleDict):
-        raise TypeError(f"{type(module).__name__} is not an EmbeddingBagCollection: it has no embedding_bags")
+        bags = getattr(module, "embeddings", None)
+    if not isinstance(bags, nn.ModuleDict):
+        raise TypeError(f"{type(module).__name__} is not an EmbeddingBagCollection or EmbeddingCollection: it has no tables")
     return {name: bag.weight for name, bag in bags.items()}
 
 

@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Dict, List, Optional, Type, TypeVar, Union
+from typing import Any, Dict, List, Optional, Type, TypeVar, Union
 
 from recship.names import DEVICES, EmbeddingComputeKernel, ShardingType
 from recship.trainer.text import text_table
@@ -42,6 +42,24 @@ class ParameterSharding:
     compute_kernel: EmbeddingComputeKernel
     ranks: List[int]
     shards: List[ShardMetadata] = field(default_factory=list)
+
+    @property
+    def sharding_spec(self) -> Optional[Any]:
+        """TorchRec's view of ``shards``: torch's ``EnumerableShardingSpec`` of ``ShardMetadata``
+        (offsets, sizes, placement "rank:<r>/<device>"), or None for data-parallel replicas.
+
+        Read-only here: recship's ``shards`` are the plan (TorchRec's constructor argument
+        ``sharding_spec`` is not taken).
+        """
+        if self.sharding_type == ShardingType.DATA_PARALLEL:
+            return None
+        from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+        return EnumerableShardingSpec([
+            TorchShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes), placement=s.placement)
+            for s in self.shards
+        ])
 
 
 @dataclass

@@ -1,0 +1,74 @@
+"""EmbeddingCollectionSharder, get_default_sharders and ParameterSharding.sharding_spec as TorchRec users write them
+(tests/snippets/torchrec_ec_sharding.txt through the README's import map): an EmbeddingCollection's tables are planned
+data-parallel (recship trains them as replicas), another type asked for one is an error naming table and type, and
+sharding_spec is torch's EnumerableShardingSpec of the shards as TorchRec documents it (None for data-parallel)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+from recship.trainer.distributed.types import ShardingEnv
+from tutorials.notebook import import_map, rewrite_imports
+
+USER_CODE = (Path(__file__).parents[2] / "snippets" / "torchrec_ec_sharding.txt").read_text()
+
+
+@pytest.fixture(scope="module")
+def user():
+    code = rewrite_imports(USER_CODE, import_map())
+    assert "torchrec" not in code
+    scope: dict = {}
+    exec(compile(code, "user_code", "exec"), scope)
+    return scope
+
+
+def test_default_sharders_are_torchrecs_and_the_ec_is_planned_data_parallel(user):
+    sharders = user["get_default_sharders"]()
+    assert [type(s).__name__ for s in sharders] == ["EmbeddingBagCollectionSharder", "EmbeddingCollectionSharder"]
+    assert [s.module_type for s in sharders] == [user["EmbeddingBagCollection"], user["EmbeddingCollection"]]
+    model = user["TwoTowers"](torch.device("meta"))
+    plan = user["plan_for"](model, 2)
+    seq = plan.get_plan_for_module("ec")["seq"]
+    assert (seq.sharding_type, seq.compute_kernel, seq.ranks) == ("data_parallel", "dense", [0, 1])
+    assert [(s.shard_offsets, s.shard_sizes) for s in seq.shards] == [([0, 0], [12, 8])] * 2
+    assert seq.sharding_spec is None  # TorchRec: replicas have no sharding spec
+    # the EBC is planned as with its sharder alone; without the EC sharder the EC is not planned
+    alone = user["plan_for"](model, 2, sharders=[user["EmbeddingBagCollectionSharder"]()])
+    assert alone.get_plan_for_module("ebc") == plan.get_plan_for_module("ebc") and alone.get_plan_for_module("ec") is None
+    # data_parallel among the allowed types is fine
+    ok = user["plan_for"](model, 2, {"seq": user["ParameterConstraints"](sharding_types=["row_wise", "data_parallel"])})
+    assert ok.get_plan_for_module("ec")["seq"].sharding_type == "data_parallel"
+
+
+def test_another_sharding_type_for_an_ec_table_is_an_error_naming_it(user):
+    model = user["TwoTowers"](torch.device("meta"))
+    with pytest.raises(ValueError, match=r"'seq'.*\['table_wise'\].*data-parallel only"):
+        user["plan_for"](model, 2, {"seq": user["ParameterConstraints"](sharding_types=["table_wise"])})
+    sharder, env = user["EmbeddingCollectionSharder"](), ShardingEnv(world_size=2, rank=0, pg=None)
+    ec = user["TwoTowers"](torch.device("cpu")).ec
+    with pytest.raises(ValueError, match=r"table 'seq' .* planned 'table_wise'.*data-parallel only"):
+        sharder.shard(ec, user["hand_plan"](ec, user["table_wise"](rank=1), 2), env)
+    with pytest.raises(ValueError, match=r"table 'seq' .* planned 'row_wise'"):
+        sharder.shard(ec, user["hand_plan"](ec, user["row_wise"](), 2), env)
+    assert sharder.shard(ec, user["hand_plan"](ec, user["data_parallel"](), 2), env) is ec
+    with pytest.raises(ValueError, match=r"lacks its tables \['seq'\]"):
+        sharder.shard(ec, {}, env)
+    with pytest.raises(TypeError, match="shards EmbeddingCollection"):
+        sharder.shard(user["TwoTowers"](torch.device("cpu")).ebc, {}, env)
+
+
+def test_sharding_spec_is_torchs_enumerable_spec_of_the_shards(user):
+    model = user["TwoTowers"](torch.device("meta"))
+    plan = user["construct_module_sharding_plan"](model.ebc, {"bag": user["row_wise"]()}, local_size=2, world_size=2,
+                                                  device_type="cpu")
+    # TorchRec's documented layout of a 10-row table split over 2 ranks: ceil(10 / 2) rows each
+    want = EnumerableShardingSpec([ShardMetadata(shard_offsets=[0, 0], shard_sizes=[5, 8], placement="rank:0/cpu"),
+                                   ShardMetadata(shard_offsets=[5, 0], shard_sizes=[5, 8], placement="rank:1/cpu")])
+    assert plan["bag"].sharding_spec == want
+    tw = user["construct_module_sharding_plan"](model.ebc, {"bag": user["table_wise"](rank=1)}, local_size=2, world_size=2,
+                                                device_type="cpu")
+    assert tw["bag"].sharding_spec == EnumerableShardingSpec(
+        [ShardMetadata(shard_offsets=[0, 0], shard_sizes=[10, 8], placement="rank:1/cpu")])
