@@ -25,13 +25,14 @@ so peak memory is one float table plus the quantized model.
 
 import copy
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple
+import inspect
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from recship.export.artifact import ModelFields, ModelInfo, Sharding, SparseFeature
-from recship.export.model import ExportedModule, PooledEmbeddings, build_kjt, served_outputs, trace_and_script
+from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
 from recship.quantize.flat import flatten_collections
 from recship.quantize.sharded import InferenceShard, Shard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
@@ -240,11 +241,15 @@ def export_any_model(
     owned: bool = False,
     data_seed: Optional[int] = None,
     load_table: Optional[Callable[[str, str], torch.Tensor]] = None,
+    torchscript_required: bool = True,
 ) -> Tuple[Any, ModelFields, Any, nn.Module]:
-    """(scripted artifact module, manifest fields, sample batch, the module that was scripted) of ``module``;
-    see the module docstring.
+    """(scripted artifact module or a StageError, manifest fields, sample batch, the module torch.export takes)
+    of ``module``; see the module docstring.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
+    ``torchscript_required``: fx trace + TorchScript failing is an ExportError; else (model.pt2 will be the
+    artifact's program) the StageError is returned in place of the scripted module and validation runs
+    the module torch.export takes.
     ``owned``: the module was built for this export (from a checkpoint), so it is quantized in place.
     ``data_seed``: the training run's seed, for synthetic validation data drawn like its own.
     ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
@@ -339,16 +344,17 @@ def export_any_model(
     flat = flatten_collections(quantized)
     _dense_to(flat, devices[0])  # the dense layers run where the shards' outputs are merged: the first device
     exported = ExportedModule(flat, names, single, str(devices[0])).eval()
+    scripted: Union[torch.jit.ScriptModule, StageError]
     try:
-        scripted = trace_and_script(exported)
-    except Exception as e:
-        raise ExportError(
-            f"fx tracing / TorchScript of {type(module).__name__} failed: {type(e).__name__}: {e} "
-            "(its forward must be traceable by torch.fx: no Python branches on tensor values)"
-        ) from e
+        scripted = trace_and_script(exported, _source_file(type(module)))
+    except StageError as e:
+        if torchscript_required:
+            raise ExportError(f"{type(module).__name__}: {e}{_stage_hint(e.stage)}") from e
+        scripted = e  # model.pt2 alone: torch.export takes the module itself
 
     progress("validate")
-    validation_report = _validate(scripted, validation, float_outputs, reference_outputs, score_name, data, config, model)
+    runner = exported if isinstance(scripted, StageError) else scripted
+    validation_report = _validate(runner, validation, float_outputs, reference_outputs, score_name, data, config, model)
 
     types = {t.table: t.data_type for t in report.tables}  # named "<path>.<table>" by quantize_embeddings
     features = []
@@ -375,6 +381,22 @@ def export_any_model(
         validation=validation_report,
     )
     return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
+
+
+def _source_file(cls: type) -> Optional[str]:
+    """The file that defines ``cls`` (where a failing trace points in the user's code), or None."""
+    try:
+        return inspect.getsourcefile(cls)
+    except TypeError:  # a class defined in the interpreter
+        return None
+
+
+def _stage_hint(stage: str) -> str:
+    """What to do about a failed fx trace / TorchScript, for the error's end."""
+    if stage == "fx trace":
+        return (" (torch.fx runs the forward on proxies: a size or tensor value is no Python number there; "
+                "--format aoti exports through torch.export without TorchScript where a C++ compiler is present)")
+    return " (--format aoti exports model.pt2 alone through torch.export, without TorchScript, where a C++ compiler is present)"
 
 
 def _device_capacity(config: "ExportConfig") -> Optional[int]:

@@ -210,7 +210,7 @@ class Manifest:
     quantization: Dict[str, Any]
     validation: Dict[str, Any]
     sample: Sample
-    model_sha256: str
+    model_sha256: Optional[str]  # model.pt's; None: the artifact has model.pt2 alone (TorchScript could not compile it)
     format: str = FORMAT
     aoti: Optional[AotiSpec] = None
     tables: Optional[TablesSpec] = None  # format 2: the tables file (None only in format 1 artifacts)
@@ -241,7 +241,7 @@ class Manifest:
             "quantization": self.quantization,
             "validation": self.validation,
             "sample": self.sample.to_dict(),
-            "model_sha256": self.model_sha256,
+            **({"model_sha256": self.model_sha256} if self.model_sha256 is not None else {}),
             **({"aoti": self.aoti.to_dict()} if self.aoti is not None else {}),
             **({"tables": self.tables.to_dict()} if self.tables is not None else {}),
         }
@@ -275,7 +275,7 @@ class Manifest:
             quantization=m["quantization"],
             validation=m["validation"],
             sample=Sample(m["sample"]["batch_size"], tensors(m["sample"]["inputs"]), tensors(m["sample"]["outputs"])),
-            model_sha256=m["model_sha256"],
+            model_sha256=m.get("model_sha256"),
             format=m["format"],
             aoti=AotiSpec(**m["aoti"]) if "aoti" in m else None,
             tables=TablesSpec.from_dict(m["tables"]) if "tables" in m else None,
@@ -286,7 +286,7 @@ class Manifest:
         return out
 
     @staticmethod
-    def from_fields(fields: ModelFields, output_dims: Dict[str, List[int]], sample: Sample, model_sha256: str,
+    def from_fields(fields: ModelFields, output_dims: Dict[str, List[int]], sample: Sample, model_sha256: Optional[str],
                     versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None,
                     tables: Optional[TablesSpec] = None) -> "Manifest":
         """The manifest an exporter writes, checked as a loader would check it. ``fields``: what the exporter says
@@ -307,7 +307,7 @@ class Manifest:
             "quantization": fields.quantization,
             "validation": fields.validation,
             "sample": sample.to_dict(),
-            "model_sha256": model_sha256,
+            **({"model_sha256": model_sha256} if model_sha256 is not None else {}),
             **({"aoti": aoti.to_dict()} if aoti is not None else {}),
             **({"tables": tables.to_dict()} if tables is not None else {}),
         }
@@ -426,7 +426,8 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
         check_spec(manifest["tables"], fail)
     elif "tables" in manifest:
         fail(f"tables needs format {FORMAT!r}")
-    if not re.fullmatch(r"[0-9a-f]{64}", need(manifest, "model_sha256", str, "")):
+    # model.pt's checksum; an artifact without model.pt (TorchScript could not compile the model) has model.pt2's (aoti)
+    if ("model_sha256" in manifest or "aoti" not in manifest) and not re.fullmatch(r"[0-9a-f]{64}", need(manifest, "model_sha256", str, "")):
         fail("model_sha256 must be 64 lowercase hex digits")
     features = need(manifest, "sparse_features", list, "")
     names = set()
@@ -710,11 +711,16 @@ def open_artifact(
     path = Path(path)
     manifest = Manifest.read(path, trusted)
     _check_versions(path, manifest)
-    aoti = format == "aoti" or (format == "auto" and manifest.aoti is not None and aoti_runs_here(manifest)[0])
+    if manifest.model_sha256 is None and format == "torchscript":
+        raise ArtifactError(f"{path} has no model.pt: TorchScript could not compile this model at export, its program is "
+                            "model.pt2 (load it with format auto or aoti)")
+    aoti = format == "aoti" or (format == "auto" and manifest.aoti is not None
+                                and (manifest.model_sha256 is None or aoti_runs_here(manifest)[0]))
     if aoti:
         _aoti_runs_or_fail(path, manifest)
     # every model file the manifest lists, whichever loads: a version is refused as a unit
-    files = {"model.pt": manifest.model_sha256, **({manifest.aoti.file: manifest.aoti.sha256} if manifest.aoti else {})}
+    files = {**({"model.pt": manifest.model_sha256} if manifest.model_sha256 is not None else {}),
+             **({manifest.aoti.file: manifest.aoti.sha256} if manifest.aoti else {})}
     used = manifest.aoti.file if aoti and manifest.aoti is not None else "model.pt"
     data = {name: _verified_bytes(path / name, want, keep=name == used or manifest.tables is not None)
             for name, want in files.items()}  # bytes of the one that loads, and of both with tables.bin (pinned copies)
@@ -814,7 +820,8 @@ def aoti_runs_here(manifest: Manifest) -> Tuple[bool, str]:
 def _aoti_runs_or_fail(path: Path, manifest: Manifest) -> None:
     runs, why = aoti_runs_here(manifest)
     if not runs:
-        raise ArtifactError(f"{path}: {why}")
+        raise ArtifactError(f"{path}: {why}" + (" (and the artifact has no model.pt: TorchScript could not compile the model)"
+                                                if manifest.model_sha256 is None and manifest.aoti is not None else ""))
 
 
 def _open_aoti(path: Path, manifest: Manifest, data: bytes, tables: Dict[str, torch.Tensor]) -> Any:

@@ -74,8 +74,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-args", type=json_object, default={}, metavar="JSON",
                         help="keyword arguments of --model's factory, a JSON object (default {})")
     parser.add_argument("--format", default="auto", type=one_of(FORMATS, "format"), choices=FORMATS,
-                        help="model files: torchscript (model.pt), both or aoti (model.pt and the AOTInductor model.pt2, "
-                             "which loaders prefer); auto is both where a C++ compiler is present, else torchscript (default auto)")
+                        help="model files: aoti is the torch.export + AOTInductor model.pt2 (which loaders prefer), plus the "
+                             "TorchScript model.pt where TorchScript compiles the model (a one-line note where not); both demands "
+                             "both; torchscript demands model.pt alone; auto is aoti where a C++ compiler is present, else "
+                             "torchscript (default auto)")
     parser.add_argument("--target-isa", default="x86-64-v3",
                         help="the -march of model.pt2's compiled kernels; native for this machine's CPU only (default x86-64-v3: AVX2)")
     parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute (default: the attribute)")

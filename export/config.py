@@ -32,9 +32,12 @@ class ExportConfig:
     sharding: force table_wise / row_wise / column_wise for every table (default: planner).
     validation_batch_size: batch size of the validation batches.
     id_policy: feature -> "reject" (default) or "modulo".
-    format: "torchscript" writes model.pt; "both" (or "aoti") also the AOTInductor model.pt2
-        (loaders prefer it where it runs; model.pt stays as the fallback); "auto": both where a
-        C++ compiler is present, else torchscript with a one-line note.
+    format: "aoti": the torch.export + AOTInductor model.pt2 (loaders prefer it where it runs),
+        and the TorchScript model.pt beside it where TorchScript compiles the model (the fallback
+        where model.pt2 cannot run; without it, a one-line note); "both": both, each required;
+        "torchscript": model.pt alone, required; "auto": aoti where a C++ compiler is present,
+        else torchscript with a one-line note. A failed stage is named (fx trace, TorchScript,
+        torch.export, AOTInductor compile).
     target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
     plot: whether the artifact also gets ``tables.png``, each table's bytes and quantization
         error as a chart (recship/plots.py; a picture beside the contract's files, read by no
@@ -63,7 +66,7 @@ class ExportConfig:
     eval_data: Optional[str] = None  # validate on this data: a Criteo TSV file, or package.module:function (see docs)
     model: Optional[str] = None  # entry point package.module:factory to rebuild a checkpoint's model (default: what it records)
     model_args: Dict[str, Any] = field(default_factory=dict)
-    format: str = "auto"  # torchscript | aoti | both | auto (both where a C++ compiler is present)
+    format: str = "auto"  # torchscript | aoti | both | auto (aoti where a C++ compiler is present)
     target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
     repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
     plot: Optional[bool] = False  # tables.png in the artifact: False no, True yes (or an error), None if matplotlib is there

@@ -22,7 +22,7 @@ def run(args: argparse.Namespace) -> int:
         from recship.plots import require
 
         require()  # before the report: a chart that cannot be drawn is the one-line error, not a trailing one
-    model, m = open_artifact(args.artifact, check=False, format="torchscript")
+    model, m = open_artifact(args.artifact, check=False, format="auto")
     info, versions = m.model, m.versions
     print(f"model {info.name} version {info.version} ({info.kind}), format {m.format}")
     print(f"built with torch {versions.torch}, fbgemm_gpu {versions.fbgemm_gpu}; needs {', '.join(m.op_libraries)}")
@@ -37,20 +37,25 @@ def run(args: argparse.Namespace) -> int:
         from recship.plots import plot_artifact
 
         print(f"chart: {plot_artifact(args.plot, m.to_dict())}")
-    files = ["model.pt"] + (["model.pt2"] if m.aoti is not None else []) + (["tables.bin (every table)"] if m.tables is not None else [])
+    files = (["model.pt"] if m.model_sha256 is not None else []) + (["model.pt2"] if m.aoti is not None else []) \
+        + (["tables.bin (every table)"] if m.tables is not None else [])
     print(f"checksum: ok (sha256 of {', '.join(files)} as the manifest says; verified as a unit, whichever file runs)")
-    worst = self_check(model, args.artifact, m)
-    print(f"sample self-check: ok (model.pt, batch {m.sample.batch_size}, max abs difference {worst:.3g})")
+    if m.model_sha256 is None:
+        print("model.pt: none (TorchScript could not compile the model; model.pt2 is its program)")
+    else:
+        scripted, _ = open_artifact(args.artifact, check=False, format="torchscript") if getattr(model, "format", "torchscript") == "aoti" else (model, m)
+        worst = self_check(scripted, args.artifact, m)
+        print(f"sample self-check: ok (model.pt, batch {m.sample.batch_size}, max abs difference {worst:.3g})")
     if m.aoti is not None:
         a = m.aoti
         print(f"model.pt2: AOTInductor, kernels for {a.target_isa}, compiled by torch {a.torch} in {a.compile_seconds:.1f} s")
         runs, why = aoti_runs_here(m)
         if not runs:
-            print(f"model.pt2: not runnable here: {why} (loaders use model.pt)")
+            print(f"model.pt2: not runnable here: {why}" + (" (loaders use model.pt)" if m.model_sha256 is not None else ""))
         else:
-            compiled, _ = open_artifact(args.artifact, check=False, format="aoti")
+            compiled = model if getattr(model, "format", "torchscript") == "aoti" else open_artifact(args.artifact, check=False, format="aoti")[0]
             worst = self_check(compiled, args.artifact, m)
-            print(f"sample self-check: ok (model.pt2, max abs difference {worst:.3g})")
+            print(f"sample self-check: ok (model.pt2, batch {m.sample.batch_size}, max abs difference {worst:.3g})")
     else:
         print("model.pt2: none (exported with --format torchscript, or without a C++ compiler)")
     return 0

@@ -13,6 +13,8 @@ Inside, the quantized, inference-sharded collections are their flat twins
 torch.export / AOTInductor compile.
 """
 
+import linecache
+import os
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -94,9 +96,64 @@ class PooledEmbeddings(nn.Module):
         return self.collection(features).to_dict()
 
 
-def trace_and_script(module: nn.Module) -> torch.jit.ScriptModule:
+class StageError(RuntimeError):
+    """A stage of turning the model into a program failed: ``stage`` names it ("fx trace", "TorchScript")
+    and the message carries the line of the user's code the error came from, where its traceback
+    passes through ``user_file``."""
+
+    def __init__(self, stage: str, error: BaseException, user_file: Optional[str] = None) -> None:
+        self.stage = stage
+        where = user_line(error, user_file)
+        super().__init__(f"{stage} failed: {type(error).__name__}: {_first_lines(error)}" + (f" (at {where})" if where else ""))
+
+
+def user_line(error: BaseException, user_file: Optional[str]) -> str:
+    """"file.py:LINE: code" of the innermost frame of ``error``'s traceback in ``user_file`` ("" if none)."""
+    if user_file is None:
+        return ""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == user_file:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    code = linecache.getline(user_file, found.tb_lineno).strip()
+    return f"{os.path.basename(user_file)}:{found.tb_lineno}: {code}"
+
+
+def _first_lines(error: BaseException, limit: int = 6) -> str:
+    """The error's first line, plus the source line TorchScript / fx point at (their messages quote it)."""
+    lines = [line.rstrip() for line in str(error).splitlines() if line.strip()]
+    if not lines:
+        return ""
+    where = [line.strip() for line in lines[1:] if line.lstrip().startswith(("File ", "forward", "~", "def ")) or ".py\"" in line]
+    quoted = [line.strip() for line in lines[1:] if not set(line.strip()) <= set("~^ ")]
+    extra = where[:2] or quoted[:2]
+    return "; ".join([lines[0]] + extra[: limit - 1])
+
+
+def trace(module: nn.Module, user_file: Optional[str] = None) -> torch.fx.GraphModule:
+    """fx-trace with the lookup modules as leaves (StageError "fx trace" on failure, naming the line of
+    ``user_file`` it failed on)."""
+    try:
+        return symbolic_trace(module)
+    except Exception as e:
+        raise StageError("fx trace", e, user_file) from e
+
+
+def script(graph: torch.fx.GraphModule) -> torch.jit.ScriptModule:
+    """TorchScript of an fx-traced graph (StageError "TorchScript" on failure)."""
+    try:
+        with warnings.catch_warnings():
+            # torch's own fx GraphModule.__init__ trips TorchScript's annotation checker: not the user's business
+            warnings.filterwarnings("ignore", message=r".*instance-level annotations on empty non-base types.*", category=UserWarning)
+            return torch.jit.script(graph)
+    except Exception as e:
+        raise StageError("TorchScript", e) from e
+
+
+def trace_and_script(module: nn.Module, user_file: Optional[str] = None) -> torch.jit.ScriptModule:
     """fx-trace with the lookup modules as leaves, then TorchScript the traced graph."""
-    with warnings.catch_warnings():
-        # torch's own fx GraphModule.__init__ trips TorchScript's annotation checker: not the user's business
-        warnings.filterwarnings("ignore", message=r".*instance-level annotations on empty non-base types.*", category=UserWarning)
-        return torch.jit.script(symbolic_trace(module))
+    return script(trace(module, user_file))

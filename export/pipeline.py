@@ -34,6 +34,7 @@ from torch import nn
 from recship.export.any_model import export_any_model
 from recship.export.artifact import AotiSpec, Manifest, ModelFields, file_sha256, write_sample
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError
+from recship.export.model import StageError
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
 from recship.names import VERSION_NAME
@@ -149,13 +150,15 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             (source, config, data_seed, load_table), owned = _module_from_checkpoint(Path(source), config), True
         if not isinstance(source, nn.Module):
             raise ExportError(f"cannot export a {type(source).__name__}: give a checkpoint path or a model (an nn.Module)")
+        aoti = _wants_aoti(config)
         staging = _staging(out, config)
         with host_rows_from(staging[1].allocate):  # CPU rows are quantized straight into the tables file
             scripted, fields, sample, exported = export_any_model(
-                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table
+                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table,
+                torchscript_required=config.format in ("torchscript", "both") or not aoti,
             )
-        bar.next("write" if config.format == "torchscript" else "write + compile model.pt2")
-        manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, exported)
+        bar.next("write + compile model.pt2" if aoti else "write")
+        manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, exported, aoti)
         bar.finish()
     except BaseException:
         if staging is not None:
@@ -198,8 +201,8 @@ def _staging(out: Path, config: ExportConfig) -> Tuple[Path, StagedTables]:
 
 
 def write_artifact(
-    tmp: Path, staged: Optional[StagedTables], out: Path, scripted: torch.jit.ScriptModule, fields: ModelFields, sample: Batch, config: ExportConfig,
-    exported: Optional[nn.Module] = None,
+    tmp: Path, staged: Optional[StagedTables], out: Path, scripted: Union[torch.jit.ScriptModule, StageError], fields: ModelFields,
+    sample: Batch, config: ExportConfig, exported: Optional[nn.Module] = None, aoti: Optional[bool] = None,
 ) -> Dict[str, Any]:
     """Writes the artifact into the staging folder ``tmp`` (``staging_folder``) and renames it into place.
 
@@ -207,11 +210,18 @@ def write_artifact(
     (``publish_version``), else ``out`` is the artifact's folder. ``fields``: model, num_dense,
     weighted, sparse_features, sharding, quantization and validation of the manifest (``ModelFields``);
     ``Manifest.from_fields`` adds the inputs, outputs, sample, versions and checksum (the
-    artifact contract is export/artifact.py's). ``exported``: the module that was scripted,
-    compiled into model.pt2 when ``config.format`` asks for it. ``staged``: ``tmp``/tables.bin
-    with the rows quantized into it (``StagedTables``), or None. ``tmp`` is removed if this fails.
+    artifact contract is export/artifact.py's). ``exported``: the module torch.export compiles into
+    model.pt2 when ``aoti`` (default: as ``config.format`` asks). ``scripted``: its TorchScript, saved
+    as model.pt; or the StageError that kept TorchScript from it, and the artifact has model.pt2 alone
+    (its sample outputs are then model.pt2's own). ``staged``: ``tmp``/tables.bin with the rows
+    quantized into it (``StagedTables``), or None. ``tmp`` is removed if this fails.
     """
+    if aoti is None:
+        aoti = _wants_aoti(config)
+    torchscript = not isinstance(scripted, StageError)
     try:
+        if not torchscript and (exported is None or not aoti):
+            raise ExportError(str(scripted))
         dense, kjt, _ = sample
         inputs = {
             "dense": dense.float().contiguous(),
@@ -220,30 +230,36 @@ def write_artifact(
         }
         if kjt.weights_or_none() is not None:
             inputs["weights"] = kjt.weights().float().contiguous()
+        runner = scripted if torchscript else exported
+        assert runner is not None
         with torch.no_grad():
-            outputs = {
-                k: v.cpu() for k, v in scripted(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()
-            }
+            outputs = {k: v.cpu() for k, v in runner(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()}
         # the tables go into tables.bin once; model.pt and model.pt2 take them from it at load
         tables = TablesWriter()
-        tables.add_torchscript(scripted)
+        tables.add_tables(scripted if torchscript else runner, torchscript)
         package = None
-        if exported is not None and _wants_aoti(config):
-            package = _compile_aoti(tmp, exported, fields, config)
+        if aoti:
+            assert exported is not None
+            package = _compile_aoti(tmp, exported, fields, config, None if torchscript else scripted)
             tables.add_aoti(package.constants)
         spec = tables.write(tmp, staged)
         if config.repo is not None:  # the newest version's tables, unchanged: one file, hard-linked
             newest = next_version(out) - 1
             if newest > 0:
                 link_if_unchanged(tmp, spec, out / str(newest))
-        with tables.emptied(scripted):
-            torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
-        aoti = None
+        if torchscript:
+            with tables.emptied(scripted):
+                torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
+        elif config.progress:
+            log.warning("no model.pt (TorchScript): %s; the artifact's program is model.pt2 (torch.export + AOTInductor), "
+                        "which both servers and the C++ loader run", scripted)
+        aoti_spec = None
         if package is not None:
-            aoti = _finish_aoti(package, fields, inputs, outputs, spec)
+            aoti_spec, outputs = _finish_aoti(package, fields, inputs, outputs, spec, reference="model.pt" if torchscript else "the eager model")
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
-        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt"), aoti=aoti, tables=spec)
+        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if torchscript else None,
+                                        aoti=aoti_spec, tables=spec)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
             from recship.plots import plot_artifact, plot_or_warn
 
@@ -385,8 +401,10 @@ def _wants_aoti(config: ExportConfig) -> bool:
     return True
 
 
-def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: ExportConfig) -> "AotiPackage":
-    """Compiles ``exported`` into tmp/model.pt2 (without its constants: they go into the tables file)."""
+def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: ExportConfig,
+                 script_error: Optional[StageError] = None) -> "AotiPackage":
+    """Compiles ``exported`` into tmp/model.pt2 (without its constants: they go into the tables file).
+    ``script_error``: why there is no model.pt, said too if model.pt2 fails (then the model has no program)."""
     from recship.export.aoti import AotiError, compile_package
 
     num_features = len(fields.sparse_features)
@@ -401,13 +419,16 @@ def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: E
     try:
         return compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa)
     except AotiError as e:
+        if script_error is not None:
+            raise ExportError(f"{e}; and {script_error}: neither model.pt2 nor model.pt can be built") from e
         raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
 
 
-def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, torch.Tensor],
-                 outputs: Dict[str, torch.Tensor], tables: TablesSpec) -> AotiSpec:
-    """Adds the tables spec to model.pt2 (so it pins the tables), checks it against the TorchScript
-    outputs of the sample, and returns the manifest's ``aoti``."""
+def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, torch.Tensor], outputs: Dict[str, torch.Tensor],
+                 tables: TablesSpec, reference: str = "model.pt") -> Tuple[AotiSpec, Dict[str, torch.Tensor]]:
+    """Adds the tables spec to model.pt2 (so it pins the tables), checks it on the sample against ``outputs``
+    (``reference``'s: model.pt's, or the eager model's when there is no model.pt) and returns the manifest's
+    ``aoti`` with the sample outputs to record: model.pt's where there is one, else model.pt2's own."""
     from recship.export.aoti import AotiError, load_package
 
     pin_pt2(package.path, tables)
@@ -424,8 +445,8 @@ def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, 
         got = compiled(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
     for k, want in outputs.items():
         if k not in got or got[k].shape != want.shape or (want.numel() and float((got[k] - want).abs().max()) > 1e-5):
-            raise ExportError(f"model.pt2 disagrees with model.pt on the sample (output {k!r}): an AOTInductor compilation error")
-    return spec
+            raise ExportError(f"model.pt2 disagrees with {reference} on the sample (output {k!r}): an AOTInductor compilation error")
+    return spec, (outputs if reference == "model.pt" else {k: got[k].cpu() for k in outputs})
 
 
 class _Stages:

@@ -322,7 +322,12 @@ class TablesWriter:
         return entry
 
     def add_torchscript(self, scripted: torch.nn.Module) -> None:
-        for path, tbe in _flat_tbes(scripted):
+        self.add_tables(scripted, torchscript=True)
+
+    def add_tables(self, module: torch.nn.Module, torchscript: bool) -> None:
+        """Every FlatTBE's rows of ``module`` (TorchScript, or the nn.Module torch.export takes), each table a
+        segment; ``torchscript``: model.pt holds them as placeholders, filled from the file at load."""
+        for path, tbe in _flat_tbes(module):
             for buffer, uvm in (("weights", False), ("weights_uvm", True)):
                 t = getattr(tbe, buffer)
                 if t.numel() == 0:
@@ -330,7 +335,8 @@ class TablesWriter:
                 parts: List[Tuple[str, int, int, Optional[int]]] = [
                     (name, start, end, rows) for name, start, end, rows in _tbe_segments(tbe, uvm, t.numel())]
                 entry = self._add(f"{path}.{buffer}", t, parts)
-                entry.torchscript = f"{path}.{buffer}"
+                if torchscript:
+                    entry.torchscript = f"{path}.{buffer}"
 
     def add_aoti(self, constants: Dict[str, torch.Tensor]) -> None:
         """``constants``: fqn -> tensor, exactly those the compiled package asks for."""

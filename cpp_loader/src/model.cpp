@@ -303,10 +303,16 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
       throw VersionMismatch(artifact_dir + "/manifest.json: artifact built with fbgemm_gpu " + built_fbgemm + ", this loader runs fbgemm_gpu " + found);
   }
   // 3. which model file runs
+  const bool has_torchscript = m.manifest.contains("model_sha256");  // else model.pt2 is the artifact's only program
+  if (!has_torchscript && options.format == "torchscript")
+    throw ArtifactError(artifact_dir + " has no model.pt: TorchScript could not compile this model at export, its program is "
+                        "model.pt2 (load it with format auto or aoti)");
   m.format = options.format == "auto" ? "torchscript" : options.format;
   if (options.format != "torchscript") {
     std::string blocker = aoti_blocker(m.manifest, m.max_batch_size);
     if (blocker.empty()) m.format = "aoti";
+    else if (!has_torchscript)
+      throw ArtifactError(artifact_dir + ": " + blocker + " (and the artifact has no model.pt: TorchScript could not compile the model)");
     else if (options.format == "aoti") throw ArtifactError(artifact_dir + ": " + blocker);
     else if (m.manifest.contains("aoti")) m.format_note = blocker;
   }
@@ -316,7 +322,8 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   if (m.manifest.contains("tables")) spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");
   // 4. every model file the manifest lists, by sha256, whichever runs: the one that runs (and with tables.bin, the
   // other: its copy of the tables spec is checked too) read whole and loaded from these very bytes
-  std::vector<std::pair<std::string, std::string>> files{{"model.pt", m.manifest["model_sha256"].get<std::string>()}};
+  std::vector<std::pair<std::string, std::string>> files;
+  if (has_torchscript) files.emplace_back("model.pt", m.manifest["model_sha256"].get<std::string>());
   if (m.manifest.contains("aoti")) files.emplace_back("model.pt2", m.manifest["aoti"]["sha256"].get<std::string>());
   std::map<std::string, std::string> bytes;
   for (const auto& [name, want] : files) {
