@@ -108,20 +108,24 @@ def _sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCol
 
 
 def _strip_wrappers(name: str) -> str:
-    """'module.module.sparse' (DMP, DDP) -> 'sparse': keys that do not depend on wrapping."""
+    """'_dmp_wrapped_module.module.sparse' (DMP, DDP) -> 'sparse': keys that do not depend on wrapping."""
     parts = name.split(".")
-    while parts and parts[0] == "module":
+    while parts and parts[0] in ("module", "_dmp_wrapped_module"):
         parts = parts[1:]
     return ".".join(parts)
 
 
 def _dense_state(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """Every state-dict entry outside the fused TBEs, by unwrapped name (data-parallel tables included)."""
-    tbe_prefixes = [f"{path}.{m.TBE_PATH}." if path else f"{m.TBE_PATH}." for path, m in _sharded_modules(model) if m.tbe is not None]
+    """Every state-dict entry but the sharded tables, by unwrapped name (data-parallel tables included,
+    as ``<module>.embedding_bags.<table>.weight``)."""
+    sharded = set()
+    for path, m in _sharded_modules(model):
+        prefix = f"{path}." if path else ""
+        sharded |= {f"{prefix}embedding_bags.{t.name}.weight" for t in m.embedding_bag_configs() if t.name not in m.data_parallel}
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         name = _strip_wrappers(name)
-        if not any(name.startswith(p) for p in tbe_prefixes):
+        if name not in sharded:
             out[name] = t
     return out
 

@@ -143,7 +143,7 @@ class CheckpointReader:
 
     def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any], reuse: bool = False) -> torch.Tensor:
         if t["data_parallel"]:
-            name = f"dense/{mpath + '.' if mpath else ''}data_parallel.{cfg.name}"
+            name = f"dense/{_data_parallel_key(self.meta, mpath, cfg.name)}"
         else:
             name = f"tables/{key}/weight"
         shape = (cfg.num_embeddings, cfg.embedding_dim)
@@ -168,11 +168,21 @@ class CheckpointReader:
         return self._metadata
 
     def dense_state_dict(self) -> Dict[str, torch.Tensor]:
-        keys = [k for k in self.meta["dense_keys"] if ".data_parallel." not in f".{k}"]
+        tables = {_data_parallel_key(self.meta, key.rpartition("/")[0], key.rpartition("/")[2])
+                  for key, t in self.meta["tables"].items() if t["data_parallel"]}
+        keys = [k for k in self.meta["dense_keys"] if k not in tables]
         shapes = _dcp_shapes(self.path)
         state = {f"dense/{k}": torch.empty(shapes[f"dense/{k}"][0], dtype=shapes[f"dense/{k}"][1]) for k in keys}
         load_tensors(state, self.path, no_dist=True)
         return {k[len("dense/") :]: v for k, v in state.items()}
+
+
+def _data_parallel_key(meta: Dict[str, Any], mpath: str, table: str) -> str:
+    """The dense key of a data-parallel table: ``<module>.embedding_bags.<table>.weight`` (TorchRec's name), or
+    ``<module>.data_parallel.<table>`` in checkpoints written before the sharded state_dict was TorchRec's."""
+    prefix = f"{mpath}." if mpath else ""
+    key = f"{prefix}embedding_bags.{table}.weight"
+    return key if key in meta["dense_keys"] else f"{prefix}data_parallel.{table}"
 
 
 def _dcp_shapes(path: Path) -> Dict[str, Tuple[torch.Size, torch.dtype]]:

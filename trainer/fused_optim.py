@@ -209,23 +209,55 @@ class KeyedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} has a fixed set of parameters")
 
+    def save_param_groups(self, save: bool) -> None:
+        """Whether ``state_dict()`` includes "param_groups" (TorchRec's default: not)."""
+        self.defaults["_save_param_groups"] = save
+
+    def state_dict(self) -> Dict[str, Any]:
+        """TorchRec's keyed form: {"state": {parameter name: its state}} (plus "param_groups", their
+        parameters by name, after ``save_param_groups(True)``). Sharded state stays ShardedTensors,
+        so ``torch.distributed.checkpoint`` saves it and reshards it on load."""
+        key_of = {id(p): k for k, p in self.params.items()}
+        out: Dict[str, Any] = {"state": {key_of[id(p)]: dict(s) for p, s in self.state.items() if id(p) in key_of}}
+        if self.defaults.get("_save_param_groups", False):
+            out["param_groups"] = [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(key_of[id(p)] for p in g["params"])}
+                for g in self.param_groups
+            ]
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        """Copies a ``state_dict()`` of the same parameters into this optimizer's state, in place (TorchRec's)."""
+        from recship.trainer.distributed.sharded_state import copy_state
+
+        new_state = state_dict["state"]
+        for key, p in self.params.items():
+            if p not in self.state or not self.state[p]:
+                continue
+            if key not in new_state:
+                raise ValueError(f"optimizer state_dict has no state for parameter {key!r} (it has {sorted(new_state)})")
+            copy_state(self.state[p], new_state[key], key)
+        if "param_groups" in state_dict:
+            key_of = {id(p): k for k, p in self.params.items()}
+            given = {"/".join(sorted(g["params"])): g for g in state_dict["param_groups"]}
+            for group in self.param_groups:
+                name = "/".join(sorted(key_of[id(p)] for p in group["params"]))
+                if name not in given:
+                    raise ValueError(f"optimizer state_dict has no param group of {name!r}")
+                group.update({k: v for k, v in given[name].items() if k != "params"})
+
 
 class EmbeddingFusedOptimizer(KeyedOptimizer):
     """The optimizer fused into one sharded module's TBE: one param group whose "lr" is the kernel's.
 
-    ``params`` are this rank's table shards (``embedding_bags.<table>.weight``); ``state``
-    holds the kernel's optimizer state per shard. ``step()`` applies a changed "lr".
+    ``params`` are the sharded tables (``embedding_bags.<table>.weight``, ShardedTensors of this
+    rank's shards); ``state`` maps each to TorchRec's ``{"<table>.momentum1": ShardedTensor}``,
+    views of the kernel's state. ``step()`` applies a changed "lr".
     """
 
     def __init__(self, module: Any, config: FusedOptimizerConfig) -> None:
         self._module = module
-        params: Dict[str, torch.Tensor] = {}
-        state: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
-        states = module.local_optimizer_states()
-        for (table, shard), weight in module.local_shards().items():
-            key = f"embedding_bags.{table}.weight" + ("" if f"embedding_bags.{table}.weight" not in params else f".{shard}")
-            params[key] = weight
-            state[weight] = {f"{table}.state{i}": t for i, t in enumerate(states.get((table, shard), []))}
+        params, state = module.fused_optimizer_state()
         super().__init__(params, state, [{"params": list(params.values()), "lr": config.learning_rate}])
         self._applied_lr = config.learning_rate
 
@@ -262,6 +294,35 @@ class CombinedOptimizer(KeyedOptimizer):
     @property
     def optimizers(self) -> List[Tuple[str, KeyedOptimizer]]:
         return list(self._optims)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Every optimizer's ``state_dict()``, parameter names prefixed with its key (TorchRec's)."""
+        out: Dict[str, Any] = {"state": {}}
+        for key, opt in self._optims:
+            sd = opt.state_dict()
+            out["state"].update({f"{key}.{n}" if key else n: s for n, s in sd["state"].items()})
+            if "param_groups" in sd:
+                groups = [{**g, "params": [f"{key}.{n}" if key else n for n in g["params"]]} for g in sd["param_groups"]]
+                out.setdefault("param_groups", []).extend(groups)
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+        for key, opt in self._optims:
+            prefix = f"{key}." if key else ""
+            sub: Dict[str, Any] = {"state": {n[len(prefix):]: s for n, s in state_dict["state"].items() if n.startswith(prefix)}}
+            if "param_groups" in state_dict:
+                names = set(getattr(opt, "params", {}))
+                sub["param_groups"] = [
+                    {**g, "params": [n[len(prefix):] for n in g["params"]]}
+                    for g in state_dict["param_groups"]
+                    if g["params"] and all(n.startswith(prefix) and n[len(prefix):] in names for n in g["params"])
+                ]
+            opt.load_state_dict(sub)
+
+    def save_param_groups(self, save: bool) -> None:
+        super().save_param_groups(save)
+        for _, opt in self._optims:
+            opt.save_param_groups(save)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         for _, opt in self._optims:

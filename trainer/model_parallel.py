@@ -10,10 +10,16 @@
 
 The fused optimizer updates the sharded tables inside backward; only the dense
 parameters (and data-parallel tables) go to a torch optimizer.
+
+As in TorchRec, ``model.module`` is the sharded model itself (no DDP around it) and
+``state_dict()`` has the unsharded model's keys (no ``module.`` prefix): each table is
+``<path>.embedding_bags.<table>.weight``, a ShardedTensor of this rank's shards, so
+``torch.distributed.checkpoint`` saves and reshards it; ``fused_optimizer.state_dict()``
+keys the tables' optimizer state by the same names.
 """
 
 from dataclasses import asdict
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -99,21 +105,47 @@ class DistributedModelParallel(nn.Module):
             # the fused tables and the TBE's per-rank metadata buffers.
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module))
             device_ids = None if device.type == "cpu" else [device]
-            self.module: nn.Module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
+            self._dmp_wrapped_module: nn.Module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
         else:
-            self.module = module
+            self._dmp_wrapped_module = module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        return self._dmp_wrapped_module(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        """The sharded model, without the DistributedDataParallel wrapper (TorchRec's ``DMP.module``)."""
+        m = self._dmp_wrapped_module
+        return m.module if isinstance(m, DistributedDataParallel) else m
 
     @property
     def unwrapped(self) -> nn.Module:
-        m = self.module
-        return m.module if isinstance(m, DistributedDataParallel) else m
+        """The same as ``module``."""
+        return self.module
+
+    def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
+                   keep_vars: bool = False) -> Dict[str, Any]:
+        """The model's state_dict under the unsharded model's keys (tables as ShardedTensors, see the module docstring)."""
+        if args:
+            raise TypeError("DistributedModelParallel.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Loads a ``state_dict()`` of this model, sharded or not (an unsharded model's full tables work too)."""
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the sharded tables' views; load by copy")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        """The model's parameters by their unsharded names (``sparse.embedding_bags.t.weight``, ``over.0.weight``)."""
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def dense_parameters(self) -> Iterator[nn.Parameter]:
         """Parameters for a torch optimizer: everything but the fused tables."""
-        return self._dense_params(self.unwrapped)
+        return self._dense_params(self.module)
 
     @staticmethod
     def _dense_params(module: nn.Module) -> Iterator[nn.Parameter]:
@@ -140,13 +172,12 @@ def in_backward_optimizer_filter(
 
 
 def _per_rank_state(module: nn.Module) -> List[str]:
-    """Names of the parameters and buffers of every fused TBE (different on every rank)."""
+    """Names of the sharded tables' parameters (views of this rank's shards: different on every rank)."""
     names = []
     for path, sub in module.named_modules():
-        if isinstance(sub, ShardedEmbeddingBagCollection) and sub.tbe is not None:
-            prefix = f"{path}.{sub.TBE_PATH}." if path else f"{sub.TBE_PATH}."
-            names += [prefix + n for n, _ in sub.tbe.named_parameters()]
-            names += [prefix + n for n, _ in sub.tbe.named_buffers()]
+        if isinstance(sub, ShardedEmbeddingBagCollection):
+            prefix = f"{path}." if path else ""
+            names += [prefix + n for n, p in sub.named_parameters() if getattr(p, FUSED_PARAMETER_MARK, False)]
     return names
 
 

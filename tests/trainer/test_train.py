@@ -250,7 +250,7 @@ def test_reader_maps_tables_equal_to_dcp_load(tmp_path, monkeypatch, sharding):
     tables = {cfg.name: w for _, cfg, w in reader.tables()}
     monkeypatch.setattr(checkpoint_reader, "load_tensors", load)
     for name, (mpath, key, t) in keys.items():
-        dcp_key = f"dense/{mpath}.data_parallel.{name}" if t["data_parallel"] else f"tables/{key}/weight"
+        dcp_key = f"dense/{mpath}.embedding_bags.{name}.weight" if t["data_parallel"] else f"tables/{key}/weight"
         want = torch.full((37, 8), float("nan"))
         load({dcp_key: want}, reader.path, no_dist=True)
         assert tables[name].shape == (37, 8) and torch.equal(tables[name].view(torch.int32), want.view(torch.int32)), name

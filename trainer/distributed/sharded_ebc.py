@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.trainer.distributed import sharded_state
 from recship.trainer.distributed.types import NoWait
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
@@ -234,13 +235,20 @@ def _unit_input(u: LookupUnit, jt: JaggedTensor) -> Tuple[torch.Tensor, torch.Te
 class GroupedPooledEmbeddingsLookup(nn.Module):
     """Stage 2, lookups: this rank's shards in one fbgemm training TBE (``tbe``, None without shards).
 
-    Returns [global batch, sum of this rank's unit widths] pooled sums.
+    Returns [global batch, sum of this rank's unit widths] pooled sums. The TBE is held
+    outside the module tree (TorchRec's lookups are not submodules either): its weights
+    appear in ``state_dict()`` and ``named_parameters()`` of the sharded collection as
+    ``embedding_bags.<table>.weight``, views into the TBE, never as its raw buffers.
     """
 
     def __init__(self, tbe: Optional[nn.Module], device: torch.device) -> None:
         super().__init__()
-        self.tbe = tbe
+        object.__setattr__(self, "_tbe", tbe)  # not registered: see the class docstring
         self._device = device
+
+    @property
+    def tbe(self) -> Optional[Any]:
+        return self._tbe
 
     def forward(self, received: KeyedJaggedTensor, global_batch: int) -> torch.Tensor:
         if self.tbe is None:
@@ -291,6 +299,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
     Its three stages are the modules ``_input_dists[0]``, ``_lookups[0]`` (holding the
     TBE) and ``_output_dists[0]``; forward returns an EmbeddingBagCollectionAwaitable.
 
+    ``state_dict()`` is TorchRec's: the unsharded collection's keys
+    ``embedding_bags.<table>.weight``, a ShardedTensor of this rank's shards (views into
+    the TBE) for a sharded table and the replicated tensor for a data-parallel one;
+    ``load_state_dict`` takes that, or the unsharded collection's full tensors, and writes
+    the shards in place (see ``recship.trainer.distributed.sharded_state``).
+
     Args:
         module: the unsharded EmbeddingBagCollection (on "meta" or a real device);
             real weights are copied into this rank's shards, meta ones initialised.
@@ -299,8 +313,6 @@ class ShardedEmbeddingBagCollection(nn.Module):
         pg: the process group (default: the world).
         device: where this rank's shards live.
     """
-
-    TBE_PATH = "_lookups.0.tbe"  # where the TBE's parameters and buffers sit in state_dict()
 
     def __init__(
         self,
@@ -334,6 +346,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._lookups = nn.ModuleList([GroupedPooledEmbeddingsLookup(self._build_tbe(module), self._device)])
         self._output_dists = nn.ModuleList([PooledEmbeddingsAllToAll(*args, self._device)])
         self._build_data_parallel(module)
+        self._init_torch_state()
         self.fused_optimizer = CombinedOptimizer([("", EmbeddingFusedOptimizer(self, optimizer))])
 
     @property
@@ -374,7 +387,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return tbe
 
     def _build_data_parallel(self, module: EmbeddingBagCollection) -> None:
-        self.data_parallel = nn.ParameterDict()
+        self.embedding_bags = nn.ModuleDict({t.name: nn.Module() for t in self._configs})
         for t in self._configs:
             if self._plan[t.name].sharding_type != ShardingType.DATA_PARALLEL:
                 continue
@@ -386,7 +399,56 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     w.uniform_(*t.init_range())
                 else:
                     w.copy_(full)
-            self.data_parallel[t.name] = nn.Parameter(w)
+            self.embedding_bags[t.name].register_parameter("weight", nn.Parameter(w))
+
+    def _init_torch_state(self) -> None:
+        """Registers each sharded table's ``embedding_bags.<table>.weight`` (views into the TBE) and builds
+        the ShardedTensors that ``state_dict()`` returns for them (TorchRec's ``_initialize_torch_state``)."""
+        by_table: Dict[str, sharded_state.LocalShards] = {}
+        for (table, shard), w in self.local_shards().items():
+            by_table.setdefault(table, []).append((shard, w))
+        self._sharded_weights: Dict[str, Any] = {}  # table -> ShardedTensor
+        for t in self._configs:
+            if t.name in self.data_parallel:
+                continue
+            local = by_table.get(t.name, [])
+            param = sharded_state.local_parameter(local, self._device)
+            setattr(param, FUSED_PARAMETER_MARK, True)
+            self.embedding_bags[t.name].register_parameter("weight", param)
+            self._sharded_weights[t.name] = sharded_state.weight_tensor(
+                self._plan[t.name], [t.num_embeddings, t.embedding_dim], local, self._rank, self._device, self._pg
+            )
+        self._register_state_dict_hook(ShardedEmbeddingBagCollection._post_state_dict_hook)
+        self._register_load_state_dict_pre_hook(self._pre_load_state_dict_hook, with_module=True)
+
+    @staticmethod
+    def _post_state_dict_hook(module: "ShardedEmbeddingBagCollection", destination: Dict[str, Any], prefix: str, _: Any) -> None:
+        for table, st in module._sharded_weights.items():
+            destination[f"{prefix}embedding_bags.{table}.weight"] = st
+
+    @staticmethod
+    def _pre_load_state_dict_hook(module: "ShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
+        """Writes each sharded table given into the TBE; the registered view then loads itself (a no-op copy)."""
+        by_table: Dict[str, sharded_state.LocalShards] = {}
+        for (table, shard), w in module.local_shards().items():
+            by_table.setdefault(table, []).append((shard, w))
+        for t in module._configs:
+            key = f"{prefix}embedding_bags.{t.name}.weight"
+            if t.name in module.data_parallel or key not in state_dict:
+                continue
+            sharded_state.copy_into_shards(
+                key, state_dict[key], module._plan[t.name], [t.num_embeddings, t.embedding_dim], by_table.get(t.name, [])
+            )
+            state_dict[key] = module.embedding_bags[t.name].weight.detach()
+
+    @property
+    def data_parallel(self) -> Dict[str, nn.Parameter]:
+        """Table name -> the replicated weight of each data-parallel table (``embedding_bags.<table>.weight``)."""
+        return {
+            t.name: self.embedding_bags[t.name].weight
+            for t in self._configs
+            if self._plan[t.name].sharding_type == ShardingType.DATA_PARALLEL
+        }
 
     # -- forward -----------------------------------------------------------
 
@@ -455,6 +517,31 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return {}
         states = self.tbe.split_optimizer_states()
         return {(t, s): list(st) for (t, s, _, _), st in zip(self._local_shards, states)}
+
+    def fused_optimizer_state(self) -> Tuple[Dict[str, Any], Dict[Any, Dict[str, Any]]]:
+        """TorchRec's fused-optimizer parameters and state of every sharded table (this rank's shards).
+
+        Returns ({"embedding_bags.<table>.weight": its ShardedTensor}, {that ShardedTensor:
+        {"<table>.momentum1": ShardedTensor, ...}}); the state tensors are the TBE's own (views).
+        """
+        layout = sharded_state.OPTIMIZER_STATES[self._optimizer_config.optimizer.name]
+        states = self.local_optimizer_states()
+        params: Dict[str, Any] = {}
+        state: Dict[Any, Dict[str, Any]] = {}
+        for t in self._configs:
+            if t.name in self.data_parallel:
+                continue
+            weight = self._sharded_weights[t.name]
+            params[f"embedding_bags.{t.name}.weight"] = weight
+            mine = [(shard, st) for (table, shard), st in states.items() if table == t.name]
+            state[weight] = {
+                f"{t.name}.{key}": sharded_state.optimizer_state_tensor(
+                    self._plan[t.name], [t.num_embeddings, t.embedding_dim], [(shard, st[i]) for shard, st in mine],
+                    pointwise, self._rank, self._device, self._pg,
+                )
+                for i, (key, pointwise) in enumerate(layout)
+            }
+        return params, state
 
     def gather_table(self, table: str) -> Optional[torch.Tensor]:
         """The full [rows, dim] table assembled on rank 0 (None elsewhere); a collective."""

@@ -175,12 +175,14 @@ def test_sharded_output_is_an_awaitable_usable_directly_or_waited(pg):
 
 
 def test_the_three_stages_are_real_modules_and_the_tbe_sits_in_lookups(pg):
-    sharded = shard(ebc(), pg)
+    module = ebc()
+    sharded = shard(module, pg)
     for stages in (sharded._input_dists, sharded._lookups, sharded._output_dists):
         assert isinstance(stages, nn.ModuleList) and len(stages) == 1
     assert sharded._lookups[0].tbe is sharded.tbe is not None
-    keys = list(sharded.state_dict())
-    assert keys and all(k.startswith(sharded.TBE_PATH + ".") for k in keys)
+    # the state_dict is the unsharded collection's (TorchRec's), never the TBE's buffers
+    state = sharded.state_dict()
+    assert list(state) == list(module.state_dict()) and all(type(v).__name__ == "ShardedTensor" for v in state.values())
     # every parameter's optimizer is fused: nothing left for a dense optimizer
     assert dict(in_backward_optimizer_filter(sharded.named_parameters())) == {}
 
