@@ -16,6 +16,8 @@ for the unpooled module): a [rows, row bytes] uint8 view of the TBE's storage, f
 rows as the kernel reads them (fp16 scale | fp16 bias | packed data | alignment
 padding for the integer types). The views are the only copy of the rows: state_dict,
 load_state_dict, pickling and TorchScript save/load all keep them aliased to the TBE.
+The TBE's own buffers are non-persistent, so state_dict's keys are exactly TorchRec's
+(``embedding_bags.<table>.weight``; no ``tbes.*``).
 """
 
 import contextlib
@@ -259,6 +261,7 @@ class QuantTables(nn.Module):
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
             _initialize_weights(tbe, _HOST_ROWS.get())
+            _keep_out_of_state_dict(tbe)
             # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
             # rows in state_dict (mode 0: whole padded rows, scale/bias included)
             for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
@@ -311,6 +314,20 @@ class QuantTables(nn.Module):
         return sum(int(tbe.weights_host.numel() + tbe.weights_dev.numel() + tbe.weights_uvm.numel()) for tbe in self._kernels())
 
 
+
+
+def _keep_out_of_state_dict(tbe: nn.Module) -> None:
+    """Re-registers the TBE's own buffers as non-persistent.
+
+    TorchRec's quantized collections (``register_tbes=False``, its default) hold only the per-table
+    ``<container>.<table>.weight`` rows in their state_dict; the TBE's buffers (``D_offsets``,
+    ``weights_tys``, remapping arrays, ...) are kernel metadata rebuilt from the table configs.
+    Non-persistent, they stay in ``named_buffers()``, TorchScript and pickles, but out of
+    ``state_dict()``, so the keys are TorchRec's and strict loads work both ways.
+    """
+    for module in tbe.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module.register_buffer(name, buf, persistent=False)
 
 
 def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:
