@@ -31,7 +31,6 @@ from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, co
                                                    table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
-from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
 
 def _shard_modules(
@@ -60,7 +59,6 @@ __all__ = [
     "GradientClipping", "GradientClippingOptimizer", "KeyedOptimizerWrapper", "OptimizerWrapper", "apply_optimizer_in_backward",
     "apply_to_all", "column_wise", "construct_module_sharding_plan", "data_parallel", "row_wise", "table_row_wise", "table_wise",
     "TrainPipeline", "TrainPipelineBase", "TrainPipelineContext", "TrainPipelineSparseDist",
-    "WarmupOptimizer", "WarmupPolicy", "WarmupStage",
     "WarmupOptimizer", "WarmupPolicy", "WarmupStage",
     "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
     "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
