@@ -90,8 +90,39 @@ class DLRM(nn.Module):
         num_pairs = (f + 1) * f // 2
         self.over_arch = _mlp([d + num_pairs] + config.over_arch + [1], device, final_activation=False)
         self._num_vectors = f + 1
+        self._register_load_state_dict_pre_hook(self._accept_torchrec_keys)
 
     eval_output = "logit"  # the served output that export measures AUC and log loss on
+
+    def _torchrec_names(self) -> Dict[str, str]:
+        """This model's parameter names -> those of TorchRec's ``DLRM`` of the same shape (``recship.models.dlrm``:
+        ``dense_arch.model._mlp.<i>._linear``, ``sparse_arch.embedding_bag_collection``, ``over_arch.model.0._mlp.<i>
+        ._linear`` and the last layer ``over_arch.model.1``). The math is the same: TorchRec's DLRM with tables
+        ``t_<feature>`` computes this model's logit as [B, 1]."""
+        names = {f"sparse_arch.embedding_bags.{t.name}.weight": f"sparse_arch.embedding_bag_collection.embedding_bags.{t.name}.weight"
+                 for t in self.config.tables()}
+        for arch, head in (("dense_arch", "dense_arch.model._mlp"), ("over_arch", "over_arch.model.0._mlp")):
+            linears = [i for i, m in enumerate(getattr(self, arch)) if isinstance(m, nn.Linear)]
+            for k, index in enumerate(linears):
+                last = arch == "over_arch" and k == len(linears) - 1
+                for p in ("weight", "bias"):
+                    names[f"{arch}.{index}.{p}"] = f"over_arch.model.1.{p}" if last else f"{head}.{k}._linear.{p}"
+        return names
+
+    def torchrec_state_dict(self) -> Dict[str, torch.Tensor]:
+        """``state_dict()`` under TorchRec's DLRM names (see ``_torchrec_names``): what TorchRec's ``DLRM`` of the same
+        tables and widths loads strictly."""
+        names = self._torchrec_names()
+        return {names[k]: v for k, v in self.state_dict().items()}
+
+    def _accept_torchrec_keys(self, state_dict: Dict[str, torch.Tensor], prefix: str, *args: object) -> None:
+        """load_state_dict pre-hook: a TorchRec DLRM's keys (``torchrec_state_dict``) are renamed to this model's in
+        place, so its state_dict loads (strict or not) as this model's own does."""
+        for ours, theirs in self._torchrec_names().items():
+            if prefix + theirs in state_dict:
+                if prefix + ours in state_dict:
+                    raise ValueError(f"the state_dict has both {prefix + ours!r} and TorchRec's name for it, {prefix + theirs!r}")
+                state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
         return self.predict(dense, self.sparse_arch(sparse).values())

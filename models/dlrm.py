@@ -1,0 +1,281 @@
+"""TorchRec's DLRM family (``torchrec.models.dlrm``): ``DLRM``, ``DLRM_DCN``, ``DLRM_Projection``, ``DLRMTrain`` and
+their archs (``SparseArch``, ``DenseArch``, ``InteractionArch``, ``InteractionDCNArch``, ``InteractionProjectionArch``,
+``OverArch``), with TorchRec's constructors, forward math and parameter names, so a TorchRec DLRM's state_dict loads
+strictly here and back::
+
+    sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight   [rows, D]
+    dense_arch.model._mlp.<i>._linear.weight / .bias                     the dense MLP (ReLU after every layer)
+    inter_arch.crossnet.{W_kernels,V_kernels,bias}.<l>                    DLRM_DCN only
+    over_arch.model.0._mlp.<i>._linear.weight / .bias                    the over MLP but its last layer (ReLU)
+    over_arch.model.1.weight / .bias                                     the last layer (no activation)
+
+    dense [B, num_dense] --dense_arch--> [B, D] --+
+    KJT --sparse_arch--> [B, F, D] --------------+--inter_arch--> [B, D + F + F(F-1)/2] --over_arch--> logits [B, out]
+
+This module is also the built-in DLRM's entry point ``recship.models:dlrm`` (what ``recship train`` trains without
+``--model``, and what checkpoints name): calling the module, ``recship.models.dlrm(embedding_dim=8, ...)``, builds
+``recship.trainer.dlrm.DLRM`` (see ``builtin``). The built-in names its parameters its own way but loads a TorchRec
+DLRM's state_dict of the same shape (``recship.trainer.dlrm.DLRM.load_state_dict``).
+"""
+
+import inspect
+import sys
+import types
+from typing import Any, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from recship.models.layers import MLP, LowRankCrossNet
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer import EmbeddingBagCollection
+
+
+def choose(n: int, k: int) -> int:
+    """n choose k (0 when k is outside [0, n])."""
+    if not 0 <= k <= n:
+        return 0
+    result = 1
+    for i in range(1, min(k, n - k) + 1):
+        result = result * (n - i + 1) // i
+    return result
+
+
+class SparseArch(nn.Module):
+    """The embedding lookups: the collection's pooled embeddings stacked by feature (features in the order of the
+    tables, then of each table's ``feature_names``). forward(KJT of B examples) -> [B, F, D]."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection) -> None:
+        super().__init__()
+        configs = embedding_bag_collection.embedding_bag_configs()
+        if not configs:
+            raise ValueError("SparseArch: the EmbeddingBagCollection has no tables")
+        self.embedding_bag_collection = embedding_bag_collection
+        self.D: int = configs[0].embedding_dim
+        self._sparse_feature_names: List[str] = [f for c in configs for f in c.feature_names]
+        self.F: int = len(self._sparse_feature_names)
+
+    @property
+    def sparse_feature_names(self) -> List[str]:
+        return self._sparse_feature_names
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """KJT -> [B, F, D]."""
+        pooled = self.embedding_bag_collection(features).to_dict()
+        return torch.cat([pooled[name] for name in self._sparse_feature_names], dim=1).reshape(-1, self.F, self.D)
+
+
+class DenseArch(nn.Module):
+    """The dense features' MLP (``model``, ReLU after every layer): [B, in_features] -> [B, layer_sizes[-1]]."""
+
+    def __init__(self, in_features: int, layer_sizes: List[int], device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        self.model = MLP(in_features, layer_sizes, bias=True, activation="relu", device=device)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, in_features] -> [B, layer_sizes[-1]]."""
+        return self.model(features)
+
+
+def _stack(dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+    """[B, D] and [B, F, D] -> [B, F + 1, D], the dense vector first."""
+    return torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+
+
+class InteractionArch(nn.Module):
+    """DLRM's pairwise dot products: with the dense vector first, the dots of every pair (i < j) of the F + 1 vectors
+    in row-major upper-triangle order, after the dense vector: [B, D], [B, F, D] -> [B, D + F + F(F-1)/2]."""
+
+    triu_indices: torch.Tensor  # [2, (F + 1) F / 2], a buffer left out of the state_dict, as TorchRec's
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__()
+        self.F: int = num_sparse_features
+        self.register_buffer("triu_indices", torch.triu_indices(self.F + 1, self.F + 1, offset=1), persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """[B, D], [B, F, D] -> [B, D + F + F(F-1)/2]."""
+        if self.F <= 0:
+            return dense_features
+        stacked = _stack(dense_features, sparse_features)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
+        return torch.cat((dense_features, dots[:, self.triu_indices[0], self.triu_indices[1]]), dim=1)
+
+
+class InteractionDCNArch(nn.Module):
+    """DLRM_DCN's interaction: ``crossnet`` over the flattened [dense vector, sparse vectors]:
+    [B, D], [B, F, D] -> [B, (F + 1) * D]."""
+
+    def __init__(self, num_sparse_features: int, crossnet: nn.Module) -> None:
+        super().__init__()
+        self.F: int = num_sparse_features
+        self.crossnet = crossnet
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """[B, D], [B, F, D] -> [B, (F + 1) * D]."""
+        if self.F <= 0:
+            return dense_features
+        return self.crossnet(_stack(dense_features, sparse_features).reshape([dense_features.shape[0], -1]))
+
+
+class InteractionProjectionArch(nn.Module):
+    """DLRM_Projection's interaction: two branches over the flattened [dense, sparse] vectors, Y [B, F1 * D] and
+    Z [B, D * F2], and their product Y Z per example after the dense vector: -> [B, D + F1 * F2]."""
+
+    def __init__(self, num_sparse_features: int, interaction_branch1: nn.Module, interaction_branch2: nn.Module) -> None:
+        super().__init__()
+        self.F: int = num_sparse_features
+        self.interaction_branch1 = interaction_branch1
+        self.interaction_branch2 = interaction_branch2
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        """[B, D], [B, F, D] -> [B, D + F1 * F2]."""
+        if self.F <= 0:
+            return dense_features
+        b, d = dense_features.shape
+        flat = torch.reshape(_stack(dense_features, sparse_features), (b, -1))
+        y = self.interaction_branch1(flat).reshape([b, -1, d])
+        z = self.interaction_branch2(flat).reshape([b, d, -1])
+        return torch.cat((dense_features, torch.reshape(torch.bmm(y, z), (b, -1))), dim=1)
+
+
+class OverArch(nn.Module):
+    """The top MLP (``model``): an MLP of ``layer_sizes[:-1]`` (ReLU after each) then a plain linear layer to
+    ``layer_sizes[-1]``: [B, in_features] -> [B, layer_sizes[-1]]."""
+
+    def __init__(self, in_features: int, layer_sizes: List[int], device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        if len(layer_sizes) <= 1:
+            raise ValueError(f"OverArch must have multiple layers, got layer_sizes={layer_sizes}")
+        self.model = nn.Sequential(
+            MLP(in_features, layer_sizes[:-1], bias=True, activation="relu", device=device),
+            nn.Linear(layer_sizes[-2], layer_sizes[-1], bias=True, device=device),
+        )
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, in_features] -> [B, layer_sizes[-1]]."""
+        return self.model(features)
+
+
+class DLRM(nn.Module):
+    """DLRM (arXiv:1906.00091) as TorchRec builds it. forward(dense_features [B, dense_in_features] float,
+    sparse_features KJT) -> logits [B, over_arch_layer_sizes[-1]].
+
+    Args:
+        embedding_bag_collection: the tables; all of one embedding_dim D.
+        dense_in_features: width of the dense features (also ``num_dense``, the export contract's).
+        dense_arch_layer_sizes: the dense MLP's widths; the last must be D.
+        over_arch_layer_sizes: the over arch's widths (at least two).
+        dense_device: device of the dense parameters.
+    """
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: List[int], over_arch_layer_sizes: List[int],
+                 dense_device: Optional[torch.device] = None) -> None:
+        super().__init__()
+        configs = embedding_bag_collection.embedding_bag_configs()
+        if not configs:
+            raise ValueError("DLRM needs at least one embedding bag")
+        dims = sorted({c.embedding_dim for c in configs})
+        if len(dims) != 1:
+            raise ValueError(f"all EmbeddingBagConfigs of a DLRM must have the same embedding_dim, got {dims}")
+        if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != dims[0]:
+            raise ValueError(f"the dense arch's last layer size ({dense_arch_layer_sizes[-1:]}) must equal "
+                             f"the embedding_dim ({dims[0]})")
+        self.num_dense = dense_in_features  # recship's export contract (recship.export.any_model)
+        self.sparse_arch = SparseArch(embedding_bag_collection)
+        f = len(self.sparse_arch.sparse_feature_names)
+        self.dense_arch = DenseArch(dense_in_features, dense_arch_layer_sizes, device=dense_device)
+        self.inter_arch: nn.Module = InteractionArch(num_sparse_features=f)
+        self.over_arch = OverArch(dims[0] + choose(f, 2) + f, over_arch_layer_sizes, device=dense_device)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, dense_in_features], KJT -> logits [B, over_arch_layer_sizes[-1]]."""
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_features)
+        return self.over_arch(self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse))
+
+
+class DLRM_Projection(DLRM):
+    """DLRM with an InteractionProjectionArch: two DenseArch branches (``interaction_branch{1,2}_layer_sizes``, each
+    ending in a multiple of D) over the flattened [dense, sparse] vectors; the over arch reads D + F1 * F2."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: List[int], over_arch_layer_sizes: List[int],
+                 interaction_branch1_layer_sizes: List[int], interaction_branch2_layer_sizes: List[int],
+                 dense_device: Optional[torch.device] = None) -> None:
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
+                         dense_device)
+        d = self.sparse_arch.D
+        f = len(self.sparse_arch.sparse_feature_names)
+        for name, sizes in (("branch1", interaction_branch1_layer_sizes), ("branch2", interaction_branch2_layer_sizes)):
+            if sizes[-1] % d:
+                raise ValueError(f"the final interaction {name} layer size ({sizes[-1]}) is not a multiple of the "
+                                 f"embedding size ({d})")
+        in_features = f * d + dense_arch_layer_sizes[-1]
+        self.inter_arch = InteractionProjectionArch(
+            f, DenseArch(in_features, interaction_branch1_layer_sizes, device=dense_device),
+            DenseArch(in_features, interaction_branch2_layer_sizes, device=dense_device))
+        projected = (interaction_branch1_layer_sizes[-1] // d) * (interaction_branch2_layer_sizes[-1] // d)
+        self.over_arch = OverArch(d + projected, over_arch_layer_sizes, device=dense_device)
+
+
+class DLRM_DCN(DLRM):
+    """DLRM with a DCN-v2 interaction: a LowRankCrossNet (``dcn_num_layers`` layers of rank ``dcn_low_rank_dim``)
+    over the flattened [dense, sparse] vectors; the over arch reads (F + 1) * D."""
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
+                 dense_arch_layer_sizes: List[int], over_arch_layer_sizes: List[int], dcn_num_layers: int,
+                 dcn_low_rank_dim: int, dense_device: Optional[torch.device] = None) -> None:
+        super().__init__(embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes,
+                         dense_device)
+        d = self.sparse_arch.D
+        f = len(self.sparse_arch.sparse_feature_names)
+        crossnet = LowRankCrossNet(in_features=(f + 1) * d, num_layers=dcn_num_layers, low_rank=dcn_low_rank_dim)
+        self.inter_arch = InteractionDCNArch(f, crossnet)
+        self.over_arch = OverArch((f + 1) * d, over_arch_layer_sizes, device=dense_device)
+
+
+class DLRMTrain(nn.Module):
+    """A DLRM with its loss, for training loops over ``Batch`` (``dense_features``, ``sparse_features``, ``labels``):
+    forward(batch) -> (loss, (loss, logits [B], labels [B])), the inner three detached; the loss is
+    BCEWithLogitsLoss of the logits squeezed on the last dim against the labels as float. The DLRM is ``model``."""
+
+    def __init__(self, dlrm_module: DLRM) -> None:
+        super().__init__()
+        self.model = dlrm_module
+        self.loss_fn: nn.Module = nn.BCEWithLogitsLoss()
+
+    def forward(self, batch: Any) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """batch (a ``recship.datasets.Batch`` or anything with its three fields) -> (loss, (loss, logits, labels))."""
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = self.loss_fn(logits, batch.labels.float())
+        return loss, (loss.detach(), logits.detach(), batch.labels.detach())
+
+
+def builtin(num_embeddings_per_feature: Optional[List[int]] = None, embedding_dim: int = 16,
+            dense_arch: Optional[List[int]] = None, over_arch: Optional[List[int]] = None,
+            device: Optional[str] = None) -> nn.Module:
+    """The built-in DLRM (``recship.models:dlrm``, which calls this): 13 dense and 26 categorical Criteo features,
+    a ``recship.trainer.dlrm.DLRM``."""
+    from recship.trainer.dlrm import DLRM as BuiltinDLRM, DLRMConfig
+
+    config = DLRMConfig(num_embeddings_per_feature=num_embeddings_per_feature or [1000] * 26, embedding_dim=embedding_dim,
+                        dense_arch=dense_arch or [64], over_arch=over_arch or [64, 32])
+    return BuiltinDLRM(config, device=device)
+
+
+class _CallableModule(types.ModuleType):
+    """``recship.models.dlrm`` is both TorchRec's ``torchrec.models.dlrm`` (``dlrm.DLRM``) and the built-in DLRM's
+    entry point ``recship.models:dlrm`` (a callable, named by every checkpoint written so far): calling it calls
+    ``builtin``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> nn.Module:
+        return builtin(*args, **kwargs)
+
+
+__signature__ = inspect.signature(builtin)  # what inspect (build_model's device check) reads for the module
+sys.modules[__name__].__class__ = _CallableModule
+
+__all__ = ["DLRM", "DLRMTrain", "DLRM_DCN", "DLRM_Projection", "DenseArch", "InteractionArch", "InteractionDCNArch",
+           "InteractionProjectionArch", "OverArch", "SparseArch", "builtin", "choose"]
