@@ -50,8 +50,10 @@ def _check_jagged(
     offsets: torch.Tensor,
     weights: Optional[torch.Tensor],
     owner: str,
+    integer_weights: bool,
 ) -> None:
-    """Raises ValueError unless (values, lengths, offsets, weights) are consistent."""
+    """Raises ValueError unless (values, lengths, offsets, weights) are consistent. Weights are float scores, or
+    with ``integer_weights`` also ids (an EmbeddingCollection's ``need_indices`` output)."""
     if values.dim() < 1:
         raise ValueError(f"{owner}: values must have at least one dimension")
     if lengths.dim() != 1:
@@ -63,7 +65,10 @@ def _check_jagged(
         )
     _check_index_dtype(lengths, owner + ": lengths")
     if weights is not None:
-        if not weights.is_floating_point():
+        if integer_weights:
+            if weights.is_complex() or weights.dtype == torch.bool:
+                raise ValueError(f"{owner}: weights must be floating point scores or integer ids, got {weights.dtype}")
+        elif not weights.is_floating_point():
             raise ValueError(f"{owner}: weights must be floating point, got {weights.dtype}")
         if weights.shape[0] != values.shape[0]:
             raise ValueError(
@@ -111,6 +116,12 @@ def _fmt(x: object) -> str:
 # ---------------------------------------------------------------------------
 
 
+def _check_same_shapes(owner: str, mine: List[torch.Tensor], theirs: List[torch.Tensor], names: List[str]) -> None:
+    for i in range(len(names)):
+        if mine[i].shape != theirs[i].shape:
+            raise ValueError(f"{owner}: {names[i]} has shape {list(theirs[i].shape)} to copy into {list(mine[i].shape)}")
+
+
 @torch.jit.unused
 def _record_stream(tensors: List[Optional[torch.Tensor]], stream: torch.Stream) -> None:
     for t in tensors:
@@ -124,7 +135,8 @@ class JaggedTensor:
     Args:
         values (Tensor): [N, ...] ids (or, as an EmbeddingCollection output,
             [N, D] embeddings); rows are concatenated.
-        weights (Optional[Tensor]): [N] float, one per value.
+        weights (Optional[Tensor]): [N] float, one per value (an EmbeddingCollection
+            with ``need_indices`` puts each row's id here, int64).
         lengths (Optional[Tensor]): [B] integer, values per row.
         offsets (Optional[Tensor]): [B + 1] integer; give lengths or offsets
             (or both, which must agree); the other is derived.
@@ -145,9 +157,9 @@ class JaggedTensor:
         elif offsets is None:
             offsets = _offsets_from_lengths(lengths)
         if torch.jit.is_scripting():
-            _check_jagged(values, lengths, offsets, weights, "JaggedTensor")
+            _check_jagged(values, lengths, offsets, weights, "JaggedTensor", True)
         elif not _is_proxy(values):
-            _check_jagged(values, lengths, offsets, weights, "JaggedTensor")
+            _check_jagged(values, lengths, offsets, weights, "JaggedTensor", True)
         self._values = values
         self._weights = weights
         self._lengths = lengths
@@ -243,6 +255,22 @@ class JaggedTensor:
     def device(self) -> torch.device:
         return self._values.device
 
+    def copy_(self, jt: "JaggedTensor", non_blocking: bool = False) -> "JaggedTensor":
+        """Copies ``jt``'s values, weights, lengths and offsets into this JaggedTensor's tensors, in place (TorchRec's:
+        e.g. into buffers kept on a device); returns self. The shapes must match, and both or neither have weights."""
+        w, jt_w = self._weights, jt._weights
+        if (w is None) != (jt_w is None):
+            raise ValueError("JaggedTensor.copy_: one has weights and the other not; both or neither must")
+        _check_same_shapes("JaggedTensor.copy_", [self._values, self._lengths, self._offsets],
+                           [jt._values, jt._lengths, jt._offsets], ["values", "lengths", "offsets"])
+        self._values.copy_(jt._values, non_blocking=non_blocking)
+        self._lengths.copy_(jt._lengths, non_blocking=non_blocking)
+        self._offsets.copy_(jt._offsets, non_blocking=non_blocking)
+        if w is not None and jt_w is not None:
+            _check_same_shapes("JaggedTensor.copy_", [w], [jt_w], ["weights"])
+            w.copy_(jt_w, non_blocking=non_blocking)
+        return self
+
     def to_dense(self) -> List[torch.Tensor]:
         """One tensor per row: [values[offsets[i]:offsets[i+1]] for each row i]."""
         return list(torch.split(self._values, torch.jit.annotate(List[int], self._lengths.tolist())))
@@ -336,7 +364,7 @@ def _check_kjt(
         raise ValueError(
             f"{owner}: stride {stride} x {num_keys} keys != len(lengths) = {lengths.shape[0]}"
         )
-    _check_jagged(values, lengths, offsets, weights, owner)
+    _check_jagged(values, lengths, offsets, weights, owner, False)
     if length_per_key is not None and len(length_per_key) != num_keys:
         raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
 
@@ -554,6 +582,29 @@ class KeyedJaggedTensor:
 
     def device(self) -> torch.device:
         return self._values.device
+
+    def copy_(self, kjt: "KeyedJaggedTensor", non_blocking: bool = False) -> "KeyedJaggedTensor":
+        """Copies ``kjt``'s values, weights, lengths and offsets into this KJT's tensors, in place, and takes its
+        cached per-key sizes (TorchRec's: refilling a KJT whose tensors live on a device); returns self. The keys,
+        shapes and weightedness must match (TorchRec assumes so; recship checks)."""
+        if kjt._keys != self._keys:
+            raise ValueError(f"KeyedJaggedTensor.copy_: keys {kjt._keys} to copy into a KJT of keys {self._keys}")
+        w, kjt_w = self._weights, kjt._weights
+        if (w is None) != (kjt_w is None):
+            raise ValueError("KeyedJaggedTensor.copy_: one has weights and the other not; both or neither must")
+        _check_same_shapes("KeyedJaggedTensor.copy_", [self._values, self._lengths, self._offsets],
+                           [kjt._values, kjt._lengths, kjt._offsets], ["values", "lengths", "offsets"])
+        self._values.copy_(kjt._values, non_blocking=non_blocking)
+        self._lengths.copy_(kjt._lengths, non_blocking=non_blocking)
+        self._offsets.copy_(kjt._offsets, non_blocking=non_blocking)
+        if w is not None and kjt_w is not None:
+            _check_same_shapes("KeyedJaggedTensor.copy_", [w], [kjt_w], ["weights"])
+            w.copy_(kjt_w, non_blocking=non_blocking)
+        self._stride = kjt._stride
+        self._length_per_key = kjt._length_per_key
+        self._offset_per_key = kjt._offset_per_key
+        self._split_by_key = None  # views of this KJT's values, split by the sizes it had
+        return self
 
     def size_in_bytes(self) -> int:
         """Bytes held by values, weights, lengths and offsets."""

@@ -137,6 +137,7 @@ class EmbeddingBagCollection(nn.Module):
     table, in config order) and whose values are [B, sum of their dims] float32.
     """
 
+    __jit_unused_properties__ = ["device"]
     _feature_names: List[List[str]]
     _divide_by_length: List[bool]
     _embedding_names: List[str]
@@ -235,6 +236,11 @@ class EmbeddingBagCollection(nn.Module):
     def is_weighted(self) -> bool:
         return self._is_weighted
 
+    @property
+    def device(self) -> torch.device:
+        """Where the tables are (TorchRec's: the constructor's ``device``, which they are on until moved)."""
+        return _tables_device(self.embedding_bags)
+
     def reset_parameters(self) -> None:
         """(Re)initialises every table as its config says."""
         for t in self._embedding_bag_configs:
@@ -247,17 +253,24 @@ class EmbeddingCollection(nn.Module):
     Args:
         tables: one EmbeddingConfig per table.
         device: where to allocate; "meta" allocates nothing.
+        need_indices: each output JaggedTensor carries its ids as ``weights`` ([N] int, the input's values), as
+            TorchRec's.
     """
 
+    __jit_unused_properties__ = ["device"]
     _feature_names: List[List[str]]
 
     def __init__(
         self,
         tables: List[EmbeddingConfig],
         device: Optional[Union[str, torch.device]] = None,
+        need_indices: bool = False,
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingConfig)
+        if not isinstance(need_indices, bool):
+            raise TypeError(f"need_indices must be a bool, got {need_indices!r}")
+        self._need_indices = need_indices
         self._embedding_configs = list(tables)
         self.embeddings = nn.ModuleDict()
         self._feature_names = []
@@ -287,7 +300,7 @@ class EmbeddingCollection(nn.Module):
                 f = feature_dict[name]
                 out[name] = JaggedTensor(
                     values=table(f.values()).float(),
-                    weights=None,
+                    weights=f.values() if self._need_indices else None,
                     lengths=f.lengths(),
                     offsets=f.offsets(),
                 )
@@ -296,6 +309,15 @@ class EmbeddingCollection(nn.Module):
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._embedding_configs
+
+    def need_indices(self) -> bool:
+        """Whether the outputs carry their ids as weights."""
+        return self._need_indices
+
+    @property
+    def device(self) -> torch.device:
+        """Where the tables are (TorchRec's: the constructor's ``device``, which they are on until moved)."""
+        return _tables_device(self.embeddings)
 
     def embedding_dim(self) -> int:
         """The tables' common width (TorchRec's EmbeddingCollection requires one); ValueError if they differ."""
@@ -311,6 +333,10 @@ class EmbeddingCollection(nn.Module):
     def reset_parameters(self) -> None:
         for t in self._embedding_configs:
             t.init_weight(self.embeddings[t.name].weight)
+
+
+def _tables_device(tables: nn.ModuleDict) -> torch.device:
+    return next(iter(tables.values())).weight.device
 
 
 def _meta_weight(t: BaseEmbeddingConfig, device: Optional[Union[str, torch.device]]) -> Optional[torch.Tensor]:
