@@ -4,12 +4,18 @@
 ``CheckpointReader`` reads it back in one process without a process group, one
 table at a time, so peak memory stays near the largest table. The collective
 save and load of a running job are in ``recship.trainer.checkpoint``.
+
+``CheckpointReader`` also reads a checkpoint TorchRec's DistributedModelParallel wrote:
+DCP's files only, saved as ``dcp.save({"model": dmp.state_dict(), ...})`` (or
+``dcp.save(dmp.state_dict())``), every table under ``<path>.embedding_bags.<table>.weight``
+(see ``torchrec_metadata``). Such a checkpoint records no model: export names it (--model).
 """
 
 import io
 import json
 import mmap
 import os
+import re
 import struct
 import warnings
 import zipfile
@@ -108,7 +114,11 @@ class CheckpointReader:
 
     def __init__(self, path: Union[str, Path]) -> None:
         self.path = Path(path)
-        self.meta = read_metadata(self.path)
+        if not (self.path / META_FILE).is_file() and (self.path / ".metadata").is_file():
+            self.meta = torchrec_metadata(self.path)
+        else:
+            self.meta = read_metadata(self.path)
+        self._dense_prefix = self.meta.get("dense_prefix", "dense/")
         self.config = self.meta.get("config")
         self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None
         self.step = self.meta["step"]
@@ -142,7 +152,9 @@ class CheckpointReader:
         raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
 
     def _load_table(self, mpath: str, cfg: EmbeddingBagConfig, key: str, t: Dict[str, Any], reuse: bool = False) -> torch.Tensor:
-        if t["data_parallel"]:
+        if "dcp_key" in t:
+            name = t["dcp_key"]
+        elif t["data_parallel"]:
             name = f"dense/{_data_parallel_key(self.meta, mpath, cfg.name)}"
         else:
             name = f"tables/{key}/weight"
@@ -172,9 +184,48 @@ class CheckpointReader:
                   for key, t in self.meta["tables"].items() if t["data_parallel"]}
         keys = [k for k in self.meta["dense_keys"] if k not in tables]
         shapes = _dcp_shapes(self.path)
-        state = {f"dense/{k}": torch.empty(shapes[f"dense/{k}"][0], dtype=shapes[f"dense/{k}"][1]) for k in keys}
+        prefix = self._dense_prefix
+        state = {f"{prefix}{k}": torch.empty(shapes[f"{prefix}{k}"][0], dtype=shapes[f"{prefix}{k}"][1]) for k in keys}
         load_tensors(state, self.path, no_dist=True)
-        return {k[len("dense/") :]: v for k, v in state.items()}
+        return {k[len(prefix) :]: v for k, v in state.items()}
+
+
+_TORCHREC_TABLE = re.compile(r"^(?:(?P<module>.+)\.)?embedding_bags\.(?P<table>[^.]+)\.weight$")
+
+
+def torchrec_metadata(path: Union[str, Path]) -> Dict[str, Any]:
+    """What ``recship.json`` says, for a DCP checkpoint of TorchRec's layout (no recship.json).
+
+    The model's state is the entries under "model." when there are any (``dcp.save({"model":
+    dmp.state_dict(), "optim": ...})``), else every entry; in it each
+    ``<module path>.embedding_bags.<table>.weight`` [rows, dim] is a table (sharded or not) and
+    the other tensors are the dense state. The checkpoint holds no features, pooling or model:
+    the tables' configs carry the name and shape only; the model that loads it has the rest.
+    """
+    path = Path(path)
+    try:
+        md = dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # a corrupt .metadata: DCP raises what unpickling raises
+        raise CheckpointError(f"cannot read {path}/.metadata: {type(e).__name__}: {e}") from None
+    tensors = {k: item for k, item in md.state_dict_metadata.items() if hasattr(item, "size") and hasattr(item, "chunks")}
+    root = "model." if any(k.startswith("model.") for k in tensors) else ""
+    tables: Dict[str, Any] = {}
+    dense: List[str] = []
+    for key, item in tensors.items():
+        if not key.startswith(root):
+            continue
+        name = key[len(root) :]
+        m = _TORCHREC_TABLE.match(name)
+        if m is None or len(item.size) != 2:
+            dense.append(name)
+            continue
+        rows, dim = (int(n) for n in item.size)
+        config = {"name": m["table"], "num_embeddings": rows, "embedding_dim": dim, "data_type": "FP32", "pooling": "SUM"}
+        tables[f"{m['module'] or ''}/{m['table']}"] = {"config": config, "data_parallel": False, "dcp_key": key}
+    if not tables:
+        raise CheckpointError(f"{path} has no {META_FILE} and no TorchRec table (<module>.embedding_bags.<table>.weight) in its DCP files")
+    return {"format": "torchrec", "step": None, "config": None, "plan": None, "tables": tables,
+            "dense_keys": sorted(dense), "dense_prefix": root}
 
 
 def _data_parallel_key(meta: Dict[str, Any], mpath: str, table: str) -> str:
