@@ -241,6 +241,8 @@ class QuantTables(nn.Module):
         rows = nn.ModuleDict({t.name: nn.Module() for t in tables})  # in table order, as the float module's
         setattr(self, rows_container, rows)
         self.tbes = nn.ModuleList()
+        self._rows_container = rows_container
+        self._register_load_state_dict_pre_hook(self._packed_rows_as_bytes)
         self._group_features = []
         self._group_rows = []
         self._group_tables = []
@@ -278,6 +280,21 @@ class QuantTables(nn.Module):
         return _prepare(
             features, self._group_features[g], self._group_rows[g], self._group_modulo[g], self._group_tables[g], weighted
         )
+
+    def _packed_rows_as_bytes(self, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
+        """Reads TorchRec's INT4 / INT2 rows as the bytes they are (load_state_dict pre-hook).
+
+        TorchRec stores those tables as ``UInt4Tensor`` / ``UInt2Tensor``: the same bytes as
+        recship's rows, shown as [rows, row bytes * 2 (or * 4)] values, the bytes behind
+        ``.view(torch.uint8)``. recship's buffers are the plain [rows, row bytes] uint8.
+        """
+        for t in self._tables:
+            if self._weight_types[t.name] not in (DataType.INT4, DataType.INT2):
+                continue
+            key = f"{prefix}{self._rows_container}.{t.name}.weight"
+            given = state_dict.get(key)
+            if isinstance(given, torch.Tensor) and type(given) is not torch.Tensor and given.dtype == torch.uint8:
+                state_dict[key] = given.view(torch.uint8)
 
     # -- weights -----------------------------------------------------------
 

@@ -120,6 +120,41 @@ def test_torchrec_rows_look_up_exactly_their_dequantization(user, dtype, bits):
     assert torch.equal(copy.deepcopy(q)(kjt).values(), q(kjt).values())
 
 
+class _UInt4(torch.Tensor):
+    """TorchRec's documented UInt4Tensor, the least of it: a uint8 wrapper shown as [rows, 2 * row bytes] values,
+    whose ``.view(torch.uint8)`` is the bytes it wraps (torchrec.tensor_types)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, elem):
+        return torch.Tensor._make_wrapper_subclass(cls, (elem.shape[0], 2 * elem.shape[1]), dtype=torch.uint8)
+
+    def __init__(self, elem):
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.view.dtype and args[1] == torch.uint8:
+            return args[0].elem
+        raise NotImplementedError(func)
+
+
+def test_torchrecs_int4_tensors_load_as_their_bytes(user):
+    g = torch.Generator().manual_seed(11)
+    (r0, want0), (r1, want1) = _torchrec_rows(10, 8, 4, g), _torchrec_rows(6, 16, 4, g)
+    theirs = {"embedding_bags.t0.weight": _UInt4(r0), "embedding_bags.t1.weight": _UInt4(r1)}
+    assert tuple(theirs["embedding_bags.t0.weight"].shape) == (10, 2 * _row_bytes(8, 4))
+    q = user["quantized_ebc"](user["tables"](), torch.quint4x2)
+    q.load_state_dict(theirs, strict=True)
+    assert torch.equal(q.state_dict()["embedding_bags.t0.weight"], r0) and torch.equal(q.state_dict()["embedding_bags.t1.weight"], r1)
+    # int8 tables take no such wrapper: a wrong shape stays an error
+    q8 = user["quantized_ebc"](user["tables"](), torch.qint8)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        q8.load_state_dict({"embedding_bags.t0.weight": _UInt4(torch.zeros(10, 16, dtype=torch.uint8)),
+                            "embedding_bags.t1.weight": q8.state_dict()["embedding_bags.t1.weight"]})
+
+
 def test_a_wrong_shape_or_extra_key_is_refused(user):
     q = user["quantized_ebc"](user["tables"](), torch.qint8)
     with pytest.raises(RuntimeError, match="size mismatch for embedding_bags.t0.weight"):
