@@ -246,10 +246,9 @@ def _hash(view: memoryview) -> str:
 
 
 def _threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+    from recship.cpus import usable_cpus  # the affinity mask, capped by the cgroup CPU quota
+
+    return usable_cpus()
 
 
 class StagedTables:

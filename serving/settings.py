@@ -5,7 +5,6 @@ the server's batching flags, overridden by ``DIR/<model>/config.yaml``), their r
 
 import dataclasses
 import math
-import os
 import re
 import ssl
 from dataclasses import dataclass, field
@@ -357,12 +356,15 @@ def config_value(value: Any) -> str:
 
 
 def default_torch_threads() -> int:
-    """Intra-op threads for the forwards: every core but one (left to the request path), from 3 cores up.
+    """Intra-op threads for the forwards: every usable CPU but one (left to the request path), from 3 up.
 
-    On 2 cores that split would halve the forward (bench/serve_bench.py measures a 512-example forward
-    with 1 thread and with 2).
+    Usable: the affinity mask, capped by the cgroup CPU quota (``recship.cpus``: a pod limited to 2 CPUs
+    on a 64-core node gets 2, not 63). On 2 CPUs that split would halve the forward
+    (bench/serve_bench.py measures a 512-example forward with 1 thread and with 2).
     """
-    cores = os.cpu_count() or 1
+    from recship.cpus import usable_cpus
+
+    cores = usable_cpus()
     return cores - 1 if cores > 2 else cores
 
 

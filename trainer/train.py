@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from recship.cpus import usable_cpus
 from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.config import TrainConfig
@@ -373,7 +374,7 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
         configure_logging(config.log_format)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
         os.environ["LOCAL_RANK"] = str(rank)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cpus() // world_size))
     backend = "nccl" if config.use_cuda() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
