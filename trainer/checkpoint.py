@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from recship.trainer.checkpoint_reader import FORMAT, META_FILE, CheckpointError, load_tensors, quiet_dcp, read_metadata
+from recship.trainer.checkpoint_reader import (FORMAT, META_FILE, CheckpointError, data_parallel_key, load_tensors, quiet_dcp,
+                                               read_metadata)
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.fused_optim import EmbOptimType
@@ -268,11 +269,16 @@ def load_checkpoint(
                 state[f"{key}/state0"] = template[f"{key}/state0"]
     state.update(rowwise_templates)
     dense = _dense_state(model)
-    missing = sorted(set(dense) - set(meta["dense_keys"]))
+    saved_as = {name: name for name in dense}
+    for mpath, module in sharded:  # data-parallel tables of checkpoints written before they were embedding_bags.<t>.weight
+        for t in module.data_parallel:
+            name = f"{mpath}.embedding_bags.{t}.weight" if mpath else f"embedding_bags.{t}.weight"
+            saved_as[name] = data_parallel_key(meta, mpath, t)
+    missing = sorted(name for name in dense if saved_as[name] not in meta["dense_keys"])
     if missing:
         raise CheckpointError(f"{path} lacks dense parameters {missing}")
     for name, tensor in dense.items():
-        state[f"dense/{name}"] = tensor.detach()
+        state[f"dense/{saved_as[name]}"] = tensor.detach()
     optimizer_tensors: Dict[str, torch.Tensor] = {}
     if dense_optimizer is not None:
         if meta.get("dense_optimizer") is None:

@@ -155,7 +155,7 @@ class CheckpointReader:
         if "dcp_key" in t:
             name = t["dcp_key"]
         elif t["data_parallel"]:
-            name = f"dense/{_data_parallel_key(self.meta, mpath, cfg.name)}"
+            name = f"dense/{data_parallel_key(self.meta, mpath, cfg.name)}"
         else:
             name = f"tables/{key}/weight"
         shape = (cfg.num_embeddings, cfg.embedding_dim)
@@ -180,7 +180,7 @@ class CheckpointReader:
         return self._metadata
 
     def dense_state_dict(self) -> Dict[str, torch.Tensor]:
-        tables = {_data_parallel_key(self.meta, key.rpartition("/")[0], key.rpartition("/")[2])
+        tables = {data_parallel_key(self.meta, key.rpartition("/")[0], key.rpartition("/")[2])
                   for key, t in self.meta["tables"].items() if t["data_parallel"]}
         keys = [k for k in self.meta["dense_keys"] if k not in tables]
         shapes = _dcp_shapes(self.path)
@@ -228,7 +228,7 @@ def torchrec_metadata(path: Union[str, Path]) -> Dict[str, Any]:
             "dense_keys": sorted(dense), "dense_prefix": root}
 
 
-def _data_parallel_key(meta: Dict[str, Any], mpath: str, table: str) -> str:
+def data_parallel_key(meta: Dict[str, Any], mpath: str, table: str) -> str:
     """The dense key of a data-parallel table: ``<module>.embedding_bags.<table>.weight`` (TorchRec's name), or
     ``<module>.data_parallel.<table>`` in checkpoints written before the sharded state_dict was TorchRec's."""
     prefix = f"{mpath}." if mpath else ""

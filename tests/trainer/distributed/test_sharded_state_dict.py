@@ -147,8 +147,8 @@ def _world2(rank, world_size, path):
     st = other.state_dict()["sparse.embedding_bags.rw.weight"]
     shard = st.local_shards()[0].tensor
     shard.fill_(3.0)
-    out["view"] = bool((other.module.sparse.embedding_bags["rw"].weight == 3.0).all()) and bool(
-        (next(iter(other.module.sparse.local_shards().values())) is not None))
+    tbe_views = [w for (t, _), w in other.module.sparse.local_shards().items() if t == "rw"]  # split_embedding_weights()
+    out["view"] = len(tbe_views) == 1 and bool((tbe_views[0] == 3.0).all()) and bool((other.module.sparse.embedding_bags["rw"].weight == 3.0).all())
     # loading the unsharded model's full tables (TorchRec's pre-load hook slices them)
     torch.manual_seed(0)
     full = Toy()
