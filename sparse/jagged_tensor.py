@@ -346,12 +346,22 @@ def _check_kjt(
     offsets: torch.Tensor,
     stride: Optional[int],
     length_per_key: Optional[List[int]],
+    stride_per_key_per_rank: Optional[List[List[int]]],
+    inverse_indices: Optional[Tuple[List[str], torch.Tensor]],
 ) -> None:
     owner = "KeyedJaggedTensor"
     if values.dim() != 1:
         raise ValueError(f"{owner}: values must be 1-D, got shape {values.shape}")
     _check_index_dtype(values, owner + ": values")
     num_keys = len(keys)
+    if inverse_indices is not None:
+        _check_inverse_indices(inverse_indices, owner)
+    if stride_per_key_per_rank is not None:
+        _check_variable_stride(keys, lengths, stride_per_key_per_rank, owner)
+        _check_jagged(values, lengths, offsets, weights, owner, False)
+        if length_per_key is not None and len(length_per_key) != num_keys:
+            raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
+        return
     if num_keys == 0:
         if lengths.numel() != 0:
             raise ValueError(f"{owner}: no keys but {lengths.numel()} lengths")
@@ -367,6 +377,54 @@ def _check_kjt(
     _check_jagged(values, lengths, offsets, weights, owner, False)
     if length_per_key is not None and len(length_per_key) != num_keys:
         raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
+
+
+def _check_variable_stride(keys: List[str], lengths: torch.Tensor, stride_per_key_per_rank: List[List[int]], owner: str) -> None:
+    """[F][R] batch sizes: one row per key, as many ranks in each, none negative, adding up to len(lengths)."""
+    if len(stride_per_key_per_rank) != len(keys):
+        raise ValueError(f"{owner}: stride_per_key_per_rank has {len(stride_per_key_per_rank)} rows for {len(keys)} keys "
+                         "(one row per key, one batch size per rank in it)")
+    total = 0
+    for k in range(len(stride_per_key_per_rank)):
+        row = stride_per_key_per_rank[k]
+        if len(row) != len(stride_per_key_per_rank[0]):
+            raise ValueError(f"{owner}: stride_per_key_per_rank rows differ in length ({len(row)} vs "
+                             f"{len(stride_per_key_per_rank[0])} ranks)")
+        for b in row:
+            if b < 0:
+                raise ValueError(f"{owner}: stride_per_key_per_rank has a negative batch size {b} for key '{keys[k]}'")
+            total += b
+    if total != lengths.shape[0]:
+        raise ValueError(f"{owner}: stride_per_key_per_rank adds up to {total} examples, but lengths has "
+                         f"{lengths.shape[0]} entries (one per example of each key)")
+
+
+def _check_inverse_indices(inverse_indices: Tuple[List[str], torch.Tensor], owner: str) -> None:
+    names, indices = inverse_indices
+    if indices.dim() != 2 or indices.shape[0] != len(names):
+        raise ValueError(f"{owner}: inverse_indices must be (names, [len(names), B] integer tensor), got "
+                         f"{len(names)} names and shape {list(indices.shape)}")
+    _check_index_dtype(indices, owner + ": inverse_indices")
+
+
+def _sum_rows(rows: List[List[int]]) -> List[int]:
+    out: List[int] = []
+    for row in rows:
+        n = 0
+        for b in row:
+            n += b
+        out.append(n)
+    return out
+
+
+@torch.jit.unused
+def _nested_int_list(stride_per_key_per_rank: Any) -> Optional[List[List[int]]]:
+    """TorchRec also takes the batch sizes as an [F, R] int tensor (eager only)."""
+    if isinstance(stride_per_key_per_rank, torch.Tensor):
+        if stride_per_key_per_rank.dim() != 2:
+            raise ValueError(f"KeyedJaggedTensor: stride_per_key_per_rank must be [F, R], got shape {list(stride_per_key_per_rank.shape)}")
+        return stride_per_key_per_rank.tolist()
+    return stride_per_key_per_rank
 
 
 # ---------------------------------------------------------------------------
@@ -386,9 +444,17 @@ class KeyedJaggedTensor:
         lengths (Optional[Tensor]): [F * B] integer ids per (key, example).
         offsets (Optional[Tensor]): [F * B + 1] integer; give lengths or
             offsets; the other is derived.
-        stride (Optional[int]): batch size B; derived as len(lengths) // F.
+        stride (Optional[int]): batch size B; derived as len(lengths) // F (with
+            variable batch: the inverse indices' B, else the largest key's batch).
+        stride_per_key_per_rank (Optional[List[List[int]]]): variable batch (TorchRec's
+            VBE): [F][R] examples of each key from each rank; then lengths are
+            [sum of them], key-major, and ``stride_per_key()`` differs per key.
         length_per_key (Optional[List[int]]): ids per key, if already known
             (saves a device synchronisation).
+        inverse_indices (Optional[Tuple[List[str], Tensor]]): (feature names,
+            [len(names), B] int) row of each feature's (deduplicated) examples that
+            example b of the full batch takes; an EmbeddingBagCollection expands its
+            output to B rows by them.
 
     Example (the tutorial's batch of two)::
 
@@ -408,7 +474,9 @@ class KeyedJaggedTensor:
         lengths: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
         stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
         length_per_key: Optional[List[int]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> None:
         if lengths is None:
             if offsets is None:
@@ -418,12 +486,25 @@ class KeyedJaggedTensor:
         elif offsets is None:
             offsets = _offsets_from_lengths(lengths)
         if torch.jit.is_scripting():
-            _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key)
-        elif not _is_proxy(values):
-            _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key)
+            _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key, stride_per_key_per_rank, inverse_indices)
+        else:
+            stride_per_key_per_rank = _nested_int_list(stride_per_key_per_rank)
+            if not _is_proxy(values):
+                _check_kjt(keys, values, weights, lengths, offsets, stride, length_per_key, stride_per_key_per_rank, inverse_indices)
         num_keys = len(keys)
+        variable_stride = torch.jit.annotate(Optional[List[int]], None)
+        if stride_per_key_per_rank is not None:
+            variable_stride = _sum_rows(stride_per_key_per_rank)
         if stride is None:
-            stride = lengths.shape[0] // num_keys if num_keys > 0 else 0
+            if variable_stride is None:
+                stride = lengths.shape[0] // num_keys if num_keys > 0 else 0
+            elif inverse_indices is not None and inverse_indices[1].numel() > 0:
+                stride = inverse_indices[1].shape[-1]
+            else:
+                stride = max(variable_stride) if num_keys > 0 else 0
+        self._stride_per_key_per_rank = stride_per_key_per_rank
+        self._variable_stride_per_key = variable_stride
+        self._inverse_indices = inverse_indices
         self._keys = keys
         self._values = values
         self._weights = weights
@@ -442,9 +523,13 @@ class KeyedJaggedTensor:
         values: torch.Tensor,
         lengths: torch.Tensor,
         weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> "KeyedJaggedTensor":
         """Builds a KJT and computes length_per_key now (one synchronisation)."""
-        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=None, length_per_key=None)
+        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=stride,
+                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
         kjt.length_per_key()
         return kjt
 
@@ -454,8 +539,12 @@ class KeyedJaggedTensor:
         values: torch.Tensor,
         offsets: torch.Tensor,
         weights: Optional[torch.Tensor] = None,
+        stride: Optional[int] = None,
+        stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> "KeyedJaggedTensor":
-        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, offsets=offsets, lengths=None, stride=None, length_per_key=None)
+        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, offsets=offsets, lengths=None, stride=stride,
+                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
         kjt.length_per_key()
         return kjt
 
@@ -499,6 +588,8 @@ class KeyedJaggedTensor:
             stride=stride,
             length_per_key=length_per_key,
             offsets=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     @staticmethod
@@ -521,6 +612,8 @@ class KeyedJaggedTensor:
             stride=0,
             offsets=None,
             length_per_key=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     # -- accessors ---------------------------------------------------------
@@ -559,12 +652,52 @@ class KeyedJaggedTensor:
         return self._stride
 
     def stride_per_key(self) -> List[int]:
-        """[F] batch size of each key: B for every key (recship has no variable stride)."""
+        """[F] batch size of each key: B for every key, or with variable batch each key's examples over all ranks."""
+        variable = self._variable_stride_per_key
+        if variable is not None:
+            return variable
         return [self._stride] * len(self._keys)
 
+    def stride_per_key_per_rank(self) -> List[List[int]]:
+        """[F][R] examples of each key from each rank, as given; [] without variable batch (TorchRec's)."""
+        spkpr = self._stride_per_key_per_rank
+        if spkpr is None:
+            return torch.jit.annotate(List[List[int]], [])
+        return spkpr
+
+    def variable_stride_per_key(self) -> bool:
+        """Whether the keys have their own batch sizes (built with ``stride_per_key_per_rank``)."""
+        return self._stride_per_key_per_rank is not None
+
+    def inverse_indices(self) -> Tuple[List[str], torch.Tensor]:
+        """(feature names, [len(names), B] int): see the class docstring; ValueError if the KJT has none."""
+        ii = self._inverse_indices
+        if ii is None:
+            raise ValueError("KeyedJaggedTensor has no inverse_indices")
+        return ii
+
+    def inverse_indices_or_none(self) -> Optional[Tuple[List[str], torch.Tensor]]:
+        return self._inverse_indices
+
     def lengths_offset_per_key(self) -> List[int]:
-        """[F + 1] where each key's entries start in ``lengths``: 0, B, 2B, ..., F * B."""
-        return [self._stride * k for k in range(len(self._keys) + 1)]
+        """[F + 1] where each key's entries start in ``lengths``: 0, B, 2B, ..., F * B (with variable batch, the running
+        sum of ``stride_per_key()``)."""
+        out = [0]
+        for b in self.stride_per_key():
+            out.append(out[-1] + b)
+        return out
+
+    def _per_key_lengths(self) -> List[torch.Tensor]:
+        """[F] each key's lengths ([stride_per_key()[k]]), views of ``lengths``."""
+        variable = self._variable_stride_per_key
+        if variable is not None:
+            return list(torch.split(self._lengths, variable))
+        return list(self._key_lengths().unbind(0))
+
+    def _refuse_variable_stride(self, what: str) -> None:
+        if self._stride_per_key_per_rank is not None:
+            raise ValueError(f"KeyedJaggedTensor.{what} is not supported for a variable-batch KJT (stride_per_key_per_rank) "
+                             "in recship; to_dict(), __getitem__, split_by_key() and an EmbeddingBagCollection take it")
 
     @staticmethod
     def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
@@ -578,6 +711,8 @@ class KeyedJaggedTensor:
             stride=kjt.stride(),
             offsets=None,
             length_per_key=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     def device(self) -> torch.device:
@@ -601,6 +736,13 @@ class KeyedJaggedTensor:
             _check_same_shapes("KeyedJaggedTensor.copy_", [w], [kjt_w], ["weights"])
             w.copy_(kjt_w, non_blocking=non_blocking)
         self._stride = kjt._stride
+        self._stride_per_key_per_rank = kjt._stride_per_key_per_rank
+        self._variable_stride_per_key = kjt._variable_stride_per_key
+        mine, theirs = self._inverse_indices, kjt._inverse_indices
+        if mine is not None and theirs is not None and mine[1].shape == theirs[1].shape:
+            self._inverse_indices = (theirs[0], mine[1].copy_(theirs[1], non_blocking=non_blocking))
+        else:
+            self._inverse_indices = theirs
         self._length_per_key = kjt._length_per_key
         self._offset_per_key = kjt._offset_per_key
         self._split_by_key = None  # views of this KJT's values, split by the sizes it had
@@ -632,8 +774,12 @@ class KeyedJaggedTensor:
         """Number of ids of each key (cached; one synchronisation the first time)."""
         cached = self._length_per_key
         if cached is None:
+            variable = self._variable_stride_per_key
             if len(self._keys) == 0:
                 cached = torch.jit.annotate(List[int], [])
+            elif variable is not None:
+                sums = [chunk.sum().view(1) for chunk in torch.split(self._lengths, variable)]
+                cached = torch.jit.annotate(List[int], torch.cat(sums).tolist())
             else:
                 cached = torch.jit.annotate(
                     List[int],
@@ -660,9 +806,13 @@ class KeyedJaggedTensor:
         """
         cached = self._split_by_key
         if cached is None:
-            lengths = self._key_lengths()
-            offsets = torch.cat([lengths.new_zeros(lengths.shape[0], 1), torch.cumsum(lengths, dim=1, dtype=lengths.dtype)], dim=1)
-            cached = (list(torch.split(self._values, self.length_per_key())), list(offsets.unbind(0)))
+            if self._variable_stride_per_key is not None:
+                per_key = [_offsets_from_lengths(lengths) for lengths in self._per_key_lengths()]
+            else:
+                lengths = self._key_lengths()
+                offsets = torch.cat([lengths.new_zeros(lengths.shape[0], 1), torch.cumsum(lengths, dim=1, dtype=lengths.dtype)], dim=1)
+                per_key = list(offsets.unbind(0))
+            cached = (list(torch.split(self._values, self.length_per_key())), per_key)
             self._split_by_key = cached
         return cached
 
@@ -680,7 +830,8 @@ class KeyedJaggedTensor:
         return index[key]
 
     def _key_lengths(self) -> torch.Tensor:
-        """[F, B] view of lengths."""
+        """[F, B] view of lengths (a variable-batch KJT has none: ValueError)."""
+        self._refuse_variable_stride("_key_lengths ([F, B] lengths)")
         return self._lengths.view(len(self._keys), self._stride)
 
     def __getitem__(self, key: str) -> JaggedTensor:
@@ -691,7 +842,7 @@ class KeyedJaggedTensor:
         return JaggedTensor(
             values=self._values[start:end],
             weights=None if w is None else w[start:end],
-            lengths=self._key_lengths()[i],
+            lengths=self._per_key_lengths()[i] if self._variable_stride_per_key is not None else self._key_lengths()[i],
             offsets=None,
         )
 
@@ -701,7 +852,7 @@ class KeyedJaggedTensor:
         values = torch.split(self._values, lpk)
         w = self._weights
         weights = torch.split(w, lpk) if w is not None else None
-        lengths = self._key_lengths()
+        lengths = self._per_key_lengths()
         out: Dict[str, JaggedTensor] = {}
         for i, key in enumerate(self._keys):
             out[key] = JaggedTensor(
@@ -723,6 +874,7 @@ class KeyedJaggedTensor:
         indices_tensor (Optional[Tensor]): [len(indices)] int, the same indices
         already on this KJT's device (saves a copy).
         """
+        self._refuse_variable_stride("permute")
         num_keys = len(self._keys)
         for i in indices:
             if i < 0 or i >= num_keys:
@@ -747,6 +899,8 @@ class KeyedJaggedTensor:
             stride=self._stride,
             length_per_key=[lpk[i] for i in indices],
             offsets=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     def flatten_lengths(self) -> "KeyedJaggedTensor":
@@ -758,11 +912,14 @@ class KeyedJaggedTensor:
             lengths=self._lengths.view(-1),
             offsets=self._offsets,
             stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
             length_per_key=self._length_per_key,
+            inverse_indices=self._inverse_indices,
         )
 
     def split(self, segments: List[int]) -> List["KeyedJaggedTensor"]:
         """Splits the keys into consecutive groups of the given sizes (sum = number of keys)."""
+        self._refuse_variable_stride("split")
         total = 0
         for s in segments:
             if s < 0:
@@ -788,6 +945,8 @@ class KeyedJaggedTensor:
                     stride=self._stride,
                     length_per_key=lpk[start:end],
                     offsets=None,
+                    stride_per_key_per_rank=None,
+                    inverse_indices=None,
                 )
             )
             start = end
@@ -812,6 +971,7 @@ class KeyedJaggedTensor:
         length_per_key: List[int] = []
         all_cached = True
         for kjt in kjts:
+            kjt._refuse_variable_stride("concat")
             if kjt.stride() != stride:
                 raise ValueError(
                     f"concat: batch sizes differ ({stride} vs {kjt.stride()}); "
@@ -838,6 +998,8 @@ class KeyedJaggedTensor:
             stride=stride,
             length_per_key=length_per_key if all_cached else None,
             offsets=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     @staticmethod
@@ -851,6 +1013,8 @@ class KeyedJaggedTensor:
         first = kjts[0]
         keys = first.keys()
         weighted = first.weights_or_none() is not None
+        for kjt in kjts:
+            kjt._refuse_variable_stride("concat_batch")
         for other in kjts[1:]:
             if other.keys() != keys:
                 raise ValueError(f"concat_batch: keys differ: {keys} vs {other.keys()}")
@@ -888,6 +1052,8 @@ class KeyedJaggedTensor:
             stride=stride,
             length_per_key=length_per_key,
             offsets=None,
+            stride_per_key_per_rank=None,
+            inverse_indices=None,
         )
 
     # -- devices -----------------------------------------------------------
@@ -901,13 +1067,16 @@ class KeyedJaggedTensor:
             lengths=self._lengths.to(device, non_blocking=non_blocking),
             offsets=self._offsets.to(device, non_blocking=non_blocking),
             stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
             length_per_key=self._length_per_key,
+            inverse_indices=_inverse_indices_to(self._inverse_indices, device, non_blocking),
         )
 
     @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:
         """Marks every tensor it holds as in use by CUDA ``stream`` (``Tensor.record_stream``)."""
-        _record_stream([self._values, self._weights, self._lengths, self._offsets], stream)
+        ii = self._inverse_indices
+        _record_stream([self._values, self._weights, self._lengths, self._offsets, None if ii is None else ii[1]], stream)
 
     def pin_memory(self) -> "KeyedJaggedTensor":
         w = self._weights
@@ -918,14 +1087,16 @@ class KeyedJaggedTensor:
             lengths=self._lengths.pin_memory(),
             offsets=self._offsets.pin_memory(),
             stride=self._stride,
+            stride_per_key_per_rank=self._stride_per_key_per_rank,
             length_per_key=self._length_per_key,
+            inverse_indices=self._inverse_indices,
         )
 
     @torch.jit.unused
     def __str__(self) -> str:
         if len(self._keys) == 0:
             return "KeyedJaggedTensor()"
-        lengths = self._key_lengths().tolist()
+        lengths = [per_key.tolist() for per_key in self._per_key_lengths()]
         lpk = self.length_per_key()
         values = torch.split(self._values, lpk)
         weights = torch.split(self._weights, lpk) if self._weights is not None else None
@@ -943,14 +1114,18 @@ class KeyedJaggedTensor:
 
     @torch.jit.unused
     def __fx_create_arg__(self, tracer):  # noqa: ANN001 (fx hook)
-        return tracer.create_node(
-            "call_function",
-            KeyedJaggedTensor,
-            args=tracer.create_arg(
-                (self._keys, self._values, self._weights, self._lengths, self._offsets, self._stride)
-            ),
-            kwargs={},
-        )
+        args = (self._keys, self._values, self._weights, self._lengths, self._offsets, self._stride)
+        if self._stride_per_key_per_rank is not None or self._inverse_indices is not None:
+            args = args + (self._stride_per_key_per_rank, None, self._inverse_indices)
+        return tracer.create_node("call_function", KeyedJaggedTensor, args=tracer.create_arg(args), kwargs={})
+
+
+def _inverse_indices_to(
+    inverse_indices: Optional[Tuple[List[str], torch.Tensor]], device: torch.device, non_blocking: bool
+) -> Optional[Tuple[List[str], torch.Tensor]]:
+    if inverse_indices is None:
+        return None
+    return (inverse_indices[0], inverse_indices[1].to(device, non_blocking=non_blocking))
 
 
 def _check_kt(keys: List[str], length_per_key: List[int], values: torch.Tensor, key_dim: int) -> None:

@@ -49,7 +49,14 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
 
 
 def check_features(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
-    """Eager input check: every needed feature present, every id inside its table."""
+    """Eager input check of the modules that take one batch size (EmbeddingCollection, the sharded collections): no
+    variable batch, every needed feature present, every id inside its table."""
+    if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+        raise ValueError(
+            "a variable-batch KeyedJaggedTensor (stride_per_key_per_rank / inverse_indices) is taken by the unsharded "
+            "EmbeddingBagCollection only: recship's EmbeddingCollection and sharded collections exchange one batch size "
+            "per rank (expand the batch first, e.g. by the inverse indices)"
+        )
     _check_present(features, rows_per_feature)
     message = _out_of_range(features, rows_per_feature)
     if message is not None:
@@ -84,11 +91,14 @@ def _out_of_range(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int])
 
 @torch.fx.wrap
 def _bag_inputs(
-    features: KeyedJaggedTensor, names: List[str], weighted: bool, with_lengths: bool
+    features: KeyedJaggedTensor, names: List[str], weighted: bool, with_lengths: bool, variable_batch: bool
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
-    """Per feature of ``names``, in that order: (ids [n_f], offsets [B + 1] in the ids' dtype,
-    lengths [B] or nothing unless ``with_lengths``, per-id weights [n_f] or nothing unless
-    ``weighted``).
+    """Per feature of ``names``, in that order: (ids [n_f], offsets [B_f + 1] in the ids' dtype,
+    lengths [B_f] or nothing unless ``with_lengths``, per-id weights [n_f] or nothing unless
+    ``weighted``); B_f is the batch size (of a variable-batch KJT: that feature's).
+
+    A traced module (``variable_batch`` False: fx cannot follow the expansion) refuses a
+    variable-batch KJT rather than return unexpanded rows.
 
     The tensors ``features.to_dict()`` would give each feature, from the KJT's cached
     ``split_by_key()`` (one split of the values and one cumsum over the [F, B] lengths
@@ -96,12 +106,17 @@ def _bag_inputs(
     its last occurrence, as in ``to_dict``. fx records this as one call, so tracing does
     not depend on the input's keys.
     """
+    if not variable_batch and (features.variable_stride_per_key() or features.inverse_indices_or_none() is not None):
+        raise ValueError(
+            "a traced EmbeddingBagCollection takes KeyedJaggedTensors of one batch size: variable batch "
+            "(stride_per_key_per_rank / inverse_indices) is expanded by the eager or scripted module only"
+        )
     values = features.values()
     split = features.split_by_key()
     per_key_ids, per_key_offsets = split[0], split[1]
     per_key_lengths: List[torch.Tensor] = []
     if with_lengths:
-        per_key_lengths = list(features.lengths().view(len(features.keys()), features.stride()).unbind(0))
+        per_key_lengths = features._per_key_lengths()
     per_key_weights: List[torch.Tensor] = []
     if weighted:
         per_key_weights = list(torch.split(features.weights(), features.length_per_key()))
@@ -182,11 +197,13 @@ class EmbeddingBagCollection(nn.Module):
             self.reset_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """features: [F, B] ids; or variable batch (``stride_per_key_per_rank``) with ``inverse_indices``
+        [F', B]: each feature's pooled rows [B_f, D] are expanded to [B, D] by its row of them, as TorchRec."""
         if torch.jit.is_scripting():
-            return self._pool(features)
+            return self._pool(features, True)
         else:
             if isinstance(features, torch.fx.Proxy):
-                return self._pool(features)
+                return self._pool(features, False)
             return self._pool_checked(features)
 
     @torch.jit.unused
@@ -199,15 +216,15 @@ class EmbeddingBagCollection(nn.Module):
         """
         _check_present(features, self._rows_per_feature)
         try:
-            return self._pool(features)
+            return self._pool(features, True)
         except RuntimeError:
             message = _out_of_range(features, self._rows_per_feature)
             if message is None:
                 raise
         raise ValueError(message)
 
-    def _pool(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        inputs = _bag_inputs(features, self._embedding_names, self._is_weighted, self._any_divide_by_length)
+    def _pool(self, features: KeyedJaggedTensor, variable_batch: bool) -> KeyedTensor:
+        inputs = _bag_inputs(features, self._embedding_names, self._is_weighted, self._any_divide_by_length, variable_batch)
         ids, offsets, lengths, weights = inputs[0], inputs[1], inputs[2], inputs[3]
         pooled: List[torch.Tensor] = []
         i = 0
@@ -223,6 +240,12 @@ class EmbeddingBagCollection(nn.Module):
                 pooled.append(out.float())
                 j += 1
             i += 1
+        if variable_batch:
+            inverse_indices = features.inverse_indices_or_none()
+            if inverse_indices is not None:
+                pooled = _expand(pooled, self._embedding_names, inverse_indices)
+            elif features.variable_stride_per_key():
+                _check_one_batch(pooled, self._embedding_names)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
@@ -335,8 +358,39 @@ class EmbeddingCollection(nn.Module):
             t.init_weight(self.embeddings[t.name].weight)
 
 
+def _expand(pooled: List[torch.Tensor], names: List[str], inverse_indices: Tuple[List[str], torch.Tensor]) -> List[torch.Tensor]:
+    """Feature j's [B_j, D] rows picked by its row of the inverse indices [F', B]: [B, D] each."""
+    row_of: Dict[str, int] = {}
+    for r, name in enumerate(inverse_indices[0]):
+        row_of[name] = r
+    out: List[torch.Tensor] = []
+    for j, name in enumerate(names):
+        if name not in row_of:
+            raise ValueError(f"the KeyedJaggedTensor's inverse_indices have no row for feature '{name}' (they name {inverse_indices[0]})")
+        rows = inverse_indices[1][row_of[name]]
+        if rows.numel() > 0:
+            lowest, highest = int(rows.min()), int(rows.max())  # index_select's own error would not name the feature
+            if lowest < 0 or highest >= pooled[j].shape[0]:
+                raise ValueError(f"inverse_indices of feature '{name}' pick rows {lowest}..{highest} of its "
+                                 f"{pooled[j].shape[0]} examples")
+        out.append(pooled[j].index_select(0, rows.to(torch.int64)))
+    return out
+
+
+def _check_one_batch(pooled: List[torch.Tensor], names: List[str]) -> None:
+    """Without inverse indices, the features of a variable-batch KJT must still share one batch size (TorchRec
+    concatenates them as they are)."""
+    for j in range(len(pooled)):
+        if pooled[j].shape[0] != pooled[0].shape[0]:
+            raise ValueError(f"a variable-batch KeyedJaggedTensor without inverse_indices: feature '{names[j]}' has "
+                             f"{pooled[j].shape[0]} examples, '{names[0]}' {pooled[0].shape[0]}; give inverse_indices to "
+                             "expand them to one batch")
+
+
 def _tables_device(tables: nn.ModuleDict) -> torch.device:
-    return next(iter(tables.values())).weight.device
+    weight = next(iter(tables.values())).weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.device
 
 
 def _meta_weight(t: BaseEmbeddingConfig, device: Optional[Union[str, torch.device]]) -> Optional[torch.Tensor]:
