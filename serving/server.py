@@ -202,14 +202,19 @@ class Server:
 
         threading.Thread(target=restart, name="front-restart", daemon=True).start()
 
-    def stop(self, grace: float = 5.0) -> None:
-        """Stops taking requests, lets those in flight finish (up to ``grace`` seconds), then unloads."""
+    def stop(self, grace: float = 5.0, drain_delay: float = 0.0) -> None:
+        """Readiness answers 503 (gRPC health NOT_SERVING) at once; the listeners keep serving for ``drain_delay``
+        seconds (SIGTERM: --drain-delay, while load balancers take the server out), then stop taking requests and
+        let those in flight and queued finish (up to ``grace`` seconds); then unloads."""
 
         self._stopping.set()
 
         async def stop():
             self.inference.accepting = False
             await self.health.enter_graceful_shutdown()
+            if drain_delay > 0:
+                log.info("draining: not ready; listeners close in %g s", drain_delay)
+                await asyncio.sleep(drain_delay)
             if self.front is not None:  # it drains its own calls, and the ones it forwards here, first
                 await self._loop.run_in_executor(None, self.front.stop, grace)
             fronts = [self.grpc.stop(grace)] + ([self.rest.stop()] if self.rest is not None else [])
@@ -328,11 +333,13 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"recship serve: error: {e}", file=sys.stderr)
         return 2
-    done = threading.Event()
+    done, stopping = threading.Event(), threading.Event()
 
     def shutdown(signum, frame):
         log.info("signal %d: draining and stopping", signum)
-        threading.Thread(target=lambda: (server.stop(), done.set()), daemon=True).start()
+        if not stopping.is_set():  # a second signal changes nothing: the drain goes on
+            stopping.set()
+            threading.Thread(target=lambda: (server.stop(drain_delay=server.config.drain_delay_s), done.set()), daemon=True).start()
 
     signal.signal(signal.SIGTERM, shutdown)
     signal.signal(signal.SIGINT, shutdown)

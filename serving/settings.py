@@ -113,11 +113,14 @@ class ServerConfig:
                              per_model=True)
     max_queue: int = setting(1024, "requests waiting per model; more are refused at once as overloaded",
                              range=Range(1, integer=True), per_model=True)
+    drain_delay_s: float = setting(5.0, "on SIGTERM, seconds that readiness answers 503 (gRPC health NOT_SERVING) while every "
+                                        "listener keeps serving, so that load balancers stop sending before it closes; then "
+                                        "requests in flight and queued finish", flag="--drain-delay", range=Range(0, MAX_SECONDS))
     poll_interval_s: float = setting(2.0, "seconds between repository scans", flag="--poll-interval",
                                      range=Range(0, MAX_SECONDS, open_low=True))
     torch_threads: Optional[int] = setting(None, "intra-op threads per forward", range=Range(1, MAX_TORCH_THREADS, integer=True,
                                            none="none: the default"), per_model=True,
-                                           default_text="cores - 1 from 3 cores up, else all")
+                                           default_text="usable CPUs (affinity, cgroup quota) - 1 from 3 up, else all")
     max_message_bytes: int = setting(64 * _MB, "largest request accepted, gRPC and HTTP", flag="--max-message-mb",
                                      range=Range(1, MAX_MESSAGE_BYTES, integer=True), megabytes_below=1024)
     max_inflight_bytes: int = setting(256 * _MB, "request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / "

@@ -27,7 +27,7 @@ def _flags():
 def test_every_flag_can_come_from_the_file_in_either_spelling(tmp_path):
     values = {
         "model-repo": str(tmp_path), "host": "0.0.0.0", "port": 9001, "metrics_port": 9002, "metrics-host": "127.0.0.2",
-        "http_port": 9003, "max-batch-size": 77, "max_delay_ms": 0.5, "batching": False, "max-queue": 9, "poll-interval": 0.7,
+        "http_port": 9003, "max-batch-size": 77, "max_delay_ms": 0.5, "batching": False, "max-queue": 9, "poll-interval": 0.7, "drain-delay": 1.5,
         "torch_threads": 1, "max-message-mb": 3.0, "max_inflight_mb": 5.0, "device": "cpu", "log-format": "text",
         "reflection": False, "model_format": "torchscript", "front": "cpp", "trusted-sha256": "allow.txt",
         "tls-cert": "c.pem", "tls_key": "k.pem", "tls-client-ca": "ca.pem", "model-control": "explicit", "load_model": ["a", "b"],
