@@ -90,7 +90,7 @@ class Batcher:
         self,
         model,
         max_batch_size: int = 512,
-        max_delay_s: float = 0.002,
+        max_delay_s: float = 0.0,
         max_queue: int = 1024,
         observe: Optional[Callable[[int, List[float], float], None]] = None,
         name: str = "model",

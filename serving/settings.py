@@ -107,8 +107,9 @@ class ServerConfig:
                                        range=dataclasses.replace(PORT, none="none"), default_text="no REST listener")
     max_batch_size: int = setting(512, "largest batch a model runs; bigger requests are refused",
                                   range=Range(1, integer=True), per_model=True)
-    max_delay_ms: float = setting(2.0, "how long a batch waits for more requests; 0: no waiting, requests queued during a "
-                                       "forward still run together", range=Range(0, MAX_DELAY_MS), per_model=True)
+    max_delay_ms: float = setting(0.0, "how long the first request of a batch waits for more; 0 (greedy): no waiting, an idle "
+                                       "model runs a request at once and requests queued during a forward run together",
+                                  range=Range(0, MAX_DELAY_MS), per_model=True)
     batching: bool = setting(True, "merge concurrent requests into one forward; --no-batching runs each request alone",
                              per_model=True)
     max_queue: int = setting(1024, "requests waiting per model; more are refused at once as overloaded",

@@ -122,9 +122,7 @@ def test_a_manifest_with_neither_program_is_refused_alike(exported, binary, tmp_
     assert done.returncode != 0 and "manifest.json: model_sha256 is missing" in done.stderr, done.stderr
 
 
-def test_torchscript_format_demands_model_pt_and_names_the_stage_and_line(tmp_path, capsys):
-    from recship.cli import main
-
+def test_torchscript_format_demands_model_pt_and_names_the_stage_and_line(tmp_path):
     model = HiddenFM()
     with pytest.raises(ExportError, match=r"HiddenFM: fx trace failed: .* \(at hidden_fm.py:\d+: total = torch.zeros\(B, self.dim\)\)"):
         export_model(model, ExportConfig(out=str(tmp_path / "a"), format="torchscript", progress=False, validation_batches=1,
