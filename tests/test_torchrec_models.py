@@ -179,6 +179,21 @@ def test_dlrm_dcn(user):
     torch.testing.assert_close(user["dcn_concat"], _low_rank_cross(flat, _sd(arch), "crossnet.", 2), **TOL)
 
 
+def test_dlrm_projection(user):
+    model = user["projection_model"]
+    branches = {f"inter_arch.interaction_branch{b}.model._mlp.{i}._linear.{p}": (out, 32) if p == "weight" else (out,)
+                for b, outs in ((1, (32, 32)), (2, (32, 16))) for i, out in enumerate(outs) for p in ("weight", "bias")}
+    assert _shapes(model) == {**DLRM_KEYS, **branches, "over_arch.model.0._mlp.0._linear.weight": (5, 8 + 4 * 2)}
+    sd = _sd(model)
+    dense = _mlp(user["features"], sd, "dense_arch.model._mlp.", 2)
+    flat = torch.cat([dense.unsqueeze(1), _sparse(sd)], dim=1).reshape(2, -1)  # [B, 4 * D]
+    y = _mlp(flat, sd, "inter_arch.interaction_branch1.model._mlp.", 2).reshape(2, 4, 8)  # F1 = 4 vectors of D
+    z = _mlp(flat, sd, "inter_arch.interaction_branch2.model._mlp.", 2).reshape(2, 8, 2)  # D x F2 = 2
+    over_in = torch.cat([dense, torch.einsum("bid,bdj->bij", y, z).reshape(2, -1)], dim=1)
+    expected = _mlp(over_in, sd, "over_arch.model.0._mlp.", 1) @ sd["over_arch.model.1.weight"].T + sd["over_arch.model.1.bias"]
+    torch.testing.assert_close(user["projection_logits"], expected, **TOL)
+
+
 def test_dlrm_train(user):
     loss, detached, logits, labels = user["loss"], user["loss_detached"], user["logits_detached"], user["labels_detached"]
     z, y = user["logits"].detach().squeeze(-1), torch.tensor([1.0, 0.0])
