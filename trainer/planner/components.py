@@ -235,11 +235,13 @@ def proposers_of(proposer: object) -> List[Proposer]:
     """The planner's ``proposer`` argument as a list of recship proposers (default: greedy)."""
     if proposer is None:
         return [GreedyProposer()]
-    given = proposer if isinstance(proposer, list) else [proposer]
+    given: List[object] = list(proposer) if isinstance(proposer, list) else [proposer]
     if not given:
         raise ValueError("proposer=[] proposes nothing: give at least one proposer (or None for the greedy one)")
+    proposers: List[Proposer] = []
     for p in given:
         if not isinstance(p, Proposer):
             raise TypeError(f"recship's planner takes its own proposers (GreedyProposer, UniformProposer, "
                             f"GridSearchProposer), got {type(p).__name__}")
-    return given
+        proposers.append(p)
+    return proposers

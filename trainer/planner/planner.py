@@ -191,7 +191,10 @@ def _default_topology() -> Topology:
 
 def _configs(m: nn.Module) -> List[Any]:
     """A collection's table configs (EmbeddingBagConfig or EmbeddingConfig)."""
-    return list(m.embedding_bag_configs() if isinstance(m, EmbeddingBagCollection) else m.embedding_configs())
+    if isinstance(m, EmbeddingBagCollection):
+        return list(m.embedding_bag_configs())
+    assert isinstance(m, EmbeddingCollection), type(m)
+    return list(m.embedding_configs())
 
 
 def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
