@@ -104,7 +104,8 @@ class QuantEmbeddingBagCollection(QuantTables):
         ``mapping={EmbeddingBagCollection: QuantEmbeddingBagCollection}``; the qconfig is a
         QuantConfig (or torch's QConfig, read as ``QuantConfig(activation=, weight=)``).
         Rows are padded to TorchRec's 16 bytes unless ``qconfig.row_alignment`` says
-        otherwise. ``use_precomputed_fake_quant`` is accepted for torch's signature and
+        otherwise. TorchRec's ``quant_prep_enable_quant_state_dict_split_scale_bias`` /
+        ``quant_prep_enable_register_tbes`` on ``module`` choose the state_dict's layout. ``use_precomputed_fake_quant`` is accepted for torch's signature and
         unused (no fake-quant observers are involved).
         """
         return quantize_from_float(cls, module)
@@ -362,6 +363,11 @@ def quantize_embeddings(
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
 
 
+# TorchRec's attributes, set on a float collection before from_float, that choose its quantized state_dict's layout
+# (recship.quantize.embedding_modules sets them under TorchRec's function names)
+SPLIT_SCALE_BIAS_ATTR = "__quant_state_dict_split_scale_bias"
+REGISTER_TBES_ATTR = "__register_tbes_in_named_modules"
+
 # TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
 # tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
 TORCHREC_ROW_ALIGNMENT = 16
@@ -409,8 +415,16 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
         per_table_weight_dtype=None,
     )
     if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
-        return quantize_embedding_bag_collection(module, config)[0]
-    return quantize_embedding_collection(module, config)[0]
+        return _state_dict_layout(quantize_embedding_bag_collection(module, config)[0], module)
+    return _state_dict_layout(quantize_embedding_collection(module, config)[0], module)
+
+
+def _state_dict_layout(quantized: Q, module: nn.Module) -> Q:
+    """``quantized`` with the state_dict layout TorchRec's ``quant_prep_*`` asked of the float ``module``."""
+    split, register = (bool(getattr(module, attr, False)) for attr in (SPLIT_SCALE_BIAS_ATTR, REGISTER_TBES_ATTR))
+    if split or register:
+        quantized.set_state_dict_layout(split_scale_bias=split, register_tbes=register)
+    return quantized
 
 
 def _configs(m: FloatCollection) -> Sequence[BaseEmbeddingConfig]:

@@ -242,6 +242,7 @@ class QuantTables(nn.Module):
         setattr(self, rows_container, rows)
         self.tbes = nn.ModuleList()
         self._rows_container = rows_container
+        self._tbe_state_keys: List[List[str]] = []
         self._register_load_state_dict_pre_hook(self._packed_rows_as_bytes)
         self._group_features = []
         self._group_rows = []
@@ -263,7 +264,8 @@ class QuantTables(nn.Module):
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
             _initialize_weights(tbe, _HOST_ROWS.get())
-            _keep_out_of_state_dict(tbe)
+            self._tbe_state_keys.append(list(tbe.state_dict(keep_vars=True)))  # fbgemm's persistent buffers
+            _set_persistence(tbe, self._tbe_state_keys[-1], False)
             # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the
             # rows in state_dict (mode 0: whole padded rows, scale/bias included)
             for t, (stored, _, _) in zip(group, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
@@ -280,6 +282,30 @@ class QuantTables(nn.Module):
         return _prepare(
             features, self._group_features[g], self._group_rows[g], self._group_modulo[g], self._group_tables[g], weighted
         )
+
+    def set_state_dict_layout(self, split_scale_bias: bool = False, register_tbes: bool = False) -> None:
+        """TorchRec's two state_dict options of a quantized collection (default: neither).
+
+        split_scale_bias (TorchRec's ``quant_state_dict_split_scale_bias``): ``<table>.weight`` is
+            the packed data alone, [rows, data bytes] uint8, and integer tables add
+            ``weight_qscale`` and ``weight_qbias``, [rows, 1] fp16 (views of the same rows).
+        register_tbes (TorchRec's ``register_tbes``): the TBEs' own buffers join state_dict as
+            ``tbes.<i>.*``.
+        """
+        rows = getattr(self, self._rows_container)
+        for tbe, names in zip(self._kernels(), _unique_in_order(self._group_tables)):
+            mode = 2 if split_scale_bias else 0
+            for name, (weight, qscale, qbias) in zip(names, tbe.split_embedding_weights_with_scale_bias(split_scale_bias_mode=mode)):
+                holder = rows[name]
+                holder.register_buffer("weight", weight)
+                for attr in ("weight_qscale", "weight_qbias"):
+                    if hasattr(holder, attr):
+                        delattr(holder, attr)
+                if split_scale_bias and qscale is not None:
+                    holder.register_buffer("weight_qscale", qscale)
+                    holder.register_buffer("weight_qbias", qbias)
+        for tbe, keys in zip(self._kernels(), self._tbe_state_keys):
+            _set_persistence(tbe, keys, register_tbes)
 
     def _packed_rows_as_bytes(self, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
         """Reads TorchRec's INT4 / INT2 rows as the bytes they are (load_state_dict pre-hook).
@@ -333,8 +359,8 @@ class QuantTables(nn.Module):
 
 
 
-def _keep_out_of_state_dict(tbe: nn.Module) -> None:
-    """Re-registers the TBE's own buffers as non-persistent.
+def _set_persistence(tbe: nn.Module, keys: List[str], persistent: bool) -> None:
+    """Re-registers the TBE's buffers ``keys`` (those fbgemm made persistent) as ``persistent`` or not.
 
     TorchRec's quantized collections (``register_tbes=False``, its default) hold only the per-table
     ``<container>.<table>.weight`` rows in their state_dict; the TBE's buffers (``D_offsets``,
@@ -342,9 +368,12 @@ def _keep_out_of_state_dict(tbe: nn.Module) -> None:
     Non-persistent, they stay in ``named_buffers()``, TorchScript and pickles, but out of
     ``state_dict()``, so the keys are TorchRec's and strict loads work both ways.
     """
-    for module in tbe.modules():
-        for name, buf in list(module.named_buffers(recurse=False)):
-            module.register_buffer(name, buf, persistent=False)
+    for key in keys:
+        path, _, name = key.rpartition(".")
+        module = tbe.get_submodule(path) if path else tbe
+        buffers = dict(module.named_buffers(recurse=False))
+        if name in buffers:
+            module.register_buffer(name, buffers[name], persistent=persistent)
 
 
 def _unique_in_order(groups: List[List[str]]) -> List[List[str]]:

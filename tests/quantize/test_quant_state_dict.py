@@ -175,3 +175,53 @@ def test_the_unpooled_module_has_torchrecs_keys_too():
     q, _ = quantize_embedding_collection(ec, QuantConfig(dtype="int8", row_alignment=ALIGN))
     assert {k: tuple(v.shape) for k, v in q.state_dict().items()} == {"embeddings.e0.weight": (7, _row_bytes(8, 8)),
                                                                        "embeddings.e1.weight": (5, _row_bytes(8, 8))}
+
+
+@pytest.mark.parametrize("dtype,bits", [(torch.qint8, 8), (torch.quint4x2, 4)])
+def test_split_scale_bias_is_torchrecs_layout(user, dtype, bits):
+    """quant_prep_enable_quant_state_dict_split_scale_bias: weight is the packed data alone, [rows, dim * bits / 8]
+    uint8, beside weight_qscale and weight_qbias [rows, 1] fp16; the same bytes as the unsplit rows."""
+    split, whole = user["quantized_ebc_split"](user["tables"](), dtype), user["quantized_ebc"](user["tables"](), dtype)
+    sd, rows = split.state_dict(), whole.state_dict()
+    assert {k: (tuple(v.shape), v.dtype) for k, v in sd.items()} == {
+        f"embedding_bags.{t}.{n}": shape for t, (r, d) in {"t0": (10, 8), "t1": (6, 16)}.items()
+        for n, shape in [("weight", ((r, d * bits // 8), torch.uint8)), ("weight_qscale", ((r, 1), torch.float16)),
+                         ("weight_qbias", ((r, 1), torch.float16))]}
+    for t, d in (("t0", 8), ("t1", 16)):
+        stored = rows[f"embedding_bags.{t}.weight"]
+        assert torch.equal(sd[f"embedding_bags.{t}.weight"], stored[:, 4:4 + d * bits // 8])
+        assert torch.equal(sd[f"embedding_bags.{t}.weight_qscale"].view(torch.uint8), stored[:, 0:2])
+        assert torch.equal(sd[f"embedding_bags.{t}.weight_qbias"].view(torch.uint8), stored[:, 2:4])
+    # TorchRec's split layout built by hand loads strictly and looks up exactly its dequantization
+    g = torch.Generator().manual_seed(20 + bits)
+    (r0, want0), (r1, want1) = _torchrec_rows(10, 8, bits, g), _torchrec_rows(6, 16, bits, g)
+    theirs = {}
+    for t, stored, d in (("t0", r0, 8), ("t1", r1, 16)):
+        theirs[f"embedding_bags.{t}.weight"] = stored[:, 4:4 + d * bits // 8].clone()
+        theirs[f"embedding_bags.{t}.weight_qscale"] = stored[:, 0:2].contiguous().view(torch.float16)
+        theirs[f"embedding_bags.{t}.weight_qbias"] = stored[:, 2:4].contiguous().view(torch.float16)
+    split.load_state_dict(theirs, strict=True)
+    ids = KeyedJaggedTensor(keys=["f0", "f1"], values=torch.cat([torch.arange(10), torch.arange(6), torch.zeros(4, dtype=torch.long)]),
+                            lengths=torch.ones(20, dtype=torch.int32))
+    got = split(ids).to_dict()
+    assert torch.equal(got["f0"], want0) and torch.equal(got["f1"][:6], want1)
+    # float tables have no scale and bias to split
+    fp16 = user["quantized_ebc_split"](user["tables"](), torch.half).state_dict()
+    assert list(fp16) == ["embedding_bags.t0.weight", "embedding_bags.t1.weight"]
+
+
+def test_register_tbes_adds_the_tbes_own_buffers(user):
+    """quant_prep_enable_register_tbes: the TBE's persistent buffers (those fbgemm's own state_dict holds) join the
+    rows, under tbes.<i>."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    q = user["quantized_model_with_tbes"](user["tables"](), torch.qint8)
+    fresh = IntNBitTableBatchedEmbeddingBagsCodegen(
+        embedding_specs=[("t0", 10, 8, SparseType.INT8, EmbeddingLocation.HOST), ("t1", 6, 16, SparseType.INT8, EmbeddingLocation.HOST)],
+        device="cpu")
+    want = ["ebc.embedding_bags.t0.weight", "ebc.embedding_bags.t1.weight"] + [f"ebc.tbes.0.{k}" for k in fresh.state_dict()]
+    assert sorted(q.state_dict()) == sorted(want)
+    plain = user["quantized_ebc"](user["tables"](), torch.qint8)
+    assert not any(k.startswith("tbes.") for k in plain.state_dict())
