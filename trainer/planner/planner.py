@@ -20,6 +20,10 @@ Memory per rank: fp32 weights plus the fused optimizer's state for every shard i
 Tables are placed greedily, largest first; each gets the feasible option that keeps the
 busiest rank least busy. The planner is deterministic: ties go to the earlier option in a
 fixed order (sharding type order below, then lower ranks).
+
+That placement runs once per proposal (``components``: the proposers say which types each
+table may take, a storage reservation first takes its share of every rank); the plan whose
+busiest rank is least busy wins. EmbeddingCollection tables are planned data-parallel only.
 """
 
 import logging
@@ -224,7 +228,7 @@ class EmbeddingShardingPlanner:
             placement, cost model and plan printout are fixed, so these must be None.
         constraints: table name -> ParameterConstraints (applies to every collection
             holding a table of that name).
-        debug: log each plan (``str(plan)``) at INFO.
+        debug: log each plan (``str(plan)``, TorchRec's stats table's place) at DEBUG.
         optimizer: recship's: the fused optimizer whose state counts against memory
             (default: the sharders' ``fused_params`` optimizer, else EXACT_ROWWISE_ADAGRAD).
     """
@@ -340,7 +344,7 @@ class EmbeddingShardingPlanner:
                 shard.device = self._device_of(shard.rank)
         plan = ShardingPlan({p: {t.name: chosen[(p, t.name)] for t in _configs(m)} for p, m in collections})
         if self.debug:
-            _log.info("sharding plan:\n%s", plan)
+            _log.debug("sharding plan:\n%s", plan)
         return plan
 
     def _place_all(

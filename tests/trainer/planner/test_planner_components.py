@@ -128,6 +128,10 @@ def test_what_recship_cannot_honour_is_an_error(user):
 
 
 def test_debug_logs_the_plan(caplog):
-    with caplog.at_level(logging.INFO, logger="recship.trainer.planner.planner"):
+    with caplog.at_level(logging.DEBUG, logger="recship.trainer.planner.planner"):
         plan = EmbeddingShardingPlanner(Topology(2), debug=True).plan(Model())
     assert str(plan) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="recship.trainer.planner.planner"):
+        EmbeddingShardingPlanner(Topology(2), debug=False).plan(Model())
+    assert "sharding plan" not in caplog.text
