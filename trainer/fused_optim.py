@@ -10,7 +10,7 @@ on the unsharded tables (``fused_config_from_torch``: SGD, Adagrad, Adam and
 ``RowWiseAdagrad`` map to their fbgemm kernels; a setting fbgemm cannot honour, such
 as SGD momentum, is an error, never ignored). After sharding, ``fused_optimizer`` is a
 ``CombinedOptimizer`` of one ``EmbeddingFusedOptimizer`` per sharded module; changing a
-param group's ``lr`` and calling ``step()`` (what an LR scheduler does) sets the rate
+param group's ``lr`` and calling ``step()`` or ``zero_grad()`` (as TorchRec's) sets the rate
 used from the next backward on.
 """
 
@@ -269,7 +269,9 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
             self._applied_lr = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: fused tables keep no gradients."""
+        """Fused tables keep no gradients; applies a changed "lr" (as TorchRec's does), so that a rate set before
+        the loop's zero_grad (an LR scheduler's, a warmup's) is the one the next backward uses."""
+        self.step()
 
 
 class CombinedOptimizer(KeyedOptimizer):

@@ -18,8 +18,8 @@ the stage is the first whose ``max_iters`` ``i`` has not passed (stage k covers 
     COSINE_ANNEALING_WARM_RESTARTS  value + (1 - value) * (1 + cos(pi * (i % sgdr_period) / sgdr_period)) / 2
 
 The rate reaches every param group of the wrapped optimizer, and so the kernels of fused embedding optimizers: the
-wrapper applies it to them right away (recship's ``EmbeddingFusedOptimizer`` takes a new rate on ``step()``), so the
-next backward's fused update already uses it, as in TorchRec, where the fused optimizer applies it on ``zero_grad``.
+wrapper applies it to them right away (a fused optimizer takes a new rate on ``step()`` or ``zero_grad()``), so the
+next backward's fused update uses it even in a loop that calls ``zero_grad`` after ``step``.
 
 What differs from TorchRec: the warmup counter [iteration, stage] is kept by the wrapper, not in the wrapped
 optimizer's ``state`` (recship's keyed optimizers share their state dict with the torch optimizer they wrap, which

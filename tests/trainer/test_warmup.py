@@ -156,7 +156,7 @@ def _stages(code):
     return [W(P.LINEAR, max_iters=3, value=0.1), W(P.STEP, max_iters=6, value=3.0, decay_iters=2)]
 
 
-def _fused_worker(rank, world_size):
+def _fused_worker(rank, world_size, how):
     code = _user_code()
     torch.manual_seed(0)
     model = _Toy()
@@ -164,18 +164,26 @@ def _fused_worker(rank, world_size):
                    "t1": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE])}
     plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
-    opt = code["warmup_combined"](dmp.fused_optimizer, in_backward_optimizer_filter(dmp.named_parameters()), _stages(code), LR)
+    dense = in_backward_optimizer_filter(dmp.named_parameters())
+    if how == "warmup":
+        opt, scheduler = code["warmup_combined"](dmp.fused_optimizer, dense, _stages(code), LR), None
+    else:  # torch's scheduler on the combined optimizer: the fused kernels take its rate at zero_grad, as TorchRec's
+        opt = code["CombinedOptimizer"]([dmp.fused_optimizer, code["KeyedOptimizerWrapper"](dict(dense), lambda ps: torch.optim.SGD(ps, lr=LR))])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: _reference_multiplier(_stages(code), i))
     for step in range(STEPS):
         kjt, target = _batch(step, world_size, rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
         opt.zero_grad()
         nn.functional.mse_loss(dmp(kjt), target).backward()
         opt.step()
+        if scheduler is not None:
+            scheduler.step()
     sharded = dmp.sharded_modules()[0]
     return {t.name: sharded.gather_table(t.name) for t in _tables()}, {k: v.detach().clone() for k, v in dmp.unwrapped.over.state_dict().items()}
 
 
 @pytest.mark.parametrize("world_size", [2])
-def test_the_fused_kernels_update_at_the_scheduled_rate(world_size):
+@pytest.mark.parametrize("how", ["warmup", "lambda_lr"])
+def test_the_fused_kernels_update_at_the_scheduled_rate(world_size, how):
     code = _user_code()
     torch.manual_seed(0)
     model = _Toy()
@@ -189,7 +197,7 @@ def test_the_fused_kernels_update_at_the_scheduled_rate(world_size):
         opt.zero_grad()
         nn.functional.mse_loss(model(kjt), target).backward()
         opt.step()
-    results = run_ranks(_fused_worker, world_size)
+    results = run_ranks(_fused_worker, world_size, how)
     for rank, (tables, dense) in enumerate(results):
         for name, table in tables.items():
             if rank > 0:  # gather_table assembles on rank 0
