@@ -32,7 +32,7 @@ from recship.serving.settings import PER_MODEL
 from recship.serving.v1 import kserve_descriptor
 
 SERVICE = "inference.GRPCInferenceService"
-PLATFORM = "recship_torchscript"
+PLATFORMS = {"torchscript": "recship_torchscript", "aoti": "recship_aoti"}  # by the format a version runs
 
 POOL = descriptor_pool.DescriptorPool()  # recship's own, apart from the default pool tritonclient fills
 POOL.Add(descriptor_pb2.FileDescriptorProto.FromString(kserve_descriptor.SERIALIZED))
@@ -144,7 +144,7 @@ def model_metadata(served: ServedVersion, versions: Optional[List[int]] = None) 
     return {
         "name": served.name,
         "versions": [str(v) for v in (versions or [served.version])],
-        "platform": PLATFORM,
+        "platform": PLATFORMS[served.format],
         "inputs": [{"name": n, "datatype": d, "shape": shape} for n, d, shape in input_metadata(m)],
         "outputs": [{"name": k, "datatype": "FP32", "shape": shape} for k, shape in output_shapes(m).items()],
     }
@@ -163,9 +163,12 @@ _TYPES = {"INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "FP32": "TYPE_FP32"}
 def model_config(served: ServedVersion) -> dict:
     """Triton's ModelConfig of a served version, as JSON (REST answers it as is; gRPC parses it into the message).
 
-    ``dims`` are the inputs' and outputs' whole shapes as ModelMetadata gives them, -1 for the batch (and for a
-    sparse input's id count): recship's inputs are ragged, not [batch] + fixed dims. ``parameters`` carry what
-    Triton's schema has no field for: the batching switch, queue size, threads, file format, id policy per feature."""
+    As Triton writes it with ``max_batch_size > 0``, ``dims`` leave the batch dimension out: dense [B, n] is dims [n],
+    an output [B, d] dims [d]; a feature's lengths, one per example ([B]), is dims [1] with ``reshape`` [] (Triton's
+    form of a batched scalar); its values and weights, ids of the whole request ([N], not batch-first), are dims [-1]
+    with ``allow_ragged_batch`` (requests concatenate along it). ``platform`` is the format the version runs
+    (recship_aoti: model.pt2, recship_torchscript: model.pt). ``parameters`` carry what Triton's schema has no field
+    for: the batching switch, queue size, threads, file format, id policy per feature."""
     m, s = served.manifest, served.settings
     # every per-model setting ModelConfig has no field for (max_batch_size and max_delay_ms have theirs), by its name
     parameters = {name: _parameter(getattr(s, name)) for name in PER_MODEL if name not in ("max_batch_size", "max_delay_ms")}
@@ -173,19 +176,33 @@ def model_config(served: ServedVersion) -> dict:
                       **{f"id_policy.{f.name}": ("modulo" if served.spec.modulo[f.name] else "reject") for f in m.sparse_features})
     config: Dict[str, Any] = {
         "name": served.name,
-        "platform": PLATFORM,
+        "platform": PLATFORMS[served.format],
         "backend": "recship",
         "version_policy": s.version_policy.to_triton(),
         "max_batch_size": s.max_batch_size,
-        "input": [{"name": n, "data_type": _TYPES[d], "dims": shape, "allow_ragged_batch": not n.startswith("dense")}
-                  for n, d, shape in input_metadata(m)],
-        "output": [{"name": k, "data_type": "TYPE_FP32", "dims": shape} for k, shape in output_shapes(m).items()],
+        "input": [_config_input(n, d, shape) for n, d, shape in input_metadata(m)],
+        "output": [{"name": k, "data_type": "TYPE_FP32", **_per_example(shape[1:])} for k, shape in output_shapes(m).items()],
         "instance_group": [{"name": served.name, "count": 1, "kind": "KIND_GPU" if served.batcher.device.type == "cuda" else "KIND_CPU"}],
         "parameters": {k: {"string_value": v} for k, v in parameters.items()},
     }
     if s.batching:
         config["dynamic_batching"] = {"max_queue_delay_microseconds": int(round(s.max_delay_ms * 1000))}
     return config
+
+
+def _per_example(dims: List[int]) -> Dict[str, Any]:
+    """ModelConfig's dims of a batch-first tensor whose shape after the batch is ``dims``: a scalar per example is
+    dims [1] reshaped to [] (Triton's convention)."""
+    return {"dims": list(dims)} if dims else {"dims": [1], "reshape": {"shape": []}}
+
+
+def _config_input(name: str, datatype: str, shape: List[int]) -> Dict[str, Any]:
+    base = {"name": name, "data_type": _TYPES[datatype]}
+    if name == "dense":  # [B, n]
+        return {**base, "dims": shape[1:], "allow_ragged_batch": False}
+    if name.endswith(".lengths"):
+        return {**base, **_per_example([]), "allow_ragged_batch": False}
+    return {**base, "dims": [-1], "allow_ragged_batch": True}  # .values / .weights: the request's ids, concatenated
 
 
 def _parameter(value: Any) -> str:
@@ -269,6 +286,7 @@ def repository_index(repo: ModelRepository, ready: bool = False) -> List[dict]:
               "reason": "" if s.batcher.alive else "its worker died; it is being restarted"} for s in repo.versions()]
     index += [{"name": u.model, "version": u.version, "state": "UNAVAILABLE", "reason": u.reason} for u in repo.unavailable()]
     index += [{"name": n, "version": "", "state": "UNAVAILABLE" if why else "", "reason": why} for n, why in repo.not_loaded()]
+    index += [{"name": n, "version": str(v), "state": "UNAVAILABLE", "reason": why} for n, v, why in repo.left_out()]
     if ready:
         index = [m for m in index if m["state"] == "READY"]
     return sorted(index, key=lambda m: (m["name"], m["version"]))

@@ -193,6 +193,7 @@ class ModelRepository:
         self._scanning = threading.Lock()  # one scan at a time
         self._serving: Dict[str, Dict[int, ServedVersion]] = {}  # model -> version -> served
         self._unavailable: Dict[Tuple[str, str], Unavailable] = {}
+        self._left_out: Dict[str, Dict[int, str]] = {}  # model -> version on disk neither served nor refused -> why
         self._configs: Dict[str, Tuple[Optional[str], Optional[ModelSettings]]] = {}  # model -> (config.yaml text, its settings)
         self._settings: Dict[str, ModelSettings] = {}  # model -> its last good settings
         self._on_change = on_change or (lambda name, ready: None)
@@ -235,6 +236,12 @@ class ModelRepository:
     def unavailable(self) -> List[Unavailable]:
         with self._lock:
             return sorted(self._unavailable.values(), key=lambda u: (u.model, u.version))
+
+    def left_out(self) -> List[Tuple[str, int, str]]:
+        """(model, version, why) of each version on disk that neither serves nor was refused: the version policy
+        leaves it out (RepositoryIndex lists it UNAVAILABLE with that reason, as Triton lists every version)."""
+        with self._lock:
+            return [(name, v, why) for name, versions in sorted(self._left_out.items()) for v, why in sorted(versions.items())]
 
     # -- scanning (the watcher thread, or start-up) ----------------------------
 
@@ -298,6 +305,7 @@ class ModelRepository:
             with self._lock:
                 for key in [k for k in self._unavailable if k[0] == name]:
                     del self._unavailable[key]
+                self._left_out.pop(name, None)
             self._install(name, {}, {v: "unloaded by request" for v in served})
 
     def not_loaded(self) -> List[Tuple[str, str]]:
@@ -338,6 +346,8 @@ class ModelRepository:
             self._configs.pop(name, None)
             self._settings.pop(name, None)
         with self._lock:  # forget refusals whose folders are gone
+            for name in [n for n in self._left_out if n not in present]:
+                del self._left_out[name]
             for key, u in list(self._unavailable.items()):
                 if not (self.root / u.model / u.version).exists():
                     del self._unavailable[key]
@@ -439,6 +449,9 @@ class ModelRepository:
         for version in current:
             if version not in chosen and version not in why:
                 why[version] = "its folder was removed" if version not in present else f"its version policy {policy} leaves it out"
+        with self._lock:
+            self._left_out[name] = {v: f"its version policy {policy} leaves it out" for v in present
+                                    if v not in chosen and (name, str(v)) not in self._unavailable}
         self._install(name, chosen, why)
 
     def _reload(self, served: ServedVersion, path: Path, trusted: Optional[FrozenSet[str]], settings: ModelSettings,

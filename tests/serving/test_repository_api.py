@@ -99,7 +99,9 @@ def test_explicit_load_unload_and_the_index(client, explicit, repo):
     # start-up loaded only --load-model a, newest version; the others are listed with no state
     index = client.index()
     assert index[("a", "2")] == ("READY", "")
-    assert ("a", "1") not in index and index[("b", "")] == ("", "") and index[("broken", "")] == ("", "")
+    # every version on disk is listed, as Triton lists them: a/1 with the reason it does not serve
+    assert index[("a", "1")] == ("UNAVAILABLE", "its version policy latest: 1 leaves it out")
+    assert index[("b", "")] == ("", "") and index[("broken", "")] == ("", "")
     assert client.index(ready=True) == {("a", "2"): ("READY", "")}
     assert not client.c.is_model_ready("b")
     sparse, dense = random_request(1)
@@ -132,6 +134,7 @@ def test_explicit_load_unload_and_the_index(client, explicit, repo):
     try:
         client.c.load_model("a")
         assert client.index(ready=True)[("a", "3")] == ("READY", "") and ("a", "2") not in client.index(ready=True)
+        assert client.index()[("a", "2")] == client.index()[("a", "1")] == ("UNAVAILABLE", "its version policy latest: 1 leaves it out")
     finally:
         shutil.rmtree(repo / "a" / "3")
         client.c.load_model("a")
@@ -157,7 +160,15 @@ def test_model_config_has_the_served_settings(client, explicit):
     assert int(config["dynamic_batching"]["max_queue_delay_microseconds"]) == 1000
     metadata = client.c.get_model_metadata("a", **({"as_json": True} if client.protocol == "grpc" else {}))
     assert [i["name"] for i in config["input"]] == [i["name"] for i in metadata["inputs"]]
-    assert [[int(d) for d in i["dims"]] for i in config["input"]] == [[int(d) for d in i["shape"]] for i in metadata["inputs"]]
+    # Triton's convention with max_batch_size > 0: dims leave the batch out (dense [B, 13] is [13]; lengths [B], one per
+    # example, is [1] reshaped to []; values [N], the request's ids, are ragged [-1]); outputs [B, 1] are [1]
+    dims = {i["name"]: ([int(d) for d in i["dims"]], [int(d) for d in i["reshape"].get("shape", [])] if "reshape" in i else None,
+                        bool(i.get("allow_ragged_batch", False))) for i in config["input"]}
+    shapes = {i["name"]: [int(d) for d in i["shape"]] for i in metadata["inputs"]}
+    assert shapes["dense"] == [-1, 13] and dims["dense"] == ([13], None, False)
+    assert all(dims[n] == ([1], [], False) for n in shapes if n.endswith(".lengths")) and len(shapes) == 1 + 2 * 26
+    assert all(dims[n] == ([-1], None, True) for n in shapes if n.endswith(".values"))
+    assert {o["name"]: [int(d) for d in o["dims"]] for o in config["output"]} == {"logit": [1], "prob": [1]}
     assert {i["data_type"] for i in config["input"]} == {"TYPE_INT32", "TYPE_INT64", "TYPE_FP32"}
     assert [o["name"] for o in config["output"]] == ["logit", "prob"]
     assert config["parameters"]["id_policy.cat_0"] == {"string_value": "reject"}
