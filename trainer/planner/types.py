@@ -104,17 +104,17 @@ class Topology:
     Args:
         world_size: number of ranks.
         compute_device: "cpu" or "cuda".
-        local_world_size: ranks per host (table_row_wise shards inside one host);
-            defaults to world_size (one host).
         hbm_cap: bytes of device memory per rank (cuda), default 80 GiB.
         ddr_cap: bytes of host memory per rank (cpu), default 128 GiB.
+        local_world_size: ranks per host (table_row_wise shards inside one host);
+            defaults to world_size (one host).
     """
 
     world_size: int
     compute_device: str = "cpu"
-    local_world_size: Optional[int] = None
-    hbm_cap: int = 80 * 1024**3
+    hbm_cap: int = 80 * 1024**3  # TorchRec's order: world_size, compute_device, hbm_cap, ddr_cap, ..., local_world_size
     ddr_cap: int = 128 * 1024**3
+    local_world_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

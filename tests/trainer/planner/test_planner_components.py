@@ -135,3 +135,8 @@ def test_debug_logs_the_plan(caplog):
     with caplog.at_level(logging.DEBUG, logger="recship.trainer.planner.planner"):
         EmbeddingShardingPlanner(Topology(2), debug=False).plan(Model())
     assert "sharding plan" not in caplog.text
+
+
+def test_topology_takes_torchrecs_positional_order():
+    t = Topology(2, "cpu", 1000, 2000)  # world_size, compute_device, hbm_cap, ddr_cap (TorchRec's order)
+    assert (t.hbm_cap, t.ddr_cap, t.local_world_size, t.capacity) == (1000, 2000, 2, 2000)
