@@ -95,6 +95,13 @@ class TrainConfig:
         if self.model is not None and any(d is not None and d != "synthetic" and not _is_entry_point(d) for d in (self.data, self.eval_data)):
             raise ValueError("--model trains on synthetic data sized from the model's tables or on a data function "
                              "(--data package.module:function); Criteo TSV files feed the built-in DLRM only")
+        if self.model is not None:  # the DLRM's shape flags do not shape another model: refused, not ignored
+            given = [f for f in DLRM_SHAPE if getattr(self, f) != (table_sizes(default_of(f)) if f == "num_embeddings_per_feature"
+                                                                     else default_of(f))]
+            if given:
+                flags = ", ".join("--" + f.replace("_", "-") for f in given)
+                raise ValueError(f"{flags} shape{'s' if len(given) == 1 else ''} the built-in DLRM, not --model's: its factory and "
+                                 "--model-args shape it")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other: continue the checkpoints or delete them")
         if self.keep_last < 0:
@@ -107,6 +114,9 @@ class TrainConfig:
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+
+
+DLRM_SHAPE = ("num_embeddings_per_feature", "embedding_dim", "dense_arch", "over_arch")  # the built-in DLRM's factory arguments
 
 
 def default_of(name: str) -> Any:

@@ -8,6 +8,7 @@ and epoch changes go through the ``recship.trainer.*`` loggers (recship.logs for
 """
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.cpus import usable_cpus
+from recship.names import DLRM_ENTRY
 from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.config import TrainConfig
@@ -392,6 +394,8 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
 
     Returns rank 0's summary.
     """
+    if config.resume and config.model is None:
+        config = resumed_model(config)
     if config.model is not None:  # a model that cannot be built fails here, in one line, not inside a spawned rank
         describe_model(build_model(config.model, config.model_args, device="meta"))
     Path(config.out).mkdir(parents=True, exist_ok=True)
@@ -427,6 +431,25 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
                 raise TrainingDiverged(str(e).rsplit(marker, 1)[1].strip()) from None
             raise
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
+
+
+def resumed_model(config: TrainConfig) -> TrainConfig:
+    """``config`` training the model its newest checkpoint records (``--resume`` without ``--model``, as export
+    reads it): that entry point and its arguments (the built-in DLRM: its shape flags); unchanged without one."""
+    from recship.trainer.checkpoint_reader import CheckpointReader
+    from recship.trainer.config import DLRM_SHAPE
+
+    newest = latest_checkpoint(Path(config.out) / "checkpoints")
+    if newest is None:
+        return config
+    recorded = (CheckpointReader(newest).config or {}).get("entry_point")
+    if not recorded:
+        return config
+    entry, args = recorded["model"], dict(recorded.get("args") or {})
+    if entry == DLRM_ENTRY:
+        return dataclasses.replace(config, **{k: args[k] for k in DLRM_SHAPE if k in args})
+    log.info("--resume: training %s %s, as %s records", entry, json.dumps(args), newest.name)
+    return dataclasses.replace(config, model=entry, model_args=args)
 
 
 def _check_run_folder(config: TrainConfig, delete: bool) -> None:
