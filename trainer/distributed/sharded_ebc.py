@@ -519,21 +519,25 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return {(t, s): list(st) for (t, s, _, _), st in zip(self._local_shards, states)}
 
     def fused_optimizer_state(self) -> Tuple[Dict[str, Any], Dict[Any, Dict[str, Any]]]:
-        """TorchRec's fused-optimizer parameters and state of every sharded table (this rank's shards).
+        """TorchRec's fused-optimizer parameters and state of the sharded tables with a shard on this rank.
 
         Returns ({"embedding_bags.<table>.weight": its ShardedTensor}, {that ShardedTensor:
         {"<table>.momentum1": ShardedTensor, ...}}); the state tensors are the TBE's own (views).
+        As in TorchRec, a table without a shard here is not among this rank's parameters.
         """
         layout = sharded_state.OPTIMIZER_STATES[self._optimizer_config.optimizer.name]
-        states = self.local_optimizer_states()
+        states = self.local_optimizer_states()  # empty for EXACT_SGD (fbgemm keeps no state)
+        local = list(self.local_shards())
         params: Dict[str, Any] = {}
         state: Dict[Any, Dict[str, Any]] = {}
         for t in self._configs:
             if t.name in self.data_parallel:
                 continue
             weight = self._sharded_weights[t.name]
+            mine = [(shard, states.get((table, shard), [])) for table, shard in local if table == t.name]
+            if not mine:
+                continue
             params[f"embedding_bags.{t.name}.weight"] = weight
-            mine = [(shard, st) for (table, shard), st in states.items() if table == t.name]
             state[weight] = {
                 f"{t.name}.{key}": sharded_state.optimizer_state_tensor(
                     self._plan[t.name], [t.num_embeddings, t.embedding_dim], [(shard, st[i]) for shard, st in mine],

@@ -127,7 +127,8 @@ def _world2(rank, world_size, path):
         "keys": {k: (type(v).__name__, list(v.size() if isinstance(v, ShardedTensor) else v.shape)) for k, v in sd.items()},
         "tables": {k: _gather(v) for k, v in sd.items()},
         "optim_keys": {k: {n: list(s.size()) for n, s in st.items()} for k, st in osd["state"].items()},
-        "momentum": {k: _gather(st[k.split(".")[-2] + ".momentum1"]) for k, st in osd["state"].items()},
+        "momentum": {k: (list(st[k.split(".")[-2] + ".momentum1"].size()), _local(st[k.split(".")[-2] + ".momentum1"]))
+                     for k, st in osd["state"].items()},
         "fused_names": sorted(n for n, _ in in_backward_optimizer_filter(dmp.named_parameters(), include=True)),
         "dense_names": sorted(n for n, _ in in_backward_optimizer_filter(dmp.named_parameters())),
     }
@@ -157,7 +158,19 @@ def _world2(rank, world_size, path):
     # row-wise adagrad: TorchRec's 1-D layout ([rows], column-wise tables [columns shards * rows])
     rowwise = _dmp(0, world_size, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     out["rowwise"] = {k: {n: list(s.size()) for n, s in st.items()} for k, st in rowwise.fused_optimizer.state_dict()["state"].items()}
+    sgd = _dmp(0, world_size, optimizer=EmbOptimType.EXACT_SGD)
+    out["sgd"] = sgd.fused_optimizer.state_dict()["state"]
     return out
+
+
+def _assemble(results, key):
+    """A fused-optimizer state gathered in this process from every rank's local shards (ranks without one lack the key)."""
+    size = next(r["momentum"][key][0] for r in results if key in r["momentum"])
+    full = torch.full(size, float("nan"))
+    for r in results:
+        for offsets, t in r["momentum"].get(key, (None, {}))[1].items():
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+    return full
 
 
 def _equal(a, b):
@@ -193,11 +206,15 @@ def test_keys_and_global_shapes_are_the_unsharded_models(saved):
         assert kinds["sparse.embedding_bags.dp.weight"] == kinds["over.weight"] == "Tensor"
         assert r["fused_names"] == [f"sparse.embedding_bags.{t}.weight" for t in ("cw", "rw", "tw", "twrw")]
         assert r["dense_names"] == ["over.bias", "over.weight", "sparse.embedding_bags.dp.weight"]
-        # TorchRec's fused optimizer state: the parameter's name -> {"<table>.momentum1": [rows, dim]} for adagrad
+    # TorchRec's fused optimizer state: the parameter's name -> {"<table>.momentum1": [rows, dim]} for adagrad, for
+    # the tables with a shard on the rank (table-wise "tw" lives on rank 1 only)
+    for r, tables in zip(results, (("rw", "cw", "twrw"), ("tw", "rw", "cw", "twrw"))):
         assert r["optim_keys"] == {f"sparse.embedding_bags.{t.name}.weight": {f"{t.name}.momentum1": [t.num_embeddings, t.embedding_dim]}
-                                   for t in _tables() if t.name != "dp"}
+                                   for t in _tables() if t.name in tables}
+        # row-wise adagrad: 1-D, [rows]; a column-wise table's 2 shards each keep theirs: [2 * rows]
         assert r["rowwise"] == {f"sparse.embedding_bags.{t.name}.weight": {f"{t.name}.momentum1": [t.num_embeddings * (2 if t.name == "cw" else 1)]}
-                                for t in _tables() if t.name != "dp"}
+                                for t in _tables() if t.name in tables}
+        assert r["sgd"] == {f"sparse.embedding_bags.{t}.weight": {} for t in tables}
 
 
 def test_tables_read_by_name_equal_the_single_process_training(saved):
@@ -207,7 +224,7 @@ def test_tables_read_by_name_equal_the_single_process_training(saved):
         torch.testing.assert_close(results[0]["tables"][k], v, atol=1e-5, rtol=0)
         torch.testing.assert_close(results[1]["tables"][k], v, atol=1e-5, rtol=0) if "over" in k or ".dp." in k else None
     for k, v in sums.items():
-        torch.testing.assert_close(results[0]["momentum"][k], v, atol=1e-5, rtol=0)
+        torch.testing.assert_close(_assemble(results, k), v, atol=1e-5, rtol=0)
     assert not torch.equal(results[0]["tables"]["sparse.embedding_bags.cw.weight"], Toy().sparse.embedding_bags["cw"].weight)
 
 
@@ -226,8 +243,9 @@ def test_dcp_checkpoint_of_world_2_loads_at_world_1_under_another_plan(saved):
     (one,) = run_ranks(_world1, 1, path)
     for k, v in results[0]["tables"].items():
         assert torch.equal(one["tables"][k], v), k
-    for k, v in results[0]["momentum"].items():
-        assert torch.equal(one["momentum"][k], v), k
+    assert sorted(one["momentum"]) == [f"sparse.embedding_bags.{t}.weight" for t in ("cw", "rw", "tw", "twrw")]
+    for k, v in one["momentum"].items():
+        assert torch.equal(v, _assemble(results, k)), k
 
 
 def test_dcp_checkpoint_of_world_2_loads_into_the_unsharded_model_without_a_process_group(saved):
