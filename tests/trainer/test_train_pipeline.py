@@ -143,3 +143,32 @@ def test_a_pipeline_trains_a_sharded_model_as_the_plain_loop(world_size):
         # every parameter trained: the fused tables (updated in backward) and the dense layers
         assert params and unchanged == []
         assert len({o[0].item() for o in outputs}) == STEPS
+
+
+GOLDEN = (Path(__file__).parents[1] / "snippets" / "torchrec_golden_training.txt").read_text()
+
+
+def _golden_worker(rank, world_size):
+    scope: dict = {}
+    exec(compile(rewrite_imports(GOLDEN, import_map()), "golden_training", "exec"), scope)
+    results = []
+    for use_pipeline in (True, False):
+        torch.manual_seed(0)
+        dmp, optimizer = scope["golden_model"]()
+        batches = scope["golden_batches"](20 + rank, STEPS)
+        if use_pipeline:
+            losses = scope["golden_training"](dmp, optimizer, batches)
+        else:
+            losses = [output[0] for output in _plain_loop(dmp, optimizer, batches)]
+        results.append((losses, {k: v.detach().clone() for k, v in dmp.named_parameters()}))
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_torchrecs_golden_training_runs_and_equals_the_plain_loop(world_size):
+    """TorchRec's golden training example (DLRMTrain, RandomRecDataset, fused sharded tables, WarmupOptimizer,
+    TrainPipelineSparseDist) through the import map on 2 gloo ranks: every loss and parameter bitwise the plain loop's."""
+    for (losses, params), (want_losses, want_params) in run_ranks(_golden_worker, world_size):
+        assert len(losses) == len(want_losses) == STEPS and all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+        assert len({round(float(x), 6) for x in losses}) == STEPS  # it trains: every step's loss differs
+        assert sorted(params) == sorted(want_params) and all(torch.equal(params[k], want_params[k]) for k in params)
