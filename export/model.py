@@ -13,8 +13,6 @@ Inside, the quantized, inference-sharded collections are their flat twins
 torch.export / AOTInductor compile.
 """
 
-import linecache
-import os
 import warnings
 from typing import Any, Dict, List, Optional
 
@@ -23,6 +21,7 @@ from torch import nn
 
 from recship.fx import symbolic_trace
 from recship.sparse import KeyedJaggedTensor
+from recship.trainer.entry_point import user_line
 
 
 @torch.fx.wrap
@@ -105,22 +104,6 @@ class StageError(RuntimeError):
         self.stage = stage
         where = user_line(error, user_file)
         super().__init__(f"{stage} failed: {type(error).__name__}: {_first_lines(error)}" + (f" (at {where})" if where else ""))
-
-
-def user_line(error: BaseException, user_file: Optional[str]) -> str:
-    """"file.py:LINE: code" of the innermost frame of ``error``'s traceback in ``user_file`` ("" if none)."""
-    if user_file is None:
-        return ""
-    found = None
-    tb = error.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename == user_file:
-            found = tb
-        tb = tb.tb_next
-    if found is None:
-        return ""
-    code = linecache.getline(user_file, found.tb_lineno).strip()
-    return f"{os.path.basename(user_file)}:{found.tb_lineno}: {code}"
 
 
 def _first_lines(error: BaseException, limit: int = 6) -> str:

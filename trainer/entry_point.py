@@ -5,13 +5,18 @@ a checkpoint records the entry point and its arguments so that export needs noth
 The built-in DLRM is ``recship.models:dlrm``.
 """
 
+import copy
+import dataclasses
 import importlib
 import inspect
+import linecache
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 def load_factory(entry: str) -> Callable[..., nn.Module]:
     """The callable named by ``package.module:factory``; ValueError naming what is wrong."""
@@ -72,6 +77,9 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
         names = ", ".join(p.name for p in params)
         raise ValueError(f"{type(module).__name__}.forward({names}): the model contract is forward(dense, features) "
                          "(dense: float [B, num_dense], features: KeyedJaggedTensor)")
+    if params[0].name in ("features", "sparse", "sparse_features", "kjt") and params[1].name in ("dense", "dense_features"):
+        raise ValueError(f"{type(module).__name__}.forward({params[0].name}, {params[1].name}): the model contract is "
+                         "forward(dense, features), dense first")
     seen: Dict[int, Any] = {}
     for path, m in module.named_modules(remove_duplicate=False):
         if type(m) in (EmbeddingBagCollection, EmbeddingCollection):
@@ -96,3 +104,139 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
         raise ValueError(f"the dense width is unknown: give num_dense (ExportConfig(num_dense=N)) or a num_dense attribute "
                          f"on {type(module).__name__} (0 for a model without dense inputs)")
     return {"features": features, "weighted": any(f[4] for f in features), "num_dense": num_dense}
+
+
+def user_line(error: BaseException, user_files: Union[None, str, Set[str]]) -> str:
+    """"file.py:LINE: code" of the innermost frame of ``error``'s traceback in one of ``user_files`` ("" if none)."""
+    files = {user_files} if isinstance(user_files, str) else set(user_files or ())
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename in files:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return ""
+    file = found.tb_frame.f_code.co_filename
+    return f"{os.path.basename(file)}:{found.tb_lineno}: {linecache.getline(file, found.tb_lineno).strip()}"
+
+
+def user_files(module: nn.Module) -> Set[str]:
+    """The source files of ``module``'s classes that are neither recship's nor torch's: the user's code."""
+    files = set()
+    for m in module.modules():
+        if type(m).__module__.split(".")[0] in ("recship", "torch", "fbgemm_gpu"):
+            continue
+        try:
+            file = inspect.getsourcefile(type(m))
+        except TypeError:  # defined in the interpreter
+            continue
+        if file:
+            files.add(file)
+    return files
+
+
+_VALUE_READS = {torch.Tensor.__bool__: "bool()", torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()",
+                torch.Tensor.__int__: "int()", torch.Tensor.__float__: "float()", torch.Tensor.__index__: "an index"}
+
+
+class _ValueReads(TorchFunctionMode):
+    """Notes the first place where code in ``files`` reads a tensor's value into Python (an ``if`` on a tensor,
+    ``.item()``, ``float()``...): export traces the forward, and neither torch.fx nor torch.export can follow it."""
+
+    def __init__(self, files: Set[str]) -> None:
+        super().__init__()
+        self.files = files
+        self.found: Optional[str] = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.found is None and func in _VALUE_READS:
+            frame = sys._getframe(1)  # the code that asked: the first frame outside torch (recship's own reads are fine)
+            while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "torch":
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename in self.files:
+                file, line = frame.f_code.co_filename, frame.f_lineno
+                self.found = f"{os.path.basename(file)}:{line}: {linecache.getline(file, line).strip()} ({_VALUE_READS[func]})"
+        return func(*args, **(kwargs or {}))
+
+
+def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int = 2) -> None:
+    """Runs ``module``'s forward once as training and export will, before any rank starts, on a copy whose tables
+    have a few rows (built on meta, so no table is allocated); ValueError, one line naming the broken rule and
+    the user's line where there is one. ``contract``: ``describe_model(module)``.
+
+    Checks: every table's embedding_dim is a multiple of 4 (fbgemm's TBE kernels); the forward runs on a batch
+    of ``batch_size`` with dense [B, num_dense]; it reads no tensor's value into Python (export traces it); it
+    returns a Tensor or a Dict[str, Tensor], each batch-first [B, ...]; what is trained (the model's ``loss``, or
+    binary cross-entropy on its one output or its ``eval_output``) is defined and has one logit per example.
+    """
+    from recship.sparse import KeyedJaggedTensor
+    from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
+
+    name = type(module).__name__
+    for feature, path, table, _, _ in contract["features"]:
+        if table.embedding_dim % 4:
+            raise ValueError(f"table {table.name!r} (feature {feature!r}): embedding_dim {table.embedding_dim} is not a multiple "
+                             "of 4, which fbgemm's embedding kernels need")
+    tiny = copy.deepcopy(module)
+    for path, m in list(tiny.named_modules()):
+        if type(m) is EmbeddingBagCollection:
+            small = EmbeddingBagCollection([dataclasses.replace(t, num_embeddings=min(t.num_embeddings, 8)) for t in m.embedding_bag_configs()],
+                                           is_weighted=m.is_weighted(), device="meta")
+        elif type(m) is EmbeddingCollection:
+            small = EmbeddingCollection([dataclasses.replace(t, num_embeddings=min(t.num_embeddings, 8)) for t in m.embedding_configs()],
+                                        device="meta")
+        else:
+            continue
+        parent, _, leaf = path.rpartition(".")
+        setattr(tiny.get_submodule(parent) if parent else tiny, leaf, small)
+    materialize(tiny, "cpu")
+    g = torch.Generator().manual_seed(0)
+    keys = [f[0] for f in contract["features"]]
+    rows = {f[0]: min(f[2].num_embeddings, 8) for f in contract["features"]}
+    B = batch_size
+    lengths = torch.tensor([1 + (i + j) % 2 for i in range(len(keys)) for j in range(B)])
+    values = torch.cat([torch.randint(0, rows[k], (int(lengths[i * B:(i + 1) * B].sum()),), generator=g) for i, k in enumerate(keys)])
+    weights = torch.rand(values.shape[0], generator=g) if contract["weighted"] else None
+    features = KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, weights=weights)
+    dense = torch.randn(B, contract["num_dense"], generator=g)
+    files = user_files(module)
+    reads = _ValueReads(files)
+    try:
+        with reads:
+            out = tiny(dense, features)
+    except Exception as e:
+        where = user_line(e, files)
+        first = (str(e).strip().splitlines() or [""])[0]
+        hint = ""
+        if "mat1 and mat2" in first or "shape" in first:
+            hint = f"; is num_dense = {contract['num_dense']} the width of dense?"
+        raise ValueError(f"{name}.forward failed on a batch of {B} (dense [{B}, {contract['num_dense']}], features {keys[:4]}"
+                         f"{'...' if len(keys) > 4 else ''}): {type(e).__name__}: {first}" + (f" (at {where})" if where else "") + hint) from None
+    if reads.found:
+        raise ValueError(f"{name}.forward reads a tensor's value in Python at {reads.found}: export traces the forward "
+                         "(torch.fx, torch.export), which cannot follow a value; keep it a tensor (torch.where for a branch)")
+    if isinstance(out, torch.Tensor):
+        outputs = {"output": out}
+    elif isinstance(out, dict) and out and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in out.items()):
+        outputs = out
+    else:
+        raise ValueError(f"{name}.forward returned {type(out).__name__}: the model contract is a Tensor or a Dict[str, Tensor], "
+                         "batch first")
+    for key, v in outputs.items():
+        if v.dim() == 0 or v.shape[0] != B:
+            raise ValueError(f"{name}.forward's output {key!r} has shape {list(v.shape)} for a batch of {B}: outputs are "
+                             "batch-first [B, ...]")
+    if callable(getattr(module, "loss", None)):
+        return
+    trained = getattr(module, "eval_output", None)
+    if isinstance(out, dict):
+        if trained is None and len(out) != 1:
+            raise ValueError(f"{name} returns {sorted(out)}: define eval_output (the output trained and evaluated as a logit), "
+                             "and loss(outputs, labels) if not binary cross-entropy on it")
+        if trained is not None and trained not in out:
+            raise ValueError(f"{name}.eval_output is {trained!r}, but its forward returns {sorted(out)}")
+    score = out[trained or next(iter(out))] if isinstance(out, dict) else out
+    if score.numel() != B:
+        raise ValueError(f"{name} trains with binary cross-entropy on one logit per example, but its output has shape "
+                         f"{list(score.shape)} for a batch of {B}: return [B] or [B, 1], or define loss(outputs, labels)")

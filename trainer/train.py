@@ -34,7 +34,7 @@ from recship.trainer.checkpoint_reader import complete_checkpoints, latest_check
 from recship.trainer.config import TrainConfig
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.entry_point import build_model, describe_model
+from recship.trainer.entry_point import build_model, check_contract, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.history import History
 from recship.trainer.metrics import auc
@@ -396,8 +396,10 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     """
     if config.resume and config.model is None:
         config = resumed_model(config)
-    if config.model is not None:  # a model that cannot be built fails here, in one line, not inside a spawned rank
-        describe_model(build_model(config.model, config.model_args, device="meta"))
+    # a model that cannot be built, or breaks the contract, fails here in one line, not inside a spawned rank
+    entry, args = config.entry_point()
+    model = build_model(entry, args, device="meta")
+    check_contract(model, describe_model(model))
     Path(config.out).mkdir(parents=True, exist_ok=True)
     _check_run_folder(config, delete=os.environ.get("RANK", "0") == "0")  # under torchrun only rank 0 deletes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun

@@ -2,6 +2,7 @@
 takes its model from the checkpoint, as export does."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from recship.cli import main
 from recship.trainer.train import TrainConfig, launch
 
+BRANCH_LINE = next(n for n, line in enumerate(open(Path(__file__).with_name("bad_models.py")), 1) if "if score.sum() > 0" in line)
 QUICK = ["--batch-size", "16", "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress", "--no-plot"]
 
 
@@ -49,3 +51,29 @@ def test_dlrm_shape_flags_are_refused_with_model(tmp_path, capsys, flags, named)
     err = _one_line_error(capsys, ["train", "--model", "tests.trainer.indexed_model:build", "--out", str(tmp_path / "r"), *flags, *QUICK])
     assert named in err and "the built-in DLRM, not --model's" in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("Branchy", f"Branchy.forward reads a tensor's value in Python at bad_models.py:{BRANCH_LINE}: if score.sum() > 0:  # a Python "
+                "branch on a tensor's value (bool()): export traces the forward"),
+    ("Swapped", "Swapped.forward(features, dense): the model contract is forward(dense, features), dense first"),
+    ("TupleOut", "TupleOut.forward returned tuple: the model contract is a Tensor or a Dict[str, Tensor], batch first"),
+    ("WrongDense", "WrongDense.forward failed on a batch of 2 (dense [2, 6]"),
+    ("TwoOutputs", "TwoOutputs returns ['buy', 'click']: define eval_output"),
+    ("OddDim", "table 't_user' (feature 'user'): embedding_dim 6 is not a multiple of 4"),
+    ("ScalarOut", "ScalarOut.forward's output 'output' has shape [] for a batch of 2: outputs are batch-first"),
+    ("WideOut", "WideOut trains with binary cross-entropy on one logit per example, but its output has shape [2, 8]"),
+])
+def test_a_model_breaking_the_contract_costs_one_line_before_any_rank_starts(tmp_path, capsys, kind, message):
+    """Each table of these models has 100M rows: the check builds none of them (a rank would allocate 3 GB)."""
+    out = tmp_path / "run"
+    err = _one_line_error(capsys, ["train", "--model", "tests.trainer.bad_models:build", "--model-args", json.dumps({"kind": kind}),
+                                   "--out", str(out), "--steps", "2", "--nproc-per-node", "2", *QUICK])
+    assert message in err, err
+    assert not out.exists()  # no rank started, nothing written
+
+
+def test_the_line_of_the_forward_is_named_where_it_failed(tmp_path, capsys):
+    err = _one_line_error(capsys, ["train", "--model", "tests.trainer.bad_models:build", "--model-args", '{"kind": "WrongDense"}',
+                                   "--out", str(tmp_path / "r"), *QUICK])
+    assert "(at bad_models.py:" in err and "is num_dense = 6 the width of dense?" in err, err
