@@ -271,9 +271,9 @@ def load_checkpoint(
     dense = _dense_state(model)
     saved_as = {name: name for name in dense}
     for mpath, module in sharded:  # data-parallel tables of checkpoints written before they were embedding_bags.<t>.weight
-        for t in module.data_parallel:
-            name = f"{mpath}.embedding_bags.{t}.weight" if mpath else f"embedding_bags.{t}.weight"
-            saved_as[name] = data_parallel_key(meta, mpath, t)
+        for table in module.data_parallel:
+            name = f"{mpath}.embedding_bags.{table}.weight" if mpath else f"embedding_bags.{table}.weight"
+            saved_as[name] = data_parallel_key(meta, mpath, table)
     missing = sorted(name for name in dense if saved_as[name] not in meta["dense_keys"])
     if missing:
         raise CheckpointError(f"{path} lacks dense parameters {missing}")

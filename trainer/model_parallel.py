@@ -123,12 +123,11 @@ class DistributedModelParallel(nn.Module):
         """The same as ``module``."""
         return self.module
 
-    def state_dict(self, *args: Any, destination: Optional[Dict[str, Any]] = None, prefix: str = "",
-                   keep_vars: bool = False) -> Dict[str, Any]:
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
         """The model's state_dict under the unsharded model's keys (tables as ShardedTensors, see the module docstring)."""
         if args:
             raise TypeError("DistributedModelParallel.state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
-        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)  # type: ignore[no-any-return]
+        return self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
         """Loads a ``state_dict()`` of this model, sharded or not (an unsharded model's full tables work too)."""

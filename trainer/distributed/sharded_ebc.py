@@ -439,13 +439,18 @@ class ShardedEmbeddingBagCollection(nn.Module):
             sharded_state.copy_into_shards(
                 key, state_dict[key], module._plan[t.name], [t.num_embeddings, t.embedding_dim], by_table.get(t.name, [])
             )
-            state_dict[key] = module.embedding_bags[t.name].weight.detach()
+            state_dict[key] = module._table_weight(t.name).detach()
+
+    def _table_weight(self, table: str) -> nn.Parameter:
+        weight = self.embedding_bags[table].weight
+        assert isinstance(weight, nn.Parameter)
+        return weight
 
     @property
     def data_parallel(self) -> Dict[str, nn.Parameter]:
         """Table name -> the replicated weight of each data-parallel table (``embedding_bags.<table>.weight``)."""
         return {
-            t.name: self.embedding_bags[t.name].weight
+            t.name: self._table_weight(t.name)
             for t in self._configs
             if self._plan[t.name].sharding_type == ShardingType.DATA_PARALLEL
         }
