@@ -4,7 +4,10 @@
 #include <cctype>
 #include <chrono>
 #include <cstdio>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
+#include <optional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -131,6 +134,8 @@ static ordered_json parse_request(std::istream& in, const std::string& file) {
     return ordered_json::parse(in);
   } catch (const ordered_json::parse_error& e) {
     throw recship::InvalidRequest("the request file " + file + " is not JSON: " + e.what());
+  } catch (const std::ios_base::failure& e) {  // e.g. a directory
+    throw recship::InvalidRequest("the request file " + file + " cannot be read: " + e.what());
   }
 }
 
@@ -270,15 +275,22 @@ int main(int argc, char** argv) {
     options.fbgemm_dir = fbgemm_dir;
     options.max_batch_size = max_batch_size;
     options.format = format;
+    // the request file first: a missing or malformed one is exit code 2 naming the file, before the model loads
+    std::optional<recship::Request> given;
+    if (!request_file.empty()) {
+      std::ifstream in(request_file);
+      if (!in) throw recship::InvalidRequest("the request file " + request_file + " cannot be read: " + std::strerror(errno));
+      const ordered_json body = parse_request(in, request_file);
+      try {
+        given = from_json(body);  // its refusals are in the REST front's words
+      } catch (const ordered_json::exception& e) {
+        throw recship::InvalidRequest("the request file " + request_file + ": " + e.what());
+      }
+    }
     auto model = recship::Model::load(artifact, options);
     const std::string loaded = model->format() == "aoti" ? "aoti (model.pt2)" : "torchscript (model.pt)";
     if (!model->format_note().empty()) std::cerr << "recship_predict: note: running model.pt: " << model->format_note() << "\n";
-    recship::Request request = model->sample_request();
-    if (!request_file.empty()) {
-      std::ifstream in(request_file);
-      if (!in) throw recship::Error("request file not found: " + request_file);
-      request = from_json(parse_request(in, request_file));
-    }
+    recship::Request request = given ? std::move(*given) : model->sample_request();
     auto outputs = model->predict(request);
     json out;
     for (const auto& [name, o] : outputs) {

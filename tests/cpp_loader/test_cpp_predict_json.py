@@ -146,3 +146,15 @@ def test_a_bad_number_for_a_flag_exits_2_with_a_message(binary, dlrm, flag, valu
     result = subprocess.run([str(binary), str(dlrm), flag, value], capture_output=True, text=True)
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert result.stderr.startswith(f"recship_predict: error: {flag} takes a whole number from "), result.stderr
+
+
+def test_a_request_file_that_cannot_be_read_is_exit_2_naming_it_before_the_model_loads(binary, tmp_path):
+    missing = tmp_path / "nope.json"
+    # the artifact does not exist either: the request file is read first
+    result = subprocess.run([str(binary), str(tmp_path / "no-artifact"), "--request", str(missing)], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"recship_predict: invalid request: the request file {missing} cannot be read: No such file")
+    folder = tmp_path / "a-folder.json"
+    folder.mkdir()
+    result = subprocess.run([str(binary), str(tmp_path / "no-artifact"), "--request", str(folder)], capture_output=True, text=True)
+    assert result.returncode == 2 and f"the request file {folder}" in result.stderr, result.stderr
