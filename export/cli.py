@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="put tables.png in the artifact: each table's bytes and quantization error as a chart; --plot "
                              "makes a missing matplotlib (pip install 'recship[plots]') an error, --no-plot skips the chart "
                              "(default: drawn when matplotlib is installed)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="print the stage bar (on a terminal only) and the summary: tables, validation, the "
+                             "artifact's path; --no-progress prints only warnings and errors (default --progress)")
     parser.add_argument("--log-format", default="text", type=one_of(LOG_FORMATS, "log format"), choices=LOG_FORMATS,
                         help="log lines as text (time, level, logger, message) or json (one object per line, as recship "
                              "serve writes them) (default text)")
@@ -141,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         format=args.format,
         target_isa=args.target_isa,
         plot=args.plot,
+        progress=args.progress is not False,
     )
     with logging_redirect_tqdm():  # log lines go above the stage bar, not into it
         export_model(args.checkpoint, config)

@@ -60,11 +60,17 @@ def _module_from_checkpoint(
     ``config.model``): (the model, its dense part loaded and its EmbeddingBagCollection tables not,
     the config naming its entry point, the training run's seed, ``load_table(path, table)`` reading
     one float table)."""
-    from recship.trainer.checkpoint_reader import CheckpointError, CheckpointReader
+    from recship.trainer.checkpoint_reader import META_FILE, CheckpointError, CheckpointReader, latest_checkpoint
     from recship.trainer.entry_point import build_model
 
     if not path.exists():
         raise ExportError(f"checkpoint not found: {path}")
+    folder = path if path.name == "checkpoints" else path / "checkpoints"  # a run folder (recship train --out), or its checkpoints
+    if path.is_dir() and not (path / META_FILE).exists() and folder.is_dir():
+        newest = latest_checkpoint(folder)
+        raise ExportError(f"{path} is a training run's folder, not a checkpoint: "
+                          + (f"export one of its checkpoints, e.g. the newest complete one: recship export {newest}" if newest
+                             else f"it holds no complete checkpoint in {folder}"))
     try:
         reader = CheckpointReader(path)
     except CheckpointError as e:
@@ -250,7 +256,7 @@ def write_artifact(
         if torchscript:
             with tables.emptied(scripted):
                 torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
-        elif config.progress:
+        else:
             log.warning("no model.pt (TorchScript): %s; the artifact's program is model.pt2 (torch.export + AOTInductor), "
                         "which both servers and the C++ loader run", scripted)
         aoti_spec = None
@@ -452,7 +458,7 @@ def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, 
 class _Stages:
     def __init__(self, stages: List[str], enabled: bool) -> None:
         self._bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():  # a bar on a terminal only: in a log file it is noise
             from tqdm import tqdm
 
             self._bar = tqdm(total=len(stages), desc="export", unit="stage", file=sys.stderr)

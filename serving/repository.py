@@ -172,6 +172,22 @@ def _malloc_trim() -> Optional[Callable[[int], int]]:
         return None
 
 
+def _not_a_version_or_model(root: Path) -> None:
+    """ValueError when ``root``, given as the repository, is one artifact (a version folder) or one model's folder:
+    the server would find no model (or models named "1", "2"...) and serve nothing."""
+    if (root / "manifest.json").is_file():
+        raise ValueError(f"--model-repo {root} is an artifact (a version folder: it holds manifest.json); give the repository "
+                         f"that holds <model>/<version>/ folders, e.g. --model-repo {root.parent.parent} if {root.parent.name!r} "
+                         "is the model")
+    try:
+        entries = [e for e in root.iterdir() if e.is_dir() and not e.name.startswith(".")]
+    except OSError:
+        return
+    if entries and all(VERSION_NAME.fullmatch(e.name) and (e / "manifest.json").is_file() for e in entries):
+        raise ValueError(f"--model-repo {root} is one model's folder (its versions {sorted(int(e.name) for e in entries)[:5]} hold "
+                         f"the artifacts); give the repository that holds it: --model-repo {root.parent}")
+
+
 class ModelRepository:
     """Loads, serves, hot-swaps and rolls back the versions under ``config.model_repo``.
 
@@ -184,6 +200,7 @@ class ModelRepository:
         self.root = Path(config.model_repo)
         if not self.root.is_dir():
             raise FileNotFoundError(f"model repository not found: {self.root}")
+        _not_a_version_or_model(self.root)
         if config.trusted_sha256 is not None:
             read_trusted(config.trusted_sha256)  # a bad allow-list is an error at start, not a silent refusal of everything
         self.metrics = metrics

@@ -88,20 +88,28 @@ def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
 
 def load_tensors(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
     """Fills ``state`` (DCP key -> tensor) from the checkpoint at ``path``; CheckpointError if it cannot."""
-    missing = _missing_data_files(path)
-    if missing:
-        raise CheckpointError(f"{path} is incomplete: data file {missing[0]} is missing")
+    check_data_files(path)
     try:
         quiet_dcp(dcp.load, state, checkpoint_id=str(path), no_dist=no_dist)
     except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
-        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        last = [line for line in str(e).strip().splitlines() if line.strip()][-1:]  # DCP's message carries each rank's traceback
+        raise CheckpointError(f"cannot read {path}: {type(e).__name__}: {last[0] if last else ''}") from e
 
 
-def _missing_data_files(path: Path) -> List[str]:
-    """Data files DCP's metadata refers to that are not on disk."""
+def check_data_files(path: Path) -> None:
+    """CheckpointError naming the first data file DCP's metadata refers to that is missing, or shorter than the
+    bytes the metadata places in it (a copy cut short, a disk that filled up)."""
     md = dcp.FileSystemReader(str(path)).read_metadata()
-    names = {item.relative_path for item in (md.storage_data or {}).values()}
-    return sorted(n for n in names if not (path / n).is_file())
+    ends: Dict[str, int] = {}
+    for item in (md.storage_data or {}).values():
+        ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+    for name in sorted(ends):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path} is incomplete: data file {name} is missing")
+        size = file.stat().st_size
+        if size < ends[name]:
+            raise CheckpointError(f"{file} is truncated: {size:,} bytes, the checkpoint's metadata places {ends[name]:,} bytes in it")
 
 
 class CheckpointReader:
@@ -118,6 +126,7 @@ class CheckpointReader:
             self.meta = torchrec_metadata(self.path)
         else:
             self.meta = read_metadata(self.path)
+        check_data_files(self.path)  # tables are mapped from the data files: one cut short would fault at the first read
         self._dense_prefix = self.meta.get("dense_prefix", "dense/")
         self.config = self.meta.get("config")
         self.plan = ShardingPlan.from_json(json.dumps(self.meta["plan"])) if self.meta.get("plan") else None

@@ -16,6 +16,7 @@ import math
 import os
 import shutil
 import socket
+import sys
 import time
 import traceback
 from contextlib import nullcontext
@@ -334,7 +335,7 @@ class _NoBar:
 
 
 def _progress(total: int, initial: int, enabled: bool):
-    if not enabled:
+    if not enabled or not sys.stderr.isatty():  # a bar on a terminal only: in a log file it is noise
         return _NoBar()
     from tqdm import tqdm
 
