@@ -19,7 +19,7 @@ keys the tables' optimizer state by the same names.
 """
 
 from dataclasses import asdict
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
-from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, get_default_sharders
+from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, check_data_parallel, get_default_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, Topology
 
@@ -80,6 +80,9 @@ class DistributedModelParallel(nn.Module):
             topology = Topology(world_size=env.world_size, compute_device=device.type, local_world_size=local)
             plan = EmbeddingShardingPlanner(topology).collective_plan(module, sharders, env.pg)
         self.plan = plan
+        for path, sub in module.named_modules():  # a plan that shards an EmbeddingCollection's table: refused, not ignored
+            if type(sub) is EmbeddingCollection and plan.get_plan_for_module(path) is not None:
+                check_data_parallel(sub, plan.get_plan_for_module(path))
         sharded: List[Tuple[str, ShardedEmbeddingBagCollection]] = []
         for path, sub in list(module.named_modules()):
             if not isinstance(sub, EmbeddingBagCollection):

@@ -72,3 +72,24 @@ def test_sharding_spec_is_torchs_enumerable_spec_of_the_shards(user):
                                                 device_type="cpu")
     assert tw["bag"].sharding_spec == EnumerableShardingSpec(
         [ShardMetadata(shard_offsets=[0, 0], shard_sizes=[10, 8], placement="rank:1/cpu")])
+
+
+def test_dmp_refuses_a_hand_written_plan_that_shards_an_ec_table(user):
+    """DistributedModelParallel with a plan asking table_wise for the EC's table: an error naming it, not data-parallel."""
+    import torch.distributed as dist
+
+    from recship.trainer.model_parallel import DistributedModelParallel
+    from recship.trainer.planner import ShardingPlan
+
+    from gloo_ranks import _free_port
+
+    model = user["TwoTowers"](torch.device("cpu"))
+    plan = ShardingPlan({"ebc": user["construct_module_sharding_plan"](model.ebc, {"bag": user["table_wise"](rank=0)}, local_size=1,
+                                                                      world_size=1, device_type="cpu"),
+                         "ec": user["hand_plan"](model.ec, user["table_wise"](rank=0), 1)})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"table 'seq' of an EmbeddingCollection is planned 'table_wise'"):
+            DistributedModelParallel(model, plan=plan, device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
