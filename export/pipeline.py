@@ -224,10 +224,11 @@ def write_artifact(
     """
     if aoti is None:
         aoti = _wants_aoti(config)
-    torchscript = not isinstance(scripted, StageError)
+    script_error = scripted if isinstance(scripted, StageError) else None
+    program: Optional[torch.jit.ScriptModule] = None if isinstance(scripted, StageError) else scripted
     try:
-        if not torchscript and (exported is None or not aoti):
-            raise ExportError(str(scripted))
+        if program is None and (exported is None or not aoti):
+            raise ExportError(str(script_error))
         dense, kjt, _ = sample
         inputs = {
             "dense": dense.float().contiguous(),
@@ -236,35 +237,34 @@ def write_artifact(
         }
         if kjt.weights_or_none() is not None:
             inputs["weights"] = kjt.weights().float().contiguous()
-        runner = scripted if torchscript else exported
-        assert runner is not None
+        runner: nn.Module = program if program is not None else exported  # type: ignore[assignment]
         with torch.no_grad():
             outputs = {k: v.cpu() for k, v in runner(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()}
         # the tables go into tables.bin once; model.pt and model.pt2 take them from it at load
         tables = TablesWriter()
-        tables.add_tables(scripted if torchscript else runner, torchscript)
+        tables.add_tables(runner, torchscript=program is not None)
         package = None
         if aoti:
             assert exported is not None
-            package = _compile_aoti(tmp, exported, fields, config, None if torchscript else scripted)
+            package = _compile_aoti(tmp, exported, fields, config, script_error)
             tables.add_aoti(package.constants)
         spec = tables.write(tmp, staged)
         if config.repo is not None:  # the newest version's tables, unchanged: one file, hard-linked
             newest = next_version(out) - 1
             if newest > 0:
                 link_if_unchanged(tmp, spec, out / str(newest))
-        if torchscript:
-            with tables.emptied(scripted):
-                torch.jit.save(scripted, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
+        if program is not None:
+            with tables.emptied(program):
+                torch.jit.save(program, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
         else:
             log.warning("no model.pt (TorchScript): %s; the artifact's program is model.pt2 (torch.export + AOTInductor), "
-                        "which both servers and the C++ loader run", scripted)
+                        "which both servers and the C++ loader run", script_error)
         aoti_spec = None
         if package is not None:
-            aoti_spec, outputs = _finish_aoti(package, fields, inputs, outputs, spec, reference="model.pt" if torchscript else "the eager model")
+            aoti_spec, outputs = _finish_aoti(package, fields, inputs, outputs, spec, reference="model.pt" if program is not None else "the eager model")
         sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
-        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if torchscript else None,
+        manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if program is not None else None,
                                         aoti=aoti_spec, tables=spec)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
             from recship.plots import plot_artifact, plot_or_warn

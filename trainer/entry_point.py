@@ -180,6 +180,7 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
                              "of 4, which fbgemm's embedding kernels need")
     tiny = copy.deepcopy(module)
     for path, m in list(tiny.named_modules()):
+        small: nn.Module
         if type(m) is EmbeddingBagCollection:
             small = EmbeddingBagCollection([dataclasses.replace(t, num_embeddings=min(t.num_embeddings, 8)) for t in m.embedding_bag_configs()],
                                            is_weighted=m.is_weighted(), device="meta")

@@ -81,8 +81,9 @@ class DistributedModelParallel(nn.Module):
             plan = EmbeddingShardingPlanner(topology).collective_plan(module, sharders, env.pg)
         self.plan = plan
         for path, sub in module.named_modules():  # a plan that shards an EmbeddingCollection's table: refused, not ignored
-            if type(sub) is EmbeddingCollection and plan.get_plan_for_module(path) is not None:
-                check_data_parallel(sub, plan.get_plan_for_module(path))
+            planned = plan.get_plan_for_module(path) if type(sub) is EmbeddingCollection else None
+            if planned is not None:
+                check_data_parallel(sub, planned)  # type: ignore[arg-type]
         sharded: List[Tuple[str, ShardedEmbeddingBagCollection]] = []
         for path, sub in list(module.named_modules()):
             if not isinstance(sub, EmbeddingBagCollection):
