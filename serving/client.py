@@ -6,6 +6,7 @@
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -25,8 +26,11 @@ Weights = Mapping[str, Sequence[Sequence[float]]]
 
 
 class PredictClient:
-    def __init__(self, target: str, timeout: float = 10.0) -> None:
-        self.channel = grpc.insecure_channel(target)
+    """A client of recship's Predictor service. ``credentials``: grpc.ssl_channel_credentials(...) for a server
+    started with --tls-cert (None: plaintext); ``timeout``: seconds each call may take."""
+
+    def __init__(self, target: str, timeout: float = 10.0, credentials: Optional[grpc.ChannelCredentials] = None) -> None:
+        self.channel = grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
         self.stub = pb_grpc.PredictorStub(self.channel)
         self.timeout = timeout
 
@@ -75,8 +79,12 @@ class PredictClient:
         )
 
     def predict(self, model: str, sparse: Sparse, dense: Optional[Dense] = None, weights: Optional[Weights] = None, version: int = 0, timeout: Optional[float] = None) -> Dict[str, np.ndarray]:
-        response = self.stub.Predict(self.request(model, sparse, dense, weights, version), timeout=timeout or self.timeout)
-        return outputs_of(response)
+        return outputs_of(self.predict_response(model, sparse, dense, weights, version, timeout))
+
+    def predict_response(self, model: str, sparse: Sparse, dense: Optional[Dense] = None, weights: Optional[Weights] = None,
+                         version: int = 0, timeout: Optional[float] = None) -> pb.PredictResponse:
+        """The PredictResponse itself: its outputs (``outputs_of``) and the model version that answered."""
+        return self.stub.Predict(self.request(model, sparse, dense, weights, version), timeout=timeout or self.timeout)
 
     def metadata(self, model: str, version: int = 0):
         return self.stub.GetModelMetadata(pb.ModelMetadataRequest(model_name=model, model_version=version), timeout=self.timeout)
@@ -131,11 +139,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model's name in the server's repository, its folder (required)")
     parser.add_argument("--model-version", dest="version", metavar="N", type=int, default=0,
                         help="the model version to ask for; 0 asks for the newest the server serves (default 0)")
-    parser.add_argument("--request", required=True,
-                        help='a JSON file: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], "weights": {...}} (required)')
+    parser.add_argument("--request", required=True, metavar="FILE",
+                        help='a JSON file, or - for standard input: {"sparse": {"f": [[1, 2], [3]]}, "dense": [[...]], '
+                             '"weights": {...}} (required)')
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="how long the call may take before DEADLINE_EXCEEDED (default 10)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="speak TLS, trusting this CA's certificates (a server started with "
+                                                         "--tls-cert) (default: plaintext)")
+    parser.add_argument("--tls-cert", metavar="PEM", help="client certificate chain for mutual TLS (a server started with "
+                                                           "--tls-client-ca); needs --tls-key and --tls-ca (default: none)")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key of --tls-cert (default: none)")
 
 
-def read_request(path: Path) -> Dict[str, Any]:
+def read_request(path: Path, text: Optional[str] = None) -> Dict[str, Any]:
     """A ``recship predict`` request file, read as recship_predict reads one (in its words): strict JSON, an
     object of "sparse" (an object of features), optional "dense" and "weights" (an object of features; the
     values themselves are PredictClient.request's to check)."""
@@ -144,7 +160,7 @@ def read_request(path: Path) -> Dict[str, Any]:
         raise ValueError(f"{name} is not a number JSON allows")
 
     try:
-        body = json.loads(path.read_text(), parse_constant=no_constant)
+        body = json.loads(path.read_text() if text is None else text, parse_constant=no_constant)
     except ValueError as e:  # JSONDecodeError, bad UTF-8, NaN or Infinity
         raise ValueError(f"the request file {path} is not JSON: {e}") from None
     if not isinstance(body, dict) or not isinstance(body.get("sparse"), dict):
@@ -157,15 +173,42 @@ def read_request(path: Path) -> Dict[str, Any]:
     return body
 
 
+def credentials_of(ca: Optional[str], cert: Optional[str], key: Optional[str]) -> Optional[grpc.ChannelCredentials]:
+    """TLS channel credentials from PEM files (None without --tls-ca); ValueError naming a file that is missing or a
+    half-given client certificate."""
+    if ca is None:
+        if cert is not None or key is not None:
+            raise ValueError("--tls-cert and --tls-key need --tls-ca (the CA that signed the server's certificate)")
+        return None
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together (a client certificate and its key)")
+    pem = {}
+    for flag, file in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
+        if file is not None:
+            try:
+                pem[flag] = Path(file).read_bytes()
+            except OSError as e:
+                raise ValueError(f"{flag} {file}: {e.strerror}") from None
+    return grpc.ssl_channel_credentials(root_certificates=pem["--tls-ca"], private_key=pem.get("--tls-key"),
+                                        certificate_chain=pem.get("--tls-cert"))
+
+
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.request)
-    if not path.is_file():
-        raise FileNotFoundError(f"request file not found: {path}")
-    body = read_request(path)
-    with PredictClient(args.target) as client:
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+    credentials = credentials_of(args.tls_ca, args.tls_cert, args.tls_key)
+    if args.request == "-":
+        body = read_request(Path("<stdin>"), sys.stdin.read())
+    else:
+        path = Path(args.request)
+        if not path.is_file():
+            raise FileNotFoundError(f"request file not found: {path}")
+        body = read_request(path)
+    with PredictClient(args.target, timeout=args.timeout, credentials=credentials) as client:
         try:
-            outputs = client.predict(args.model, body["sparse"], body.get("dense"), body.get("weights"), args.version)
+            response = client.predict_response(args.model, body["sparse"], body.get("dense"), body.get("weights"), args.version)
         except grpc.RpcError as e:
             raise ValueError(f"{e.code().name}: {e.details()}") from None
-    print(json.dumps({k: v.tolist() for k, v in outputs.items()}))
+    print(json.dumps({k: v.tolist() for k, v in outputs_of(response).items()}))
+    print(f"recship predict: {response.model_name} version {response.model_version} answered", file=sys.stderr)
     return 0
