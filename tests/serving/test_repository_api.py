@@ -285,15 +285,25 @@ def test_the_grafana_dashboard_charts_only_metrics_the_server_exports(repo, tmp_
     server = Server(ServerConfig(model_repo=str(root), port=0, metrics_port=0, max_delay_ms=1))
     try:
         client = Client("grpc", server)
+        assert client.c.is_server_ready() and client.c.get_model_metadata("a")  # probes: not requests in the rate panels
         client.infer("a", *random_request(4))
         bad, dense = random_request(5)
         bad["cat_0"] = [[10_000]] + bad["cat_0"][1:]
         _refused(lambda: client.infer("a", bad, dense), "StatusCode.INVALID_ARGUMENT", "400")
         client.close()
-        exported = set(re.findall(r"^(recship_[a-z_]+)", _scrape(server), re.M))
+        _scrape_text = _scrape(server)
+        exported = set(re.findall(r"^(recship_[a-z_]+)", _scrape_text, re.M))
     finally:
         server.stop()
     assert used and used <= exported, sorted(used - exported)
+    # the request-rate and error-ratio panels count inference calls, not health or metadata probes
+    methods = set(re.findall(r'recship_requests_total\{method="([^"]+)"', _scrape_text))
+    assert {"ModelInfer", "ServerReady", "ModelMetadata"} <= methods, methods
+    for e in (e for e in exprs if "recship_requests_total" in e):
+        patterns = re.findall(r'method=~"([^"]+)"', e)
+        assert patterns and patterns.count(patterns[0]) == len(patterns), e
+        counted = {m for m in methods if re.fullmatch(patterns[0].replace("\\\\", "\\"), m)}  # PromQL's string escapes undone
+        assert counted == {"ModelInfer"}, (e, counted)
     assert {"recship_queue_depth", "recship_model_ready", "recship_model_load_failures_total"} <= used
 
 
