@@ -58,7 +58,7 @@ def main(out: str) -> Dict[str, list]:
     args = ["--model", "examples.my_model:build", "--model-args", json.dumps({"videos": 500, "channels": 50})]
     assert recship(["train", "--out", str(run), "--steps", "50", "--overwrite", "--no-progress", *args]) == 0
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]
-    assert recship(["export", str(checkpoint), "--out", str(repo / "my_model" / "1"), "--name", "my_model", "--overwrite"]) == 0
+    assert recship(["export", str(checkpoint), "--out", str(repo / "my_model" / "1"), "--model-name", "my_model", "--overwrite"]) == 0
     server = Server(ServerConfig(model_repo=str(repo), port=0))
     try:
         with PredictClient(f"127.0.0.1:{server.port}") as client:

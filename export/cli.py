@@ -42,10 +42,10 @@ def _pairs(items: Optional[List[str]]) -> Dict[str, str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="the training checkpoint directory to export, e.g. runs/x/checkpoints/step_N (required)")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="the artifact directory to create; it must not exist unless --overwrite (required, or --repo)")
-    where.add_argument("--repo", metavar="DIR",
-                       help="a model repository (recship serve --model-repo DIR): write DIR/NAME/<next version>/ atomically; "
-                            "needs --name NAME (required, or --out)")
+    where.add_argument("--out", help="the artifact directory to create; it must not exist unless --overwrite (required, or --model-repo)")
+    where.add_argument("--model-repo", dest="repo", metavar="DIR",
+                       help="a model repository (as recship serve --model-repo DIR): write DIR/NAME/<next version>/ "
+                            "atomically; needs --model-name NAME (required, or --out)")
     parser.add_argument("--dtype", default="int8", type=one_of(DTYPES, "data type"), choices=DTYPES,
                         help="every table's type, in either case; auto picks per table the smallest type within "
                              "--error-budget (default int8)")
@@ -63,10 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--id-policy", action="append", type=_pair("--id-policy"), metavar="FEATURE=reject|modulo",
                         help="what a feature does with an id past its table's rows, repeatable; *=modulo sets every feature "
                              "(default reject: the request is refused)")
-    parser.add_argument("--model-name", "--name", dest="model_name", metavar="NAME",
-                        help="the model's name in the manifest; with --repo, also its folder (default model; needed with --repo)")
+    parser.add_argument("--model-name", dest="model_name", metavar="NAME",
+                        help="the model's name in the manifest; with --model-repo, also its folder (default model; needed with "
+                             "--model-repo)")
     parser.add_argument("--model-version", dest="model_version", type=int, metavar="N",
-                        help="the model version in the manifest (default 1; with --repo, the next free number)")
+                        help="the model version in the manifest (default 1; with --model-repo, the next free number)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory (default off)")
     parser.add_argument("--model", metavar="PACKAGE.MODULE:FACTORY",
                         help="the model to rebuild the checkpoint into (default: the entry point the checkpoint records; "
@@ -107,14 +108,14 @@ def export_model(source: str, config: "ExportConfig") -> Dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     if args.repo is not None:
         if args.model_name is None:
-            raise ValueError("--repo needs --name NAME: the model's folder in the repository")
+            raise ValueError("--model-repo needs --model-name NAME: the model's folder in the repository")
         if not MODEL_NAME.fullmatch(args.model_name):
-            raise ValueError(f"--name {args.model_name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
+            raise ValueError(f"--model-name {args.model_name!r} cannot name a model folder: 1-128 of A-Z a-z 0-9 _ . - "
                              "starting with a letter or digit")
         if args.model_version is not None:
-            raise ValueError("--model-version does not apply with --repo: the version is the next number in the repository")
+            raise ValueError("--model-version does not apply with --model-repo: the version is the next number in the repository")
         if args.overwrite:
-            raise ValueError("--overwrite does not apply with --repo: every export is a new version")
+            raise ValueError("--overwrite does not apply with --model-repo: every export is a new version")
     if not Path(args.checkpoint).exists():  # before torch loads: a mistyped path answers at once
         raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
     from tqdm.contrib.logging import logging_redirect_tqdm

@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     for dtype in ("int8", "int4"):
         # INT8: model.pt2 too where a C++ compiler is present (auto); INT4: model.pt only, to keep the demo short
         if dtype == "int8":  # into service in one step: the next version folder of the repository, written atomically
-            print(f"   recship export {summary['checkpoint']} --repo {repo} --name dlrm --dtype int8 --shards 2")
+            print(f"   recship export {summary['checkpoint']} --model-repo {repo} --model-name dlrm --dtype int8 --shards 2")
             # plot=None: tables.png in the artifact as `recship export` draws it (when matplotlib is installed)
             written = export_model(summary["checkpoint"], ExportConfig(repo=str(repo), model_name="dlrm", dtype=dtype, shards=2,
                                                                        progress=False, plot=None))
@@ -337,7 +337,7 @@ def two_tower(args: argparse.Namespace) -> None:
     _expect(recship(command) == 0, "trained (its own loss: binary cross-entropy of the towers' dot product)")
     checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
     shutil.rmtree(repo, ignore_errors=True)  # starts over each run: the export below is version 1
-    export = ["export", str(checkpoint), "--repo", str(repo), "--name", "two_tower"]
+    export = ["export", str(checkpoint), "--model-repo", str(repo), "--model-name", "two_tower"]
     print("   recship " + " ".join(export))
     _expect(recship(export) == 0, "exported from the checkpoint alone (it records the entry point and its arguments)")
     artifact = repo / "two_tower" / "1"

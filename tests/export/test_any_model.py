@@ -49,7 +49,7 @@ def exported(tmp_path_factory):
         assert code == 0
         checkpoint = sorted((run / "checkpoints").iterdir())[-1]
         out = root / "repo" / name / "1"
-        assert main(["export", str(checkpoint), "--out", str(out), "--name", name, "--validation-batch-size", "64", *export_flags]) == 0
+        assert main(["export", str(checkpoint), "--out", str(out), "--model-name", name, "--validation-batch-size", "64", *export_flags]) == 0
         manifests[name] = json.loads((out / "manifest.json").read_text())
     return root, manifests
 

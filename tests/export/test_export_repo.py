@@ -1,4 +1,4 @@
-"""``recship export --repo DIR --name M``: the next version folder, written atomically, picked up by a running server."""
+"""``recship export --model-repo DIR --model-name M``: the next version folder, written atomically, picked up by a running server."""
 
 import os
 import time
@@ -112,18 +112,18 @@ def test_config_and_cli_refusals(tmp_path, capsys):
     checkpoint = str(tmp_path / "ckpt")  # never read: every case is refused first
     repo = str(tmp_path / "repo")
     cases = [
-        (["--repo", repo], "--repo needs --name"),
-        (["--repo", repo, "--name", "../up"], "--name '../up' cannot name a model folder"),
-        (["--repo", repo, "--name", ".hidden"], "--name '.hidden'"),
-        (["--repo", repo, "--name", "m", "--model-version", "3"], "--model-version does not apply with --repo"),
-        (["--repo", repo, "--name", "m", "--overwrite"], "--overwrite does not apply with --repo"),
+        (["--model-repo", repo], "--model-repo needs --model-name"),
+        (["--model-repo", repo, "--model-name", "../up"], "--model-name '../up' cannot name a model folder"),
+        (["--model-repo", repo, "--model-name", ".hidden"], "--model-name '.hidden'"),
+        (["--model-repo", repo, "--model-name", "m", "--model-version", "3"], "--model-version does not apply with --model-repo"),
+        (["--model-repo", repo, "--model-name", "m", "--overwrite"], "--overwrite does not apply with --model-repo"),
     ]
     for argv, message in cases:
         assert main(["export", checkpoint, *argv]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()[-1]
         assert err.startswith("recship export: error:") and message in err, (argv, err)
-    for argv, message in [(["--out", str(tmp_path / "x"), "--repo", repo, "--name", "m"], "argument --repo: not allowed with argument --out"),
-                          ([], "one of the arguments --out --repo is required")]:
+    for argv, message in [(["--out", str(tmp_path / "x"), "--model-repo", repo, "--model-name", "m"], "argument --model-repo: not allowed with argument --out"),
+                          ([], "one of the arguments --out --model-repo is required")]:
         with pytest.raises(SystemExit) as e:
             main(["export", checkpoint, *argv])
         assert e.value.code == 2 and message in capsys.readouterr().err, argv
@@ -168,7 +168,7 @@ def test_cli_repo_mode_reaches_the_config(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "export_model", lambda source, config: seen.append((source, config)))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()  # the CLI refuses a missing checkpoint before it loads torch
-    assert main(["export", str(ckpt), "--repo", str(tmp_path), "--name", "dlrm", "--dtype", "int4"]) == 0
+    assert main(["export", str(ckpt), "--model-repo", str(tmp_path), "--model-name", "dlrm", "--dtype", "int4"]) == 0
     assert main(["export", str(ckpt), "--out", str(tmp_path / "a")]) == 0
     (_, repo_mode), (_, out_mode) = seen
     assert (repo_mode.repo, repo_mode.out, repo_mode.model_name, repo_mode.dtype) == (str(tmp_path), None, "dlrm", "int4")

@@ -37,7 +37,7 @@ def exported(tmp_path_factory):
                  "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress", "--nproc-per-node", "2"]) == 0
     checkpoint = sorted((root / "run" / "checkpoints").iterdir())[-1]
     out = root / "artifact"
-    done = subprocess.run([sys.executable, "-m", "recship", "export", str(checkpoint), "--out", str(out), "--name", "fm",
+    done = subprocess.run([sys.executable, "-m", "recship", "export", str(checkpoint), "--out", str(out), "--model-name", "fm",
                            "--validation-batch-size", "64"], capture_output=True, text=True, env={**os.environ, "RECSHIP_AOTI": "1"})
     assert done.returncode == 0, done.stderr
     runs, why = aoti_runs_here(Manifest.read(out))
