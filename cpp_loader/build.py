@@ -5,9 +5,13 @@
 
 The sanitized build (RECSHIP_SANITIZE, CMakeLists.txt) is for tests/cpp_loader/test_cpp_sanitized.py: only
 recship_predict and recship_front, in a folder of its own, cached like the normal one.
+
+``package(dest)`` builds and then installs into ``dest`` (``cmake --install``: bin/, lib/, include/,
+lib/cmake/recship): setup.py's build step, with RECSHIP_BUILD_CPP set, packages them as recship/_cpp.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +56,24 @@ def build(build_dir: Optional[Path] = None, jobs: int = 2, sanitize: bool = Fals
         targets = ["--target", "recship_predict"]
     subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), *targets], check=True, capture_output=True, text=True)
     return build_dir
+
+
+def package(dest: Path, build_dir: Optional[Path] = None, jobs: int = 2, require_front: bool = False) -> Path:
+    """Builds (``build``: the cached folder, build/cpp_loader by default) and installs into ``dest``; returns ``dest``.
+
+    ``dest`` receives bin/recship_predict (and bin/recship_front where gRPC C++ is found), lib/librecship_loader.so,
+    lib/cmake/recship/ (find_package(recship)) and include/recship/. ``require_front``: RuntimeError where
+    recship_front was not built (gRPC C++ missing) instead of packaging without it.
+    """
+    build_dir = build(build_dir, jobs=jobs)
+    if require_front and not _has_target(build_dir, "recship_front"):
+        raise RuntimeError("recship_front was not built: gRPC C++ is missing (Debian: libgrpc++-dev protobuf-compiler-grpc "
+                           "libprotobuf-dev protobuf-compiler pkg-config)")
+    dest = Path(dest)
+    for sub in ("bin", "lib", "include"):  # an earlier install's files must not outlive this one's
+        shutil.rmtree(dest / sub, ignore_errors=True)
+    subprocess.run(["cmake", "--install", str(build_dir), "--prefix", str(dest)], check=True, capture_output=True, text=True)
+    return dest
 
 
 def _has_target(build_dir: Path, target: str) -> bool:

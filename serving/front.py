@@ -16,7 +16,6 @@ the Python server's exact statuses and messages, and a model the front failed to
 still served, by Python.
 """
 
-import importlib.util
 import json
 import logging
 import os
@@ -34,31 +33,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("recship.serving")
 _front_log = logging.getLogger("recship.front")
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 class FrontError(RuntimeError):
     """The C++ front could not be built, started, or did not do what it was told."""
 
 
 def build_front() -> Path:
-    """Builds (incrementally) and returns ``recship_front``; FrontError where it cannot be built here."""
-    script = ROOT / "cpp_loader" / "build.py"
-    if not script.is_file():
-        raise FrontError("--front cpp builds cpp_loader/ and runs from a source checkout; cpp_loader/build.py is not here")
-    spec = importlib.util.spec_from_file_location("recship_cpp_build", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    log.info("building the C++ front (cmake, incremental: minutes the first time, seconds after)")
+    """Returns ``recship_front``: the one installed with recship (a wheel built with RECSHIP_BUILD_CPP), else built
+    (incrementally) from the source checkout (recship.native.find); FrontError where neither can be had here."""
+    from recship.native import NativeError, find, packaged
+
+    if packaged("recship_front") is None:
+        log.info("building the C++ front (cmake, incremental: minutes the first time, seconds after)")
     try:
-        binary = module.build() / "recship_front"
-    except subprocess.CalledProcessError as e:
-        raise FrontError(f"building the C++ front failed: {(e.stderr or e.stdout or '').strip()[-2000:]}") from None
-    if not binary.is_file():
-        raise FrontError("recship_front was not built: gRPC C++ is missing (Debian: libgrpc++-dev protobuf-compiler-grpc; "
-                         "`make install` installs them)")
-    return binary
+        return find("recship_front")
+    except NativeError as e:
+        raise FrontError(str(e)) from None
 
 
 def front_tables() -> Dict[str, Any]:
@@ -112,13 +102,14 @@ class CppFront:
                 args += ["--tls-client-ca", config.tls_client_ca]
         self._lock = threading.Lock()
         from recship.export.aoti import process_folder
+        from recship.native import runtime_env
 
         # the front's temp folder (TMPDIR: torch's AOTI loader extracts each model.pt2 there), inside this
         # process's own: removed once the front has exited, however it ended, and with this process's folder
         self.folder = Path(tempfile.mkdtemp(prefix="front-", dir=process_folder()))
         try:
             self._proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          bufsize=1, env={**os.environ, "TMPDIR": str(self.folder)})
+                                          bufsize=1, env={**runtime_env(), "TMPDIR": str(self.folder)})
         except BaseException:
             shutil.rmtree(self.folder, ignore_errors=True)
             raise

@@ -3,7 +3,6 @@
 the manifest schema) and the one place tests get their markers (slow, cpp, distributed, gpu)."""
 
 import copy
-import importlib.util
 import json
 import os
 import re
@@ -77,11 +76,11 @@ def small_artifact(small_artifacts):
 
 @pytest.fixture(scope="session")
 def binary() -> Path:
-    """Path of the built recship_predict, the C++ loader's CLI (cpp_loader/build.py: cmake, incremental)."""
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build() / "recship_predict"
+    """Path of recship_predict, the C++ loader's CLI: the one installed with recship (a wheel built with
+    RECSHIP_BUILD_CPP), else built from this checkout (cpp_loader/build.py: cmake, incremental; recship.native.find)."""
+    from recship.native import find
+
+    return find("recship_predict")
 
 
 class ManifestSchema:
@@ -217,6 +216,7 @@ CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or
     "serving/test_front.py",
     "serving/test_leftovers.py::test_a_restarted_cpp_front_does_not_accumulate_folders_nor_does_a_killed_cpp_server",
     "serving/test_repository_reload.py::test_the_cpp_front_loads_only_the_manifest_the_server_verified",
+    "test_wheel.py",  # builds the wheel with its C++ parts
 }
 DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks, torchrun)
     "trainer/distributed/test_gpu.py",

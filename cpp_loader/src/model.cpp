@@ -291,7 +291,12 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     m.feature_weighted[f["name"].get<std::string>()] = f.value("weighted", m.weighted);
   m.num_dense = m.manifest["num_dense"].get<int64_t>();
   // 2. the torch and fbgemm_gpu it was built with
-  std::string fbgemm_dir = options.fbgemm_dir.empty() ? RECSHIP_FBGEMM_DIR : options.fbgemm_dir;
+  // LoadOptions::fbgemm_dir, else $RECSHIP_FBGEMM_DIR (recship.native sets it to the fbgemm_gpu Python imports: an
+  // installed wheel runs where it was not built), else the folder recorded at build time
+  const char* env_fbgemm = std::getenv("RECSHIP_FBGEMM_DIR");
+  std::string fbgemm_dir = !options.fbgemm_dir.empty()         ? options.fbgemm_dir
+                           : env_fbgemm && *env_fbgemm != '\0' ? std::string(env_fbgemm)
+                                                               : std::string(RECSHIP_FBGEMM_DIR);
   if (options.check_versions) {
     std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
     std::string running_torch = release(TORCH_VERSION);

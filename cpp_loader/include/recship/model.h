@@ -64,7 +64,7 @@ struct Prepared {
 using NamedOutputs = std::vector<std::pair<std::string, Output>>;
 
 struct LoadOptions {
-  std::string fbgemm_dir;      // folder of fbgemm_gpu's .so files; empty: the one recorded at build time
+  std::string fbgemm_dir;      // folder of fbgemm_gpu's .so files; empty: $RECSHIP_FBGEMM_DIR, else the one recorded at build time
   bool check_versions = true;  // refuse an artifact built with another torch / fbgemm_gpu version
   bool self_check = true;      // run the artifact's sample and compare with its recorded outputs
   int64_t max_batch_size = 512;  // larger requests are refused with InvalidRequest (the server's --max-batch-size)
