@@ -17,10 +17,10 @@ from recship.flags import FlagError, apply_config_argument
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
     "demo": ("recship.demo", "run the end-to-end walk-through on built-in data"),
-    "train": ("recship.trainer.cli", "train a model (the built-in DLRM, or --model) with sharded embedding tables"),
-    "export": ("recship.export.cli", "export a checkpoint to a quantized TorchScript artifact"),
+    "train": ("recship.trainer.cli", "train any model that follows the model contract (--model; the built-in DLRM by default) with sharded embedding tables"),
+    "export": ("recship.export.cli", "export a checkpoint to a quantized, self-checking artifact (model.pt2 and/or TorchScript model.pt)"),
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
-    "serve": ("recship.serving.server", "serve exported models over gRPC"),
+    "serve": ("recship.serving.server", "serve exported models over gRPC (recship Predictor, KServe v2) and HTTP (KServe v2 REST)"),
     "predict": ("recship.serving.client", "send one request to a running server"),
 }
 
