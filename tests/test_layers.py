@@ -16,7 +16,8 @@ FOLDERS = {"recship": "recship", "sparse": "recship.sparse", "trainer": "recship
 
 # bottom to top: a module may import its own layer and those below
 LAYERS = [
-    ["recship", "recship.names", "recship.flags", "recship.lazy", "recship.logs", "recship.plots", "recship.fx", "recship.cpus"],
+    ["recship", "recship.names", "recship.flags", "recship.lazy", "recship.logs", "recship.plots", "recship.fx", "recship.cpus",
+     "recship.native"],
     ["recship.sparse"],
     ["recship.trainer"],
     ["recship.models"],
