@@ -9,7 +9,6 @@ forward in Python with prebuilt tensors.
 """
 
 import argparse
-import importlib.util
 import json
 import re
 import statistics
@@ -35,10 +34,9 @@ def main() -> None:
     args = parser.parse_args()
     from recship.trainer.dlrm import DLRM, DLRMConfig
 
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    binary = build.build() / "recship_predict"
+    from recship.native import find, runtime_env
+
+    binary = find("recship_predict")  # the one installed with recship, else this checkout's (built now)
     work = Path(tempfile.mkdtemp(prefix="recship-cpp-bench-"))
     config = DLRMConfig()
     torch.manual_seed(0)
@@ -54,7 +52,8 @@ def main() -> None:
         dense = g.random((batch, config.num_dense)).tolist()
         request = work / f"req{batch}.json"
         request.write_text(json.dumps({"sparse": sparse, "dense": dense}))
-        out = subprocess.run([str(binary), str(art), "--request", str(request), "--bench", "300"], capture_output=True, text=True, check=True)
+        out = subprocess.run([str(binary), str(art), "--request", str(request), "--bench", "300"], capture_output=True, text=True, check=True,
+                             env=runtime_env())
         predict = float(re.search(r"predict p50 ([\d.]+)", out.stderr).group(1))
         raw = float(re.search(r"raw forward p50 ([\d.]+)", out.stderr).group(1))
         lengths = torch.tensor([len(r) for f in sparse for r in sparse[f]], dtype=torch.int32)

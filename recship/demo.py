@@ -288,21 +288,21 @@ def run(args: argparse.Namespace) -> int:
     print("   server stopped")
 
     _step("Build the C++ loader and run recship_predict on the same artifact and request")
-    import importlib.util
     import json
     import subprocess
 
-    spec = importlib.util.spec_from_file_location("cpp_build", Path(__file__).resolve().parents[1] / "cpp_loader" / "build.py")
-    if spec is None or spec.loader is None or spec.origin is None or not Path(spec.origin).is_file():
-        raise RuntimeError("cpp_loader/build.py not found: the C++ step runs from a source checkout")
-    cpp_build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cpp_build)
-    print("   building (cmake, Release, -j2; cached after the first time)...", flush=True)
-    binary = cpp_build.build() / "recship_predict"
+    from recship.native import NativeError, find, packaged, runtime_env
+
+    if packaged("recship_predict") is None:  # not installed with recship: the source checkout's, built now
+        print("   building (cmake, Release, -j2; cached after the first time)...", flush=True)
+    try:
+        binary = find("recship_predict")
+    except NativeError as e:
+        raise RuntimeError(str(e)) from None
     request_file = Path(args.out) / "request.json"
     request_file.write_text(json.dumps({"sparse": {k: [[int(i) for i in r] for r in v] for k, v in sparse.items()}, "dense": dense.tolist()}))
     result = subprocess.run([str(binary), str(served_artifact), "--request", str(request_file), "--bench", "200"],
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, env=runtime_env())
     if result.returncode != 0:
         raise RuntimeError(f"recship_predict failed: {result.stderr.strip()}")
     cpp = np.asarray(json.loads(result.stdout)["prob"], dtype=np.float32)

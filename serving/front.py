@@ -18,7 +18,6 @@ still served, by Python.
 
 import json
 import logging
-import os
 import shutil
 import subprocess
 import tempfile
