@@ -238,8 +238,12 @@ def compile_package(
     try:
         with _export_mode(module), torch.no_grad(), _quiet():
             program = torch.export.export(module, (dense, lengths, values, weights), dynamic_shapes=dynamic, strict=False)
-    except Exception as e:  # any capture failure ends with its reason
-        raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    except Exception as e:  # any capture failure ends with its reason, and the line of the user's code it came from
+        from recship.trainer.entry_point import user_files, user_line
+
+        where = user_line(e, user_files(module))
+        raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        + (f" (at {where})" if where else "")) from e
     options: Dict[str, object] = {"aot_inductor.package_constants_in_so": False}
     if target_isa is not None:
         options["cpp.march"] = target_isa

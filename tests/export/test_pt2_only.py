@@ -146,6 +146,8 @@ def test_a_model_neither_path_takes_names_both_stages(tmp_path):
                                                     validation_batch_size=8))
     text = str(e.value)
     assert text.startswith("torch.export failed:") and "; and fx trace failed:" in text and "neither model.pt2 nor model.pt" in text, text
+    exported_part = text.split("; and fx trace failed")[0]
+    assert "(at test_pt2_only.py:" in exported_part and "if out.sum() > 0:" in exported_part, text  # the user's line, torch.export's too
     assert not (tmp_path / "a").exists()
 
 
