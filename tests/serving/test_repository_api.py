@@ -382,3 +382,23 @@ def explicit_module(repo):
                                  model_control="explicit", load_models=["a"]))
     yield server
     server.stop()
+
+
+def test_platform_names_the_format_each_version_runs(small_artifacts, small_artifact, tmp_path):
+    """recship_aoti for a version running model.pt2, recship_torchscript for one running model.pt, in ModelConfig and
+    ModelMetadata alike (perf_analyzer and model_analyzer read it)."""
+    from model_requests import runnable_aoti
+
+    both = runnable_aoti(lambda: small_artifacts(format="both"))
+    root = model_repo(tmp_path / "repo", {"compiled": both, "scripted": small_artifact})
+    server = Server(ServerConfig(model_repo=str(root), port=0, http_port=0))
+    try:
+        for protocol in ("grpc", "http"):
+            c = Client(protocol, server)
+            for model, platform in (("compiled", "recship_aoti"), ("scripted", "recship_torchscript")):
+                assert c.config(model)["platform"] == platform
+                metadata = c.c.get_model_metadata(model, **({"as_json": True} if protocol == "grpc" else {}))
+                assert metadata["platform"] == platform
+            c.close()
+    finally:
+        server.stop()
