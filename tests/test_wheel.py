@@ -36,7 +36,7 @@ def _missing_toolchain() -> str:
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
     try:
-        import nlohmann_json  # noqa: F401
+        import nlohmann_json  # noqa: F401  (the C++ build reads its headers)
     except ImportError:
         return "nlohmann-json (the dev extra) is not installed"
     return ""
@@ -52,19 +52,24 @@ def _run(args, timeout=300, **kw):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    from recship.native import find
+    from recship.native import NativeError, find
 
     missing = _missing_toolchain()
     if missing:
         pytest.skip(f"the C++ build needs cmake, a C++17 compiler and nlohmann-json: {missing}")
     find("recship_predict")  # configures build/cpp_loader against this checkout (not the copy) where it is not yet
+    try:  # where this checkout builds the front, the wheel must carry it (the Docker image's mode)
+        find("recship_front")
+        mode = "front"
+    except NativeError:
+        mode = "1"
     src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheels")
     for name in SOURCES:
         if (ROOT / name).is_dir():
             shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(ROOT / name, src / name)
-    env = {**os.environ, "RECSHIP_BUILD_CPP": "1", "RECSHIP_CPP_BUILD_DIR": str(ROOT / "build" / "cpp_loader"),
+    env = {**os.environ, "RECSHIP_BUILD_CPP": mode, "RECSHIP_CPP_BUILD_DIR": str(ROOT / "build" / "cpp_loader"),
            "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", out, src], cwd=src, env=env, timeout=900)
     (built,) = out.glob("recship-*.whl")
