@@ -1,5 +1,8 @@
 """PNG charts: training curves, an artifact's per-table bytes and error, benchmark tables.
 
+The training and table charts each have a ``*_figure`` function that builds the matplotlib Figure
+(what tests read: lines, bars, labels) and a ``plot_*`` one that writes it as a PNG.
+
 matplotlib is the optional extra ``plots`` (``pip install 'recship[plots]'``), imported inside
 these functions only, so ``import recship`` stays fast. Figures are drawn on their own Agg
 canvas (``matplotlib.figure.Figure`` + ``FigureCanvasAgg``): no pyplot, no global backend, no
@@ -24,7 +27,8 @@ INSTALL_HINT = "pip install 'recship[plots]'"
 DPI = 100
 CURVES_SIZE = (9.0, 6.0)  # inches: 900 x 600 pixels at DPI
 MAX_POINTS = 2000  # train-loss points drawn per curve
-BAR_WIDTH = 10.0  # inches, table and bench charts; their height grows with the number of bars
+BAR_WIDTH = 10.0  # inches, bench charts; their height grows with the number of bars
+TABLES_WIDTH = 12.0  # inches, the table chart (three panels); its height grows with the number of tables
 
 
 class PlotsUnavailable(ImportError, ValueError):
@@ -101,15 +105,20 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
     return ((total[end] - total[start]) / (end - start)).tolist()
 
 
-def plot_training_curves(
-    path: Union[str, Path], steps: Sequence[int], losses: Sequence[float], evals: Sequence[Mapping[str, Any]],
-    title: str = "training",
-) -> Path:
-    """Writes ``path`` (900 x 600 PNG): train loss per step (raw and its moving average) with eval
-    log loss on the top panel, eval AUC on the bottom one; returns ``path``.
+def training_curves_figure(
+    steps: Sequence[int], losses: Sequence[float], evals: Sequence[Mapping[str, Any]], title: str = "training",
+    starts: Sequence[Mapping[str, Any]] = (),
+) -> Any:
+    """The matplotlib Figure of ``plot_training_curves`` (900 x 600 pixels): train loss per step (raw
+    and its moving average) with the eval log loss as points on the top axes, the eval AUC as points
+    on the bottom one, and a vertical line on both at each resume (dashed gray) or change of world
+    size (solid purple, labelled ``1 -> 2 ranks`` at the top).
 
     ``steps``/``losses``: the train loss after each step (same length); ``evals``: dicts with
-    ``step``, ``log_loss`` and ``auc`` (other keys are ignored), in step order.
+    ``step``, ``log_loss`` and ``auc`` (other keys are ignored), in step order; ``starts``: where
+    each run started, dicts with ``step``, ``world_size`` and ``resumed`` in step order (history.jsonl's
+    start records; none for a history written before they existed). The marker lines carry the gid
+    ``resume`` or ``world_size``, so their steps can be read back from the axes.
     """
     if len(steps) != len(losses):
         raise ValueError(f"steps and losses must have the same length, got {len(steps)} and {len(losses)}")
@@ -117,6 +126,10 @@ def plot_training_curves(
         missing = [k for k in ("step", "log_loss", "auc") if k not in e]
         if missing:
             raise ValueError(f"an eval entry lacks {missing}: {dict(e)}")
+    for r in starts:
+        missing = [k for k in ("step", "world_size", "resumed") if k not in r]
+        if missing:
+            raise ValueError(f"a start entry lacks {missing}: {dict(r)}")
     fig = _figure(*CURVES_SIZE)
     top, bottom = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
     if losses:
@@ -130,19 +143,54 @@ def plot_training_curves(
             top.plot(steps[::every], smooth[::every], color="tab:blue", linewidth=1.8, label=f"train loss, mean of {window} steps")
     eval_steps = [int(e["step"]) for e in evals]
     if evals:
-        top.plot(eval_steps, [float(e["log_loss"]) for e in evals], "o-", color="tab:red", label="eval log loss")
-        bottom.plot(eval_steps, [float(e["auc"]) for e in evals], "o-", color="tab:green", label="eval AUC")
+        # points, with a faint guide between them: an evaluation is a measurement, not a curve between measurements
+        point = dict(marker="o", markersize=6, linestyle=":", linewidth=0.8, zorder=3)
+        top.plot(eval_steps, [float(e["log_loss"]) for e in evals], color="tab:red", label="eval log loss", **point)
+        bottom.plot(eval_steps, [float(e["auc"]) for e in evals], color="tab:green", label="eval AUC", **point)
     else:
         bottom.text(0.5, 0.5, "no evaluations", ha="center", va="center", transform=bottom.transAxes, color="gray")
+    _mark_starts(top, bottom, starts)
     top.set_ylabel("log loss")
     top.set_title(title)
     top.grid(alpha=0.3)
-    if losses or evals:
+    if losses or evals or len(top.lines):
         top.legend(loc="upper right")
     bottom.set_ylabel("AUC")
     bottom.set_xlabel("step")
     bottom.grid(alpha=0.3)
-    return _save(fig, path)
+    return fig
+
+
+def _mark_starts(top: Any, bottom: Any, starts: Sequence[Mapping[str, Any]]) -> None:
+    """A vertical line on both axes where a run resumed (gid ``resume``) or changed its world size (gid
+    ``world_size``, with ``W -> W' ranks`` written at the top); a fresh run's start is not marked."""
+    previous: Optional[int] = None
+    labelled = set()
+    for r in starts:
+        world, step = int(r["world_size"]), int(r["step"])
+        changed = previous is not None and world != previous
+        if changed:
+            kind, style, label = "world_size", dict(color="tab:purple", linestyle="-", linewidth=1.2), "world size changed"
+        elif r["resumed"]:
+            kind, style, label = "resume", dict(color="gray", linestyle="--", linewidth=1.0), "resumed"
+        else:  # a fresh run's start (step 0): nothing to mark
+            previous = world
+            continue
+        for ax in (top, bottom):
+            ax.axvline(step, gid=kind, label=label if ax is top and kind not in labelled else "_nolegend_", zorder=1, **style)
+        labelled.add(kind)
+        if changed:
+            top.annotate(f"{previous} -> {world} ranks", xy=(step, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                         textcoords="offset points", ha="left", va="top", fontsize="small", color="tab:purple", gid=kind)
+        previous = world
+
+
+def plot_training_curves(
+    path: Union[str, Path], steps: Sequence[int], losses: Sequence[float], evals: Sequence[Mapping[str, Any]],
+    title: str = "training", starts: Sequence[Mapping[str, Any]] = (),
+) -> Path:
+    """Writes ``path`` (900 x 600 PNG): ``training_curves_figure`` of the arguments; returns ``path``."""
+    return _save(training_curves_figure(steps, losses, evals, title=title, starts=starts), path)
 
 
 def _spans_decades(values: Sequence[float]) -> bool:
@@ -172,33 +220,56 @@ def _paired_bars(ax: Any, y: List[int], first: Tuple[List[float], str, str], sec
 
 
 
-def plot_table_report(path: Union[str, Path], tables: Sequence[Mapping[str, Any]], title: str = "tables") -> Path:
-    """Writes ``path`` (PNG, 1000 pixels wide): per table, its bytes as float32 and as stored (left,
-    log scale when the sizes span two decades) and its quantization error (right: max and mean
-    |error| of a weight); returns ``path``.
+TABLE_NEEDS = ("table", "data_type", "float_bytes", "quantized_bytes", "max_abs_error", "mean_abs_error", "pooled_relative_error")
+
+
+def table_report_figure(tables: Sequence[Mapping[str, Any]], title: str = "tables") -> Any:
+    """The matplotlib Figure of ``plot_table_report`` (1200 pixels wide), three panels sharing the
+    tables' rows: bytes as float32 and as stored (log scale when the sizes span two decades); the
+    absolute quantization error of a weight (max and mean |error|); and the pooled relative error
+    (|pooled(quantized) - pooled(float)| / |pooled(float)| over sample lookups), which does not grow
+    with the size of a table's weights as the absolute error does (an INT4 table of large rows
+    looks several times worse on the absolute error alone).
 
     ``tables``: the manifest's ``quantization.tables`` entries (``table``, ``data_type``,
-    ``float_bytes``, ``quantized_bytes``, ``max_abs_error``, ``mean_abs_error``).
+    ``float_bytes``, ``quantized_bytes``, ``max_abs_error``, ``mean_abs_error``,
+    ``pooled_relative_error``). The axes carry the gids ``bytes``, ``abs_error`` and ``rel_error``.
     """
     if not tables:
         raise ValueError("no tables to chart")
-    need = ("table", "data_type", "float_bytes", "quantized_bytes", "max_abs_error", "mean_abs_error")
     for t in tables:
-        missing = [k for k in need if k not in t]
+        missing = [k for k in TABLE_NEEDS if k not in t]
         if missing:
             raise ValueError(f"table entry {t.get('table', '?')!r} lacks {missing}")
     labels = [f"{t['table']} ({str(t['data_type']).lower()})" for t in tables]
-    fig = _figure(BAR_WIDTH, _bar_height(len(tables)))
-    size_ax, err_ax = fig.subplots(1, 2, sharey=True)
+    fig = _figure(TABLES_WIDTH, _bar_height(len(tables)))
+    size_ax, err_ax, rel_ax = fig.subplots(1, 3, sharey=True, gridspec_kw={"width_ratios": [1.2, 1, 1]})
     y = list(range(len(tables)))
+    size_ax.set_gid("bytes")
     _paired_bars(size_ax, y, ([float(t["float_bytes"]) for t in tables], "float32", "lightgray"),
                  ([float(t["quantized_bytes"]) for t in tables], "stored", "tab:blue"), "bytes")
     size_ax.set_yticks(y, labels)
     size_ax.invert_yaxis()  # the first table on top, as in the printed report
+    err_ax.set_gid("abs_error")
     _paired_bars(err_ax, y, ([float(t["max_abs_error"]) for t in tables], "max |error|", "tab:orange"),
-                 ([float(t["mean_abs_error"]) for t in tables], "mean |error|", "tab:red"), "quantization error of a weight", small=True)
+                 ([float(t["mean_abs_error"]) for t in tables], "mean |error|", "tab:red"), "absolute error of a weight", small=True)
+    rel_ax.set_gid("rel_error")
+    rel = [float(t["pooled_relative_error"]) for t in tables]
+    rel_ax.barh(y, rel, height=0.6, color="tab:purple", label="pooled relative error")
+    if _spans_decades(rel):
+        rel_ax.set_xscale("log")
+    else:
+        rel_ax.ticklabel_format(axis="x", style="sci", scilimits=(-2, 3))
+    rel_ax.set_xlabel("pooled relative error")
+    rel_ax.legend(loc="lower left", bbox_to_anchor=(0, 1), frameon=False)
+    rel_ax.grid(axis="x", alpha=0.3)
     fig.suptitle(title)
-    return _save(fig, path)
+    return fig
+
+
+def plot_table_report(path: Union[str, Path], tables: Sequence[Mapping[str, Any]], title: str = "tables") -> Path:
+    """Writes ``path`` (PNG, 1200 pixels wide): ``table_report_figure`` of ``tables``; returns ``path``."""
+    return _save(table_report_figure(tables, title=title), path)
 
 
 def plot_artifact(path: Union[str, Path], manifest: Mapping[str, Any]) -> Path:

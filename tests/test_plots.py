@@ -69,12 +69,111 @@ def test_table_chart_from_a_real_artifact(tmp_path, small_artifact):
     assert len(tables) == 26
     path = plots.plot_table_report(tmp_path / "sub" / "tables.png", tables, title="dlrm")
     pixels = _read_png(path)
-    assert pixels.shape == (round(plots._bar_height(26) * plots.DPI), plots.BAR_WIDTH * plots.DPI, 4)
+    assert pixels.shape == (round(plots._bar_height(26) * plots.DPI), plots.TABLES_WIDTH * plots.DPI, 4)
     with pytest.raises(ValueError, match="no tables"):
         plots.plot_table_report(tmp_path / "t.png", [])
     broken = [{k: v for k, v in tables[0].items() if k != "quantized_bytes"}]
     with pytest.raises(ValueError, match=r"'sparse_arch.t_cat_0' lacks \['quantized_bytes'\]"):
         plots.plot_table_report(tmp_path / "t.png", broken)
+
+
+def _by_gid(fig):
+    return {ax.get_gid(): ax for ax in fig.axes if ax.get_gid()}
+
+
+def _bars(ax):
+    """(width, centre row) of each bar of ``ax``, in drawing order."""
+    return [(p.get_width(), p.get_y() + p.get_height() / 2) for p in ax.patches]
+
+
+def test_table_chart_shows_the_pooled_relative_error_beside_the_absolute_error(tmp_path):
+    from recship.export import export_model
+
+    manifest = export_model(_small_dlrm(), _export_config(out=str(tmp_path / "art"), dtype="int4",
+                                                          table_dtypes={"t_cat_0": "int8", "t_cat_1": "fp32"}, plot=True))
+    tables = manifest["quantization"]["tables"]
+    assert [t["data_type"].lower() for t in tables[:3]] == ["int8", "fp32", "int4"]
+    fig = plots.table_report_figure(tables, title="mixed")
+    axes = _by_gid(fig)
+    assert set(axes) == {"bytes", "abs_error", "rel_error"}
+    rows = [float(i) for i in range(len(tables))]
+    # the reference: the manifest's numbers, one bar each, on the table's row
+    rel = _bars(axes["rel_error"])
+    assert [r for _, r in rel] == pytest.approx(rows)
+    assert [w for w, _ in rel] == [t["pooled_relative_error"] for t in tables]
+    absolute = _bars(axes["abs_error"])
+    assert [w for w, _ in absolute] == [t["max_abs_error"] for t in tables] + [t["mean_abs_error"] for t in tables]
+    sizes = _bars(axes["bytes"])
+    assert [w for w, _ in sizes] == [t["float_bytes"] for t in tables] + [t["quantized_bytes"] for t in tables]
+    assert [t.get_text() for t in axes["bytes"].get_yticklabels()] == [f"{t['table']} ({t['data_type'].lower()})" for t in tables]
+    assert axes["rel_error"].get_xlabel() == "pooled relative error"
+    assert axes["abs_error"].get_xlabel() == "absolute error of a weight"
+    assert [t.get_text() for t in axes["rel_error"].get_legend().get_texts()] == ["pooled relative error"]
+    assert fig.get_suptitle() == "mixed"
+    # all three panels share the rows: a table is one line across the chart
+    assert axes["rel_error"].get_ylim() == axes["bytes"].get_ylim()
+    assert tables[1]["pooled_relative_error"] == 0.0 and axes["rel_error"].get_xscale() == "linear"  # fp32: no log axis
+    # the artifact's own chart is this figure
+    assert _read_png(tmp_path / "art" / "tables.png").shape[:2] == (round(plots._bar_height(26) * plots.DPI),
+                                                                     plots.TABLES_WIDTH * plots.DPI)
+    broken = [{k: v for k, v in tables[0].items() if k != "pooled_relative_error"}]
+    with pytest.raises(ValueError, match=r"'sparse_arch.t_cat_0' lacks \['pooled_relative_error'\]"):
+        plots.table_report_figure(broken)
+
+
+def _vlines(ax, gid):
+    """The steps of ``ax``'s vertical marker lines of ``gid``."""
+    found = []
+    for line in ax.lines:
+        if line.get_gid() == gid:
+            xs = list(line.get_xdata())
+            assert xs[0] == xs[1], xs  # vertical
+            found.append(xs[0])
+    return found
+
+
+def test_training_curves_mark_resumes_and_world_size_changes_and_draw_evals_as_points():
+    steps = list(range(1, 13))
+    losses = [0.7 - 0.01 * s for s in steps]
+    evals = [{"step": 4, "log_loss": 0.66, "auc": 0.61}, {"step": 8, "log_loss": 0.62, "auc": 0.65},
+             {"step": 12, "log_loss": 0.6, "auc": 0.7}]
+    starts = [{"step": 0, "world_size": 1, "resumed": False}, {"step": 4, "world_size": 1, "resumed": True},
+              {"step": 8, "world_size": 2, "resumed": True}, {"step": 10, "world_size": 4, "resumed": True}]
+    fig = plots.training_curves_figure(steps, losses, evals, title="t", starts=starts)
+    top, bottom = fig.axes
+    for ax in (top, bottom):
+        assert _vlines(ax, "resume") == [4]
+        assert _vlines(ax, "world_size") == [8, 10]
+    assert [t.get_text() for t in top.texts] == ["1 -> 2 ranks", "2 -> 4 ranks"]
+    assert [t.xy[0] for t in top.texts] == [8, 10]
+    by_label = {line.get_label(): line for line in top.lines + bottom.lines}
+    for label, key, ax in (("eval log loss", "log_loss", top), ("eval AUC", "auc", bottom)):
+        line = by_label[label]
+        assert line in ax.lines and line.get_marker() == "o"
+        assert list(line.get_xdata()) == [4, 8, 12] and list(line.get_ydata()) == [e[key] for e in evals]
+    assert list(by_label["train loss"].get_xdata()) == steps and list(by_label["train loss"].get_ydata()) == losses
+    legend = [t.get_text() for t in top.get_legend().get_texts()]
+    assert legend == ["train loss", "eval log loss", "resumed", "world size changed"]  # each kind of marker once
+    # a history without start records (written before they existed), or a fresh run: no marks
+    for none in ((), starts[:1]):
+        fig = plots.training_curves_figure(steps, losses, evals, starts=none)
+        assert all(line.get_gid() is None for ax in fig.axes for line in ax.lines) and not fig.axes[0].texts
+    with pytest.raises(ValueError, match=r"a start entry lacks \['resumed'\]"):
+        plots.training_curves_figure(steps, losses, evals, starts=[{"step": 0, "world_size": 1}])
+
+
+def test_recship_train_records_and_marks_a_resume_on_more_ranks(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _train(out, "--steps", "4") == 0
+    assert _train(out, "--steps", "8", "--resume", "--nproc-per-node", "2") == 0
+    assert _train(out, "--steps", "10", "--resume", "--nproc-per-node", "2") == 0
+    h = _history(out)
+    assert h.starts == [{"step": 0, "world_size": 1, "resumed": False}, {"step": 4, "world_size": 2, "resumed": True},
+                        {"step": 8, "world_size": 2, "resumed": True}]
+    assert h.steps == list(range(1, 11)) and [e["step"] for e in h.evals] == [4, 8, 10]
+    fig = plots.training_curves_figure(h.steps, h.loss_values, h.evals, starts=h.starts)
+    assert _vlines(fig.axes[0], "world_size") == [4] and _vlines(fig.axes[0], "resume") == [8]
+    assert [t.get_text() for t in fig.axes[0].texts] == ["1 -> 2 ranks"]
 
 
 def test_log_scale_only_when_values_span_decades():
@@ -134,7 +233,7 @@ def test_side_effect_charts_warn_once_without_matplotlib(tmp_path, no_matplotlib
     with caplog.at_level(logging.WARNING, logger="recship.plots"):
         assert plots.plot_or_warn(plots.plot_training_curves, tmp_path / "c.png", [1], [0.5], []) is None
         table = {"table": "t", "data_type": "INT8", "float_bytes": 64, "quantized_bytes": 24, "max_abs_error": 0.1,
-                 "mean_abs_error": 0.01}
+                 "mean_abs_error": 0.01, "pooled_relative_error": 0.004}
         assert plots.plot_or_warn(plots.plot_table_report, tmp_path / "t.png", [table]) is None
         assert plots.write_bench_chart(str(tmp_path / "b.png"), "bench", ["a"], {"us": {"x": [1.0]}}) is None
     warnings = [r for r in caplog.records if r.name == "recship.plots"]
@@ -190,6 +289,8 @@ def test_recship_train_draws_the_whole_run_across_resumes(tmp_path, capsys):
     assert _train(out, "--steps", "6", "--resume") == 0
     again = _history(out)
     assert again.steps == list(range(1, 7)) and [e["step"] for e in again.evals] == [4, 6]
+    # the resumes at 8 (the abandoned part) and at 4 before it: only the last start at 4 stays
+    assert again.starts == [{"step": 0, "world_size": 1, "resumed": False}, {"step": 4, "world_size": 1, "resumed": True}]
     # the resume is exact, so steps 5 and 6 train to the losses they had the first time
     np.testing.assert_allclose(again.loss_values, first.loss_values[:6], rtol=0, atol=1e-6)
     assert (out / "curves.png").stat().st_mtime_ns != mtime  # redrawn
@@ -236,7 +337,7 @@ def test_export_puts_the_table_chart_in_the_artifact(tmp_path):
     manifest = export_model(_small_dlrm(), _export_config(out=str(tmp_path / "art"), plot=True))
     art = tmp_path / "art"
     assert sorted(p.name for p in art.iterdir()) == ["manifest.json", "model.pt", "sample", "tables.bin", TABLES_CHART]
-    assert _read_png(art / TABLES_CHART).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.BAR_WIDTH * plots.DPI)
+    assert _read_png(art / TABLES_CHART).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.TABLES_WIDTH * plots.DPI)
     _, loaded = open_artifact(art)  # still a valid, self-checking artifact
     assert loaded.to_dict() == manifest
     # a repository version gets it too, published with the rest (no temporary folder left)
@@ -269,7 +370,7 @@ def test_recship_export_prints_the_chart_and_inspect_draws_one(tmp_path, capsys,
     chart = tmp_path / "charts" / "inspect.png"
     assert main(["inspect", str(small_artifact), "--plot", str(chart)]) == 0
     assert f"chart: {chart}" in capsys.readouterr().out.splitlines()
-    assert _read_png(chart).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.BAR_WIDTH * plots.DPI)
+    assert _read_png(chart).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.TABLES_WIDTH * plots.DPI)
 
 
 def test_recship_inspect_plot_without_matplotlib_is_a_one_line_error(tmp_path, capsys, small_artifact, no_matplotlib):

@@ -2,9 +2,13 @@
 
 One JSON object a line, appended by rank 0 as the run goes: ``{"step": 5, "loss": 0.69}`` after
 each step, ``{"step": 100, "eval": {"log_loss": ..., "auc": ..., "examples": ...}}`` after each
-evaluation. A run that resumes from the checkpoint of step N first cuts the file back to step
-N, so the points a later (abandoned) part of the run wrote do not stay in it; a fresh run starts
-it empty. ``recship train`` draws ``curves.png`` from it (recship/plots.py).
+evaluation, and ``{"step": 100, "start": {"world_size": 2, "resumed": true}}`` where a run (a
+fresh one at step 0, or a resume from the checkpoint of step 100) starts, with its number of
+ranks. A run that resumes from the checkpoint of step N first cuts the file back to step N, so
+the points a later (abandoned) part of the run wrote do not stay in it (nor the start of an
+earlier resume from the same step); a fresh run starts it empty. Files written before start
+records existed read the same, without them. ``recship train`` draws ``curves.png`` from it
+(recship/plots.py), marking each resume and each change of world size.
 """
 
 import json
@@ -23,24 +27,37 @@ class History:
     """The history file of a run folder, opened for appending.
 
     ``keep_until``: the step the run starts from (0 for a fresh run, the checkpoint's step on
-    resume): records past it are dropped before anything is appended.
+    resume): records past it are dropped before anything is appended. ``world_size``: the run's
+    number of ranks, recorded with ``resumed`` as a start at ``keep_until`` (None: record no start,
+    e.g. to read a finished run's history).
     """
 
-    def __init__(self, out: Union[str, Path], keep_until: int) -> None:
+    def __init__(self, out: Union[str, Path], keep_until: int, world_size: Optional[int] = None,
+                 resumed: bool = False) -> None:
+        if world_size is not None and (not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1):
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         self.path = Path(out) / HISTORY_FILE
         self.losses: List[Tuple[int, float]] = []  # (step, train loss), in step order
         self.evals: List[Dict[str, Any]] = []  # {"step": n, "log_loss": ..., "auc": ..., ...}, in step order
+        self.starts: List[Dict[str, Any]] = []  # {"step": n, "world_size": w, "resumed": bool}, in step order
         for record in read_history(self.path):
             if record["step"] > keep_until:
                 continue
             if "loss" in record:
                 self.losses.append((record["step"], record["loss"]))
-            else:
+            elif "eval" in record:
                 self.evals.append({"step": record["step"], **record["eval"]})
+            elif world_size is None or record["step"] < keep_until:  # a start at keep_until is replaced by this one's
+                self.starts.append({"step": record["step"], **record["start"]})
         self.losses.sort(key=lambda r: r[0])
         self.evals.sort(key=lambda r: r["step"])
+        self.starts.sort(key=lambda r: r["step"])
         self._rewrite()
         self._file: Optional[TextIO] = open(self.path, "a", encoding="utf-8")
+        if world_size is not None:
+            start = {"world_size": world_size, "resumed": bool(resumed)}
+            self.starts.append({"step": keep_until, **start})
+            self._append({"step": keep_until, "start": start})
 
     def _rewrite(self) -> None:
         """Writes the kept records (temporary sibling + rename: a kill mid-write keeps the old file)."""
@@ -50,6 +67,8 @@ class History:
                 f.write(_json({"step": step, "loss": loss}) + "\n")
             for e in self.evals:
                 f.write(_json({"step": e["step"], "eval": {k: v for k, v in e.items() if k != "step"}}) + "\n")
+            for r in self.starts:
+                f.write(_json({"step": r["step"], "start": {k: v for k, v in r.items() if k != "step"}}) + "\n")
         os.replace(tmp, self.path)
 
     def _append(self, record: Dict[str, Any]) -> None:
@@ -101,7 +120,7 @@ def read_history(path: Union[str, Path]) -> List[Dict[str, Any]]:
         try:
             record = json.loads(line)
             ok = isinstance(record, dict) and isinstance(record.get("step"), int) and (
-                isinstance(record.get("loss"), (int, float)) or isinstance(record.get("eval"), dict))
+                isinstance(record.get("loss"), (int, float)) or isinstance(record.get("eval"), dict) or _is_start(record.get("start")))
         except ValueError:
             ok = False
         if not ok:
@@ -109,6 +128,12 @@ def read_history(path: Union[str, Path]) -> List[Dict[str, Any]]:
             continue
         records.append(record)
     return records
+
+
+def _is_start(start: Any) -> bool:
+    """Whether ``start`` is a start record's value: ``{"world_size": positive int, "resumed": bool}``."""
+    return (isinstance(start, dict) and isinstance(start.get("world_size"), int) and not isinstance(start["world_size"], bool)
+            and start["world_size"] >= 1 and isinstance(start.get("resumed"), bool))
 
 
 def _json(record: Dict[str, Any]) -> str:

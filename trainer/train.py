@@ -223,12 +223,13 @@ class _Trainer:
 
         out = Path(self.config.out)
         return plot_or_warn(plot_training_curves, out / "curves.png", history.steps, history.loss_values, history.evals,
-                            title=f"{out.name}: {self.step} steps on {self.world_size} rank(s)")
+                            title=f"{out.name}: {self.step} steps on {self.world_size} rank(s)", starts=history.starts)
 
     def run(self) -> Dict[str, Any]:
         resumed = self.resume() if self.config.resume else None
         # rank 0 keeps the loss/eval history, cut back to the step the run starts from (0, or the checkpoint's)
-        history = History(self.config.out, keep_until=self.step) if self.rank == 0 else None
+        history = (History(self.config.out, keep_until=self.step, world_size=self.world_size, resumed=resumed is not None)
+                   if self.rank == 0 else None)
         try:
             return self._run(resumed, history)
         finally:
