@@ -71,6 +71,11 @@ def test_export_writes_only_json_on_stderr(trained, tmp_path):
     text = _recship("export", str(out / "checkpoints" / "step_00000002"), "--out", str(tmp_path / "art2"),
                     "--format", "torchscript", "--no-progress", "--log-format", "text")
     assert "is deprecated" not in text.stderr  # torch's TorchScript notices are silenced in both formats
+    # progress on (the default), stderr not a terminal: no bar, the summary on stdout
+    shown = _recship("export", str(out / "checkpoints" / "step_00000002"), "--out", str(tmp_path / "art3"),
+                     "--format", "torchscript", "--log-format", "json")
+    _json_lines(shown.stderr)
+    assert f"artifact: {tmp_path / 'art3'}" in shown.stdout.splitlines()
 
 
 def test_serve_writes_only_json_on_stderr(trained, tmp_path):
