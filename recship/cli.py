@@ -70,7 +70,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return module.run(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"recship {args.command}: error: {e}", file=sys.stderr)
+        from recship.logs import error_line
+
+        print(error_line(args.command, e, getattr(args, "log_format", None) or "text"), file=sys.stderr)
         return 2
 
 

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from recship.logs import configure_logging
+from recship.logs import configure_logging, error_line
 from recship.names import LOG_FORMATS
 from recship.serving.settings import SERVER_FIELDS, ServerConfig, flag_of, megabytes
 
@@ -309,7 +309,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.metadata["default_text"]:
             said = f"default: {f.metadata['default_text']}"
         parser.add_argument(flag_of(f), help=f"{f.metadata['help']} ({said})", **kw)
-    parser.add_argument("--log-format", default="json", choices=LOG_FORMATS, help="json: one JSON object per line; text: time, level, logger and message (default json)")
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                        help="text: time, level, logger and message; json: one JSON object per line, for log collectors "
+                             "(the deploy/ manifests pass it) (default text, as every recship command)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -331,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:  # e.g. a port in use (ValueError and FileNotFoundError: recship.cli says them)
         if isinstance(e, FileNotFoundError):
             raise
-        print(f"recship serve: error: {e}", file=sys.stderr)
+        print(error_line("serve", e, args.log_format), file=sys.stderr)
         return 2
     done, stopping = threading.Event(), threading.Event()
 

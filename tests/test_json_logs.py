@@ -142,3 +142,14 @@ def test_error_line_follows_the_format():
     assert error_line("train", "bad --steps") == error_line("train", "bad --steps", "text") == "recship train: error: bad --steps"
     record = json.loads(error_line("train", ValueError("bad --steps"), "json"))
     assert (record["level"], record["logger"], record["message"]) == ("ERROR", "recship", "recship train: error: bad --steps")
+
+
+def test_a_commands_one_line_error_is_a_json_record_with_log_format_json(tmp_path, capsys):
+    from recship.cli import main
+
+    assert main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "a"), "--log-format", "json"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    record = json.loads(line)
+    assert record["level"] == "ERROR" and record["message"] == f"recship export: error: checkpoint not found: {tmp_path / 'missing'}"
+    assert main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "a")]) == 2  # text, the default of every command
+    assert capsys.readouterr().err.strip() == f"recship export: error: checkpoint not found: {tmp_path / 'missing'}"
