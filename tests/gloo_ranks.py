@@ -1,5 +1,6 @@
 """Run a function on N gloo ranks in spawned processes and collect what each returns."""
 
+import gc
 import os
 import socket
 import tempfile
@@ -34,8 +35,10 @@ def _worker(
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
+    finally:  # reference cycles collected first, so gloo's threads are joined before the interpreter exits
+        gc.collect()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def run_ranks(

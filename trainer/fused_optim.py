@@ -15,6 +15,7 @@ used from the next backward on.
 """
 
 import inspect
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from enum import Enum
@@ -256,7 +257,10 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
     """
 
     def __init__(self, module: Any, config: FusedOptimizerConfig) -> None:
-        self._module = module
+        # a weak reference: the module holds this optimizer, and a cycle would keep both (and the process group they
+        # hold) alive past destroy_process_group, until a gloo thread freed a collective's tensors at interpreter exit
+        # and aborted the process ("terminate called without an active exception")
+        self._module_ref = weakref.ref(module)
         params, state = module.fused_optimizer_state()
         super().__init__(params, state, [{"params": list(params.values()), "lr": config.learning_rate}])
         self._applied_lr = config.learning_rate
@@ -265,7 +269,10 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
         """No update (it happened in backward); applies a changed learning rate."""
         lr = self.param_groups[0]["lr"]
         if lr != self._applied_lr:
-            self._module.set_learning_rate(lr)
+            module = self._module_ref()
+            if module is None:
+                raise RuntimeError("the sharded module of this fused optimizer is gone")
+            module.set_learning_rate(lr)
             self._applied_lr = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -9,6 +9,7 @@ and epoch changes go through the ``recship.trainer.*`` loggers (recship.logs for
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -388,7 +389,7 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
         Path(out, f"summary_rank{rank}.json").write_text(json.dumps(summary))
         dist.barrier()  # neither rank tears the group down while the other still talks
     finally:
-        dist.destroy_process_group()
+        _close_process_group()
 
 
 def launch(config: TrainConfig) -> Dict[str, Any]:
@@ -415,7 +416,7 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
             dist.barrier()  # neither rank tears the group down while the other still talks
             return summary
         finally:
-            dist.destroy_process_group()
+            _close_process_group()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -435,6 +436,16 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
                 raise TrainingDiverged(str(e).rsplit(marker, 1)[1].strip()) from None
             raise
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
+
+
+def _close_process_group() -> None:
+    """Destroys the process group once nothing holds it: whatever a reference cycle still keeps (the training
+    objects, a user's model) is collected first, so gloo's threads are joined now and not left running into
+    interpreter exit, where one freeing a collective's tensors aborts the rank (SIGABRT, "terminate called
+    without an active exception")."""
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def resumed_model(config: TrainConfig) -> TrainConfig:

@@ -181,3 +181,30 @@ def test_weight_decay_is_refused_on_cpu_where_fbgemm_ignores_it():
     with pytest.raises(ValueError, match="not applied by fbgemm's CPU kernels"):
         FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, weight_decay=0.01).check_device("cpu")
     FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, weight_decay=0.01).check_device("cuda")
+
+
+def _freed_worker(rank, world_size):
+    import gc
+    import weakref
+
+    gc.disable()  # only reference counting: a cycle would keep the module (and the process group it holds) alive
+    try:
+        tables = sample_tables(PoolingType.MEAN)
+        ebc = EmbeddingBagCollection(tables, is_weighted=True)
+        sharded = ShardedEmbeddingBagCollection(ebc, _plan(ebc, world_size, ShardingType.ROW_WISE, world_size),
+                                                FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1))
+        _, local = global_batch(tables, world_size, seed=1, weighted=True)
+        sharded(local[rank]).values().sum().backward()
+        sharded.fused_optimizer.param_groups[0]["lr"] = 0.05
+        sharded.fused_optimizer.step()
+        gone = weakref.ref(sharded)
+        del sharded
+        return gone() is None
+    finally:
+        gc.enable()
+
+
+def test_a_sharded_collection_is_freed_when_unreferenced():
+    """No reference cycle through its fused optimizer: ranks whose sharded modules outlived destroy_process_group
+    kept gloo's threads running into interpreter exit, where freeing a collective's tensors aborted them (SIGABRT)."""
+    assert run_ranks(_freed_worker, 2) == [True, True]
