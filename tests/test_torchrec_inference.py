@@ -3,7 +3,6 @@ answers what ``quantize_embeddings`` makes of the same model, and the sharded on
 does (the same stored rows), with a ShardingPlan that describes the shards."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +10,9 @@ import torch
 from recship.quantize import quantize_embeddings
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, ParameterConstraints
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
 # TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
-USER_CODE = (Path(__file__).parent / "snippets" / "torchrec_inference.txt").read_text()
 
 
 def _model_and_kjt():
@@ -30,8 +28,7 @@ def _model_and_kjt():
 
 
 def test_quantize_then_shard_through_the_import_map():
-    scope: dict = {}
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
+    scope = run_snippet("torchrec_inference")
     quantize_inference_model, shard_quant_model = scope["quantize_inference_model"], scope["shard_quant_model"]
     model, kjt = _model_and_kjt()
     reference, _ = quantize_embeddings(copy.deepcopy(model), dtype="int4", table_dtypes={"t1": "fp16"})

@@ -2,24 +2,20 @@
 ``need_indices``, as TorchRec users write them (tests/snippets/torchrec_small_holes.txt, through the README's import
 map), against plain PyTorch on random inputs with fixed seeds."""
 
-from pathlib import Path
 
 import pytest
 import torch
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer import materialize
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
 # TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
-USER_CODE = (Path(__file__).parent / "snippets" / "torchrec_small_holes.txt").read_text()
 
 
 def _user_code() -> dict:
-    scope: dict = {}
     torch.manual_seed(0)
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
-    return scope
+    return run_snippet("torchrec_small_holes")
 
 
 def _kjt(seed: int, keys, rows: int = 7, weighted: bool = False, batch: int = 4) -> KeyedJaggedTensor:

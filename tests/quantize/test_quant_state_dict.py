@@ -6,26 +6,20 @@ their dequantization in plain PyTorch."""
 
 import copy
 import io
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from recship.sparse import KeyedJaggedTensor
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
-USER_CODE = (Path(__file__).parents[1] / "snippets" / "torchrec_quant_state_dict.txt").read_text()
 ALIGN = 16  # TorchRec's row alignment (DEFAULT_ROW_ALIGNMENT)
 
 
 @pytest.fixture(scope="module")
 def user():
-    code = rewrite_imports(USER_CODE, import_map())
-    assert "torchrec" not in code
-    scope: dict = {}
-    exec(compile(code, "user_code", "exec"), scope)
-    return scope
+    return run_snippet("torchrec_quant_state_dict", forbid_torchrec=True)
 
 
 def _row_bytes(dim: int, bits: int) -> int:
@@ -142,7 +136,7 @@ class _UInt4(torch.Tensor):
 
 def test_torchrecs_int4_tensors_load_as_their_bytes(user):
     g = torch.Generator().manual_seed(11)
-    (r0, want0), (r1, want1) = _torchrec_rows(10, 8, 4, g), _torchrec_rows(6, 16, 4, g)
+    (r0, _), (r1, _) = _torchrec_rows(10, 8, 4, g), _torchrec_rows(6, 16, 4, g)
     theirs = {"embedding_bags.t0.weight": _UInt4(r0), "embedding_bags.t1.weight": _UInt4(r1)}
     assert tuple(theirs["embedding_bags.t0.weight"].shape) == (10, 2 * _row_bytes(8, 4))
     q = user["quantized_ebc"](user["tables"](), torch.quint4x2)

@@ -10,16 +10,14 @@ import pytest
 import torch
 
 from gloo_ranks import run_ranks
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import import_map, rewrite_imports, run_snippet
 
 # TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
-USER_CODE = (Path(__file__).parents[1] / "snippets" / "torchrec_train_pipeline.txt").read_text()
 STEPS = 5
 
 
 def _user_code() -> dict:
-    scope: dict = {}
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
+    scope = run_snippet("torchrec_train_pipeline")
     return scope
 
 

@@ -3,7 +3,6 @@ as TorchRec users write it (tests/snippets/torchrec_variable_batch.txt, through 
 accessors, and the unsharded EmbeddingBagCollection's output expanded by the inverse indices, against the same
 collection on the expanded (full) batch and against plain PyTorch; where recship does not take variable batch it says so."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,10 +10,9 @@ import torch
 from gloo_ranks import run_ranks
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingCollection, EmbeddingConfig
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
 # TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
-USER_CODE = (Path(__file__).parents[1] / "snippets" / "torchrec_variable_batch.txt").read_text()
 KEYS = ["f0", "f1", "f2"]
 ROWS = {"f0": 20, "f1": 20, "f2": 15}
 B = 6  # the full batch: 2 ranks of 3 examples
@@ -22,8 +20,7 @@ SPKPR = [[2, 3], [1, 1], [3, 2]]  # deduplicated examples of each key from each 
 
 
 def _user_code() -> dict:
-    scope: dict = {}
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
+    scope = run_snippet("torchrec_variable_batch")
     return scope
 
 

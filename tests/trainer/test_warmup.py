@@ -6,7 +6,6 @@ state_dict round trip."""
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,16 +16,14 @@ from recship.distributed import DistributedModelParallel, ParameterConstraints, 
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingShardingPlanner, Topology
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
 # TorchRec user code, kept out of .py files (torchrec is not a dependency: no .py file imports it)
-USER_CODE = (Path(__file__).parents[1] / "snippets" / "torchrec_warmup.txt").read_text()
 LR = 0.1
 
 
 def _user_code() -> dict:
-    scope: dict = {}
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
+    scope = run_snippet("torchrec_warmup")
     return scope
 
 

@@ -572,6 +572,20 @@ def _span(node: ast.AST) -> tuple:
     return (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)
 
 
+SNIPPETS = Path(__file__).resolve().parents[1] / "snippets"  # TorchRec user code of the tests (not .py: torchrec is no dependency)
+
+
+def run_snippet(name: str, forbid_torchrec: bool = False, label: str = "user_code") -> Dict[str, object]:
+    """Runs tests/snippets/<name>.txt with its imports rewritten by the README's import map; returns its globals.
+    ``forbid_torchrec``: the rewritten code must not mention torchrec any more."""
+    code = rewrite_imports((SNIPPETS / f"{name}.txt").read_text(), import_map())
+    if forbid_torchrec:
+        assert "torchrec" not in code
+    scope: Dict[str, object] = {}
+    exec(compile(code, label, "exec"), scope)
+    return scope
+
+
 def rewrite_imports(source: str, table: Dict[str, str]) -> str:
     edits = []
     for node in ast.walk(ast.parse(source)):

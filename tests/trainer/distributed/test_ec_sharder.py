@@ -3,7 +3,6 @@
 data-parallel (recship trains them as replicas), another type asked for one is an error naming table and type, and
 sharding_spec is torch's EnumerableShardingSpec of the shards as TorchRec documents it (None for data-parallel)."""
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,18 +10,13 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
 from recship.trainer.distributed.types import ShardingEnv
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
-USER_CODE = (Path(__file__).parents[2] / "snippets" / "torchrec_ec_sharding.txt").read_text()
 
 
 @pytest.fixture(scope="module")
 def user():
-    code = rewrite_imports(USER_CODE, import_map())
-    assert "torchrec" not in code
-    scope: dict = {}
-    exec(compile(code, "user_code", "exec"), scope)
-    return scope
+    return run_snippet("torchrec_ec_sharding", forbid_torchrec=True)
 
 
 def test_default_sharders_are_torchrecs_and_the_ec_is_planned_data_parallel(user):

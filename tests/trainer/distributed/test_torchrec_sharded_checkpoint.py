@@ -4,23 +4,20 @@ save read back into an unsharded EmbeddingBagCollection. Reference: plain PyTorc
 torch.optim.Adagrad on the whole batch, the loss averaged over ranks as TorchRec's gradient division does)."""
 
 import warnings
-from pathlib import Path
 
 import torch
 
 from gloo_ranks import run_ranks
 from recship.sparse import KeyedJaggedTensor
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
-USER_CODE = (Path(__file__).parents[2] / "snippets" / "torchrec_sharded_checkpoint.txt").read_text()
 ROWS = {"product": 40, "user": 30, "ad": 10}
 DIMS = {"product": 8, "user": 8, "ad": 4}
 TABLE = {"product": "product_table", "user": "user_table", "ad": "ad_table"}
 
 
 def _scope():
-    scope: dict = {}
-    exec(compile(rewrite_imports(USER_CODE, import_map()), "user_code", "exec"), scope)
+    scope = run_snippet("torchrec_sharded_checkpoint")
     return scope
 
 

@@ -5,7 +5,6 @@ choose the least-busy plan among the combinations they propose."""
 
 import itertools
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,20 +13,15 @@ from torch import nn
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.planner import (EmbeddingShardingPlanner, GreedyProposer, ParameterConstraints, ShardingType, Topology,
                                      shard_cost)
-from tutorials.notebook import import_map, rewrite_imports
+from tutorials.notebook import run_snippet
 
-USER_CODE = (Path(__file__).parents[2] / "snippets" / "torchrec_planner.txt").read_text()
 BIG, SMALL = (100, 16), (10, 8)  # rows, dim
 ROWWISE_BYTES = {name: (r * d + r) * 4 for name, (r, d) in {"t_big": BIG, "t_small": SMALL}.items()}  # weights + 1 float/row
 
 
 @pytest.fixture(scope="module")
 def user():
-    code = rewrite_imports(USER_CODE, import_map())
-    assert "torchrec" not in code
-    scope: dict = {}
-    exec(compile(code, "user_code", "exec"), scope)
-    return scope
+    return run_snippet("torchrec_planner", forbid_torchrec=True)
 
 
 class Model(nn.Module):
