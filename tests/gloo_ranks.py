@@ -52,3 +52,14 @@ def run_ranks(
             nprocs=world_size,
         )
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def gather_whole(value: Any) -> Any:
+    """A ShardedTensor gathered whole on rank 0 (None elsewhere); a plain tensor as it is (detached, cloned)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if not isinstance(value, ShardedTensor):
+        return value.detach().clone()
+    full = torch.empty(value.size()) if dist.get_rank() == 0 else None
+    value.gather(dst=0, out=full)
+    return full

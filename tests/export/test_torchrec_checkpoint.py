@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from gloo_ranks import run_ranks
+from gloo_ranks import gather_whole, run_ranks
 from model_requests import ModelInputs, in_process, random_request
 from recship.export import ExportConfig, export_model
 from recship.export.artifact import Manifest, open_artifact
@@ -23,7 +23,7 @@ from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstrain
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata, init_from_local_shards
+    from torch.distributed._shard.sharded_tensor import Shard, ShardMetadata, init_from_local_shards
 
 ARGS = {"num_users": 300, "num_items": 500, "num_countries": 20, "num_categories": 30, "dim": 16, "num_dense": 4}
 
@@ -67,18 +67,10 @@ def _worker(rank, world_size, path):
     dcp.load({"model": sd, "optim": osd}, checkpoint_id=path)
     dmp.load_state_dict(sd)
     dmp.fused_optimizer.load_state_dict(osd)
-    return {"model": {k: _gather(v) for k, v in dmp.state_dict().items()},
+    return {"model": {k: gather_whole(v) for k, v in dmp.state_dict().items()},
             # a rank has the optimizer state of its own tables only (TorchRec's): their local shards, joined by the test
             "momentum": {k: {tuple(sh.metadata.shard_offsets): sh.tensor.clone() for sh in st[f"{k.split('.')[-2]}.momentum1"].local_shards()}
                          for k, st in dmp.fused_optimizer.state_dict()["state"].items()}}
-
-
-def _gather(value):
-    if not isinstance(value, ShardedTensor):
-        return value.detach().clone()
-    full = torch.empty(value.size()) if dist.get_rank() == 0 else None
-    value.gather(dst=0, out=full)
-    return full
 
 
 def test_a_torchrec_checkpoint_loads_into_a_recship_dmp_and_exports(tmp_path):

@@ -8,16 +8,14 @@ torch.distributed.checkpoint (DCP): saved at world 2, loaded at world 2 (bitwise
 into a DMP of another plan, and into the unsharded model without a process group (bitwise).
 """
 
-import copy
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from gloo_ranks import run_ranks
+from gloo_ranks import gather_whole, run_ranks
 from recship.distributed import (ShardingPlan, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
                                  table_row_wise, table_wise)
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
@@ -95,15 +93,6 @@ def _dmp(seed, world_size, split=True, optimizer=EmbOptimType.EXACT_ADAGRAD):
                                     optimizer=FusedOptimizerConfig(optimizer, learning_rate=LR, eps=EPS))
 
 
-def _gather(value):
-    """A ShardedTensor gathered whole on rank 0 (None elsewhere); a plain tensor as it is."""
-    if not isinstance(value, ShardedTensor):
-        return value.detach().clone()
-    full = torch.empty(value.size()) if dist.get_rank() == 0 else None
-    value.gather(dst=0, out=full)
-    return full
-
-
 def _local(value):
     """This rank's shards of a ShardedTensor (by offsets), or the tensor: what must survive a round trip bitwise."""
     if isinstance(value, ShardedTensor):
@@ -125,7 +114,7 @@ def _world2(rank, world_size, path):
     out = {
         "module_is_unwrapped": type(dmp.module).__name__,
         "keys": {k: (type(v).__name__, list(v.size() if isinstance(v, ShardedTensor) else v.shape)) for k, v in sd.items()},
-        "tables": {k: _gather(v) for k, v in sd.items()},
+        "tables": {k: gather_whole(v) for k, v in sd.items()},
         "optim_keys": {k: {n: list(s.size()) for n, s in st.items()} for k, st in osd["state"].items()},
         "momentum": {k: (list(st[k.split(".")[-2] + ".momentum1"].size()), _local(st[k.split(".")[-2] + ".momentum1"]))
                      for k, st in osd["state"].items()},
@@ -154,7 +143,7 @@ def _world2(rank, world_size, path):
     torch.manual_seed(0)
     full = Toy()
     other.load_state_dict({k: v for k, v in full.state_dict().items()})
-    out["from_full"] = {k: _gather(v) for k, v in other.state_dict().items()}
+    out["from_full"] = {k: gather_whole(v) for k, v in other.state_dict().items()}
     # row-wise adagrad: TorchRec's 1-D layout ([rows], column-wise tables [columns shards * rows])
     rowwise = _dmp(0, world_size, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     out["rowwise"] = {k: {n: list(s.size()) for n, s in st.items()} for k, st in rowwise.fused_optimizer.state_dict()["state"].items()}
@@ -185,8 +174,8 @@ def _world1(rank, world_size, path):
     dcp.load({"model": sd, "optim": osd}, checkpoint_id=path)
     dmp.load_state_dict(sd)
     dmp.fused_optimizer.load_state_dict(osd)
-    return {"tables": {k: _gather(v) for k, v in dmp.state_dict().items()},
-            "momentum": {k: _gather(st[k.split(".")[-2] + ".momentum1"]) for k, st in dmp.fused_optimizer.state_dict()["state"].items()}}
+    return {"tables": {k: gather_whole(v) for k, v in dmp.state_dict().items()},
+            "momentum": {k: gather_whole(st[k.split(".")[-2] + ".momentum1"]) for k, st in dmp.fused_optimizer.state_dict()["state"].items()}}
 
 
 @pytest.fixture(scope="module")
