@@ -10,6 +10,7 @@ recship_predict and recship_front, in a folder of its own, cached like the norma
 lib/cmake/recship): setup.py's build step, with RECSHIP_BUILD_CPP set, packages them as recship/_cpp.
 """
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -29,12 +30,19 @@ def build(build_dir: Optional[Path] = None, jobs: int = 2, sanitize: bool = Fals
     (default folder build/cpp_loader_sanitize); cmake fails naming RECSHIP_SANITIZE where the compiler
     cannot link the sanitizers.
     """
+    build_dir = build_dir or (SANITIZE_BUILD if sanitize else BUILD)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # one build at a time per folder: concurrent test processes (and several checkouts' tools) share it
+    with open(build_dir.parent / f".{build_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(build_dir, jobs, sanitize)
+
+
+def _build_locked(build_dir: Path, jobs: int, sanitize: bool) -> Path:
     import fbgemm_gpu
     import nlohmann_json
     import torch
 
-    build_dir = build_dir or (SANITIZE_BUILD if sanitize else BUILD)
-    build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / "CMakeCache.txt").exists():
         options = ["-DRECSHIP_SANITIZE=ON", "-DRECSHIP_WERROR=ON"] if sanitize else []
         try:
