@@ -244,7 +244,12 @@ def compile_package(
         where = user_line(e, user_files(module))
         raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                         + (f" (at {where})" if where else "")) from e
-    options: Dict[str, object] = {"aot_inductor.package_constants_in_so": False}
+    # cpp.threads 1: inductor's own kernels run on one thread, their loops never split across threads. Left at its
+    # default (the exporting machine's torch.get_num_threads()), a parallel reduction keeps one partial result per
+    # thread in an array of that size, indexed by the running thread: a model exported on a 2-core machine wrote
+    # past it and crashed any process that ran it with more intra-op threads (seen: the two-tower at 3 and 4), and
+    # a float reduction's bits depended on the thread count. GEMMs (extern kernels) still use the caller's threads.
+    options: Dict[str, object] = {"aot_inductor.package_constants_in_so": False, "cpp.threads": 1}
     if target_isa is not None:
         options["cpp.march"] = target_isa
         if target_isa in _ISA_VECTOR_BITS:
@@ -253,6 +258,8 @@ def compile_package(
     try:
         with _quiet():
             built = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
+    except OSError:  # the disk's (full, read-only), not the compiler's: said as such
+        raise
     except Exception as e:
         raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     seconds = time.perf_counter() - start

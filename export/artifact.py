@@ -34,6 +34,7 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from recship.export.blocks import RowBlocks
 from recship.export.tables import (TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables,
                                    pt2_pinned)
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
@@ -214,6 +215,9 @@ class Manifest:
     format: str = FORMAT
     aoti: Optional[AotiSpec] = None
     tables: Optional[TablesSpec] = None  # format 2: the tables file (None only in format 1 artifacts)
+    # examples per forward (export/blocks.py: batch invariance); None (absent) or 0: whole batches, as artifacts
+    # exported before it
+    row_block: Optional[int] = None
     # sha256 of the manifest.json bytes this was read from (``Manifest.read``; None when built in memory):
     # what an allow-list names, and what the C++ front is told to load (serving/repository.py)
     sha256: Optional[str] = field(default=None, compare=False)
@@ -244,6 +248,7 @@ class Manifest:
             **({"model_sha256": self.model_sha256} if self.model_sha256 is not None else {}),
             **({"aoti": self.aoti.to_dict()} if self.aoti is not None else {}),
             **({"tables": self.tables.to_dict()} if self.tables is not None else {}),
+            **({"row_block": self.row_block} if self.row_block is not None else {}),
         }
 
     @staticmethod
@@ -279,6 +284,7 @@ class Manifest:
             format=m["format"],
             aoti=AotiSpec(**m["aoti"]) if "aoti" in m else None,
             tables=TablesSpec.from_dict(m["tables"]) if "tables" in m else None,
+            row_block=m.get("row_block"),
         )
         if m["inputs"] != out.inputs():
             raise ArtifactError(f"{Path(path)}/manifest.json: inputs must be {_compact(out.inputs())} (from num_dense and "
@@ -288,7 +294,7 @@ class Manifest:
     @staticmethod
     def from_fields(fields: ModelFields, output_dims: Dict[str, List[int]], sample: Sample, model_sha256: Optional[str],
                     versions: Optional[Versions] = None, aoti: Optional[AotiSpec] = None,
-                    tables: Optional[TablesSpec] = None) -> "Manifest":
+                    tables: Optional[TablesSpec] = None, row_block: Optional[int] = None) -> "Manifest":
         """The manifest an exporter writes, checked as a loader would check it. ``fields``: what the exporter says
         of the model; ``output_dims``: output -> its shape after the batch dimension; ``versions``: default the
         running torch / fbgemm_gpu / python."""
@@ -310,6 +316,7 @@ class Manifest:
             **({"model_sha256": model_sha256} if model_sha256 is not None else {}),
             **({"aoti": aoti.to_dict()} if aoti is not None else {}),
             **({"tables": tables.to_dict()} if tables is not None else {}),
+            **({"row_block": row_block} if row_block is not None else {}),
         }
         return Manifest.from_dict(manifest, "the exported artifact")
 
@@ -429,6 +436,8 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     # model.pt's checksum; an artifact without model.pt (TorchScript could not compile the model) has model.pt2's (aoti)
     if ("model_sha256" in manifest or "aoti" not in manifest) and not re.fullmatch(r"[0-9a-f]{64}", need(manifest, "model_sha256", str, "")):
         fail("model_sha256 must be 64 lowercase hex digits")
+    if "row_block" in manifest and need(manifest, "row_block", int, "") < 0:
+        fail("row_block must be >= 0")
     features = need(manifest, "sparse_features", list, "")
     names = set()
     for i, f in enumerate(features):
@@ -700,7 +709,8 @@ def open_artifact(
     ``format``: "torchscript" loads model.pt; "aoti" loads model.pt2 (ArtifactError if the
     artifact has none, or this CPU or torch cannot run it); "auto" loads model.pt2 where the
     artifact has one that runs here, else model.pt. Either model is called the same way:
-    model(dense, lengths, values, weights) -> Dict[str, Tensor].
+    model(dense, lengths, values, weights) -> Dict[str, Tensor], in blocks of the manifest's ``row_block``
+    examples where it has one (``RowBlocks``: an answer does not depend on the batch it ran in).
     ``trusted``: sha256s of manifest.json files allowed to load (None: any); a listed manifest
     pins every file through its checksums.
     """
@@ -740,6 +750,8 @@ def open_artifact(
         del program
     except TablesError as e:
         raise ArtifactError(str(e)) from None
+    if manifest.row_block:  # every forward on blocks of exactly row_block examples (export/blocks.py)
+        model = RowBlocks(model, manifest.row_block, len(manifest.sparse_features))
     if sample is not None:
         self_check(model, path, manifest, sample)
     return model, manifest

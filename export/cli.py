@@ -81,6 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torchscript (default auto)")
     parser.add_argument("--target-isa", default="x86-64-v3",
                         help="the -march of model.pt2's compiled kernels; native for this machine's CPU only (default x86-64-v3: AVX2)")
+    parser.add_argument("--row-block", type=int, default=None, metavar="N",
+                        help="examples per forward: every batch runs in blocks of exactly N rows, so a request's answer does "
+                             "not depend on the requests it was batched with (bitwise); 0 runs whole batches (faster at large "
+                             "batches, answers may differ in the last bits) (default 64)")
     parser.add_argument("--num-dense", type=int, help="the model's dense width, if it has no num_dense attribute (default: the attribute)")
     parser.add_argument("--eval-data", metavar="FILE|PACKAGE.MODULE:FUNCTION",
                         help="validate on this data: a Criteo TSV file (13 dense, 26 sparse features), or a "
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         eval_data=args.eval_data,
         format=args.format,
         target_isa=args.target_isa,
+        **({"row_block": args.row_block} if args.row_block is not None else {}),
         plot=args.plot,
         progress=args.progress is not False,
     )

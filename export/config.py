@@ -5,6 +5,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from recship.export.blocks import DEFAULT_ROW_BLOCK
 from recship.names import DEVICES, EXPORT_FORMATS, ID_POLICIES, INFERENCE_SHARDINGS, MODEL_NAME
 from recship.quantize.quantizer import QuantConfig
 
@@ -39,6 +40,8 @@ class ExportConfig:
         else torchscript with a one-line note. A failed stage is named (fx trace, TorchScript,
         torch.export, AOTInductor compile).
     target_isa: -march of model.pt2's kernels (default x86-64-v3, AVX2; "native": this CPU only).
+    row_block: examples per forward: every loader runs a batch in blocks of exactly this many rows (the last padded),
+        so a request's answer is bitwise the same whatever it was batched with (export/blocks.py); 0: whole batches.
     plot: whether the artifact also gets ``tables.png``, each table's bytes and quantization
         error as a chart (recship/plots.py; a picture beside the contract's files, read by no
         loader): False (default) none; True one, matplotlib missing being an error up front;
@@ -68,6 +71,7 @@ class ExportConfig:
     model_args: Dict[str, Any] = field(default_factory=dict)
     format: str = "auto"  # torchscript | aoti | both | auto (aoti where a C++ compiler is present)
     target_isa: str = "x86-64-v3"  # -march of model.pt2's kernels ("native": this machine's CPU only)
+    row_block: int = DEFAULT_ROW_BLOCK  # examples per forward (export/blocks.py); 0: whole batches
     repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
     plot: Optional[bool] = False  # tables.png in the artifact: False no, True yes (or an error), None if matplotlib is there
 
@@ -87,6 +91,8 @@ class ExportConfig:
             raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and torch.cuda.device_count() < self.shards:
             raise ExportError(f"{self.shards} cuda shard(s) asked for, {torch.cuda.device_count()} CUDA device(s) present")
+        if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 0:
+            raise ExportError(f"row_block must be an integer >= 0 (0: whole batches), got {self.row_block!r}")
         if self.shards < 1:
             raise ExportError(f"shards must be >= 1, got {self.shards}")
         if self.sharding is not None and self.sharding not in INFERENCE_SHARDINGS:

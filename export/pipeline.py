@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import errno
 import functools
+import io
 import logging
 import os
 import shutil
@@ -33,11 +34,13 @@ from torch import nn
 
 from recship.export.any_model import export_any_model
 from recship.export.artifact import AotiSpec, Manifest, ModelFields, file_sha256, write_sample
+from recship.export.blocks import run_in_blocks
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError
 from recship.export.model import StageError
 from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
 from recship.names import VERSION_NAME
+from recship.oserrors import doing, label, write_bytes
 from recship.quantize.quantizer import QuantizationReport, TableReport
 from recship.quantize.tbe import host_rows_from
 from recship.trainer.embedding_modules import EmbeddingBagCollection
@@ -117,9 +120,18 @@ def _module_from_checkpoint(
             _replace(model, mpath, m)
     if missing or unexpected:
         raise ExportError(f"{path} does not match {entry}({args}): missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    seed = ((reader.config or {}).get("train") or {}).get("seed")
+    train = (reader.config or {}).get("train") or {}
+    seed = train.get("seed")
+    # validated on the run's own data unless --eval-data says otherwise: its eval data, else its training data
+    # (synthetic data: drawn like the run's, from its seed)
+    recorded_data = train.get("eval_data") or (train.get("data") if train.get("data") != "synthetic" else None)
+    eval_data = config.eval_data if config.eval_data is not None else recorded_data
+    if config.eval_data is None and recorded_data is not None and not Path(recorded_data).is_file() and ":" not in recorded_data:
+        raise ExportError(f"{path}: its run trained on {recorded_data}, which is not there now; validation runs on the run's "
+                          "own data: give its path with --eval-data (eval_data=... in ExportConfig)")
     # tables stream one at a time (each dropped before the next is loaded): they may share one buffer
-    return model, dataclasses.replace(config, model=entry, model_args=dict(args)), seed, functools.partial(reader.table, reuse=True)
+    return (model, dataclasses.replace(config, model=entry, model_args=dict(args), eval_data=eval_data), seed,
+            functools.partial(reader.table, reuse=True))
 
 
 def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -166,7 +178,9 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
         bar.next("write + compile model.pt2" if aoti else "write")
         manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, exported, aoti)
         bar.finish()
-    except BaseException:
+    except BaseException as e:
+        if isinstance(e, OSError):  # a full disk, a read-only folder: recship.cli says it in one line, with the stage
+            label(e, f"export stage {bar.stage!r}", out)
         if staging is not None:
             shutil.rmtree(staging[0], ignore_errors=True)
         if made is not None and made.is_dir() and not any(made.iterdir()):
@@ -238,8 +252,9 @@ def write_artifact(
         if kjt.weights_or_none() is not None:
             inputs["weights"] = kjt.weights().float().contiguous()
         runner: nn.Module = program if program is not None else exported  # type: ignore[assignment]
-        with torch.no_grad():
-            outputs = {k: v.cpu() for k, v in runner(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights")).items()}
+        with torch.no_grad():  # through the blocks every loader will run (export/blocks.py)
+            outputs = {k: v.cpu() for k, v in run_in_blocks(runner, config.row_block, len(fields.sparse_features), inputs["dense"],
+                                                            inputs["lengths"], inputs["values"], inputs.get("weights")).items()}
         # the tables go into tables.bin once; model.pt and model.pt2 take them from it at load
         tables = TablesWriter()
         tables.add_tables(runner, torchscript=program is not None)
@@ -255,17 +270,23 @@ def write_artifact(
                 link_if_unchanged(tmp, spec, out / str(newest))
         if program is not None:
             with tables.emptied(program):
-                torch.jit.save(program, str(tmp / "model.pt"), _extra_files={PINNED_NAME: spec.pinned()})
+                # saved to memory first (model.pt is small: its tables are in tables.bin): torch's zip writer aborts the
+                # process (std::terminate in a destructor) when the disk fills under it; Python's write raises ENOSPC
+                buffer = io.BytesIO()
+                torch.jit.save(program, buffer, _extra_files={PINNED_NAME: spec.pinned()})
+            write_bytes(tmp / "model.pt", buffer.getbuffer(), "writing model.pt")
         else:
             log.warning("no model.pt (TorchScript): %s; the artifact's program is model.pt2 (torch.export + AOTInductor), "
                         "which both servers and the C++ loader run", script_error)
         aoti_spec = None
         if package is not None:
-            aoti_spec, outputs = _finish_aoti(package, fields, inputs, outputs, spec, reference="model.pt" if program is not None else "the eager model")
-        sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
+            aoti_spec, outputs = _finish_aoti(package, fields, inputs, outputs, spec, config.row_block,
+                                              reference="model.pt" if program is not None else "the eager model")
+        with doing("writing the sample request", tmp / "sample"):
+            sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
         manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if program is not None else None,
-                                        aoti=aoti_spec, tables=spec)
+                                        aoti=aoti_spec, tables=spec, row_block=config.row_block)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
             from recship.plots import plot_artifact, plot_or_warn
 
@@ -276,11 +297,13 @@ def write_artifact(
         if config.repo is not None:
             def stamp(version: int) -> None:  # the manifest names the version folder it goes into
                 manifest.model.version = version
-                manifest.write(tmp)
+                with doing("writing manifest.json", tmp / "manifest.json"):
+                    manifest.write(tmp)
 
             publish_version(tmp, out, stamp)
         else:
-            manifest.write(tmp)
+            with doing("writing manifest.json", tmp / "manifest.json"):
+                manifest.write(tmp)
             if out.exists():  # --overwrite: swapped in at once (a server never sees the version missing)
                 _exchange(tmp, out)
                 shutil.rmtree(tmp)  # the old artifact, now under the staging name
@@ -431,7 +454,7 @@ def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: E
 
 
 def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, torch.Tensor], outputs: Dict[str, torch.Tensor],
-                 tables: TablesSpec, reference: str = "model.pt") -> Tuple[AotiSpec, Dict[str, torch.Tensor]]:
+                 tables: TablesSpec, row_block: int, reference: str = "model.pt") -> Tuple[AotiSpec, Dict[str, torch.Tensor]]:
     """Adds the tables spec to model.pt2 (so it pins the tables), checks it on the sample against ``outputs``
     (``reference``'s: model.pt's, or the eager model's when there is no model.pt) and returns the manifest's
     ``aoti`` with the sample outputs to record: model.pt's where there is one, else model.pt2's own."""
@@ -448,7 +471,8 @@ def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, 
         output_order=list(outputs), compile_seconds=round(package.compile_seconds, 2),
     )
     with torch.no_grad():
-        got = compiled(inputs["dense"], inputs["lengths"], inputs["values"], inputs.get("weights"))
+        got = run_in_blocks(compiled, row_block, len(fields.sparse_features), inputs["dense"], inputs["lengths"], inputs["values"],
+                            inputs.get("weights"))
     for k, want in outputs.items():
         if k not in got or got[k].shape != want.shape or (want.numel() and float((got[k] - want).abs().max()) > 1e-5):
             raise ExportError(f"model.pt2 disagrees with {reference} on the sample (output {k!r}): an AOTInductor compilation error")
@@ -463,8 +487,10 @@ class _Stages:
 
             self._bar = tqdm(total=len(stages), desc="export", unit="stage", file=sys.stderr)
         self._started = False
+        self.stage = ""  # the stage running: an OSError names it (recship.oserrors)
 
     def next(self, name: str) -> None:
+        self.stage = name
         if self._bar is not None:
             if self._started:
                 self._bar.update(1)

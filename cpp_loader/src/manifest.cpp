@@ -42,6 +42,7 @@ void check_values(const json& m, const std::string& file) {
   // model.pt's checksum; an artifact without model.pt (TorchScript could not compile the model) has model.pt2's (aoti)
   if (m.contains("model_sha256") && !std::regex_match(m["model_sha256"].get_ref<const std::string&>(), hex64))
     fail("model_sha256 must be 64 lowercase hex digits");
+  if (m.contains("row_block") && !size_value(m["row_block"])) fail("row_block must be >= 0");
   const json& features = m["sparse_features"];
   const bool weighted = m["weighted"].get<bool>();
   std::set<std::string> names;
@@ -235,6 +236,7 @@ void check_manifest(const json& m, const std::string& file) {
     throw ArtifactError(file + ": tables needs format '" + kFormat + "'");
   }
   if (m.contains("model_sha256") || !m.contains("aoti")) need(m, "model_sha256", Kind::String, "");
+  if (m.contains("row_block")) need(m, "row_block", Kind::Integer, "");
   const json& model = need(m, "model", Kind::Object, "");
   need(model, "name", Kind::String, "model.");
   need(model, "version", Kind::Integer, "model.");

@@ -224,11 +224,16 @@ struct Model::Impl {
   std::map<std::string, bool> feature_weighted;  // which features take them (ids of the others get weight 1)
   int64_t num_dense = 0;
   int64_t max_batch_size = 512;
+  int64_t row_block = 0;  // examples per forward (manifest row_block; 0: whole batches): export/blocks.py
+
+  // One forward of the loaded model on validated inputs, whatever their batch.
+  std::vector<std::pair<std::string, torch::Tensor>> forward_once(const Inputs& in) const;
 
   // limit: the largest batch accepted (max_batch_size, but for the sample's self-check)
   Prepared prepare(const Request& r, int64_t limit) const;
   Inputs inputs(const std::vector<const Prepared*>& requests, int64_t limit) const;
-  // Runs the loaded model on validated inputs (AOTI checks no shapes: never call it with anything else).
+  // Runs the loaded model on validated inputs (AOTI checks no shapes: never call it with anything else), in
+  // blocks of exactly row_block examples where the manifest has one, as export/blocks.py run_in_blocks does.
   std::vector<std::pair<std::string, torch::Tensor>> forward(const Inputs& in) const;
   // The sample files, verified as export/artifact.py read_sample does, with its words (ArtifactError naming the file).
   Sample read_sample() const;
@@ -290,6 +295,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   for (const auto& f : m.manifest["sparse_features"])
     m.feature_weighted[f["name"].get<std::string>()] = f.value("weighted", m.weighted);
   m.num_dense = m.manifest["num_dense"].get<int64_t>();
+  m.row_block = m.manifest.value("row_block", int64_t{0});
   // 2. the torch and fbgemm_gpu it was built with
   // LoadOptions::fbgemm_dir, else $RECSHIP_FBGEMM_DIR (recship.native sets it to the fbgemm_gpu Python imports: an
   // installed wheel runs where it was not built), else the folder recorded at build time
@@ -666,7 +672,56 @@ Inputs Model::Impl::inputs(const std::vector<const Prepared*>& requests, int64_t
   return {dense, lengths, values, weighted ? weights : torch::Tensor()};
 }
 
+// Batch invariance (export/blocks.py): every forward gets exactly row_block examples, the batch cut into blocks and
+// the last padded with empty examples (no ids, zero dense), so each row meets the same kernels at the same shape
+// whatever it was batched with. A block's ids stay feature-major: feature f's ids of the block's rows, f = 0, 1, ...
 std::vector<std::pair<std::string, torch::Tensor>> Model::Impl::forward(const Inputs& in) const {
+  const int64_t rows = row_block;
+  const int64_t b = in.dense.size(0);
+  const int64_t nf = static_cast<int64_t>(features.size());
+  if (rows <= 0 || b < 1) return forward_once(in);
+  const int64_t blocks = (b + rows - 1) / rows;
+  const int32_t* lp = in.lengths.data_ptr<int32_t>();
+  const int64_t* vp = in.values.data_ptr<int64_t>();
+  const float* wp = weighted ? in.weights.data_ptr<float>() : nullptr;
+  const float* dp = in.dense.data_ptr<float>();
+  std::vector<int64_t> start(nf, 0);  // where feature f's ids of the current block begin in values
+  for (int64_t f = 0, at = 0; f < nf; ++f) {
+    start[f] = at;
+    for (int64_t i = 0; i < b; ++i) at += lp[f * b + i];
+  }
+  std::vector<std::vector<std::pair<std::string, torch::Tensor>>> parts;
+  parts.reserve(static_cast<size_t>(blocks));
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t first = k * rows, n = std::min(rows, b - first);
+    int64_t ids = 0;
+    for (int64_t f = 0; f < nf; ++f)
+      for (int64_t i = 0; i < n; ++i) ids += lp[f * b + first + i];
+    Inputs block{torch::zeros({rows, num_dense}, torch::kFloat32), torch::zeros({nf * rows}, torch::kInt32),
+                 torch::empty({ids}, torch::kInt64), weighted ? torch::empty({ids}, torch::kFloat32) : torch::Tensor()};
+    std::copy_n(dp + first * num_dense, n * num_dense, block.dense.data_ptr<float>());
+    int32_t* bl = block.lengths.data_ptr<int32_t>();
+    int64_t* bv = block.values.data_ptr<int64_t>();
+    float* bw = weighted ? block.weights.data_ptr<float>() : nullptr;
+    for (int64_t f = 0; f < nf; ++f) {
+      int64_t count = 0;
+      for (int64_t i = 0; i < n; ++i) count += (bl[f * rows + i] = lp[f * b + first + i]);
+      bv = std::copy_n(vp + start[f], count, bv);
+      if (weighted) bw = std::copy_n(wp + start[f], count, bw);
+      start[f] += count;
+    }
+    parts.push_back(forward_once(block));
+  }
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t o = 0; o < parts[0].size(); ++o) {
+    std::vector<torch::Tensor> pieces;
+    for (const auto& part : parts) pieces.push_back(part[o].second);
+    out.emplace_back(parts[0][o].first, torch::cat(pieces).narrow(0, 0, b));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> Model::Impl::forward_once(const Inputs& in) const {
   c10::InferenceMode guard;
   std::vector<std::pair<std::string, torch::Tensor>> out;
   try {
