@@ -100,6 +100,8 @@ def test_an_optional_field_missing_is_accepted(artifact, manifest_schema):
     (lambda m: m["sharding"]["shards"][0].update(rows="7"), "sharding.shards[0].rows"),
     (lambda m: m.update(num_dense=-1), "num_dense"),
     (lambda m: m.update(model_sha256="ABC"), "model_sha256"),
+    (lambda m: m.update(row_block=-1), "row_block"),
+    (lambda m: m.update(row_block="64"), "row_block"),
     (lambda m: m.update(format="recship.artifact/3"), "format"),
     (lambda m: m["tables"]["tensors"][0].update(offset=-1), "tables.tensors[0].offset"),
     (lambda m: m["tables"]["tensors"][0]["segments"][0].update(sha256="x" * 64), "tables.tensors[0].segments[0].sha256"),
@@ -159,5 +161,5 @@ def test_from_fields_and_write_sample_rebuild_the_exported_manifest_and_sample(a
     m = Manifest.read(artifact)
     fields = ModelFields(m.model, m.num_dense, m.weighted, m.sparse_features, m.sharding, m.quantization, m.validation)
     built = Manifest.from_fields(fields, {k: list(v.shape[1:]) for k, v in outputs.items()}, sample, raw["model_sha256"],
-                                 tables=TablesSpec.from_dict(raw["tables"]))
+                                 tables=TablesSpec.from_dict(raw["tables"]), row_block=raw["row_block"])
     assert json.dumps(built.to_dict(), indent=2) == (artifact / "manifest.json").read_text()
