@@ -25,6 +25,7 @@ model.pt and model.pt2 each carry a copy of the tensor list with its checksums
 inside it.
 """
 
+import errno
 import hashlib
 import json
 import math
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
+
+from recship.oserrors import label, no_space
 
 TABLES_FILE = "tables.bin"
 ALIGN = 4096
@@ -266,9 +269,9 @@ class StagedTables:
     def allocate(self, nbytes: int) -> torch.Tensor:
         """A zero-filled uint8 tensor [nbytes] whose bytes are the file's at a new aligned offset."""
         offset = _align(self.size)
-        # the disk space is taken now: a full disk fails here (OSError ENOSPC), not with a SIGBUS
-        # when a mapped page is first written; the new bytes read as zeros
-        os.posix_fallocate(self._fd, self.size, offset + nbytes - self.size)
+        # the disk space is taken now: a full disk fails here (OSError ENOSPC, saying the bytes needed and
+        # free), not with a SIGBUS when a mapped page is first written; the new bytes read as zeros
+        _reserve(self._fd, self.path, self.size, offset + nbytes - self.size, "quantizing the tables into it")
         self.size = offset + nbytes
         region = torch.frombuffer(mmap.mmap(self._fd, nbytes, offset=offset), dtype=torch.uint8)  # lives as long as the tensor
         self._regions.append((region.data_ptr(), nbytes, offset))
@@ -291,6 +294,19 @@ class StagedTables:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _reserve(fd: int, path: Path, start: int, nbytes: int, what: str) -> None:
+    """Takes the disk space of ``nbytes`` from ``start`` in the open file ``path`` now, so that a full disk fails at
+    once with the bytes needed and free (``recship.oserrors.no_space``), not part way through the writes."""
+    if nbytes <= 0:
+        return
+    try:
+        os.posix_fallocate(fd, start, nbytes)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise label(e, what, path)
+        raise label(no_space(path, nbytes), what) from None
 
 
 class TablesWriter:
@@ -369,7 +385,12 @@ class TablesWriter:
                 path.unlink()  # regions still mapped keep their bytes until they are freed
         offset = staged.size if placed and staged is not None else 0
         hashing = []
+        end = offset
+        for entry, _, _ in self._tensors:
+            if id(entry) not in placed:
+                end = _align(end) + entry.bytes
         with ThreadPoolExecutor(_threads()) as pool, open(path, "r+b" if placed else "wb") as f:
+            _reserve(f.fileno(), path, offset, end - offset, "writing the tables")
             f.seek(offset)
             for entry, t, parts in self._tensors:
                 raw = _raw(t)

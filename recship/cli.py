@@ -1,9 +1,10 @@
 """The ``recship`` command: one subcommand per stage of the pipeline.
 
 Each subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``;
-expected errors (ValueError, FileNotFoundError, a flag's unknown name) become one line on
-stderr and exit code 2. A subcommand's module is imported only when it runs, and its
-``add_arguments`` imports no torch, so ``--version``, ``--help`` and argument errors answer at once.
+expected errors (ValueError, a flag's unknown name) and every OSError (a missing file, a full disk, a
+read-only folder: ``recship.oserrors.one_line``) become one line on stderr and exit code 2. A subcommand's
+module is imported only when it runs, and its ``add_arguments`` imports no torch, so ``--version``,
+``--help`` and argument errors answer at once.
 """
 
 import argparse
@@ -58,8 +59,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if command:  # a --config file of the subcommand's flags: its values become their defaults
         try:
             apply_config_argument(subcommand_parser(parser, command), argv[1:])
-        except (ValueError, FileNotFoundError) as e:
-            print(f"recship {command}: error: {e}", file=sys.stderr)
+        except (ValueError, OSError) as e:
+            from recship.oserrors import one_line
+
+            print(f"recship {command}: error: {one_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
             return 2
     try:
         args = parser.parse_args(argv)
@@ -69,10 +72,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     module = importlib.import_module(args._module)
     try:
         return module.run(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # an OSError (a full disk, a read-only folder): its file, cause and stage
         from recship.logs import error_line
+        from recship.oserrors import one_line
 
-        print(error_line(args.command, e, getattr(args, "log_format", None) or "text"), file=sys.stderr)
+        message = one_line(e) if isinstance(e, OSError) else e
+        print(error_line(args.command, message, getattr(args, "log_format", None) or "text"), file=sys.stderr)
         return 2
 
 

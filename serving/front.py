@@ -59,7 +59,7 @@ def front_tables() -> Dict[str, Any]:
 
     from recship.serving import refusals
     from recship.serving.grpc_status import CODES
-    from recship.serving.inference import LOG_INTERVAL_S, ErrorKind
+    from recship.serving.inference import LOG_INTERVAL_S, ErrorKind, SampledLog
     from recship.serving.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
 
     def refusal(kind: ErrorKind, message: str) -> Dict[str, Any]:
@@ -69,6 +69,7 @@ def front_tables() -> Dict[str, Any]:
         "latency_buckets": list(LATENCY_BUCKETS),
         "batch_buckets": list(BATCH_BUCKETS),
         "log_interval_s": LOG_INTERVAL_S,
+        "log_max_kinds": SampledLog.MAX_KINDS,
         "answered": grpc.StatusCode.OK.name,
         "refusals": {
             "cancelled": refusal(ErrorKind.CANCELLED, refusals.CANCELLED),
@@ -185,6 +186,10 @@ class CppFront:
     def tables(self) -> Dict[str, Any]:
         """The tables the front took at start (``front_tables()``'s, as it holds them)."""
         return self.command(op="tables")["tables"]
+
+    def message_kind(self, message: str) -> str:
+        """The front's sampled log's kind of ``message`` (log.cpp); ``inference.message_kind`` is the same rule."""
+        return self.command(op="message_kind", message=message)["kind"]
 
     def stop(self, grace: float = 5.0) -> None:
         """Stops taking calls, lets those in flight finish (up to ``grace`` s), unloads and exits."""

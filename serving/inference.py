@@ -11,7 +11,7 @@ checked in ``admit``, which every front calls with the request's bytes: TOO_LARG
 bytes in flight across all fronts (``max_inflight_bytes``; past it OVERLOADED), metric labels
 only for served models and versions (everything else is counted under ``-``), client strings
 cut short wherever a message echoes them, and log lines: every refusal is counted, but at
-most one line per method and status is logged each ``LOG_INTERVAL_S`` (``SampledLog``).
+most one line per method, status and kind of message is logged each ``LOG_INTERVAL_S`` (``SampledLog``).
 """
 
 import asyncio
@@ -37,7 +37,7 @@ log = logging.getLogger("recship.serving")
 UNROUTED = "-"  # the model/version label of requests that reached no served version
 INFER_METHODS = frozenset({"Predict", "ModelInfer", "http.infer"})  # the requests a model's statistics count
 MAX_MESSAGE_CHARS = 1000  # an error message is cut here (gRPC sends it in a header)
-LOG_INTERVAL_S = 10.0  # a failed request's line: at most one per method and status this often (the C++ front's too)
+LOG_INTERVAL_S = 10.0  # a failed request's line: at most one per method, status and kind this often (the C++ front's too)
 T = TypeVar("T")
 
 
@@ -127,21 +127,55 @@ class _Source:
     last: Tuple[int, str, Dict[str, Any]] = (logging.INFO, "", {})  # the last line asked for: level, message, extra
 
 
+def message_kind(message: str) -> str:
+    """What kind of error a message tells, without its values: each run of digits becomes ``#`` and each quoted run
+    (from ``'`` or ``"`` to the same quote, or the end) an empty pair of those quotes, so ``feature 'a': id 7 is out
+    of range [0, 5)`` is ``feature '': id # is out of range [#, #)``. The C++ front's ``message_kind`` (log.cpp) is
+    the same rule: digits and quotes are ASCII, which no byte of a multi-byte UTF-8 character is."""
+    out, i, n = [], 0, len(message)
+    while i < n:
+        c = message[i]
+        if "0" <= c <= "9":
+            while i < n and "0" <= message[i] <= "9":
+                i += 1
+            out.append("#")
+        elif c in "'\"":
+            end = message.find(c, i + 1)
+            i = n if end < 0 else end + 1
+            out.append(c + c)
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 class SampledLog:
     """Lines a client can cause once per request, logged at a bounded rate: from each source (a fixed name, never
-    client data) the first line, then at most one per ``interval_s``, which says how many were left out since the
-    one before; ``flush()`` says the rest. The same words as the C++ front's (cpp_loader/tools/front/log.cpp),
+    client data) and kind of message (``message_kind``: the message without its numbers and quoted names) the
+    first line, then at most one per ``interval_s``, which says how many like it were left out since the one
+    before; ``flush()`` says the rest. A source's kinds past its first ``MAX_KINDS`` share one count, so that
+    clients cannot grow the table. The same words and counts as the C++ front's (cpp_loader/tools/front/log.cpp),
     so that one reading of the log covers both processes."""
+
+    MAX_KINDS = 64  # kinds of message counted apart per source (the C++ front takes it: front_tables, log_max_kinds)
 
     def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._log, self._interval, self._clock = logger, interval_s, clock
-        self._sources: Dict[str, _Source] = {}
+        self._sources: Dict[Tuple[str, str], _Source] = {}  # (source, kind) -> its count
+        self._kinds: Dict[str, int] = {}  # source -> kinds counted apart
         self._lock = threading.Lock()
 
     def log(self, source: str, level: int, message: str, exc_info: Optional[BaseException] = None,
             extra: Optional[Dict[str, Any]] = None) -> None:
+        kind = message_kind(message)
         with self._lock:
-            s = self._sources.setdefault(source, _Source())
+            s = self._sources.get((source, kind))
+            if s is None:
+                if self._kinds.get(source, 0) >= self.MAX_KINDS:
+                    kind = "*"  # past MAX_KINDS: one count for the rest
+                else:
+                    self._kinds[source] = self._kinds.get(source, 0) + 1
+                s = self._sources.setdefault((source, kind), _Source())
             now = self._clock()
             s.last = (level, message, dict(extra or {}))  # (not exc_info: it would keep the request's frames alive)
             if now < s.next:

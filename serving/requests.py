@@ -203,6 +203,24 @@ def _tensor(a: np.ndarray, dtype) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
+class _Alias:
+    """Presents ``a``'s memory to numpy as writable (``__array_interface__`` with read-only False), holding ``a``."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.base = a
+        self.__array_interface__ = {**a.__array_interface__, "data": (a.__array_interface__["data"][0], False)}
+
+
+def _writable_alias(a: np.ndarray) -> np.ndarray:
+    """``a`` itself if writable, else a writable view of the same memory (no copy), for ``torch.from_numpy``.
+
+    The readers hand over read-only views of the request's own bytes (``np.frombuffer`` on the immutable
+    ``bytes`` of a message or body); torch has no read-only tensors, so ``from_numpy`` warns ("The given NumPy
+    array is not writable") on every such request. Only for tensors nothing writes: the caller must only read
+    (``first_out_of_range`` computes a min and a max) and drop the tensor before the request's bytes go."""
+    return a if a.flags.writeable else np.asarray(_Alias(a))
+
+
 def _in_model_order(sp: SparseArrays, spec: ModelSpec) -> SparseArrays:
     seen = set()
     for name in sp.names:
@@ -248,7 +266,7 @@ def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None
         if int(lens.sum(dtype=np.int64)) != ids.shape[0]:
             raise InvalidRequest(f"sparse feature {name!r}: sum(lengths) = {int(lens.sum(dtype=np.int64))} but {ids.shape[0]} ids")
         rows = spec.rows[name]
-        bad = None if spec.modulo[name] else first_out_of_range(torch.from_numpy(ids), rows)
+        bad = None if spec.modulo[name] else first_out_of_range(torch.from_numpy(_writable_alias(ids)), rows)
         if bad is not None:
             raise IdOutOfRange(out_of_range_message(name, bad, rows))
         if spec.weighted[name]:

@@ -27,14 +27,14 @@ import shutil
 import signal
 import socket
 import tempfile
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
-from recship.logs import configure_logging, error_line
+from recship.logs import configure_logging
 from recship.names import LOG_FORMATS
+from recship.oserrors import doing
 from recship.serving.settings import SERVER_FIELDS, ServerConfig, flag_of, megabytes
 
 if TYPE_CHECKING:
@@ -79,6 +79,7 @@ class Server:
                 raise _cannot_listen(metrics_host, config.metrics_port, e) from None
         except BaseException:  # e.g. a port is taken: leave nothing running behind
             self._shutdown()
+            self._loop.close()  # (else the failed server's loop is a ResourceWarning line after the one-line error)
             raise
         log.info("listening on %s:%d with models %s", config.host, self.port, [m.name for m in self.repo.models()])
 
@@ -109,12 +110,13 @@ class Server:
         for host, port in listeners + ([(config.host, config.port)] if config.front == "python" else []):
             if port and _bind_error(host, port):
                 raise _cannot_listen(host, port)
-        self.repo = ModelRepository(config, self.metrics, on_change)
-        # loading runs the self-checks: off the loop, so it never stalls a request
-        if config.model_control == "explicit":
-            await loop.run_in_executor(None, self.repo.start_explicit, config.load_models)
-        else:
-            await loop.run_in_executor(None, self.repo.scan)
+        with doing("reading the model repository", config.model_repo):  # an unreadable folder: recship.cli says it
+            self.repo = ModelRepository(config, self.metrics, on_change)
+            # loading runs the self-checks: off the loop, so it never stalls a request
+            if config.model_control == "explicit":
+                await loop.run_in_executor(None, self.repo.start_explicit, config.load_models)
+            else:
+                await loop.run_in_executor(None, self.repo.scan)
         # the transport admits twice the limit so that an oversized request gets our
         # INVALID_ARGUMENT naming the size rather than gRPC's generic RESOURCE_EXHAUSTED;
         # no SO_REUSEPORT (gRPC's default): a second server on the port must fail, not take half its connections
@@ -328,13 +330,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_format)
-    try:
-        server = Server(config_from_args(args))
-    except OSError as e:  # e.g. a port in use (ValueError and FileNotFoundError: recship.cli says them)
-        if isinstance(e, FileNotFoundError):
-            raise
-        print(error_line("serve", e, args.log_format), file=sys.stderr)
-        return 2
+    server = Server(config_from_args(args))  # a port in use, an unreadable file: recship.cli says the OSError in one line
     done, stopping = threading.Event(), threading.Event()
 
     def shutdown(signum, frame):

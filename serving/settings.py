@@ -13,6 +13,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from recship.flags import parse_mapping
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
+from recship.oserrors import doing
 from recship.serving.values import shown
 
 # Upper bounds of the settings: past them something overflows (gRPC's message sizes are int32 and the transport
@@ -376,7 +377,9 @@ def read_trusted(path: str) -> FrozenSet[str]:
     """The allow-list file: one manifest.json sha256 per line (``sha256sum */*/manifest.json`` output works: the
     first word counts); # comments. A listed manifest pins every file of its version through its checksums."""
     digests = set()
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+    with doing("reading --trusted-sha256"):
+        text = Path(path).read_text()
+    for number, line in enumerate(text.splitlines(), 1):
         word = line.split("#", 1)[0].split()[:1]
         if not word:
             continue

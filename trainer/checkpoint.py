@@ -23,6 +23,7 @@ crash never leaves a partial checkpoint where ``latest_checkpoint`` looks.
 """
 
 import json
+import os
 import shutil
 import uuid
 import warnings
@@ -34,6 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from recship.oserrors import doing, no_space
 
 from recship.trainer.checkpoint_reader import (FORMAT, META_FILE, CheckpointError, data_parallel_key, load_tensors, quiet_dcp,
                                                read_metadata)
@@ -186,26 +190,76 @@ def save_checkpoint(
         state.update(tensors)
     state["progress/step"] = torch.tensor(step)
     state["progress/next_batch"] = torch.tensor(next_batch)
-    quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))
-    _barrier()
-    if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "next_batch": next_batch,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "tables": tables_meta,
-            "dense_keys": sorted(_dense_state(model)),
-            "dense_optimizer": optimizer_meta,
-            "plan": json.loads(plan.to_json()) if plan is not None else None,
-            "config": config,
-        }
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)  # the checkpoint becomes visible only now, complete
+    try:
+        with doing(f"saving checkpoint {final.name}", tmp):
+            _save(state, tmp)
+            _barrier()
+            if rank == 0:
+                _write_meta(tmp, final, step, next_batch, model, tables_meta, optimizer_meta, plan, config)
+    except BaseException:  # a full disk, a read-only folder: no partial checkpoint is left behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     _barrier()
     return final
+
+
+def _save(state: Dict[str, Any], tmp: Path) -> None:
+    """DCP's save of ``state`` into ``tmp``; a full disk is an OSError ENOSPC naming the bytes needed and free
+    (``recship.oserrors.no_space``), and a rank's OSError is raised as itself, not inside DCP's CheckpointException,
+    so that the command says it in one line.
+
+    The space is checked first: when the disk fills under DCP's writer, torch's zip writer reports a
+    RuntimeError ("unexpected pos 704 vs 598"), not the ENOSPC behind it."""
+    needed = sum(_local_bytes(v) for v in state.values())  # this rank's tensor bytes: DCP's files hold at least these
+    if _free_bytes(tmp) < needed:
+        raise no_space(tmp, needed)
+    try:
+        quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        for rank in sorted(failures):
+            failure = failures[rank]
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, OSError):
+                raise error from None
+        if _free_bytes(tmp) == 0:  # the disk filled meanwhile (another writer): that is why a write failed
+            raise no_space(tmp, needed) from e
+        raise
+
+
+def _local_bytes(value: Any) -> int:
+    """The bytes of this rank's part of a state value: a tensor, a ShardedTensor's local shards, a DTensor's local part."""
+    if isinstance(value, ShardedTensor):
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in value.local_shards())
+    if hasattr(value, "to_local"):  # a DTensor
+        value = value.to_local()
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+def _free_bytes(folder: Path) -> int:
+    stats = os.statvfs(folder)
+    return stats.f_bavail * stats.f_frsize
+
+
+def _write_meta(tmp: Path, final: Path, step: int, next_batch: int, model: nn.Module, tables_meta: Dict[str, Any],
+                optimizer_meta: Optional[Dict[str, Any]], plan: Optional[ShardingPlan], config: Optional[Dict[str, Any]]) -> None:
+    """Rank 0's last part of a save: the metadata file, then the rename that makes ``final`` appear, complete."""
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "next_batch": next_batch,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "tables": tables_meta,
+        "dense_keys": sorted(_dense_state(model)),
+        "dense_optimizer": optimizer_meta,
+        "plan": json.loads(plan.to_json()) if plan is not None else None,
+        "config": config,
+    }
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)  # the checkpoint becomes visible only now, complete
 
 
 def _table_json(t: EmbeddingBagConfig) -> Dict[str, Any]:

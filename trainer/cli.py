@@ -70,11 +70,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from recship.logs import configure_logging
+    from recship.oserrors import doing
     from recship.trainer.train import launch  # torch, from here on
 
     config = config_from_args(args)
     configure_logging(config.log_format)
-    summary = launch(config)
+    with doing("training", config.out):  # an OSError that names no file is the run folder's
+        summary = launch(config)
     if summary["rank"] != 0:
         return 0
     done = summary["steps_this_run"]
@@ -107,6 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     add_arguments(parser)
     try:
         return run(parse_with_config(parser, sys.argv[1:] if argv is None else argv))
-    except (ValueError, FileNotFoundError, FlagError) as e:
-        print(f"recship train: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, FlagError) as e:  # as recship.cli says them
+        from recship.oserrors import one_line
+
+        print(f"recship train: error: {one_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@
 //   {"op": "unload", "model": M}                                           -> {"ok": true}
 //   {"op": "stats"}                                                         -> {"ok": true, "stats": [...]}
 //   {"op": "tables"}                                                        -> {"ok": true, "tables": {...}} (as it took them)
+//   {"op": "message_kind", "message": TEXT}                                 -> {"ok": true, "kind": ...} (the sampled log's rule)
 //   {"op": "stop", "grace_s": 5}                                            -> {"ok": true}, then it exits
 // (an error answers {"ok": false, "error": "..."}). The first stdout line is {"listening": PORT}; stdin closing
 // (the parent is gone) stops the front as "stop" does. Log lines go to stderr.
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
     return usage(e.what());
   }
 
-  start_log(c.tables.log_interval_s);
+  start_log(c.tables.log_interval_s, c.tables.log_max_kinds);
   Front front(std::move(c));
   Service service(&front);
   int port = 0;

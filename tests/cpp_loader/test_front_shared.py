@@ -188,3 +188,24 @@ def test_the_front_sources_hold_no_copy_of_the_tables():
             if re.search(rf"(?<![\d.]){a}\s*,\s*{b}(?![\d.])", source):
                 copies.append(f"{key}: {a}, {b}")
     assert copies == [], f"the C++ front has copies of the tables (it must use --tables): {copies}"
+
+
+def test_the_front_tells_kinds_of_errors_apart_by_the_python_rule(front_bin, tmp_path):
+    """The sampled log counts each kind of error apart (serving/inference.py message_kind, log.cpp message_kind):
+    both fronts must see the same kinds, or one reading of the log would count them differently."""
+    import numpy as np
+
+    from recship.serving.inference import message_kind
+
+    g = np.random.default_rng(0)
+    alphabet = list("ab :,[]()-.#*{}") + ["0", "7", "42", "'", '"', "é", "ß", "€", "🙂", "\\"]
+    messages = ["".join(g.choice(alphabet, size=int(g.integers(0, 40)))) for _ in range(300)]
+    tables = front_tables()["refusals"]
+    messages += [tables["queue_full"]["message"].format(max_queue=12), tables["overloaded"]["message"].format(total=5, limit=3),
+                 "feature 'cat_1': id 27 is out of range [0, 21)", "model 'x' version 3 is not served", "open 'quote 12"]
+    front = CppFront(ServerConfig(model_repo=str(tmp_path), port=0, front="cpp"), f"unix:{tmp_path / 'backend.sock'}", binary=front_bin)
+    try:
+        assert [front.message_kind(m) for m in messages] == [message_kind(m) for m in messages]
+        assert front.tables()["log_max_kinds"] == front_tables()["log_max_kinds"]
+    finally:
+        front.stop(0)

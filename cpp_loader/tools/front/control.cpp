@@ -6,6 +6,7 @@
 #include <string>
 
 #include "front/front.h"
+#include "front/log.h"
 
 namespace recship::front {
 
@@ -48,6 +49,8 @@ double run_commands(Front& front, std::istream& in) {
         reply({{"ok", true}, {"stats", stats}});
       } else if (op == "tables") {
         reply({{"ok", true}, {"tables", front.config.tables.to_json()}});
+      } else if (op == "message_kind") {  // the sampled log's rule, for the test that holds it to Python's
+        reply({{"ok", true}, {"kind", message_kind(cmd.at("message").get<std::string>())}});
       } else if (op == "stop") {
         return cmd.value("grace_s", 5.0);
       } else {

@@ -33,14 +33,46 @@ void log_line(const std::string& level, const std::string& message) {
   std::cerr << nlohmann::json{{"level", level}, {"logger", "recship.front"}, {"message", message}}.dump() << std::endl;
 }
 
-SampledLog::SampledLog(double interval_s)
-    : interval_s_(interval_s), interval_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s))) {}
+std::string message_kind(const std::string& message) {
+  std::string out;
+  const size_t n = message.size();
+  size_t i = 0;
+  while (i < n) {
+    const char c = message[i];
+    if (c >= '0' && c <= '9') {
+      while (i < n && message[i] >= '0' && message[i] <= '9') ++i;
+      out += '#';
+    } else if (c == '\'' || c == '"') {
+      const size_t end = message.find(c, i + 1);
+      i = end == std::string::npos ? n : end + 1;
+      out += c;
+      out += c;
+    } else {
+      out += c;
+      ++i;
+    }
+  }
+  return out;
+}
+
+SampledLog::SampledLog(double interval_s, int64_t max_kinds)
+    : interval_s_(interval_s),
+      interval_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s))),
+      max_kinds_(max_kinds) {}
 
 void SampledLog::log(const std::string& source, const std::string& level, const std::string& message) {
   std::string line;
+  std::string kind = message_kind(message);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Source& s = sources_[source];
+    auto found = sources_.find({source, kind});
+    if (found == sources_.end()) {
+      int64_t& kinds = kinds_[source];
+      if (kinds >= max_kinds_) kind = "*";  // past max_kinds: one count for the rest
+      else ++kinds;
+      found = sources_.try_emplace({source, kind}).first;
+    }
+    Source& s = found->second;
     const auto now = Clock::now();
     s.level = level;
     s.last = message;
@@ -131,9 +163,9 @@ SampledLog& sampled_log() {
   return *the_sampled_log;
 }
 
-void start_log(double interval_s) {
+void start_log(double interval_s, int64_t max_kinds) {
   assert(the_sampled_log == nullptr);
-  the_sampled_log = new SampledLog(interval_s);
+  the_sampled_log = new SampledLog(interval_s, max_kinds);
 #if RECSHIP_PROTOBUF_LOG_HANDLER
   google::protobuf::SetLogHandler(protobuf_log);
 #endif

@@ -117,7 +117,7 @@ Tables Tables::parse(const std::string& source) {
     throw wrong(std::string("not JSON: ") + e.what());
   }
   if (!j.is_object()) throw wrong("must be a JSON object, got " + j.dump());
-  only(j, {"latency_buckets", "batch_buckets", "log_interval_s", "answered", "refusals"}, "");
+  only(j, {"latency_buckets", "batch_buckets", "log_interval_s", "log_max_kinds", "answered", "refusals"}, "");
   Tables t;
   t.latency_buckets = buckets(j, "latency_buckets");
   t.batch_buckets = buckets(j, "batch_buckets");
@@ -125,6 +125,10 @@ Tables Tables::parse(const std::string& source) {
   if (!interval.is_number() || !(interval.get<double>() > 0) || !std::isfinite(interval.get<double>()))
     throw wrong("log_interval_s must be a positive number of seconds, got " + interval.dump());
   t.log_interval_s = interval.get<double>();
+  const json& kinds = member(j, "log_max_kinds", "");
+  if (!kinds.is_number_integer() || kinds.get<int64_t>() < 1)
+    throw wrong("log_max_kinds must be a positive integer, got " + kinds.dump());
+  t.log_max_kinds = kinds.get<int64_t>();
   t.answered = text(j, "answered", "");
   const json& r = member(j, "refusals", "");
   only(r, {"cancelled", "deadline", "queue_full", "overloaded", "internal"}, "refusals");
@@ -140,6 +144,7 @@ json Tables::to_json() const {
   return {{"latency_buckets", latency_buckets},
           {"batch_buckets", batch_buckets},
           {"log_interval_s", log_interval_s},
+          {"log_max_kinds", log_max_kinds},
           {"answered", answered},
           {"refusals",
            {{"cancelled", refusal_json(cancelled)},

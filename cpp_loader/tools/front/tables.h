@@ -6,6 +6,7 @@
 
 #include <grpcpp/support/status.h>
 
+#include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -29,6 +30,7 @@ struct Refusal {
 struct Tables {
   std::vector<double> latency_buckets, batch_buckets;  // histogram bounds, increasing (Prometheus' le)
   double log_interval_s = 0;                           // SampledLog's interval
+  int64_t log_max_kinds = 0;                           // SampledLog's kinds counted apart per source
   std::string answered;                                // the status of an answered request
   Refusal cancelled;                                   // the client gave up while queued
   Refusal deadline;                                    // the call's deadline came while it waited
