@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 64, 512)
 PLOT = ROOT / "bench" / "out" / "aoti_bench.png"
-VARIANTS = ("baseline", "flat TorchScript", "AOTI")
+VARIANTS = ("baseline", "flat TorchScript", "AOTI", "flat TorchScript, whole batch", "AOTI, whole batch")
 
 
 def _requests(manifest, batch: int, seed: int):
@@ -85,11 +85,17 @@ def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional
     else:
         baseline = _baseline_module(model, manifest.num_dense)
         label = "pre-flat forward rebuilt here"
-    variants = {"baseline": baseline, "flat TorchScript": flat, "AOTI": compiled}
+    # the artifact's model runs in blocks of row_block rows (export/blocks.py: batch invariance); the loaded model
+    # itself, run on the whole batch, is what every batch ran before it
+    variants = {"baseline": baseline, "flat TorchScript": flat, "AOTI": compiled,
+                "flat TorchScript, whole batch": getattr(flat, "model", flat), "AOTI, whole batch": getattr(compiled, "model", compiled)}
     print(f"\n{name}: Python, {torch.get_num_threads()} thread(s), baseline = {label}; "
           f"model.pt {(art / 'model.pt').stat().st_size / 1e6:.2f} MB, model.pt2 {(art / 'model.pt2').stat().st_size / 1e6:.2f} MB, "
           f"AOTI compile {manifest.aoti.compile_seconds:.1f} s")
-    print(f"{'batch':>5s} {'baseline us':>12s} {'flat TS us':>11s} {'AOTI us':>9s} {'flat/base':>10s} {'AOTI/base':>10s}")
+    print(f"row_block {manifest.row_block or 0}: 'blocks' columns run the artifact as loaders do, 'whole' the same model on the "
+          "whole batch (as before batch invariance)")
+    print(f"{'batch':>5s} {'baseline us':>12s} {'flat TS us':>11s} {'AOTI us':>9s} {'flat/base':>10s} {'AOTI/base':>10s} "
+          f"{'TS whole us':>12s} {'AOTI whole us':>14s} {'TS blocks/whole':>16s} {'AOTI blocks/whole':>18s}")
     for batch in BATCHES:
         dense, lengths, values = _requests(manifest, batch, seed=batch)
         with torch.inference_mode():
@@ -106,7 +112,9 @@ def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional
         t = {k: statistics.median(v) for k, v in medians.items()}
         chart[f"{name}, Python, batch {batch}"] = [t[k] for k in VARIANTS]
         print(f"{batch:5d} {t['baseline']:12.1f} {t['flat TorchScript']:11.1f} {t['AOTI']:9.1f} "
-              f"{t['flat TorchScript'] / t['baseline']:10.2f} {t['AOTI'] / t['baseline']:10.2f}"
+              f"{t['flat TorchScript'] / t['baseline']:10.2f} {t['AOTI'] / t['baseline']:10.2f} "
+              f"{t['flat TorchScript, whole batch']:12.1f} {t['AOTI, whole batch']:14.1f} "
+              f"{t['flat TorchScript'] / t['flat TorchScript, whole batch']:16.2f} {t['AOTI'] / t['AOTI, whole batch']:18.2f}"
               f"{'' if same else '  (AOTI != TorchScript bitwise)'}{'' if close else '  (baseline differs!)'}")
 
 

@@ -146,7 +146,7 @@ def _forward_ms(model, sparse, dense, in_thread: bool, repeats: int = 50) -> flo
     return statistics.median(times)
 
 
-def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms=2.0, chart=None):
+def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms=2.0, chart=None, row_block=None):
     """Prints the model's tables; adds each served point to ``chart`` (row label -> (examples/s, p50 ms, p99 ms))."""
     import torch
 
@@ -161,7 +161,8 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms
                         dense_arch=shape["dense_arch"] + [shape["dim"]], over_arch=shape["over_arch"])
     torch.manual_seed(0)
     out = work / name / "dlrm" / "1"
-    export_model(DLRM(config), ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1))
+    export_model(DLRM(config), ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1,
+                                            **({} if row_block is None else {"row_block": row_block})))
     rows, num_dense = config.num_embeddings_per_feature, config.num_dense
     model, _ = open_artifact(out)  # the file both fronts run: model.pt2 where it runs here, else model.pt
     fmt = getattr(model, "format", "torchscript")
@@ -223,6 +224,7 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--row-block", type=int, help="the artifact's row_block (recship export --row-block; default: export's)")
     parser.add_argument("--model", choices=sorted(MODELS) + ["all"], default="all")
     parser.add_argument("--front", choices=["python", "cpp", "both"], default="both")
     parser.add_argument("--load", choices=["cpp", "python"], default="cpp", help="load generator (default: recship_load, C++)")
@@ -243,7 +245,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
     chart = {}
     for name in sorted(MODELS) if args.model == "all" else [args.model]:
-        bench_model(name, args.seconds, work, fronts, load, args.torch_threads, args.max_delay_ms, chart)
+        bench_model(name, args.seconds, work, fronts, load, args.torch_threads, args.max_delay_ms, chart, args.row_block)
     from recship.plots import write_bench_chart
 
     write_bench_chart(args.plot, f"serving over loopback gRPC, {args.seconds:g} s per point", list(chart),
