@@ -28,6 +28,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"built with torch {versions.torch}, fbgemm_gpu {versions.fbgemm_gpu}; needs {', '.join(m.op_libraries)}")
     print(f"inputs: dense [B, {m.num_dense}] float32, lengths [F*B] int32, values [N] int64" + (", weights [N] float32" if m.weighted else ""))
     print("outputs: " + ", ".join(f"{k} {v.shape}" for k, v in m.outputs.items()))
+    print(f"forwards: blocks of {m.row_block} examples (an answer does not depend on its batch)" if m.row_block
+          else "forwards: whole batches (row_block 0: an answer's last bits may depend on its batch)")
     rows = [(f.name, f.table, f.pooling.lower(), f"{f.rows} x {f.dim}", f.weight_type.lower(), f.id_policy) for f in m.sparse_features]
     print(text_table(("feature", "table", "pooling", "rows x dim", "type", "ids"), rows))
     s = m.sharding
