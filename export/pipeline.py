@@ -156,7 +156,7 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
     stages = ["load", "quantize + shard", "trace + script", "validate", "write"]
     bar = _Stages(stages, config.progress)
     parent = out if config.repo is not None else out.parent
-    made = parent if not parent.exists() else None  # a folder the export creates, removed again if it fails
+    made = [f for f in [parent, *parent.parents] if not f.exists()]  # folders the export creates, removed if it fails
     staging: Optional[Tuple[Path, StagedTables]] = None  # the staging folder, and the tables file quantized into
     try:
 
@@ -183,8 +183,10 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             label(e, f"export stage {bar.stage!r}", out)
         if staging is not None:
             shutil.rmtree(staging[0], ignore_errors=True)
-        if made is not None and made.is_dir() and not any(made.iterdir()):
-            made.rmdir()
+        for folder in made:  # innermost first, as long as each is empty
+            if not folder.is_dir() or any(folder.iterdir()):
+                break
+            folder.rmdir()
         raise
     finally:
         if staging is not None:

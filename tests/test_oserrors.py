@@ -109,6 +109,17 @@ def test_export_whose_tables_do_not_fit_names_the_disk_and_the_bytes(run, small_
     assert os.listdir(disk) == []  # no staging folder, no artifact
 
 
+def test_export_into_a_new_model_repository_on_a_full_disk_leaves_no_folder(run, small_disk):
+    checkpoint, sizes = run
+    disk = small_disk("512k")
+    done = _recship("export", str(checkpoint), "--model-repo", str(disk / "repo" / "models"), "--model-name", "m", *EXPORT)
+    line = _one_error_line(done, "export")
+    assert re.fullmatch(rf"recship export: error: {re.escape(str(disk))}/repo/models/m/\.version\.tmp-\d+-[0-9a-f]{{8}}/tables\.bin: "
+                        rf"No space left on device: {re.escape(_kib(sizes['tables.bin']))} needed, 512\.0 KiB free on "
+                        rf"{re.escape(str(disk))} \(quantizing the tables into it\)", line), line
+    assert os.listdir(disk) == []  # neither the staging folder nor the repository's folders it made
+
+
 def test_export_into_a_disk_that_fills_after_the_tables_says_which_file(run, small_disk):
     checkpoint, sizes = run
     disk = small_disk(str((_pages(sizes["tables.bin"]) + 2) * PAGE))  # tables.bin fits, model.pt does not
