@@ -4,10 +4,12 @@ OSError becomes ``recship CMD: error: PATH: CAUSE (WHAT WAS BEING DONE)`` and ex
 Code that writes or reads files does not catch OSError itself; where the error would not say which file or what
 for (``file.write`` raises ENOSPC without a file name), it runs inside ``doing(what, path)``, which labels the error
 on its way up. ``no_space`` is the ENOSPC of a known size: how much was needed and how much is free, on which
-file system.
+file system. ``carry`` and ``carried`` take an OSError out of a spawned training rank, whose parent sees only its
+traceback's text.
 """
 
 import errno
+import json
 import os
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +49,28 @@ def one_line(e: OSError) -> str:
         where = f"{os.fsdecode(e.filename)} -> {os.fsdecode(e.filename2)}: "
     what = getattr(e, _DOING, None)
     return where + e.strerror + (f" ({what})" if what else "")
+
+
+_CARRIED = "recship.oserrors.carry: "  # the start of ``carry``'s line
+
+
+def carry(e: OSError) -> str:
+    """``e`` as one line of text that survives a spawned process's traceback (torch.multiprocessing hands the parent
+    only that text): the marker, then errno, cause, files and label as JSON. ``carried`` reads it back."""
+    files = [None if f is None else os.fsdecode(f) for f in (e.filename, e.filename2)]
+    return _CARRIED + json.dumps([e.errno, e.strerror, *files, getattr(e, _DOING, None)])
+
+
+def carried(text: str) -> Optional[OSError]:
+    """The OSError the last ``carry`` line in ``text`` holds (a subclass by its errno, as Python makes them), or None."""
+    start = text.rfind(_CARRIED)
+    if start < 0:
+        return None
+    number, cause, filename, filename2, what = json.loads(text[start + len(_CARRIED):].splitlines()[0])
+    e = OSError(number, cause, filename, None, filename2)
+    if what is not None:
+        setattr(e, _DOING, what)
+    return e
 
 
 def write_bytes(path: PathLike, data: Union[bytes, memoryview], what: str) -> None:

@@ -157,15 +157,17 @@ def test_export_of_a_missing_checkpoint_keeps_its_words(tmp_path):
 
 # -- train -------------------------------------------------------------------------------------------------------------
 
-def test_train_whose_checkpoint_does_not_fit_leaves_no_partial_checkpoint(small_disk):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_train_whose_checkpoint_does_not_fit_leaves_no_partial_checkpoint(small_disk, nproc):
     disk = small_disk("256k")
-    line = _one_error_line(_recship("train", "--out", str(disk / "run"), *TRAIN), "train")
-    # 26 tables x 2000 x 16 float32, their optimizer state and the dense layers: more than the tables' 3.2 MiB to write
+    line = _one_error_line(_recship("train", "--out", str(disk / "run"), "--nproc-per-node", str(nproc), *TRAIN), "train")
+    # 26 tables x 2000 x 16 float32, their optimizer state and the dense layers: more than the tables' 3.2 MiB to write,
+    # split between the ranks (each rank checks its own part)
     m = re.fullmatch(rf"recship train: error: {re.escape(str(disk))}/run/checkpoints/step_00000002\.tmp-[0-9a-f]{{8}}: "
                      rf"No space left on device: ([0-9.]+) MiB needed, [0-9.]+ KiB free on {re.escape(str(disk))} "
                      r"\(saving checkpoint step_00000002\)", line)
     assert m, line
-    assert float(m.group(1)) > 26 * 2000 * 16 * 4 / 2**20
+    assert float(m.group(1)) > 26 * 2000 * 16 * 4 / 2**20 / nproc
     assert os.listdir(disk / "run" / "checkpoints") == []  # the temporary folder is gone
 
 

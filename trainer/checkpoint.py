@@ -212,7 +212,10 @@ def _save(state: Dict[str, Any], tmp: Path) -> None:
     The space is checked first: when the disk fills under DCP's writer, torch's zip writer reports a
     RuntimeError ("unexpected pos 704 vs 598"), not the ENOSPC behind it."""
     needed = sum(_local_bytes(v) for v in state.values())  # this rank's tensor bytes: DCP's files hold at least these
-    if _free_bytes(tmp) < needed:
+    short = torch.tensor([int(_free_bytes(tmp) < needed)])
+    if dist.is_initialized():  # every rank refuses, or none: a rank alone in DCP's collectives would wait for ever
+        dist.all_reduce(short, op=dist.ReduceOp.MAX)
+    if short.item():
         raise no_space(tmp, needed)
     try:
         quiet_dcp(dcp.save, state, checkpoint_id=str(tmp))

@@ -31,6 +31,7 @@ from torch import nn
 
 from recship.cpus import usable_cpus
 from recship.names import DLRM_ENTRY
+from recship.oserrors import carried, carry
 from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.config import TrainConfig
@@ -388,6 +389,10 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
         summary = train(config)
         Path(out, f"summary_rank{rank}.json").write_text(json.dumps(summary))
         dist.barrier()  # neither rank tears the group down while the other still talks
+    except OSError as e:
+        if world_size == 1:
+            raise
+        raise RuntimeError(carry(e)) from None  # the parent sees a spawned rank's traceback text only: launch reads it
     finally:
         _close_process_group()
 
@@ -428,13 +433,23 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     else:
         import torch.multiprocessing as mp
 
+        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+        level = spawn_log.level
+        spawn_log.setLevel(logging.ERROR)  # not "Terminating process N" on a rank's error: the error says why
         try:
             mp.spawn(_rank_entry, args=(n, port, config, config.out), nprocs=n)
         except mp.ProcessRaisedException as e:  # a rank's own error, as one line: the ranks stop together
+            for tmp in Path(config.out, "checkpoints").glob("step_*.tmp-*"):  # a save whose rank 0 was stopped mid-way
+                shutil.rmtree(tmp, ignore_errors=True)
             marker = f"{TrainingDiverged.__module__}.{TrainingDiverged.__name__}: "
             if marker in str(e):
                 raise TrainingDiverged(str(e).rsplit(marker, 1)[1].strip()) from None
+            os_error = carried(str(e))  # a full disk, a read-only folder: said in one line by the CLI
+            if os_error is not None:
+                raise os_error from None
             raise
+        finally:
+            spawn_log.setLevel(level)
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
 
 
