@@ -336,7 +336,9 @@ def export_any_model(
         if v.dim() == 0 or v.shape[0] != validation[0][0].shape[0]:
             raise ExportError(f"output {k!r} has shape {list(v.shape)}: outputs must be batch-first [B, ...]")
     # the output that AUC and log loss are measured on, if the data has labels: the model's eval_output or its one output
-    score_name = getattr(module, "eval_output", None) or (next(iter(float_outputs[0])) if len(float_outputs[0]) == 1 else None)
+    tasks = dict(getattr(module, "eval_outputs", None) or {})  # a multi-task model's {output: label column}
+    score_name = (getattr(module, "eval_output", None) or next(iter(tasks), None)
+                  or (next(iter(float_outputs[0])) if len(float_outputs[0]) == 1 else None))
     if score_name is not None and (score_name not in float_outputs[0] or float_outputs[0][score_name][0].numel() != 1):
         score_name = None
 
@@ -354,7 +356,8 @@ def export_any_model(
 
     progress("validate")
     runner = exported if isinstance(scripted, StageError) else scripted
-    validation_report = _validate(runner, validation, float_outputs, reference_outputs, score_name, data, config, model)
+    validation_report = _validate(runner, validation, float_outputs, reference_outputs, score_name, data, config, model,
+                                  tasks.get(score_name or "", 0))
 
     types = {t.table: t.data_type for t in report.tables}  # named "<path>.<table>" by quantize_embeddings
     features = []
@@ -409,10 +412,11 @@ def _device_capacity(config: "ExportConfig") -> Optional[int]:
 
 def _validate(scripted, validation: List["Batch"], float_outputs: List[Dict[str, torch.Tensor]],
               reference_outputs: List[Dict[str, torch.Tensor]], score_name: Optional[str], data: str,
-              config: "ExportConfig", model: nn.Module) -> Dict[str, Any]:
+              config: "ExportConfig", model: nn.Module, column: int = 0) -> Dict[str, Any]:
     """The manifest's ``validation``: the exported model against the float model and the unsharded quantized
     reference on the validation batches. ExportError when it differs from the reference beyond float
-    rounding (a sharding or tracing bug), or from the float model beyond ``config.error_budget``."""
+    rounding (a sharding or tracing bug), or from the float model beyond ``config.error_budget``. ``column``: the
+    label column ``score_name`` is scored on, where the labels are [B, T]."""
     from recship.export.config import ExportError
     from recship.export.validation import refuse_non_finite
 
@@ -426,7 +430,7 @@ def _validate(scripted, validation: List["Batch"], float_outputs: List[Dict[str,
             got = {k: v.cpu() for k, v in raw.items()}
             refuse_non_finite(got, "the exported model", model)
             if labels is not None and score_name is not None:
-                scored.append((got[score_name].reshape(-1), want[score_name].reshape(-1), labels))
+                scored.append((got[score_name].reshape(-1), want[score_name].reshape(-1), labels[:, column] if labels.dim() == 2 else labels))
             for k, w in want.items():
                 if not w.numel():
                     max_diff.setdefault(k, 0.0)

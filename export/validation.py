@@ -13,7 +13,7 @@ from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.types import DataType
 
-# a validation request: dense [B, num_dense] float32, its KJT, labels [B] float32 or None
+# a validation request: dense [B, num_dense] float32, its KJT, labels [B] (or [B, T] for T tasks) float32 or None
 Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]
 
 
@@ -25,7 +25,7 @@ def eval_batches(
     ``eval_data`` is a Criteo TSV file (label, 13 integers, 26 hex ids a line: for models
     with those 13 dense and 26 sparse features, in order), or ``package.module:function``
     where ``function(batch_size=B, rank=0, world_size=1)`` returns an iterable of (dense
-    [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B] float or None):
+    [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B] or [B, T] float, or None):
     the data functions ``recship train --data`` takes.
     """
     if Path(eval_data).is_file():
@@ -57,7 +57,14 @@ def eval_batches(
         if (kjt.weights_or_none() is not None) != weighted:
             raise ExportError(f"--eval-data {eval_data}: the model's features are {'weighted' if weighted else 'unweighted'}; "
                               "the batches' are not")
-        out.append((dense.float(), kjt, None if labels is None else labels.float().reshape(-1)))
+        if labels is not None:
+            from recship.trainer.data import task_labels
+
+            try:
+                labels = task_labels(labels, dense.shape[0], f"--eval-data {eval_data}")
+            except ValueError as e:
+                raise ExportError(str(e)) from None
+        out.append((dense.float(), kjt, labels))
     if not out:
         raise ExportError(f"--eval-data {eval_data} gave no batches")
     return out

@@ -115,7 +115,8 @@ def training_curves_figure(
     size (solid purple, labelled ``1 -> 2 ranks`` at the top).
 
     ``steps``/``losses``: the train loss after each step (same length); ``evals``: dicts with
-    ``step``, ``log_loss`` and ``auc`` (other keys are ignored), in step order; ``starts``: where
+    ``step``, ``log_loss`` and ``auc`` (and, for a multi-task model, ``tasks``: {task: {log_loss, auc}}, each
+    task drawn too; other keys are ignored), in step order; ``starts``: where
     each run started, dicts with ``step``, ``world_size`` and ``resumed`` in step order (history.jsonl's
     start records; none for a history written before they existed). The marker lines carry the gid
     ``resume`` or ``world_size``, so their steps can be read back from the axes.
@@ -147,6 +148,15 @@ def training_curves_figure(
         point = dict(marker="o", markersize=6, linestyle=":", linewidth=0.8, zorder=3)
         top.plot(eval_steps, [float(e["log_loss"]) for e in evals], color="tab:red", label="eval log loss", **point)
         bottom.plot(eval_steps, [float(e["auc"]) for e in evals], color="tab:green", label="eval AUC", **point)
+        # a multi-task model's evaluations carry each task's metrics too ("tasks": {output: {log_loss, auc}})
+        tasks = list(dict.fromkeys(t for e in evals for t in (e.get("tasks") or {})))
+        for i, task in enumerate(tasks if len(tasks) > 1 else []):
+            at = [(int(e["step"]), e["tasks"][task]) for e in evals if task in (e.get("tasks") or {})]
+            style = dict(point, marker="s^vDP"[i % 5], markersize=4, color=f"C{(i + 4) % 10}")
+            top.plot([s for s, _ in at], [float(m["log_loss"]) for _, m in at], label=f"eval log loss: {task}", alpha=0.6, **style)
+            bottom.plot([s for s, _ in at], [float(m["auc"]) for _, m in at], label=f"eval AUC: {task}", alpha=0.6, **style)
+        if len(tasks) > 1:
+            bottom.legend(loc="lower right", fontsize="small")
     else:
         bottom.text(0.5, 0.5, "no evaluations", ha="center", va="center", transform=bottom.transAxes, color="gray")
     _mark_starts(top, bottom, starts)

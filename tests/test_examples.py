@@ -181,3 +181,80 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
     for out in answer["outputs"]:
         np.testing.assert_array_equal(np.asarray(out["data"], dtype=np.float32).reshape(out["shape"]), want[out["name"]])
         np.testing.assert_array_equal(np.asarray(predicted[out["name"]], dtype=np.float32), want[out["name"]])
+
+
+# -- examples/esmm.py: the README's multi-task example (labels [B, 2]) ----------------------------------------------
+
+
+def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """The probability that a positive outscores a negative (ties count half), pair by pair."""
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()) / (len(pos) * len(neg)))
+
+
+def test_the_esmm_example_trains_both_tasks_resumes_exports_on_its_data_and_serves(tmp_path, monkeypatch):
+    """examples/esmm.py as the README runs it: trained on labels [B, 2] with each task's AUC reported (equal to a plain
+    replay of the checkpoint on the eval data), resumed without its data flags (the checkpoint's data and batch size
+    are used), exported (validated on the run's own eval data function) and served; the Python front answers as the
+    artifact does in process, bitwise, for the example's request and a batch of 5."""
+    from recship.serving import PredictClient
+    from recship.serving.server import Server, ServerConfig
+    from recship.trainer.checkpoint_reader import CheckpointReader
+
+    result = subprocess.run([sys.executable, "examples/esmm.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.strip().splitlines()
+    resumed_line = next(line for line in lines if line.startswith("--resume from step_00000060: "))
+    assert "data examples.esmm:data, eval data examples.esmm:eval_data, batch size 64" in resumed_line
+    assert any(line.startswith("trained 20 steps (steps 61-80) on 1 rank(s) of examples.esmm:data at batch 64: ") for line in lines)
+    summary = json.loads((tmp_path / "run" / "summary_rank0.json").read_text())
+    assert summary["steps"] == 80 and summary["data"] == "examples.esmm:data" and summary["batch_size"] == 64
+    tasks = summary["final_eval"]["tasks"]
+    assert sorted(tasks) == ["ctcvr", "ctr"] and summary["final_eval"]["auc"] == tasks["ctr"]["auc"]
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.syspath_prepend(str(ROOT))
+    from examples import esmm
+
+    reader = CheckpointReader(summary["checkpoint"])
+    state = reader.dense_state_dict()
+    for mpath, cfg, weight in reader.tables():
+        state[f"{mpath}.embedding_bags.{cfg.name}.weight"] = weight.clone()
+    model = esmm.build()
+    model.load_state_dict(state)
+    model.eval()
+    batches = list(esmm.eval_data(64))[:8]  # --eval-batches 8 (the default) of the recorded batch size
+    with torch.no_grad():
+        outputs = [model(d, k) for d, k, _ in batches]
+    labels = torch.cat([l for _, _, l in batches]).numpy()
+    for task, column in esmm.ESMM.eval_outputs.items():
+        scores = torch.cat([o[task].reshape(-1) for o in outputs]).numpy()
+        assert tasks[task]["auc"] == pytest.approx(_auc(scores, labels[:, column]), abs=1e-6), task
+        assert tasks[task]["auc"] > 0.6, task  # both tasks learn the hidden model's signal
+
+    artifact = tmp_path / "repo" / "esmm" / "1"
+    artifact_model, manifest = open_artifact(artifact)
+    validation = manifest.to_dict()["validation"]
+    assert validation["data"] == "examples.esmm:eval_data" and validation["output"] == "ctr"  # the run's own eval data
+    assert abs(validation["auc"] - validation["float_auc"]) < 0.01
+    answer = json.loads(lines[-1])
+    request = {"user": [[7]], "item": [[42]], "category": [[3]], "history": [[42, 17, 260]]}
+    want = in_process(artifact_model, request, [[0.5, 0.25]], names=manifest.feature_names)
+    for name in ("ctr", "cvr", "ctcvr"):
+        np.testing.assert_array_equal(np.asarray(answer[name], dtype=np.float32), want[name])
+    g = torch.Generator().manual_seed(3)
+    batch = {"user": [[int(torch.randint(0, 200, (1,), generator=g))] for _ in range(5)],
+             "item": [[int(torch.randint(0, 500, (1,), generator=g))] for _ in range(5)],
+             "category": [[int(torch.randint(0, 20, (1,), generator=g))] for _ in range(5)],
+             "history": [torch.randint(0, 500, (n,), generator=g).tolist() for n in (0, 1, 3, 5, 2)]}
+    dense = torch.rand(5, 2, generator=g).numpy()
+    want = in_process(artifact_model, batch, dense, names=manifest.feature_names)
+    server = Server(ServerConfig(model_repo=str(tmp_path / "repo"), port=0))
+    try:
+        with PredictClient(f"127.0.0.1:{server.port}") as client:
+            got = client.predict("esmm", batch, dense=dense.tolist())
+    finally:
+        server.stop()
+    assert sorted(got) == ["ctcvr", "ctr", "cvr"]
+    for name, value in got.items():
+        np.testing.assert_array_equal(np.asarray(value, dtype=np.float32), want[name])

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from dataclasses import fields
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 from recship.flags import FlagError, json_object, one_of, parse_with_config
 from recship.trainer.config import TrainConfig, default_of
@@ -61,11 +61,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, **kw)
 
 
+def given_fields(args: argparse.Namespace) -> Set[str]:
+    """The TrainConfig fields given by a flag or a ``--config`` key (every flag defaults to None: not given). On
+    ``--resume`` these override what the checkpoint records; the others take its values."""
+    return {f.name for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of parsed flags (a ``--config`` file's values are their defaults: ``recship.flags``), over
     TrainConfig's defaults."""
-    values = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
-    return TrainConfig(**values)
+    return TrainConfig(**{name: getattr(args, name) for name in given_fields(args)})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     configure_logging(config.log_format)
     with doing("training", config.out):  # an OSError that names no file is the run folder's
-        summary = launch(config)
+        summary = launch(config, given=given_fields(args))
     if summary["rank"] != 0:
         return 0
     done = summary["steps_this_run"]
@@ -88,10 +93,13 @@ def run(args: argparse.Namespace) -> int:
     first = sum(summary["losses"][:10]) / max(1, len(summary["losses"][:10]))
     last = sum(summary["losses"][-10:]) / max(1, len(summary["losses"][-10:]))
     print(
-        f"trained {done} steps (steps {summary['steps'] - done + 1}-{summary['steps']}) on {summary['world_size']} rank(s): "
+        f"trained {done} steps (steps {summary['steps'] - done + 1}-{summary['steps']}) on {summary['world_size']} rank(s) "
+        f"of {summary.get('data', config.data)} at batch {summary.get('batch_size', config.batch_size)}: "
         f"loss {first:.4f} -> {last:.4f} (mean of first/last 10 steps), "
-        + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}, " if final else "")
-        + (f"{summary['epochs']} epoch(s) of {config.data}, " if summary.get("epochs") else "")
+        + (f"eval log loss {final['log_loss']:.4f}, AUC {final['auc']:.4f}"
+           + "".join(f", {task} log loss {m['log_loss']:.4f}, AUC {m['auc']:.4f}" for task, m in final.get("tasks", {}).items())
+           + ", " if final else "")
+        + (f"{summary['epochs']} epoch(s), " if summary.get("epochs") else "")
         + f"{summary['samples_per_s']:.0f} samples/s; checkpoint {summary['checkpoint']}"
     )
     _print_curves(summary)

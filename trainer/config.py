@@ -118,6 +118,26 @@ class TrainConfig:
 
 DLRM_SHAPE = ("num_embeddings_per_feature", "embedding_dim", "dense_arch", "over_arch")  # the built-in DLRM's factory arguments
 
+# What a checkpoint records of its run and ``--resume`` takes back unless given (recship.trainer.train.resumed_config):
+# the model (entry point and arguments, or the DLRM's shape), its data, and how it was trained. Not among them: the run
+# folder, --steps, --resume/--overwrite, the number of ranks and the device (a resume may change both), and display.
+RECORDED = ("model", "model_args", *DLRM_SHAPE, "data", "eval_data", "batch_size", "optimizer", "embedding_lr", "dense_lr",
+            "sharding", "seed", "eval_every", "eval_batches", "checkpoint_every", "keep_last")
+
+
+def changed_fields(config: "TrainConfig") -> "set[str]":
+    """The fields of ``config`` whose value differs from TrainConfig's default: what a Python caller of
+    ``launch(config)`` counts as given when it names no ``given`` set (a value equal to the default cannot be told
+    from one left out; pass ``given`` to override a recorded value with a default one)."""
+    out = set()
+    for f in fields(config):
+        default = default_of(f.name)
+        if f.name == "num_embeddings_per_feature":
+            default = table_sizes(default)
+        if getattr(config, f.name) != default:
+            out.add(f.name)
+    return out
+
 
 def default_of(name: str) -> Any:
     """TrainConfig's default for field ``name``, without building a TrainConfig."""

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Batch:
-    """dense [B, num_dense] float32, sparse KJT (B examples), labels [B] float32 in {0, 1}."""
+    """dense [B, num_dense] float32, sparse KJT (B examples), labels [B] float32 in {0, 1}, or [B, T] for T tasks
+    (a data function's; the model's ``loss`` gets them as they are, ``eval_outputs`` names each task's column)."""
 
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
@@ -279,8 +280,9 @@ def is_entry_point(data: str) -> bool:
 
 class DataFunction:
     """Batches from a user's function: ``function(batch_size=B, rank=r, world_size=W)`` returns an
-    iterable of ``(dense [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B])``
-    (or Batch objects) holding this rank's share of the data. Iterating again calls it again.
+    iterable of ``(dense [B, num_dense] float, KeyedJaggedTensor of the model's features, labels [B] or [B, T])``
+    (or Batch objects) holding this rank's share of the data. Iterating again calls it again. Labels [B, 1] become
+    [B]; [B, T] (T tasks) stay as they are.
     """
 
     def __init__(self, entry: str, batch_size: int, rank: int, world_size: int, features: List[str], weighted: bool) -> None:
@@ -298,4 +300,15 @@ class DataFunction:
                 raise ValueError(f"{self.path}: batches must have the model's features {self._features}, in order; got {b.sparse.keys()}")
             if self._weighted and b.sparse.weights_or_none() is None:
                 raise ValueError(f"{self.path}: the model has weighted features; the batches' KeyedJaggedTensor has no weights")
-            yield Batch(b.dense.float(), b.sparse, b.labels.float().reshape(-1))
+            yield Batch(b.dense.float(), b.sparse, task_labels(b.labels, b.dense.shape[0], self.path))
+
+
+def task_labels(labels: torch.Tensor, batch: int, source: str) -> torch.Tensor:
+    """``labels`` as float32 [B] (one task: [B] or [B, 1]) or [B, T] (T > 1 tasks); ValueError naming ``source``
+    and the shapes for anything else."""
+    labels = torch.as_tensor(labels)
+    if labels.dim() == 2 and labels.shape[1] == 1:
+        labels = labels.reshape(-1)
+    if labels.dim() not in (1, 2) or labels.shape[0] != batch:
+        raise ValueError(f"{source}: labels must be [B] or [B, T] for a batch of B = {batch}, got {list(labels.shape)}")
+    return labels.float()

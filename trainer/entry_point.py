@@ -160,7 +160,8 @@ class _ValueReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int = 2) -> None:
+def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int = 2,
+                   labels: Optional[Dict[str, List[int]]] = None) -> None:
     """Runs ``module``'s forward once as training and export will, before any rank starts, on a copy whose tables
     have a few rows (built on meta, so no table is allocated); ValueError, one line naming the broken rule and
     the user's line where there is one. ``contract``: ``describe_model(module)``.
@@ -168,7 +169,10 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     Checks: every table's embedding_dim is a multiple of 4 (fbgemm's TBE kernels); the forward runs on a batch
     of ``batch_size`` with dense [B, num_dense]; it reads no tensor's value into Python (export traces it); it
     returns a Tensor or a Dict[str, Tensor], each batch-first [B, ...]; what is trained (the model's ``loss``, or
-    binary cross-entropy on its one output or its ``eval_output``) is defined and has one logit per example.
+    binary cross-entropy on its one output or its ``eval_output``) is defined and has one logit per example; the
+    model's ``loss`` takes labels of the data's shape and returns one value; ``eval_outputs`` ({output: label
+    column}) names one-logit outputs and columns the labels have. ``labels``: {data: its labels' shape, [B] or
+    [B, T]} of the run's data functions (default, and for data without one: [B]).
     """
     from recship.sparse import KeyedJaggedTensor
     from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
@@ -228,6 +232,8 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
         if v.dim() == 0 or v.shape[0] != B:
             raise ValueError(f"{name}.forward's output {key!r} has shape {list(v.shape)} for a batch of {B}: outputs are "
                              "batch-first [B, ...]")
+    for source, shape in (labels or {"the data": [B]}).items():
+        _check_labels(module, outputs, out, shape, source, B, g)
     if callable(getattr(module, "loss", None)):
         return
     trained = getattr(module, "eval_output", None)
@@ -241,3 +247,48 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     if score.numel() != B:
         raise ValueError(f"{name} trains with binary cross-entropy on one logit per example, but its output has shape "
                          f"{list(score.shape)} for a batch of {B}: return [B] or [B, 1], or define loss(outputs, labels)")
+
+
+def _check_labels(module: nn.Module, outputs: Dict[str, torch.Tensor], out: Any, shape: List[int], source: str, B: int,
+                  g: torch.Generator) -> None:
+    """ValueError, one line, if labels of ``shape`` (from ``source``) cannot train or evaluate ``module``: its
+    ``eval_outputs`` name an output that is no logit per example or a column the labels lack, several tasks come
+    without ``eval_outputs`` or without a ``loss``, or its ``loss`` fails on them or returns more than one value."""
+    name = type(module).__name__
+    columns = shape[1] if len(shape) == 2 else 1
+    what = f"{source}'s labels {shape}"
+    tasks = getattr(module, "eval_outputs", None)
+    if tasks is not None:
+        if not isinstance(tasks, dict) or not tasks or not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                                                               for k, v in tasks.items()):
+            raise ValueError(f"{name}.eval_outputs must map output names to label columns, e.g. {{'ctr': 0, 'ctcvr': 1}}; "
+                             f"got {tasks!r}")
+        for task, column in tasks.items():
+            if task not in outputs:
+                raise ValueError(f"{name}.eval_outputs names {task!r}, but its forward returns {sorted(outputs)}")
+            if outputs[task].numel() != B:
+                raise ValueError(f"{name}.eval_outputs: output {task!r} has shape {list(outputs[task].shape)} for a batch of {B}: "
+                                 "a task is evaluated on one logit per example")
+            if not 0 <= column < columns:
+                raise ValueError(f"{name}.eval_outputs: {task!r} is label column {column}, but {what} have "
+                                 f"{columns} column{'s' if columns > 1 else ''}")
+    elif columns > 1:
+        raise ValueError(f"{what} hold {columns} tasks: define {name}.eval_outputs = {{output: label column}} (and "
+                         "loss(outputs, labels) taking [B, T] labels)")
+    own = getattr(module, "loss", None)
+    if not callable(own):
+        if columns > 1:
+            raise ValueError(f"{what} hold {columns} tasks: binary cross-entropy on one output takes [B]; define "
+                             f"{name}.loss(outputs, labels)")
+        return
+    y = (torch.rand(B, *shape[1:], generator=g) < 0.5).float()
+    try:
+        value = own(out, y)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0]
+        where = user_line(e, user_files(module))
+        raise ValueError(f"{name}.loss(outputs, labels {[B, *shape[1:]]}) failed ({what}, as the data gives them): "
+                         f"{type(e).__name__}: {first}" + (f" (at {where})" if where else "")) from None
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name}.loss(outputs, labels {[B, *shape[1:]]}) returned {got}: the loss is one value (a scalar tensor)")

@@ -23,7 +23,7 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Generator, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -139,23 +139,39 @@ class _Trainer:
             outputs = outputs[name] if name is not None else next(iter(outputs.values()))
         return outputs.reshape(-1)
 
-    def evaluate(self) -> Dict[str, float]:
-        scores, labels = [], []
+    def evaluate(self) -> Dict[str, Any]:
+        """log_loss, auc and examples over every rank's eval batches: of the one trained output (or ``eval_output``);
+        for a model with ``eval_outputs`` ({output: label column}) also ``tasks``, {output: {log_loss, auc, examples}},
+        the top-level keys being ``eval_output``'s task (else the first)."""
+        tasks: Dict[str, int] = dict(getattr(self.user_model, "eval_outputs", None) or {})
+        scores: Dict[str, List[torch.Tensor]] = {}
+        labels: Dict[str, List[torch.Tensor]] = {}
         with torch.no_grad():
             for b in self._eval_batches():
                 b = b.to(self.device)
-                scores.append(self._score(self.model(b.dense, b.sparse)).cpu())
-                labels.append(b.labels.cpu())
+                outputs = self.model(b.dense, b.sparse)
+                if not tasks:
+                    scores.setdefault("", []).append(self._score(outputs).cpu())
+                    labels.setdefault("", []).append(b.labels.cpu())
+                for name, column in tasks.items():
+                    scores.setdefault(name, []).append(outputs[name].reshape(-1).cpu())
+                    labels.setdefault(name, []).append((b.labels[:, column] if b.labels.dim() == 2 else b.labels).cpu())
         if not scores:
             return {}
-        s, l = torch.cat(scores), torch.cat(labels)
+        local = {name: (torch.cat(scores[name]), torch.cat(labels[name])) for name in scores}
         # gather every rank's predictions so rank 0 reports the global metrics
         gathered: List[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, (s, l))
-        s = torch.cat([g[0] for g in gathered])
-        l = torch.cat([g[1] for g in gathered])
-        log_loss = float(nn.functional.binary_cross_entropy_with_logits(s, l))
-        return {"log_loss": log_loss, "auc": auc(s, l), "examples": l.numel()}
+        dist.all_gather_object(gathered, local)
+        metrics = {}
+        for name in local:
+            s = torch.cat([g[name][0] for g in gathered])
+            l = torch.cat([g[name][1] for g in gathered])
+            metrics[name] = {"log_loss": float(nn.functional.binary_cross_entropy_with_logits(s, l)), "auc": auc(s, l),
+                             "examples": l.numel()}
+        if not tasks:
+            return metrics[""]
+        named = getattr(self.user_model, "eval_output", None)
+        return {**metrics[named if named in tasks else next(iter(tasks))], "tasks": metrics}
 
     def _agreed(self, bad: bool) -> bool:
         """Whether ``bad`` holds on any rank (every rank calls this at the same point)."""
@@ -211,6 +227,8 @@ class _Trainer:
         t = time.perf_counter()
         meta = load_checkpoint(path, self.model, self.dense_optimizer)
         self.load_seconds = time.perf_counter() - t
+        for group in self.dense_optimizer.param_groups:  # the loaded state carries the saved rate: --dense-lr may override it
+            group["lr"] = self.config.dense_lr
         self.step = meta["step"]
         self.next_batch = meta["next_batch"]
         if self.rank == 0:
@@ -244,7 +262,7 @@ class _Trainer:
         show = self.rank == 0 and c.progress
         bar = _progress(total=c.steps, initial=self.step, enabled=show)
         batches = self._train_batches(self.next_batch)
-        evals: List[Dict[str, float]] = []
+        evals: List[Dict[str, Any]] = []
         last_checkpoint = None
         epoch: Optional[int] = None
         started, seen = time.perf_counter(), 0
@@ -306,6 +324,9 @@ class _Trainer:
             "steps": self.step,
             "steps_this_run": self.step - first_step,
             "resumed_from": str(resumed) if resumed else None,
+            "data": c.data,  # what the run trained and evaluated on (on --resume: the checkpoint's, unless overridden)
+            "eval_data": c.eval_data,
+            "batch_size": c.batch_size,
             "losses": self.losses,
             "evals": evals,
             "final_eval": final_eval,
@@ -397,17 +418,23 @@ def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out:
         _close_process_group()
 
 
-def launch(config: TrainConfig) -> Dict[str, Any]:
+def launch(config: TrainConfig, given: Optional[Iterable[str]] = None) -> Dict[str, Any]:
     """Runs training: in this process's group (torchrun), or spawning ``nproc_per_node`` gloo ranks.
 
-    Returns rank 0's summary.
+    With ``config.resume``, what the newest checkpoint records of its run (``resumed_config``) replaces every
+    recorded field not in ``given``: the names of the fields the caller set (``recship train`` passes its flags and
+    ``--config`` keys); None counts the fields that differ from TrainConfig's defaults as given. Returns rank 0's
+    summary.
     """
-    if config.resume and config.model is None:
-        config = resumed_model(config)
+    if config.resume:
+        config, line = resumed_config(config, given)
+        if line is not None and os.environ.get("RANK", "0") == "0":
+            print(line, flush=True)
     # a model that cannot be built, or breaks the contract, fails here in one line, not inside a spawned rank
     entry, args = config.entry_point()
     model = build_model(entry, args, device="meta")
-    check_contract(model, describe_model(model))
+    contract = describe_model(model)
+    check_contract(model, contract, labels=_label_shapes(config, contract))
     Path(config.out).mkdir(parents=True, exist_ok=True)
     _check_run_folder(config, delete=os.environ.get("RANK", "0") == "0")  # under torchrun only rank 0 deletes
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
@@ -453,6 +480,25 @@ def launch(config: TrainConfig) -> Dict[str, Any]:
     return json.loads(Path(config.out, "summary_rank0.json").read_text())
 
 
+def _label_shapes(config: TrainConfig, contract: Dict[str, Any]) -> Dict[str, List[int]]:
+    """{data: the shape of its first batch's labels} of the run's data functions (one batch each, pulled here, before
+    any rank starts, so that a label shape the model's loss cannot take is one line); synthetic data and Criteo
+    files have labels [B]."""
+    shapes = {}
+    for data in dict.fromkeys(d for d in (config.data, config.eval_data) if d is not None and is_entry_point(d)):
+        world = int(os.environ.get("WORLD_SIZE", config.nproc_per_node))
+        function = DataFunction(data, config.batch_size, 0, world, [f[0] for f in contract["features"]], contract["weighted"])
+        try:
+            first = next(iter(function), None)
+        except ValueError:  # recship's own checks of the batch (features, labels), already naming the data
+            raise
+        except Exception as e:
+            raise ValueError(f"--data {data} raised {type(e).__name__}: {e}") from None
+        if first is not None:
+            shapes[data] = list(first.labels.shape)
+    return shapes
+
+
 def _close_process_group() -> None:
     """Destroys the process group once nothing holds it: whatever a reference cycle still keeps (the training
     objects, a user's model) is collected first, so gloo's threads are joined now and not left running into
@@ -463,23 +509,94 @@ def _close_process_group() -> None:
     gc.collect()
 
 
-def resumed_model(config: TrainConfig) -> TrainConfig:
-    """``config`` training the model its newest checkpoint records (``--resume`` without ``--model``, as export
-    reads it): that entry point and its arguments (the built-in DLRM: its shape flags); unchanged without one."""
-    from recship.trainer.checkpoint_reader import CheckpointReader
-    from recship.trainer.config import DLRM_SHAPE
+def resumed_config(config: TrainConfig, given: Optional[Iterable[str]] = None) -> Tuple[TrainConfig, Optional[str]]:
+    """(``config`` with what its run's newest checkpoint records, the line saying so) for ``--resume``; (``config``,
+    None) without a checkpoint.
+
+    Every field of ``RECORDED`` (the model's entry point and arguments or the built-in DLRM's shape, data and eval
+    data, batch size, optimizer, learning rates, sharding, seed, eval/checkpoint cadence, keep-last) takes the
+    checkpoint's value unless it is in ``given``: the fields the caller set (the CLI: flags and ``--config`` keys;
+    None: those differing from TrainConfig's defaults, ``changed_fields``). A given value that cannot continue the
+    checkpoint (another entry point, a model whose table or dense shapes differ from the saved ones) is a
+    ValueError, one line. A checkpoint written before the run's config was recorded gives back its model only.
+    """
+    from recship.trainer.checkpoint_reader import read_metadata
+    from recship.trainer.config import DLRM_SHAPE, RECORDED, changed_fields
 
     newest = latest_checkpoint(Path(config.out) / "checkpoints")
     if newest is None:
-        return config
-    recorded = (CheckpointReader(newest).config or {}).get("entry_point")
-    if not recorded:
-        return config
-    entry, args = recorded["model"], dict(recorded.get("args") or {})
-    if entry == DLRM_ENTRY:
-        return dataclasses.replace(config, **{k: args[k] for k in DLRM_SHAPE if k in args})
-    log.info("--resume: training %s %s, as %s records", entry, json.dumps(args), newest.name)
-    return dataclasses.replace(config, model=entry, model_args=args)
+        return config, None
+    saved = read_metadata(newest).get("config") or {}
+    given = set(changed_fields(config) if given is None else given)
+    recorded: Dict[str, Any] = {k: v for k, v in (saved.get("train") or {}).items() if k in RECORDED and k not in ("model", "model_args", *DLRM_SHAPE)}
+    entry_point = saved.get("entry_point")
+    if entry_point:
+        entry, args = entry_point["model"], dict(entry_point.get("args") or {})
+        if entry == DLRM_ENTRY:
+            recorded.update({"model": None, "model_args": {}, **{k: args[k] for k in DLRM_SHAPE if k in args}})
+        else:
+            recorded.update({"model": entry, "model_args": args})
+        wanted = config.entry_point()[0] if "model" in given else entry
+        if wanted != entry:
+            raise ValueError(f"--resume: {newest} trained {entry}, not --model {wanted}: a checkpoint continues its own model "
+                             f"(leave --model out, or train {wanted} in another --out)")
+    taken = {k: v for k, v in recorded.items() if k not in given}
+    resumed = dataclasses.replace(config, **taken)
+    if entry_point and resumed.entry_point() != (entry, args):
+        _check_shapes(resumed, newest, given)
+    overridden = [k for k in RECORDED if k in given and k in recorded and recorded[k] != getattr(resumed, k)]
+    shown = {"model": resumed.entry_point()[0], "model args": json.dumps(resumed.entry_point()[1]), "data": resumed.data,
+             "eval data": resumed.eval_data or ("its held-out stream" if resumed.data == "synthetic" else "none"),
+             "batch size": resumed.batch_size, "optimizer": resumed.optimizer, "embedding lr": resumed.embedding_lr,
+             "dense lr": resumed.dense_lr, "sharding": resumed.sharding or "the planner's", "seed": resumed.seed,
+             "eval every": resumed.eval_every, "checkpoint every": resumed.checkpoint_every}
+    line = (f"--resume from {newest.name}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+            + ("; from flags, over the checkpoint's: " + ", ".join(
+                f"--{k.replace('_', '-')} {_flag_text(getattr(resumed, k))} (was {_flag_text(recorded[k])})" for k in overridden)
+               if overridden else "; nothing overridden")
+            + ("" if saved.get("train") else " (the checkpoint records its model only: the rest is as given or default)"))
+    return resumed, line
+
+
+def _flag_text(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(map(str, value[:1] if len(set(value)) == 1 else value))
+    return json.dumps(value) if isinstance(value, dict) else str(value)
+
+
+def _check_shapes(config: TrainConfig, checkpoint: Path, given: Iterable[str]) -> None:
+    """ValueError, one line, if the model ``config`` builds (on meta) has other tables or dense shapes than
+    ``checkpoint`` saved: flags that change the model's shape cannot continue it."""
+    from recship.trainer.checkpoint_reader import CheckpointReader, _dcp_shapes
+    from recship.trainer.config import DLRM_SHAPE
+
+    flags = ", ".join("--" + k.replace("_", "-") for k in ("model", "model_args", *DLRM_SHAPE) if k in given) or "the flags"
+    entry, args = config.entry_point()
+    model = build_model(entry, args, device="meta")
+    reader = CheckpointReader(checkpoint)
+    saved = {f"{p}/{t.name}": (t.num_embeddings, t.embedding_dim) for p, t in reader.table_configs()}
+    built: Dict[str, Tuple[int, int]] = {}
+    for path, m in model.named_modules():
+        if type(m) is EmbeddingBagCollection:
+            built.update({f"{path}/{t.name}": (t.num_embeddings, t.embedding_dim) for t in m.embedding_bag_configs()})
+    for key, shape in saved.items():
+        if built.get(key) != shape:
+            what = f"{built[key][0]} x {built[key][1]}" if key in built else "no such table"
+            raise ValueError(f"--resume: {flags} build a model that cannot continue {checkpoint}: table {key} is {shape[0]} x "
+                             f"{shape[1]} there, {what} in {entry} {json.dumps(args)}")
+    shapes = _dcp_shapes(checkpoint)
+    prefix = reader.meta.get("dense_prefix", "dense/")
+    for name, tensor in model.state_dict().items():  # sharded tables are no dense keys; data-parallel ones and ECs are
+        if name not in reader.meta["dense_keys"]:
+            continue
+        have = tuple(shapes[prefix + name][0]) if prefix + name in shapes else None
+        if have is not None and have != tuple(tensor.shape):
+            raise ValueError(f"--resume: {flags} build a model that cannot continue {checkpoint}: {name} is {list(have)} there, "
+                             f"{list(tensor.shape)} in {entry} {json.dumps(args)}")
+    missing = sorted(set(reader.meta["dense_keys"]) - set(model.state_dict()))
+    if missing:
+        raise ValueError(f"--resume: {flags} build a model that cannot continue {checkpoint}: it has no {missing[0]}, which "
+                         "the checkpoint holds")
 
 
 def _check_run_folder(config: TrainConfig, delete: bool) -> None:
