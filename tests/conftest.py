@@ -230,6 +230,7 @@ DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks,
     "tutorials/test_tutorials.py::test_sharding_tutorial_prints_the_tutorials_plans_on_two_ranks",
     "export/test_any_model.py::exported",  # trains the two-tower on 2 gloo ranks
     "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
+    "trainer/test_multi_task.py::test_two_ranks_gather_each_task_and_resume_on_the_recorded_data",
 }
 
 

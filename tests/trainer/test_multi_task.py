@@ -85,3 +85,29 @@ def test_a_label_shape_the_model_cannot_take_is_one_line_before_any_rank(tmp_pat
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("recship train: error: ") and message in err, err
     assert not out.exists()
+
+
+def test_two_ranks_gather_each_task_and_resume_on_the_recorded_data(tmp_path):
+    """On 2 gloo ranks: a run stopped at step 2 and resumed (nothing but --steps and the ranks given again) trains on
+    the recorded data at the recorded batch size exactly as a run that never stopped; each task's metrics are
+    gathered from both ranks (their eval batches together, against the plain replay of the checkpoint)."""
+    flags = ["--model", f"{M}:build", "--data", f"{M}:data", "--eval-data", f"{M}:eval_data", "--batch-size", "8",
+             "--eval-every", "0", "--eval-batches", "2", "--nproc-per-node", "2", *QUIET]
+    assert main(["train", "--out", str(tmp_path / "a"), "--steps", "4", *flags]) == 0
+    straight = json.loads((tmp_path / "a" / "summary_rank0.json").read_text())
+    assert main(["train", "--out", str(tmp_path / "b"), "--steps", "2", *flags]) == 0
+    assert main(["train", "--out", str(tmp_path / "b"), "--steps", "4", "--resume", "--nproc-per-node", "2", *QUIET]) == 0
+    resumed = json.loads((tmp_path / "b" / "summary_rank0.json").read_text())
+    assert resumed["losses"] == straight["losses"][2:] and resumed["final_eval"] == straight["final_eval"]
+    model = _model_of(resumed["checkpoint"])
+    batches = list(multi_task_model.eval_data(8))[:4]  # rank 0 evaluates batches 0 and 2, rank 1 batches 1 and 3
+    with torch.no_grad():
+        outputs = [model(d, k) for d, k, _ in batches]
+    labels = torch.cat([l for _, _, l in batches])
+    for task, column in {"a": 0, "b": 1}.items():
+        s = torch.cat([o[task].reshape(-1) for o in outputs])
+        got = resumed["final_eval"]["tasks"][task]
+        assert got["examples"] == 32
+        assert got["auc"] == pytest.approx(_auc(s.numpy(), labels[:, column].numpy()), abs=1e-6)
+        assert got["log_loss"] == pytest.approx(
+            float(torch.nn.functional.binary_cross_entropy_with_logits(s.double(), labels[:, column].double())), abs=1e-5)
