@@ -25,12 +25,25 @@ Dense = Union[np.ndarray, Sequence[Sequence[float]]]  # [B, num_dense]
 Weights = Mapping[str, Sequence[Sequence[float]]]
 
 
+# A Predict the server cancelled is sent again (once): a gRPC server that begins shutting down cancels the calls
+# that reach it before the client has read its GOAWAY (gRPC core's Server::CallData::StartNewRpc kills them as
+# "zombies", whichever front; a few in thousands under load through the close), and a Predict is a pure function of
+# its request, safe to repeat. The client's own cancellations and deadlines are never retried.
+_RETRY_CANCELLED = json.dumps({"methodConfig": [{
+    "name": [{"service": "recship.serving.v1.Predictor", "method": "Predict"}],
+    "retryPolicy": {"maxAttempts": 2, "initialBackoff": "0.01s", "maxBackoff": "0.05s", "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["CANCELLED"]},
+}]})
+
+
 class PredictClient:
     """A client of recship's Predictor service. ``credentials``: grpc.ssl_channel_credentials(...) for a server
     started with --tls-cert (None: plaintext); ``timeout``: seconds each call may take."""
 
     def __init__(self, target: str, timeout: float = 10.0, credentials: Optional[grpc.ChannelCredentials] = None) -> None:
-        self.channel = grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
+        options = [("grpc.enable_retries", 1), ("grpc.service_config", _RETRY_CANCELLED)]
+        self.channel = (grpc.secure_channel(target, credentials, options) if credentials is not None
+                        else grpc.insecure_channel(target, options))
         self.stub = pb_grpc.PredictorStub(self.channel)
         self.timeout = timeout
 

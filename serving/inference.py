@@ -241,21 +241,24 @@ class Inference:
         return self.accepting and served.batcher.alive
 
     @contextmanager
-    def admit(self, nbytes: int) -> Iterator[None]:
-        """Admits a request of ``nbytes`` bytes: RequestTooLarge over --max-message-mb, else holds ``nbytes`` of the
-        in-flight budget for the request's lifetime, or raises Overloaded. Every front calls it with each request's
-        size before reading it, so the size rule is the same everywhere (the C++ front forwards what is over it)."""
+    def admit(self, nbytes: int, cost: Optional[int] = None) -> Iterator[None]:
+        """Admits a request of ``nbytes`` bytes that will hold ``cost`` bytes of memory at its peak (None: its
+        size; ``serving/footprint.py`` says what each kind of request costs): RequestTooLarge over --max-message-mb,
+        else holds ``cost`` of the in-flight budget for the request's lifetime, or raises Overloaded. Every front
+        calls it before decoding a request, so the size rule is the same everywhere (the C++ front forwards what
+        is over it) and a request that would not fit is refused before it costs anything but its bytes."""
         if nbytes > self.max_message_bytes:
             raise too_large(nbytes, self.max_message_bytes)
+        held = nbytes if cost is None else cost
         with self._inflight_lock:
-            if self._inflight + nbytes > self.max_inflight_bytes:
-                raise Overloaded(refusals.OVERLOADED.format(total=self._inflight + nbytes, limit=self.max_inflight_bytes))
-            self._inflight += nbytes
+            if self._inflight + held > self.max_inflight_bytes:
+                raise Overloaded(refusals.OVERLOADED.format(total=self._inflight + held, limit=self.max_inflight_bytes))
+            self._inflight += held
         try:
             yield
         finally:
             with self._inflight_lock:
-                self._inflight -= nbytes
+                self._inflight -= held
 
     def route(self, name: str, version: int, outcome: Outcome) -> ServedVersion:
         served = self.repo.get(name, version)

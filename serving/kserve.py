@@ -17,7 +17,7 @@ The messages come from protos/inference/grpc_service.proto through a private
 descriptor pool (see serving/codegen.py), so tritonclient can share the process.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -74,19 +74,46 @@ def parse_version(text: str) -> int:
     return int(text)
 
 
+class ArrayInput(NamedTuple):
+    """An input decoded straight into an array (the REST front's JSON), read as a message's input is."""
+
+    name: str
+    datatype: str
+    shape: List[int]
+    values: np.ndarray  # [n] of the datatype's dtype
+
+
+class Named(NamedTuple):
+    name: str
+
+
+class ArrayRequest(NamedTuple):
+    """A ModelInferRequest whose inputs are arrays already (``ArrayInput``): REST JSON never becomes a message."""
+
+    model_name: str
+    model_version: str
+    id: str
+    inputs: List[ArrayInput]
+    outputs: List[Named]
+    raw_input_contents: Tuple[bytes, ...] = ()
+
+
 def _tensor(inp, raw: Optional[bytes]) -> np.ndarray:
     """One input tensor as a flat numpy array of its declared datatype, its element count checked."""
     if inp.datatype not in DTYPES:
         raise InvalidRequest(f"input {shown(inp.name)}: datatype {shown(inp.datatype, 16)} is not one recship takes ({', '.join(DTYPES)})")
     dtype, field = DTYPES[inp.datatype]
-    if raw is not None:
+    if isinstance(inp, ArrayInput):
+        values = inp.values
+    elif raw is not None:
         if inp.HasField("contents"):
             raise InvalidRequest(f"input {shown(inp.name)}: both contents and raw_input_contents given")
         if len(raw) % np.dtype(dtype).itemsize:
             raise InvalidRequest(f"input {shown(inp.name)}: {len(raw)} raw bytes is not a whole number of {inp.datatype} values")
         values = np.frombuffer(raw, dtype=dtype)
-    else:
-        values = np.asarray(getattr(inp.contents, field), dtype=dtype)
+    else:  # one value at a time into the array (np.asarray would make a list of Python ints first: 36 bytes an id)
+        contents = getattr(inp.contents, field)
+        values = np.fromiter(contents, dtype=dtype, count=len(contents))
     shape = list(inp.shape)
     if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != values.size:
         raise InvalidRequest(f"input {shown(inp.name)}: shape {shown(shape)} does not match its {values.size} values")

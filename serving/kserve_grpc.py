@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from recship.serving import grpc_status
+from recship.serving import footprint, grpc_status
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
 from recship.serving.kserve import (SERVICE, check_repository_name, control_parameters, infer_response, message, model_config, model_infer,
@@ -109,7 +109,7 @@ class KServeServicer:
 
     async def ModelInfer(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
-            with self.inference.admit(len(data)):
+            with self.inference.admit(len(data), footprint.kserve_infer(data)):  # (refused before it is decoded)
                 request = decode(message("ModelInferRequest"), data)
                 served, outputs = await model_infer(self.inference, request, context.time_remaining(), outcome)
                 return infer_response(request, served, outputs)

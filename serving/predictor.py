@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from recship.serving import grpc_status, wire
+from recship.serving import footprint, grpc_status, wire
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
 from recship.serving.requests import InvalidRequest, RequestArrays, output_shapes
@@ -28,7 +28,7 @@ class PredictorServicer(pb_grpc.PredictorServicer):
 
     async def Predict(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
         async def work(outcome: Outcome):
-            with self.inference.admit(len(data)):
+            with self.inference.admit(len(data), footprint.predict(data)):  # (refused before it is decoded)
                 request = read_predict(data)
                 served, outputs = await self.inference.run(request, context.time_remaining(), outcome)
                 return pb.PredictResponse(

@@ -51,9 +51,10 @@ from aiohttp import web
 from aiohttp import web_response as aiohttp_response
 from aiohttp.http_exceptions import HttpProcessingError
 
-from recship.serving import kserve
+from recship.serving import footprint, kserve
 from recship.serving.inference import ClientTimeout, ErrorKind, Inference, Outcome, error_of, too_large
 from recship.serving.requests import InvalidRequest, shown
+from recship.serving.json_tensors import Body, Numbers
 from recship.serving.values import number_error
 
 log = logging.getLogger("recship.serving")
@@ -62,7 +63,7 @@ HTTP_STATUS = {
     ErrorKind.INVALID: 400,
     ErrorKind.TOO_LARGE: 413,
     ErrorKind.NOT_FOUND: 404,
-    ErrorKind.OVERLOADED: 503,
+    ErrorKind.OVERLOADED: 429,  # RESOURCE_EXHAUSTED's HTTP status: retry later
     ErrorKind.UNAVAILABLE: 503,
     ErrorKind.DEADLINE: 504,
     ErrorKind.CLIENT_TIMEOUT: 408,
@@ -215,8 +216,12 @@ class RestFront:
             body = await self._read_body(request)
             with self.inference.admit(0 if declared is not None else len(body)):
                 header, binary = split_body(request.headers.getall(HEADER_LENGTH, []), body)
-                infer_request, binary_outputs = _infer_request(name, version, header, binary)
-                served, outputs = await kserve.model_infer(self.inference, infer_request, _TIMEOUT_S, outcome)
+                parsed = _json_body(header, binary)
+                # what decoding will hold, past the body: admitted (or refused) before anything is decoded
+                with self.inference.admit(0, footprint.cost(parsed.held(), parsed.tensor_bytes() + len(binary or b""))):
+                    infer_request, binary_outputs = _infer_request(name, version, parsed, binary)
+                    del parsed  # (its text and arrays: the request's arrays are all that is needed now)
+                    served, outputs = await kserve.model_infer(self.inference, infer_request, _TIMEOUT_S, outcome)
         answer: List[dict] = []
         tensors: List[bytes] = []
         for k, t in outputs.items():
@@ -292,11 +297,22 @@ def split_body(lengths: List[str], body: bytes) -> Tuple[bytes, Optional[bytes]]
     return body[:n], body[n:]
 
 
-def _infer_request(name: str, version: str, body: bytes, binary: Optional[bytes] = None):
+def _json_body(body: bytes, binary: Optional[bytes]) -> Body:
+    """The JSON request's text and what decoding it will hold (json_tensors.Body); InvalidRequest if it is not text."""
+    try:
+        return Body(body, _reject_constant)
+    except ValueError as e:  # UnicodeDecodeError: as json.loads(body) says it
+        raise InvalidRequest(f"{_json_what(len(body), binary)} is not JSON: {str(e)[:200]}") from None
+
+
+def _json_what(nbytes: int, binary: Optional[bytes]) -> str:
+    return "the body" if binary is None else f"the JSON request (the body's first {nbytes} bytes, {HEADER_LENGTH})"
+
+
+def _infer_request(name: str, version: str, parsed: Body, binary: Optional[bytes] = None):
     """The JSON request (and the binary tensor data after it, None without Inference-Header-Content-Length)
-    -> (a KServe ModelInferRequest, {output name: answer it as binary, None: the default}), so gRPC's reader
-    checks the rest. Values go as typed contents, or, when any input comes as binary data, every input
-    as raw_input_contents.
+    -> (a kserve.ArrayRequest, {output name: answer it as binary, None: the default}), so gRPC's reader
+    checks the rest. Number arrays go straight into numpy (json_tensors), binary data is read in place.
 
     Strict: integer tensors take JSON integers only (no 1.7, no true), FP32 takes numbers
     (no booleans), shapes are lists of non-negative integers, nothing out of its type's range;
@@ -304,12 +320,11 @@ def _infer_request(name: str, version: str, body: bytes, binary: Optional[bytes]
     exactly the inputs' binary data.
     """
     try:
-        doc = json.loads(body, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, nesting past Python's limit
+        doc = parsed.loads()
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, nesting past Python's limit
         if isinstance(e, InvalidRequest):
             raise
-        what = "the body" if binary is None else f"the JSON request (the body's first {len(body)} bytes, {HEADER_LENGTH})"
-        raise InvalidRequest(f"{what} is not JSON: {str(e)[:200]}") from None
+        raise InvalidRequest(f"{_json_what(parsed.nbytes, binary)} is not JSON: {str(e)[:200]}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
         raise InvalidRequest('the body must be a JSON object with an "inputs" list')
     request_id = doc.get("id", "")
@@ -317,7 +332,6 @@ def _infer_request(name: str, version: str, body: bytes, binary: Optional[bytes]
         raise InvalidRequest('"id" must be a string')
     parameters = _parameters(doc, '"parameters"')
     binary_outputs: Dict[Optional[str], bool] = {None: _flag(parameters, "binary_data_output", "the request")}
-    request = kserve.message("ModelInferRequest")(model_name=name, model_version=version, id=request_id)
     tensors: List[Tuple[str, str, List[int], Any]] = []  # (name, datatype, shape, values or binary size)
     for i, tensor in enumerate(doc["inputs"]):
         if not isinstance(tensor, dict) or not {"name", "shape", "datatype"} <= set(tensor):
@@ -338,27 +352,25 @@ def _infer_request(name: str, version: str, body: bytes, binary: Optional[bytes]
             tensors.append((input_name, datatype, shape, _binary_size(input_name, datatype, shape, input_parameters["binary_data_size"], binary)))
         else:
             tensors.append((input_name, datatype, shape, _data(input_name, datatype, tensor["data"])))
+        tensor.clear()  # its data as decoded: only the array is kept
     sizes = [t[3] for t in tensors if isinstance(t[3], int)]
     if binary is not None and sum(sizes) != len(binary):
         raise InvalidRequest(f"the inputs' binary_data_size add up to {sum(sizes)} bytes but {len(binary)} bytes follow the JSON request "
-                             f"({HEADER_LENGTH} {len(body)})")
-    offset = 0
+                             f"({HEADER_LENGTH} {parsed.nbytes})")
+    inputs, offset = [], 0
+    view = memoryview(binary) if binary is not None else None
     for input_name, datatype, shape, values in tensors:
-        inp = request.inputs.add(name=input_name, datatype=datatype, shape=shape)
-        if binary is None or not sizes:  # JSON only: typed contents, as before the extension
-            getattr(inp.contents, kserve.DTYPES[datatype][1]).extend(values.tolist())
-        elif isinstance(values, int):
-            request.raw_input_contents.append(binary[offset:offset + values])
-            offset += values
-        else:  # a JSON input beside binary ones: raw too (gRPC's reader takes one style per request)
-            request.raw_input_contents.append(values.tobytes())
+        if isinstance(values, int):  # binary data: read in place
+            assert view is not None
+            values, offset = np.frombuffer(view[offset:offset + values], dtype=kserve.DTYPES[datatype][0]), offset + values
+        inputs.append(kserve.ArrayInput(input_name, datatype, shape, values))
     outputs = doc.get("outputs", [])
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
         raise InvalidRequest('"outputs" must be a list of objects with a string "name"')
     for out in outputs:
-        request.outputs.add(name=out["name"])
         what = f"output {shown(out['name'])}"
         binary_outputs[out["name"]] = _flag(_parameters(out, f"{what}: parameters"), "binary_data", what, binary_outputs[None])
+    request = kserve.ArrayRequest(name, version, request_id, inputs, [kserve.Named(o["name"]) for o in outputs])
     return request, binary_outputs
 
 
@@ -366,14 +378,14 @@ def _parameters(node: dict, what: str) -> dict:
     """The "parameters" object of a request, input or output ({} when absent)."""
     parameters = node.get("parameters", {})
     if not isinstance(parameters, dict):
-        raise InvalidRequest(f"{what} must be an object, got {shown(json.dumps(parameters), 32)}")
+        raise InvalidRequest(f"{what} must be an object, got {shown(_dumps(parameters), 32)}")
     return parameters
 
 
 def _flag(parameters: dict, key: str, what: str, default: bool = False) -> bool:
     value = parameters.get(key, default)
     if not isinstance(value, bool):
-        raise InvalidRequest(f"{what}: {key} must be true or false, got {shown(json.dumps(value), 32)}")
+        raise InvalidRequest(f"{what}: {key} must be true or false, got {shown(_dumps(value), 32)}")
     return value
 
 
@@ -382,7 +394,7 @@ def _binary_size(name: str, datatype: str, shape: List[int], size: Any, binary: 
     if binary is None:
         raise InvalidRequest(f"input {shown(name)}: binary_data_size needs the {HEADER_LENGTH} header")
     if type(size) is not int or size < 0:
-        raise InvalidRequest(f"input {shown(name)}: binary_data_size must be a non-negative integer, got {shown(json.dumps(size), 32)}")
+        raise InvalidRequest(f"input {shown(name)}: binary_data_size must be a non-negative integer, got {shown(_dumps(size), 32)}")
     itemsize = np.dtype(kserve.DTYPES[datatype][0]).itemsize
     if size % itemsize:
         raise InvalidRequest(f"input {shown(name)}: binary_data_size {size} is not a whole number of {datatype} values ({itemsize} bytes each)")
@@ -394,22 +406,58 @@ def _binary_size(name: str, datatype: str, shape: List[int], size: Any, binary: 
     return size
 
 
+def _dumps(value: Any) -> str:
+    """json.dumps of a value a client sent, for a message (a long number array is json_tensors.Numbers)."""
+    return str(value) if isinstance(value, Numbers) else json.dumps(value, default=Numbers.to_list)
+
+
 def _shape(name: str, shape: Any) -> List[int]:
+    if isinstance(shape, Numbers) and len(shape) <= _MAX_DIMS:  # (a short list, long in characters)
+        shape = shape.to_list()
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(type(d) is int and 0 <= d < 2**63 for d in shape):
         raise InvalidRequest(f"input {shown(name)}: shape must be a list of at most {_MAX_DIMS} non-negative integers, got {shown(shape)}")
     return shape
 
 
+class _Run(NamedTuple):
+    """A json_tensors.Numbers among a tensor's values: its numbers, in place."""
+
+    numbers: Numbers
+
+
+def _is_list(x: Any) -> bool:
+    return isinstance(x, (list, Numbers))
+
+
 def _data(name: str, datatype: str, data: Any) -> np.ndarray:
-    """The tensor's data, flattened (KServe allows nested or flat lists), every element of the right JSON type."""
-    flat = data
-    while flat and isinstance(flat, list) and isinstance(flat[0], list):  # row-major nesting: flatten level by level
-        if not all(isinstance(row, list) for row in flat):
+    """The tensor's data, flattened (KServe allows nested or flat lists), every element of the right JSON type;
+    long runs of numbers come decoded (json_tensors.Numbers) and stay arrays, judged by their sample."""
+    flat = [_Run(data)] if isinstance(data, Numbers) else data
+    while flat and isinstance(flat, list) and _is_list(flat[0]):  # row-major nesting: flatten level by level
+        if not all(_is_list(row) for row in flat):
             raise InvalidRequest(f"input {shown(name)}: data mixes lists and numbers")
-        flat = [x for row in flat for x in row]
+        flat = [x for row in flat for x in ((_Run(row),) if isinstance(row, Numbers) else row)]
     if not isinstance(flat, list):
         raise InvalidRequest(f"input {shown(name)}: data must be a list")
-    error = number_error(name, datatype, flat)  # (the Python client's check too: the same words)
+    runs = any(isinstance(x, _Run) for x in flat)
+    sample = [v for x in flat for v in (x.numbers.sample if isinstance(x, _Run) else (x,))] if runs else flat
+    error = number_error(name, datatype, sample)  # (the Python client's check too: the same words)
     if error is not None:
         raise InvalidRequest(error)
-    return np.asarray(flat, dtype=kserve.DTYPES[datatype][0])
+    dtype = kserve.DTYPES[datatype][0]
+    if not runs:
+        return np.asarray(flat, dtype=dtype)
+    pieces, scalars = [], []
+    for x in flat:
+        if isinstance(x, _Run):
+            if scalars:
+                pieces.append(np.asarray(scalars, dtype=dtype))
+                scalars = []
+            values = x.numbers.values
+            # as np.asarray of Python numbers: an int to FP32 through a double
+            pieces.append(values.astype(np.float64, copy=False).astype(dtype) if datatype == "FP32" else values.astype(dtype, copy=False))
+        else:
+            scalars.append(x)
+    if scalars:
+        pieces.append(np.asarray(scalars, dtype=dtype))
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from recship.export.artifact import file_sha256
-from recship.serving import PredictClient
+from recship.serving import PredictClient, footprint
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
@@ -377,7 +377,7 @@ def test_request_bytes_in_flight_are_bounded(small_artifact, tmp_path):
     data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
     repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=200,
-                                 max_inflight_bytes=4 * len(data) + 100))  # 4 requests at a time
+                                 max_inflight_bytes=4 * footprint.predict(data) + 100))  # 4 requests at a time
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
