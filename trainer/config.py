@@ -55,7 +55,8 @@ class TrainConfig:
     eval_every: int = option(100, "Evaluate log loss and AUC every this many steps; 0 evaluates at the end only.")
     eval_batches: int = option(8, "Batches per rank in each evaluation.")
     checkpoint_every: int = option(100, "Save a checkpoint every this many steps; 0 saves at the end only.")
-    resume: bool = option(False, "Continue from the newest complete checkpoint in OUT/checkpoints.")
+    resume: bool = option(False, "Continue from the newest complete checkpoint in OUT/checkpoints, with the model, data and "
+                                 "settings its run recorded, except those given as flags.")
     overwrite: bool = option(False, "Delete OUT/checkpoints and start over (a run refuses to train over checkpoints without "
                                     "--resume or this).")
     keep_last: int = option(0, "Keep only the newest N checkpoints; 0 keeps all.")
