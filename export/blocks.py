@@ -59,8 +59,9 @@ def run_in_blocks(model: Forward, rows: int, num_features: int, dense: torch.Ten
         weights_of = list(weights[order].split(sizes)) if weights is not None else [None] * blocks
     parts: List[Dict[str, torch.Tensor]] = []
     for b in range(blocks):
+        w = weights_of[b]
         parts.append(model(dense[b * rows:(b + 1) * rows], per_row[:, b, :].reshape(-1).contiguous(),
-                           values_of[b].contiguous(), None if weights_of[b] is None else weights_of[b].contiguous()))
+                           values_of[b].contiguous(), None if w is None else w.contiguous()))
     if blocks == 1:
         return {name: t[:batch] for name, t in parts[0].items()}
     return {name: torch.cat([p[name] for p in parts])[:batch] for name in parts[0]}
