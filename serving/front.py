@@ -89,11 +89,13 @@ class CppFront:
         self.binary = binary = binary or build_front()
         self._on_exit = on_exit
         self._stopping = False
+        from recship.serving import footprint
         from recship.serving.settings import ModelSettings
 
         # the server's settings by ServerConfig's field names, as a model's own go in its load command
         settings = {**ModelSettings.defaults(config).front_settings(),
-                    "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes}
+                    "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes,
+                    "tensor_copies": footprint.TENSOR_COPIES}  # a Predict costs what footprint.predict says, in both
         args = [str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
                 "--settings", json.dumps(settings), "--tables", json.dumps(front_tables())]
         if config.tls_cert is not None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from prometheus_client.utils import floatToGoString
 
-from recship.serving import PredictClient
+from recship.serving import PredictClient, footprint
 from recship.serving.batcher import Batcher, QueueFull
 from recship.serving.front import CppFront, FrontError, build_front, front_tables
 from recship.serving.grpc_status import CODES
@@ -133,8 +133,8 @@ def test_the_front_counts_logs_and_refuses_with_the_tables_it_is_given(front_bin
     monkeypatch.setattr(front_module, "front_tables", lambda: tables)
     small = PredictClient.request("dlrm", *dlrm_request(1, 1)).SerializeToString()
     large = PredictClient.request("dlrm", *dlrm_request(64, 2)).SerializeToString()
-    limit = len(small) + 10
-    assert len(large) > limit
+    limit = footprint.predict(small) + 10  # (a Predict's cost: its bytes and 5 times its tensors)
+    assert footprint.predict(large) > limit
     config = ServerConfig(model_repo=str(tmp_path), port=0, front="cpp", max_inflight_bytes=limit, torch_threads=1)
     with caplog.at_level(logging.INFO, logger="recship.front"):
         front = CppFront(config, f"unix:{tmp_path / 'backend.sock'}", binary=front_bin)  # no backend: nothing is forwarded
@@ -147,7 +147,7 @@ def test_the_front_counts_logs_and_refuses_with_the_tables_it_is_given(front_bin
                     with pytest.raises(grpc.RpcError) as refused:
                         call(large, timeout=30)
                     assert (refused.value.code(), refused.value.details()) == (grpc.StatusCode.UNAVAILABLE,
-                                                                                f"shed: {len(large)} > {limit} {{bytes}}")
+                                                                                f"shed: {footprint.predict(large)} > {limit} {{bytes}}")
             stats = front.stats()
         finally:
             front.stop(0)
@@ -158,8 +158,8 @@ def test_the_front_counts_logs_and_refuses_with_the_tables_it_is_given(front_bin
     assert model["batch"]["counts"] == [1, 0, 0]  # one forward of one example: le 7
     assert sum(model["latency"]["counts"]) == 4
     lines = [r.getMessage() for r in caplog.records if r.name == "recship.front" and r.getMessage().startswith("shed: ")]
-    assert lines == [f"shed: {len(large)} > {limit} {{bytes}} [Predict dlrm 1 SHED]",
-                     f"shed: {len(large)} > {limit} {{bytes}} [Predict dlrm 1 SHED] [1 more like this in the last 1234.5 s not logged]"
+    assert lines == [f"shed: {footprint.predict(large)} > {limit} {{bytes}} [Predict dlrm 1 SHED]",
+                     f"shed: {footprint.predict(large)} > {limit} {{bytes}} [Predict dlrm 1 SHED] [1 more like this in the last 1234.5 s not logged]"
                      " (the last of 2 not logged)"]
 
 

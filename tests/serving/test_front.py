@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from recship.export.artifact import open_artifact
-from recship.serving import PredictClient
+from recship.serving import PredictClient, footprint
 from recship.serving.client import outputs_of
 from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
@@ -549,7 +549,8 @@ def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_g
 def test_request_bytes_in_flight_are_bounded_and_released(repo, model):
     sparse, dense = dlrm_request(20, 650)
     data = PredictClient.request("dlrm", sparse, dense).SerializeToString()
-    limit = 4 * len(data) + 100  # 4 requests at a time
+    cost = footprint.predict(data)  # what either front charges a Predict: its bytes and 5 times its tensors
+    limit = 4 * cost + 100  # 4 requests at a time
     server = Server(ServerConfig(model_repo=str(repo), port=0, max_delay_ms=200, max_inflight_bytes=limit, front="cpp"))
     try:
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -562,7 +563,7 @@ def test_request_bytes_in_flight_are_bounded_and_released(repo, model):
             for code, details in refused:
                 m = re.fullmatch(r"(\d+) bytes of requests would be in flight, over the limit of (\d+) \(--max-inflight-mb\); retry later", details)
                 assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and m, details
-                assert int(m.group(2)) == limit and limit < int(m.group(1)) <= limit + len(data)
+                assert int(m.group(2)) == limit and limit < int(m.group(1)) <= limit + cost
             want = in_process(model, sparse, dense)
             for response in answered:  # identical requests: a merged forward gives each the same rows
                 for k in want:

@@ -1,5 +1,7 @@
 #include "front/call.h"
 
+#include <grpcpp/support/proto_buffer_reader.h>
+
 #include <vector>
 
 #include "front/batcher.h"
@@ -21,7 +23,7 @@ void Call::answer(const recship::NamedOutputs& outputs, const std::string& model
   pb::PredictResponse response;
   response.set_model_name(model);
   response.set_model_version(version);
-  response.set_request_id(request_.request_id());
+  response.set_request_id(request_id_);
   for (const auto& [name, out] : outputs) {
     pb::Tensor* t = response.add_outputs();
     t->set_name(name);
@@ -79,41 +81,57 @@ bool Call::serve_natively() {
   if (!front_->accepting) return false;  // stopping: the Python server answers (UNAVAILABLE while it drains)
   const int64_t nbytes = static_cast<int64_t>(up_.Length());
   if (nbytes > front_->config.max_message_bytes) return false;
-  std::vector<grpc::Slice> slices;
-  if (!up_.Dump(&slices).ok()) return false;
-  std::string bytes;
-  bytes.reserve(nbytes);
-  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  if (!request_.ParseFromString(bytes)) return false;
+  {
+    grpc::ProtoBufferReader reader(&up_);  // parsed from gRPC's slices: no copy of the bytes
+    if (!request_.ParseFromZeroCopyStream(&reader)) return false;
+  }
   batcher_ = front_->route(request_.model_name(), request_.model_version());
-  if (!batcher_) return false;
+  if (!batcher_) {
+    pb::PredictRequest().Swap(&request_);  // forwarded: the parsed copy is not kept while Python answers
+    return false;
+  }
+  // What the Python server charges a Predict (serving/footprint.py): its bytes plus tensor_copies times its tensors
+  // (ids and values at fixed width: its bytes), held before its arrays are made, so one that does not fit is refused
+  // having cost only its bytes and its parse.
+  const Tables& tables = front_->config.tables;
+  const int64_t cost = nbytes + front_->config.tensor_copies * nbytes;
+  int64_t total = 0;
+  if (!front_->admission.admit(cost, &total)) {
+    refuse(tables.overloaded, {{"total", std::to_string(total)}, {"limit", std::to_string(front_->admission.limit)}});
+    return true;
+  }
+  admitted_ = cost;
   recship::Request r;
   r.batch_size = request_.batch_size();
+  bool named_twice = false;
   for (const auto& f : request_.sparse()) {
     recship::Feature& feature = r.sparse[f.name()];
-    if (!feature.lengths.empty() || !feature.ids.empty() || !feature.weights.empty()) return false;  // named twice
+    named_twice = named_twice || !feature.lengths.empty() || !feature.ids.empty() || !feature.weights.empty();
     feature.lengths.assign(f.lengths().begin(), f.lengths().end());
     feature.ids.assign(f.ids().begin(), f.ids().end());
     feature.weights.assign(f.weights().begin(), f.weights().end());
   }
-  if (static_cast<size_t>(request_.sparse_size()) != r.sparse.size()) return false;  // a name given twice
+  named_twice = named_twice || static_cast<size_t>(request_.sparse_size()) != r.sparse.size();
   if (request_.has_dense()) {
     r.dense_rows = request_.dense().rows();
     r.dense_cols = request_.dense().cols();
     r.dense.assign(request_.dense().values().begin(), request_.dense().values().end());
   }
-  try {
-    prepared_ = batcher_->model->prepare(r);
-  } catch (const recship::InvalidRequest&) {
-    return false;  // the Python server refuses it with its own message (and counts it)
+  request_id_ = request_.request_id();
+  pb::PredictRequest().Swap(&request_);  // its values are in r now
+  bool valid = !named_twice;
+  if (valid) {
+    try {
+      prepared_ = batcher_->model->prepare(r);
+    } catch (const recship::InvalidRequest&) {
+      valid = false;
+    }
   }
-  const Tables& tables = front_->config.tables;
-  int64_t total = 0;
-  if (!front_->admission.admit(nbytes, &total)) {
-    refuse(tables.overloaded, {{"total", std::to_string(total)}, {"limit", std::to_string(front_->admission.limit)}});
-    return true;
+  if (!valid) {  // the Python server refuses it with its own message (and counts it)
+    front_->admission.release(admitted_);
+    admitted_ = 0;
+    return false;
   }
-  admitted_ = nbytes;
   enqueued_ = Clock::now();
   switch (batcher_->submit(this)) {
     case Batcher::Submitted::kQueued:

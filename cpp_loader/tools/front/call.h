@@ -64,7 +64,8 @@ class Call : public grpc::ServerGenericBidiReactor {
   std::atomic<bool> cancelled_{false};
   bool proxying_ = false;
   grpc::ByteBuffer up_, down_;
-  recship::serving::v1::PredictRequest request_;
+  recship::serving::v1::PredictRequest request_;  // parsed, until its values are copied into the model's request
+  std::string request_id_;
   recship::Prepared prepared_;
   std::shared_ptr<Batcher> batcher_;
   int64_t admitted_ = 0;
