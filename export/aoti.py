@@ -40,6 +40,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from recship.oserrors import write_bytes
 from recship.quantize.flat import IdCheck
 
 PORTABLE_ISA = "x86-64-v3"  # -march: AVX2 + FMA + BMI2
@@ -255,13 +256,18 @@ def compile_package(
         if target_isa in _ISA_VECTOR_BITS:
             options["cpp.simdlen"] = _ISA_VECTOR_BITS[target_isa]
     path.parent.mkdir(parents=True, exist_ok=True)
+    # packaged into memory, then written: torch's zip writer aborts the process (std::terminate in a destructor)
+    # when the disk fills under it, where Python's write raises ENOSPC
+    package = io.BytesIO()
     try:
         with _quiet():
-            built = torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=options)
+            torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
     except OSError:  # the disk's (full, read-only), not the compiler's: said as such
         raise
     except Exception as e:
         raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    write_bytes(path, package.getbuffer(), f"writing {path.name}")
+    built = path
     seconds = time.perf_counter() - start
     return AotiPackage(
         Path(built), target_isa or "native",

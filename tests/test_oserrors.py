@@ -131,6 +131,19 @@ def test_export_into_a_disk_that_fills_after_the_tables_says_which_file(run, sma
     assert os.listdir(disk) == []
 
 
+def test_export_into_a_disk_that_fills_at_model_pt2_says_so(run, small_disk):
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("model.pt2 needs a C++ compiler (AOTInductor)")
+    checkpoint, sizes = run
+    disk = small_disk(str((_pages(sizes["tables.bin"]) + 8) * PAGE))  # the quantized tables fit, the compiled package not
+    line = _one_error_line(_recship("export", str(checkpoint), "--out", str(disk / "art"), "--format", "aoti", "--no-progress",
+                                    "--no-plot"), "export")
+    assert re.fullmatch(rf"recship export: error: {re.escape(str(disk))}/\.art\.tmp-\d+-[0-9a-f]{{8}}/model\.pt2: No space left on "
+                        rf"device: [0-9.]+ MiB needed, [0-9.]+ (B|KiB) free on {re.escape(str(disk))} \(writing model\.pt2\)",
+                        line), line
+    assert os.listdir(disk) == []
+
+
 def test_export_into_a_disk_that_fills_at_the_manifest_says_so(run, small_disk):
     checkpoint, sizes = run
     before = sum(_pages(n) for name, n in sizes.items() if name != "manifest.json")
