@@ -218,7 +218,8 @@ def staging_folder(out: Path, config: ExportConfig) -> Path:
 
 
 def _staging(out: Path, config: ExportConfig) -> Tuple[Path, StagedTables]:
-    tmp = staging_folder(out, config)
+    with doing("creating the export's staging folder"):
+        tmp = staging_folder(out, config)
     return tmp, StagedTables(tmp / TABLES_FILE)
 
 

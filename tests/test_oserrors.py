@@ -159,7 +159,7 @@ def test_export_into_a_read_only_folder(run, read_only):
     checkpoint, _ = run
     line = _one_error_line(_recship("export", str(checkpoint), "--out", str(read_only / "art"), *EXPORT, unprivileged=True), "export")
     assert re.fullmatch(rf"recship export: error: {re.escape(str(read_only))}/\.art\.tmp-\d+-[0-9a-f]{{8}}: Permission denied "
-                        r"\(export stage 'load'\)", line), line
+                        r"\(creating the export's staging folder\)", line), line
     assert os.listdir(read_only) == []
 
 
