@@ -84,3 +84,8 @@ class RowBlocks:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["model"], name)
+
+
+def unwrapped(model: Any) -> Any:
+    """The loaded model itself (TorchScript module or AotiModel) of what ``open_artifact`` returned."""
+    return model.model if isinstance(model, RowBlocks) else model

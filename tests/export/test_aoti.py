@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from recship.export.artifact import AotiModel, ArtifactError, Manifest, open_artifact
+from recship.export.blocks import unwrapped
 from recship.quantize.sharded import shard_quant_model
 from recship.quantize import QuantConfig
 from recship.quantize.flat import FlatPooledLookup
@@ -115,7 +116,7 @@ def test_aoti_artifact_equals_torchscript_bitwise(small_artifacts, manifest_sche
     assert manifest.aoti.output_order == list(manifest.outputs)
     compiled, _ = open_artifact(path)  # auto: model.pt2 where it runs, self-checked on the sample
     scripted, _ = open_artifact(path, format="torchscript")
-    assert isinstance(compiled, AotiModel) and not isinstance(scripted, AotiModel)
+    assert isinstance(unwrapped(compiled), AotiModel) and not isinstance(unwrapped(scripted), AotiModel)
     with torch.no_grad():
         for dense, lengths, values, weights in _random_requests(manifest, 3):
             want, got = scripted(dense, lengths, values, weights), compiled(dense, lengths, values, weights)
@@ -152,7 +153,7 @@ def test_open_artifact_format_choice_and_a_tampered_package(small_artifacts, sma
     with pytest.raises(ArtifactError, match="no model.pt2"):
         open_artifact(small_artifact, format="aoti")
     model, _ = open_artifact(small_artifact)  # auto on a TorchScript-only artifact
-    assert not isinstance(model, AotiModel)
+    assert not isinstance(unwrapped(model), AotiModel)
     copy = tmp_path / "a"
     shutil.copytree(small_artifacts("dlrm", "int8", "cpu", "both"), copy)
     data = bytearray((copy / "model.pt2").read_bytes())
@@ -169,7 +170,7 @@ def test_open_artifact_format_choice_and_a_tampered_package(small_artifacts, sma
     with pytest.raises(ArtifactError, match="compiled by torch 1.0.0"):
         open_artifact(copy, format="aoti")
     model, _ = open_artifact(copy, format="auto")  # falls back to model.pt
-    assert not isinstance(model, AotiModel)
+    assert not isinstance(unwrapped(model), AotiModel)
 
 
 @needs_compiler
