@@ -106,8 +106,14 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
 
     real_save = ckpt.dcp.save
 
+    left = []
+
     def dying_save(state, checkpoint_id):
         real_save(state, checkpoint_id=checkpoint_id)
+        # what a SIGKILL here leaves behind (an interrupt is cleaned up: the save removes its own folder)
+        copy = Path(checkpoint_id).parent / (Path(checkpoint_id).name + "-killed")
+        shutil.copytree(checkpoint_id, copy)
+        left.append(copy)
         raise KeyboardInterrupt("killed during save")
 
     monkeypatch.setattr(ckpt.dcp, "save", dying_save)
@@ -115,8 +121,8 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
         launch(small(tmp_path, steps=8, resume=True))
     monkeypatch.undo()
     root = tmp_path / "checkpoints"
-    assert any(".tmp-" in p.name for p in root.iterdir())  # the half-written one is there...
-    assert latest_checkpoint(root).name == "step_00000004"  # ...but never chosen
+    assert ".tmp-" in left[0].name and sorted(p.name for p in root.iterdir() if ".tmp-" in p.name) == [left[0].name]
+    assert latest_checkpoint(root).name == "step_00000004"  # the half-written one is there, but never chosen
     resumed = launch(small(tmp_path, steps=8, resume=True))
     assert resumed["resumed_from"].endswith("step_00000004") and resumed["steps"] == 8
 
