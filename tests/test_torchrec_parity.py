@@ -1,0 +1,195 @@
+"""TorchRec parity, measured: every public name of the TorchRec modules users import (tests/torchrec_api/
+torchrec_1.8.0.json, written by tests/torchrec_api/generate.py from TorchRec 1.8.0 itself), mapped through the
+README's import map, is in recship with TorchRec's parameters (names, kinds, defaults), dataclass fields and enum
+members, or listed in tests/torchrec_api/missing.txt.
+
+missing.txt is a ratchet while parity is being built: a name that is missing or differs and is not listed fails
+(a regression, or a new gap), and so does a listed name that now matches (take it off the list). The figure
+(present / missing) is printed; the README's "Coming from TorchRec" states it.
+"""
+
+import importlib
+import inspect
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / "tests" / "torchrec_api" / "torchrec_1.8.0.json"
+MISSING = ROOT / "tests" / "torchrec_api" / "missing.txt"
+
+
+def import_map() -> Dict[str, str]:
+    """The README's map: TorchRec module prefix -> recship module."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("<!-- torchrec-import-map -->")[1].split("<!-- /torchrec-import-map -->")[0]
+    return dict(re.findall(r"\| `([\w.]+)` \| `([\w.]+)` \|", block))
+
+
+def mapped(module: str, table: Dict[str, str]) -> Optional[str]:
+    """``module`` rewritten by its longest prefix in the map (whole dotted components), or None."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in table:
+            return table[prefix]
+    return None
+
+
+def _default(value: Any) -> Any:
+    import dataclasses
+    import enum
+
+    if value is inspect.Parameter.empty or value is dataclasses.MISSING:
+        return {"required": True}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__name__}.{value.name}"
+    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
+        return list(value)
+    return {"repr": type(value).__name__}
+
+
+def _params(fn: Any) -> Optional[List[Tuple[str, str, Any]]]:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return [(p.name, p.kind.name, _default(p.default)) for p in sig.parameters.values() if p.name not in ("self", "cls")]
+
+
+def _want(entry: List[Dict[str, Any]]) -> List[Tuple[str, str, Any]]:
+    return [(p["name"], p["kind"], p["default"]) for p in entry if p["name"] not in ("self", "cls")]
+
+
+def _same_defaults(want: Any, got: Any) -> bool:
+    if isinstance(want, dict) and "repr" in want:  # an object default (a module, a factory): its presence is what counts
+        return not (isinstance(got, dict) and got.get("required"))
+    return want == got
+
+
+def difference(entry: Dict[str, Any], obj: Any) -> Optional[str]:
+    """Why recship's ``obj`` differs from TorchRec's ``entry`` (None: it matches)."""
+    import dataclasses
+    import enum
+
+    kind = entry["kind"]
+    if kind == "enum":
+        if not (inspect.isclass(obj) and issubclass(obj, enum.Enum)):
+            return "not an enum"
+        absent = [m for m in entry["members"] if m not in obj.__members__]
+        return f"members {absent} absent" if absent else None
+    if kind == "dataclass":
+        if not dataclasses.is_dataclass(obj):
+            return "not a dataclass"
+        have = {f.name: f for f in dataclasses.fields(obj) if f.init}
+        absent = [f["name"] for f in entry["fields"] if f["name"] not in have]
+        return f"fields {absent} absent" if absent else None
+    if kind == "constant":
+        return None if _default(obj) == entry["value"] or isinstance(entry["value"], dict) else f"value {_default(obj)!r}"
+    want = entry.get("params") if kind == "function" else entry.get("init")
+    if want is None:
+        return None
+    got = _params(obj if kind == "function" else obj.__init__)
+    if got is None:
+        return None
+    want_t, got_by_name = _want(want), {p[0]: p for p in got}
+    varkw = any(p[1] == "VAR_KEYWORD" for p in got)
+    for name, pkind, default in want_t:
+        if pkind in ("VAR_POSITIONAL", "VAR_KEYWORD"):
+            continue
+        if name not in got_by_name:
+            if varkw:
+                continue
+            return f"parameter {name!r} absent"
+        if not _same_defaults(default, got_by_name[name][2]):
+            return f"parameter {name!r} defaults to {got_by_name[name][2]!r}, TorchRec's to {default!r}"
+    return None
+
+
+def survey() -> Tuple[int, Dict[str, str]]:
+    """(names present and matching, {"module:name": why not} for the others)."""
+    api = json.loads(API.read_text())["modules"]
+    table = import_map()
+    present, gaps = 0, {}
+    for module, entries in sorted(api.items()):
+        target = mapped(module, table)
+        recship_module = None
+        if target is not None:
+            try:
+                recship_module = importlib.import_module(target)
+            except ImportError:
+                recship_module = None
+        for name, entry in sorted(entries.items()):
+            key = f"{module}:{name}"
+            if recship_module is None:
+                gaps[key] = "module not mapped" if target is None else f"{target} not importable"
+                continue
+            if not hasattr(recship_module, name):
+                gaps[key] = f"absent from {target}"
+                continue
+            why = difference(entry, getattr(recship_module, name))
+            if why:
+                gaps[key] = why
+            else:
+                present += 1
+    return present, gaps
+
+
+def listed() -> Dict[str, str]:
+    out = {}
+    for line in MISSING.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            key, _, why = line.partition("\t")
+            out[key] = why
+    return out
+
+
+def test_every_torchrec_name_is_in_recship_or_on_the_missing_list():
+    present, gaps = survey()
+    known = listed()
+    total = present + len(gaps)
+    print(f"\nTorchRec parity: {present} of {total} public names present with TorchRec's parameters, {len(gaps)} missing or different")
+    new = sorted(set(gaps) - set(known))
+    assert not new, f"{len(new)} TorchRec names missing or different and not in {MISSING.name}: " + "; ".join(
+        f"{k} ({gaps[k]})" for k in new[:20])
+    done = sorted(set(known) - set(gaps))
+    assert not done, f"{len(done)} names on {MISSING.name} now match TorchRec: take them off: {done[:20]}"
+
+
+def test_the_readme_states_the_parity_figure():
+    present, gaps = survey()
+    text = (ROOT / "README.md").read_text()
+    assert f"{present} of {present + len(gaps)} public names" in text
+
+
+def test_the_survey_can_tell_a_difference():
+    """The comparison is not vacuous: a function with another default, a missing parameter and a missing enum
+    member are each told apart."""
+    import enum
+
+    def f(a, b=2):  # noqa: ANN001 - a stand-in
+        return a
+
+    entry = {"kind": "function", "params": [{"name": "a", "kind": "POSITIONAL_OR_KEYWORD", "default": {"required": True}},
+                                            {"name": "b", "kind": "POSITIONAL_OR_KEYWORD", "default": 3}]}
+    assert "defaults to 2" in difference(entry, f)
+    entry["params"].append({"name": "c", "kind": "KEYWORD_ONLY", "default": None})
+    entry["params"][1]["default"] = 2
+    assert "'c' absent" in difference(entry, f)
+
+    class E(enum.Enum):
+        X = 1
+
+    assert difference({"kind": "enum", "members": ["X", "Y"]}, E) == "members ['Y'] absent"
+    assert difference({"kind": "enum", "members": ["X"]}, E) is None
+
+
+@pytest.mark.parametrize("module,target", [("torchrec.distributed.embeddingbag", "recship.distributed"),
+                                           ("torchrec.sparse.jagged_tensor", "recship.sparse"), ("torchrec.nope", "recship")])
+def test_modules_map_by_their_longest_prefix(module, target):
+    assert mapped(module, import_map()) == target
