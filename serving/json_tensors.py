@@ -29,6 +29,7 @@ SLOW_BYTES_PER_CHAR = 24  # the standard parser's worst: "{}," is a 64-byte dict
 VALUE_BYTES = 8  # a fast array's values as int64 or float64
 
 _SPAN = re.compile(r"\[[-+0-9.eE, \t\n\r]*\]")  # a candidate: '[', number characters and JSON whitespace, ']'
+_SPAN_BYTES = re.compile(_SPAN.pattern.encode())
 _NUM = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"  # JSON's number (the standard parser's NUMBER_RE)
 _WS = "[ \t\n\r]"
 # What makes number characters, commas and JSON whitespace not a JSON list of numbers, each rule matching in the one
@@ -58,21 +59,22 @@ def spans(text: str) -> List[Tuple[int, int]]:
 
 
 class Body:
-    """A JSON body's text and its fast arrays, found once: what decoding it will hold (``held``, ``tensor_bytes``)
-    before it is decoded, then ``loads``."""
+    """A JSON body, and what decoding it will hold (``held``, ``tensor_bytes``), known from a scan of its bytes before
+    anything is decoded (not even its text); then ``loads``."""
 
     def __init__(self, body: bytes, parse_constant: Callable[[str], Any]) -> None:
-        self.nbytes, self.parse_constant = len(body), parse_constant  # parse_constant: what NaN, Infinity raise
-        # as json.loads(bytes) reads them (UTF-8, -16 or -32): UnicodeDecodeError is its ValueError
-        self.text = body.decode(json.detect_encoding(body), "surrogatepass")
-        self.spans = spans(self.text)
-        self.fast_values = sum(self.text.count(",", start, end) + 1 for start, end in self.spans)
-        self.slow_chars = len(self.text) - sum(end - start for start, end in self.spans)
+        self.body, self.parse_constant = body, parse_constant  # parse_constant: what NaN, Infinity raise
+        self.nbytes = len(body)
+        # (the fast arrays are ASCII: in UTF-8 they are the same characters at other offsets, in UTF-16 or -32 none)
+        found = [(m.start(), m.end()) for m in _SPAN_BYTES.finditer(body) if m.end() - m.start() >= FAST_CHARS]
+        self.fast_values = sum(body.count(b",", start, end) + 1 for start, end in found)
+        self.slow_chars = len(body) - sum(end - start for start, end in found)
 
     def held(self) -> int:
-        """An upper bound of the bytes decoding holds at its peak, past the body: the text, each fast array's values,
+        """An upper bound of the bytes decoding holds at its peak, past the body: its text, each fast array's values,
         and SLOW_BYTES_PER_CHAR for every other character (the standard parser's objects)."""
-        return len(self.text) * (1 if self.text.isascii() else 4) + VALUE_BYTES * self.fast_values + SLOW_BYTES_PER_CHAR * self.slow_chars
+        text = self.nbytes * (1 if self.body.isascii() else 4)
+        return text + VALUE_BYTES * self.fast_values + SLOW_BYTES_PER_CHAR * self.slow_chars
 
     def tensor_bytes(self) -> int:
         """An upper bound of the bytes of the numbers it holds, as int64 or float64: each of the fast arrays, and one
@@ -81,10 +83,12 @@ class Body:
 
     def loads(self) -> Any:
         """``json.loads`` of the body, strict (NaN and Infinity go to ``parse_constant``), with every array of ``spans``
-        as ``Numbers``. Raises ValueError (json.JSONDecodeError) as json.loads does."""
-        if not self.spans:  # nothing to read fast: the standard parser in C
-            return json.JSONDecoder(parse_constant=self.parse_constant).decode(self.text)
-        return _Decoder(self.spans, self.parse_constant).decode(self.text)
+        as ``Numbers``. Raises ValueError (json.JSONDecodeError; UnicodeDecodeError) as json.loads does."""
+        text = self.body.decode(json.detect_encoding(self.body), "surrogatepass")  # as json.loads(bytes) reads it
+        fast = spans(text)
+        if not fast:  # nothing to read fast: the standard parser in C
+            return json.JSONDecoder(parse_constant=self.parse_constant).decode(text)
+        return _Decoder(fast, self.parse_constant).decode(text)
 
 
 class Numbers:

@@ -216,9 +216,9 @@ class RestFront:
             body = await self._read_body(request)
             with self.inference.admit(0 if declared is not None else len(body)):
                 header, binary = split_body(request.headers.getall(HEADER_LENGTH, []), body)
-                parsed = _json_body(header, binary)
+                parsed = Body(header, _reject_constant)
                 # what decoding will hold, past the body: admitted (or refused) before anything is decoded
-                with self.inference.admit(0, footprint.cost(parsed.held(), parsed.tensor_bytes() + len(binary or b""))):
+                with self.inference.admit(0, footprint.rest_json(parsed, len(binary or b""))):
                     infer_request, binary_outputs = _infer_request(name, version, parsed, binary)
                     del parsed  # (its text and arrays: the request's arrays are all that is needed now)
                     served, outputs = await kserve.model_infer(self.inference, infer_request, _TIMEOUT_S, outcome)
@@ -238,11 +238,28 @@ class RestFront:
 
     async def _read_body(self, request: web.Request) -> bytes:
         try:
-            return await asyncio.wait_for(request.read(), timeout=self.idle_timeout)
+            return await asyncio.wait_for(_read(request), timeout=self.idle_timeout)
         except web.HTTPRequestEntityTooLarge:  # a body without Content-Length, past the limit as it arrived
             raise too_large(None, self.max_body) from None
         except asyncio.TimeoutError:
             raise ClientTimeout(f"the request body did not arrive within {self.idle_timeout:g} s") from None
+
+
+async def _read(request: web.Request) -> bytes:
+    """The request's body. With a Content-Length (admitted before this), read into one buffer of that size:
+    request.read() gathers the chunks and then joins them, twice the body at its peak."""
+    n = request.content_length
+    if n is None:
+        return await request.read()  # (chunked: aiohttp stops it at client_max_size)
+    body = bytearray(n)
+    view, at = memoryview(body), 0
+    while at < n:
+        chunk = await request.content.read(min(n - at, 1 << 20))
+        if not chunk:
+            raise ConnectionResetError(f"the client closed its connection after {at} of its body's {n} bytes")
+        view[at:at + len(chunk)] = chunk
+        at += len(chunk)
+    return body  # type: ignore[return-value]  # (a bytearray: read as bytes everywhere)
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
@@ -294,15 +311,7 @@ def split_body(lengths: List[str], body: bytes) -> Tuple[bytes, Optional[bytes]]
     if len(digits) > len(str(len(body))) or int(digits) > len(body):
         raise InvalidRequest(f"{HEADER_LENGTH} is {shown(text, 32)} but the body has only {len(body)} bytes")
     n = int(digits)
-    return body[:n], body[n:]
-
-
-def _json_body(body: bytes, binary: Optional[bytes]) -> Body:
-    """The JSON request's text and what decoding it will hold (json_tensors.Body); InvalidRequest if it is not text."""
-    try:
-        return Body(body, _reject_constant)
-    except ValueError as e:  # UnicodeDecodeError: as json.loads(body) says it
-        raise InvalidRequest(f"{_json_what(len(body), binary)} is not JSON: {str(e)[:200]}") from None
+    return body[:n], memoryview(body)[n:]  # (the binary data in place: it is read as arrays where it is)
 
 
 def _json_what(nbytes: int, binary: Optional[bytes]) -> str:

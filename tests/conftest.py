@@ -204,6 +204,7 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "export/test_export.py::test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size",
     "export/test_staged_tables.py::test_rows_quantized_into_the_file_equal_the_written_ones",
     "serving/test_leftovers.py",
+    "serving/test_memory_bounds.py",  # large requests in a memory cgroup, both fronts
     "serving/test_reload_memory.py",
     "test_examples.py",
     "test_oserrors.py::run",  # trains and exports the run whose exports fill small disks

@@ -25,7 +25,7 @@ struct Config {
   Batching defaults;
   int64_t max_message_bytes = 64 << 20;
   int64_t max_inflight_bytes = 256 << 20;
-  int64_t tensor_copies = 5;  // a Predict's cost to the budget: its bytes, plus this many times its tensors (serving/footprint.py)
+  int64_t tensor_copies = 8;  // a Predict's cost to the budget: its bytes, plus this many times its tensors (serving/footprint.py)
   std::string tls_cert, tls_key, tls_client_ca;
   Tables tables;
 };
