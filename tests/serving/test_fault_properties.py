@@ -546,3 +546,133 @@ def test_rest_mutated(served, seed, op):
         assert len(doc["error"]) <= 1100
     _count("KServe REST", str(status))
     _good_predict_still_exact(channel, model, seed + 1)
+
+
+# -- the in-flight budget: what a request will cost, around it -------------------------------------------------
+# A server whose --max-inflight-mb is BUDGET: large valid requests, and the same with their declared shapes, batch or
+# ids no longer matching their payload, whose cost lands from well under to well over the budget. The reference
+# re-states the README's rule: a request costs its bytes plus 9 times its decoded tensors (KServe: the parsed
+# message's tensors once more; REST JSON: its text, 8 bytes a value of each array of at least 256 number
+# characters, 24 a character of the rest); over the budget it is refused (RESOURCE_EXHAUSTED, HTTP 429) whatever
+# else is wrong with it, since it is refused before it is decoded; under it, it gets what the rules above say.
+
+BUDGET = 2 << 20
+_FAST = re.compile(rb"\[[-+0-9.eE, \t\n\r]*\]")
+
+
+def _ref_cost_predict(data: bytes) -> int:
+    return len(data) + 8 * len(data)  # ids and values at fixed width: the bytes are the tensors
+
+
+def _ref_cost_kserve(data: bytes) -> int:
+    m = message("ModelInferRequest").FromString(data)
+    tensors = sum(len(r) for r in m.raw_input_contents)
+    for inp in m.inputs:
+        c = inp.contents
+        tensors += 8 * (len(c.int_contents) + len(c.int64_contents)) + 4 * len(c.fp32_contents)
+    return len(data) + tensors + 8 * tensors
+
+
+def _ref_cost_rest(body: bytes) -> int:
+    runs = [m.group() for m in _FAST.finditer(body) if len(m.group()) >= 256]
+    values = sum(r.count(b",") + 1 for r in runs)
+    other = len(body) - sum(map(len, runs))
+    tensors = 8 * values + 8 * (other + 1) // 2
+    return len(body) + (len(body) + 8 * values + 24 * other) + 8 * tensors
+
+
+def _large_parts(seed: int, per: int):
+    g = np.random.default_rng(seed)
+    b = int(g.integers(32, MAX_BATCH + 1))
+    sparse = {f: [list(map(int, g.integers(0, ROWS[i], size=g.integers(per // 2, per + 1)))) for _ in range(b)] for i, f in enumerate(FEATURES)}
+    return b, sparse, g.random((b, NUM_DENSE), dtype=np.float32)
+
+
+def _large_request(kind: str, seed: int, per: int, mutation: str, k: int):
+    """(bytes of a large ``kind`` request, mutated: "none", "shape" (an input declares other than its payload),
+    "batch" (batch_size or dense rows off by one), "ids" (one feature's ids without their lengths))."""
+    b, sparse, dense = _large_parts(seed, per)
+    f = FEATURES[k % len(FEATURES)]
+    if mutation == "ids":
+        sparse = dict(sparse)
+        extra = [1] * (1 + k % 5)
+        if kind == "predict":
+            m = valid_predict(0)
+            m.CopyFrom(pb.PredictRequest(model_name="dlrm", batch_size=b, dense=pb.DenseMatrix(rows=b, cols=NUM_DENSE, values=dense.reshape(-1).tolist()),
+                                         sparse=[pb.SparseFeature(name=n, lengths=[len(r) for r in rows],
+                                                                  ids=[i for r in rows for i in r] + (extra if n == f else []))
+                                                 for n, rows in sparse.items()]))
+            return m.SerializeToString()
+    if kind == "predict":
+        m = pb.PredictRequest(model_name="dlrm", batch_size=b + (1 if mutation == "batch" else 0),
+                              sparse=[pb.SparseFeature(name=n, lengths=[len(r) for r in rows], ids=[i for r in rows for i in r]) for n, rows in sparse.items()],
+                              dense=pb.DenseMatrix(rows=b, cols=NUM_DENSE, values=dense.reshape(-1).tolist()))
+        if mutation == "shape":
+            m.dense.cols += 1
+        return m.SerializeToString()
+    tensors = [("dense", "FP32", [b + (1 if mutation == "batch" else 0), NUM_DENSE], dense.reshape(-1))]
+    for n, rows in sparse.items():
+        ids = [i for r in rows for i in r] + ([1] * (1 + k % 5) if mutation == "ids" and n == f else [])
+        tensors.append((f"{n}.lengths", "INT32", [b], np.array([len(r) for r in rows], dtype=np.int32)))
+        tensors.append((f"{n}.values", "INT64", [len(ids)], np.array(ids, dtype=np.int64)))
+    if mutation == "shape":  # one input declares more or fewer values than it carries
+        i = k % len(tensors)
+        name, datatype, shape, values = tensors[i]
+        tensors[i] = (name, datatype, [shape[0] + (1 if k % 2 else -1)] + shape[1:], values)
+    if kind == "kserve":
+        request = message("ModelInferRequest")(model_name="dlrm")
+        for name, datatype, shape, values in tensors:
+            getattr(request.inputs.add(name=name, datatype=datatype, shape=shape).contents, _KSERVE_TYPES[datatype][1]).extend(values.tolist())
+        return request.SerializeToString()
+    return json.dumps({"inputs": [{"name": n, "datatype": d, "shape": s, "data": v.tolist()} for n, d, s, v in tensors]}).encode()
+
+
+@pytest.fixture(scope="module", params=["python", "cpp"])
+def budgeted(request, small_artifact, tmp_path_factory):
+    """(server at --max-inflight-mb 2, the artifact in-process, a channel to the server), once per front."""
+    if request.param == "cpp":
+        front_binary()
+    repo = model_repo(tmp_path_factory.mktemp("budget-repo"), {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, http_port=0, max_batch_size=MAX_BATCH, max_delay_ms=1,
+                                 max_inflight_bytes=BUDGET, front=request.param))
+    model, _ = open_artifact(repo / "dlrm" / "1")
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    yield server, model, channel
+    channel.close()
+    server.stop()
+    for what, counts in sorted(TALLY.items()):  # the cases met (pytest -s): each kind must have met both sides
+        if what.startswith("budget"):
+            print(f"\n{request.param} {what}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+
+
+@settings(SETTINGS, max_examples=int(_EXPLORE or 60))
+@given(seed=st.integers(0, 2**16), kind=st.sampled_from(["predict", "kserve", "rest"]), per=st.integers(2, 90),
+       mutation=st.sampled_from(["none", "none", "shape", "batch", "ids"]), k=st.integers(0, 10**6))
+def test_requests_around_the_in_flight_budget_get_the_exact_status(budgeted, seed, kind, per, mutation, k):
+    server, model, channel = budgeted
+    data = _large_request(kind, seed, per, mutation, k)
+    if kind == "predict":
+        over = _ref_cost_predict(data) > BUDGET
+        want_status, want = ("RESOURCE_EXHAUSTED", None) if over else expected_predict(data, model)
+        status = _assert_predict(channel, model, data) if not over else _call(channel, "/recship.serving.v1.Predictor/Predict", data,
+                                                                                pb.PredictResponse)[0]
+        assert status == want_status
+    elif kind == "kserve":
+        over = _ref_cost_kserve(data) > BUDGET
+        status = _call(channel, "/inference.GRPCInferenceService/ModelInfer", data, message("ModelInferResponse"))[0] if over \
+            else _assert_kserve(channel, model, data)
+        assert status == ("RESOURCE_EXHAUSTED" if over else expected_kserve(data, model)[0])
+    else:
+        over = _ref_cost_rest(data) > BUDGET
+        want_status, want = (429, None) if over else expected_rest(data, model)
+        status, _, answer = http_request(server.rest.port, "POST", "/v2/models/dlrm/infer", data)
+        assert status == want_status, answer[:300]
+        if status == 200:
+            got = {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"]) for o in json.loads(answer)["outputs"]}
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+        status = str(status)
+    if over:
+        assert server.inference.inflight_bytes == 0  # nothing held for it
+    _count(f"budget {kind}", f"{'over' if over else 'under'} {mutation} {status}")
+    _good_predict_still_exact(channel, model, seed + 1)
