@@ -14,8 +14,8 @@
 Requests go through the same request path (``serving/inference.py``: validation, batcher,
 metrics) as gRPC. Errors are ``{"error": message}`` with the HTTP status of the core's
 error kind (``HTTP_STATUS``): 400 (invalid), 404 (unknown model), 408 (body too slow),
-413 (body over --max-message-mb), 503 (queue full, overloaded, unavailable), 504
-(deadline) or 500; routes that do not exist get 404 or 405 before reaching the core.
+413 (body over --max-message-mb), 429 (queue full, over the in-flight budget), 503 (unavailable),
+504 (deadline) or 500; routes that do not exist get 404 or 405 before reaching the core.
 
 Triton's binary tensor data extension (what ``tritonclient.http`` sends by default): with
 the header ``Inference-Header-Content-Length: N`` the first N bytes of the body are the
