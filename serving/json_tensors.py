@@ -135,7 +135,7 @@ class _Decoder(json.JSONDecoder):
     def __init__(self, fast: List[Tuple[int, int]], parse_constant) -> None:
         super().__init__(parse_constant=parse_constant)
         stops = dict(fast)
-        standard = self.parse_array
+        standard: Callable[..., Tuple[Any, int]] = getattr(json.decoder, "JSONArray")  # (what parse_array is by default)
 
         def parse_array(state: Tuple[str, int], scan_once) -> Tuple[Any, int]:
             s, end = state  # end: just past '['
@@ -145,7 +145,7 @@ class _Decoder(json.JSONDecoder):
             return _numbers(s, end - 1, stop, scan_once), stop
 
         self.parse_array = parse_array
-        self.scan_once = json_scanner.py_make_scanner(self)
+        self.scan_once = getattr(json_scanner, "py_make_scanner")(self)  # the pure-Python scanner: it calls parse_array
 
 
 def _numbers(s: str, start: int, stop: int, scan_once) -> Numbers:
@@ -168,7 +168,7 @@ def _numbers(s: str, start: int, stop: int, scan_once) -> Numbers:
     sample: List[Any]
     if ints:
         lo, hi = (int(values.min()), int(values.max())) if count else (None, None)
-        if count and (lo == -(2**63) or hi == 2**63 - 1):  # np.fromstring saturates: the integers of 19 digits
+        if lo is not None and hi is not None and (lo == -(2**63) or hi == 2**63 - 1):  # np.fromstring saturates
             lo, hi = _long_int_range(inner, lo, hi)
             if lo < -(2**63) or hi > 2**63 - 1:
                 values = np.fromstring(inner, dtype=np.float64, sep=",", count=count)
@@ -251,5 +251,5 @@ def _raise_at(s: str, start: int, bad: int, scan_once) -> None:
     resume = start + 1 if comma < 0 else comma + 1
     while resume < bad and s[resume] in " \t\n\r":
         resume += 1
-    json.decoder.JSONArray((s, resume), scan_once)
+    getattr(json.decoder, "JSONArray")((s, resume), scan_once)
     raise json.JSONDecodeError("Expecting ',' delimiter", s, bad)  # a safety net: the standard parser raised

@@ -297,7 +297,7 @@ def _reject_constant(name: str) -> None:
     raise InvalidRequest(f"the body is not strict JSON: {name} is not a number JSON allows")
 
 
-def split_body(lengths: List[str], body: bytes) -> Tuple[bytes, Optional[bytes]]:
+def split_body(lengths: List[str], body: bytes) -> Tuple[bytes, Optional[memoryview]]:
     """(the JSON request, the binary tensor data after it, None without the header) of a body, given
     the values of its Inference-Header-Content-Length headers."""
     if not lengths:
@@ -314,11 +314,11 @@ def split_body(lengths: List[str], body: bytes) -> Tuple[bytes, Optional[bytes]]
     return body[:n], memoryview(body)[n:]  # (the binary data in place: it is read as arrays where it is)
 
 
-def _json_what(nbytes: int, binary: Optional[bytes]) -> str:
+def _json_what(nbytes: int, binary: Optional[memoryview]) -> str:
     return "the body" if binary is None else f"the JSON request (the body's first {nbytes} bytes, {HEADER_LENGTH})"
 
 
-def _infer_request(name: str, version: str, parsed: Body, binary: Optional[bytes] = None):
+def _infer_request(name: str, version: str, parsed: Body, binary: Optional[memoryview] = None):
     """The JSON request (and the binary tensor data after it, None without Inference-Header-Content-Length)
     -> (a kserve.ArrayRequest, {output name: answer it as binary, None: the default}), so gRPC's reader
     checks the rest. Number arrays go straight into numpy (json_tensors), binary data is read in place.
@@ -367,12 +367,13 @@ def _infer_request(name: str, version: str, parsed: Body, binary: Optional[bytes
         raise InvalidRequest(f"the inputs' binary_data_size add up to {sum(sizes)} bytes but {len(binary)} bytes follow the JSON request "
                              f"({HEADER_LENGTH} {parsed.nbytes})")
     inputs, offset = [], 0
-    view = memoryview(binary) if binary is not None else None
     for input_name, datatype, shape, values in tensors:
         if isinstance(values, int):  # binary data: read in place
-            assert view is not None
-            values, offset = np.frombuffer(view[offset:offset + values], dtype=kserve.DTYPES[datatype][0]), offset + values
-        inputs.append(kserve.ArrayInput(input_name, datatype, shape, values))
+            assert binary is not None
+            array, offset = np.frombuffer(binary[offset:offset + values], dtype=kserve.DTYPES[datatype][0]), offset + values
+        else:
+            array = values
+        inputs.append(kserve.ArrayInput(input_name, datatype, shape, array))
     outputs = doc.get("outputs", [])
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
         raise InvalidRequest('"outputs" must be a list of objects with a string "name"')
@@ -398,7 +399,7 @@ def _flag(parameters: dict, key: str, what: str, default: bool = False) -> bool:
     return value
 
 
-def _binary_size(name: str, datatype: str, shape: List[int], size: Any, binary: Optional[bytes]) -> int:
+def _binary_size(name: str, datatype: str, shape: List[int], size: Any, binary: Optional[memoryview]) -> int:
     """An input's binary_data_size, checked against its datatype and shape (the bytes themselves come later)."""
     if binary is None:
         raise InvalidRequest(f"input {shown(name)}: binary_data_size needs the {HEADER_LENGTH} header")
@@ -456,7 +457,8 @@ def _data(name: str, datatype: str, data: Any) -> np.ndarray:
     dtype = kserve.DTYPES[datatype][0]
     if not runs:
         return np.asarray(flat, dtype=dtype)
-    pieces, scalars = [], []
+    pieces: List[np.ndarray] = []
+    scalars: List[Any] = []
     for x in flat:
         if isinstance(x, _Run):
             if scalars:
