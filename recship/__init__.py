@@ -8,6 +8,7 @@ not load torch; fbgemm_gpu is imported by the parts that need it.
 
 from typing import TYPE_CHECKING
 
+from recship.fbgemm import install as _install_fbgemm_ops
 from recship.lazy import lazy_names
 
 __version__ = "0.1.0"
@@ -27,6 +28,9 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
+
+# torch.ops.fbgemm.* works after `import recship` as after `import torchrec` (fbgemm_gpu loads on first use)
+_install_fbgemm_ops()
 
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
