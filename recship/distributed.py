@@ -17,6 +17,7 @@ from torch import nn
 
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
+from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
@@ -52,7 +53,7 @@ def _shard_modules(
 
 __all__ = [
     "Awaitable", "CombinedOptimizer", "DistributedModelParallel", "EmbOptimType", "EmbeddingBagCollectionAwaitable",
-    "EmbeddingBagCollectionSharder", "EmbeddingComputeKernel", "EmbeddingFusedOptimizer", "EmbeddingShardingPlanner",
+    "EmbeddingBagCollectionSharder", "FeatureProcessedEmbeddingBagCollectionSharder", "EmbeddingComputeKernel", "EmbeddingFusedOptimizer", "EmbeddingShardingPlanner",
     "FusedOptimizerConfig", "KeyedOptimizer", "LazyAwaitable", "ModuleSharder", "NoWait", "ParameterConstraints",
     "ParameterSharding", "RowWiseAdagrad", "ShardMetadata", "ShardedEmbeddingBagCollection", "ShardingEnv",
     "ShardingPlan", "ShardingType", "Topology", "get_default_sharders", "in_backward_optimizer_filter",

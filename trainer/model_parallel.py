@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, check_data_parallel, get_default_sharders
+from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path, with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
@@ -72,6 +73,7 @@ class DistributedModelParallel(nn.Module):
             raise ValueError("give the fused optimizer either as optimizer= or in the sharders' fused_params, not both")
         if sharders is None:
             sharders = [EmbeddingBagCollectionSharder(asdict(optimizer))] if optimizer else get_default_sharders()
+        sharders = with_ebc_sharders(sharders)  # a FeatureProcessedEmbeddingBagCollectionSharder brings its EBC sharder
         sharder = next((s for s in sharders if s.module_type is EmbeddingBagCollection), None)
         if sharder is None:
             raise ValueError(f"none of the sharders {sharders} shards EmbeddingBagCollection")
@@ -89,6 +91,9 @@ class DistributedModelParallel(nn.Module):
             if not isinstance(sub, EmbeddingBagCollection):
                 continue
             tables = plan.get_plan_for_module(path)
+            owner = fp_ebc_plan_path(module, path)
+            if tables is None and owner is not None:  # TorchRec keys an FP-EBC's tables by the FP-EBC's path
+                tables = plan.get_plan_for_module(owner)
             if tables is None:
                 raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
             replacement = sharder.shard(sub, tables, env, device)

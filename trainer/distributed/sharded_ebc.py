@@ -197,7 +197,12 @@ class SparseFeaturesAllToAll(nn.Module):
         send_ids = send_counts[:, 0].tolist()
         lengths_in = self._exchange(lengths, torch.int64, send_lengths, recv_lengths)
         ids_in = self._exchange(ids, torch.int64, send_ids, recv_ids)
-        weights_in = self._exchange(weights, torch.float32, send_ids, recv_ids) if self._weighted else None
+        weights_in = None
+        if self._weighted:
+            if any(w.requires_grad for w in weights):
+                weights_in = self._exchange_differentiable(weights, send_ids, recv_ids)
+            else:
+                weights_in = self._exchange(weights, torch.float32, send_ids, recv_ids)
         # Source-major blocks -> one KJT per source -> concatenated along the batch.
         keys = [f"u{i}" for i in range(len(mine))]
         l_parts = torch.split(lengths_in, recv_lengths)
@@ -221,6 +226,15 @@ class SparseFeaturesAllToAll(nn.Module):
         out = tensor.new_empty(sum(recv))
         dist.all_to_all_single(out, tensor, recv, send, group=self._pg)
         return out.to(self._device)
+
+
+    def _exchange_differentiable(self, parts: List[torch.Tensor], send: List[int], recv: List[int]) -> torch.Tensor:
+        """``_exchange`` of weights that require grad (a feature processor's, e.g. position weights): their
+        gradients come back to the rank that sent them. Scaled by the world size on the way back, undoing
+        the output_dist's 1 / world size: they reach dense parameters, which DDP averages itself."""
+        world = len(self._units_by_rank)
+        tensor = torch.cat(parts).to(self._comm_device, torch.float32) if parts else torch.zeros(0, device=self._comm_device)
+        return _PooledAllToAll.apply(tensor, send, recv, self._pg, float(world)).to(self._device)
 
 
 def _unit_input(u: LookupUnit, jt: JaggedTensor) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
@@ -252,7 +266,11 @@ class GroupedPooledEmbeddingsLookup(nn.Module):
 
     def forward(self, received: KeyedJaggedTensor, global_batch: int) -> torch.Tensor:
         if self.tbe is None:
-            return torch.zeros(global_batch, 0, device=self._device, requires_grad=True)
+            out = torch.zeros(global_batch, 0, device=self._device, requires_grad=True)
+            weights = received.weights_or_none()
+            if weights is not None and weights.requires_grad:  # still a path back: every rank runs the weights' all-to-all backward
+                out = out + 0.0 * weights.sum()
+            return out
         return self.tbe(
             received.values().to(self._device),
             received.offsets().to(self._device, torch.int64),

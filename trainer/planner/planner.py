@@ -301,6 +301,9 @@ class EmbeddingShardingPlanner:
         optim = self.optimizer.optimizer
         kinds: Tuple[type, ...] = (EmbeddingBagCollection,)
         if sharders is not None:
+            from recship.trainer.distributed.fp_sharder import with_ebc_sharders  # (a cycle at import time)
+
+            sharders = with_ebc_sharders(sharders)  # an FP-EBC's sharder plans its EmbeddingBagCollection
             ebc_sharders = [s for s in sharders if getattr(s, "module_type", None) is EmbeddingBagCollection]
             kinds = tuple(k for k in (EmbeddingBagCollection, EmbeddingCollection)
                           if any(getattr(s, "module_type", None) is k for s in sharders))
