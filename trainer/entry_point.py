@@ -70,6 +70,7 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
     collections (first path in ``named_modules`` order) and tables.
     """
     from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from recship.trainer.feature_processors import feature_processed_features
 
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
@@ -88,11 +89,12 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
         raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
     features: List[Tuple[str, str, Any, str, bool]] = []  # (feature, path, table config, pooling, weighted)
     owner: Dict[str, str] = {}
+    processed = feature_processed_features(module)  # weighted by the model itself: requests send no weights
     for path, c in seen.values():
         is_bag = isinstance(c, EmbeddingBagCollection)
-        weighted = is_bag and c.is_weighted()
         for t in (c.embedding_bag_configs() if is_bag else c.embedding_configs()):
             for f in t.feature_names:
+                weighted = is_bag and c.is_weighted() and f not in processed
                 if f in owner:
                     raise ValueError(f"feature {f!r} is looked up by two collections ({owner[f]} and {path or 'the model'}): "
                                      "give each collection its own feature name")

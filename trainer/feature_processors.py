@@ -162,6 +162,16 @@ def _position_weighted(features: KeyedJaggedTensor, position_weights: Dict[str, 
     )
 
 
+class _PositionWeights(nn.ParameterDict):
+    """The ParameterDict of position weights, with its own ``reset_parameters`` (all 1): DistributedModelParallel
+    materialises a model built on meta module by module and resets the ones that hold meta tensors."""
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for p in self.values():
+                p.fill_(1.0)
+
+
 class PositionWeightedModuleCollection(FeatureProcessorsCollection, CopyMixIn):
     """Position weights for several features of a KeyedJaggedTensor.
 
@@ -181,7 +191,7 @@ class PositionWeightedModuleCollection(FeatureProcessorsCollection, CopyMixIn):
         if bad:
             raise ValueError(f"PositionWeightedModuleCollection: max_feature_lengths must be positive, got {bad}")
         self._pre_processed = False
-        self.position_weights: nn.ParameterDict = nn.ParameterDict()
+        self.position_weights: nn.ParameterDict = _PositionWeights()
         # a plain dict beside the ParameterDict: TorchScript cannot index a ParameterDict by a variable key
         self.position_weights_dict: Dict[str, torch.Tensor] = {}
         for key, length in self.max_feature_lengths.items():
@@ -197,13 +207,18 @@ class PositionWeightedModuleCollection(FeatureProcessorsCollection, CopyMixIn):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """features: [F, B] ids; returns the same ids, lengths and keys with weights [N] float32."""
-        return _position_weighted(features, self.position_weights_dict, self._pre_processed)
+        if torch.jit.is_scripting():
+            return _position_weighted(features, self.position_weights_dict, self._pre_processed)
+        # eager, fx and torch.export read the ParameterDict itself: a to_empty or load of the ParameterDict alone
+        # (DistributedModelParallel's materialisation, export from a checkpoint) leaves the plain dict behind
+        return _position_weighted(features, dict(self.position_weights.items()), self._pre_processed)
 
     def copy(self, device: torch.device) -> nn.Module:
         self.position_weights = self.position_weights.to(device=device)
         self._sync()
         return self
 
+    @torch.jit.unused
     def _sync(self) -> None:
         for key, param in self.position_weights.items():
             self.position_weights_dict[key] = param
