@@ -22,14 +22,19 @@ from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSh
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
                                         OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
-from recship.trainer.model_parallel import DistributedModelParallel, in_backward_optimizer_filter
+from recship.trainer.model_parallel import (DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel,
+                                           in_backward_optimizer_filter, shard_modules)
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
 from recship.trainer.planner.components import (EmbeddingEnumerator, FixedPercentageStorageReservation, GreedyProposer,
                                                GridSearchProposer, HeuristicalStorageReservation, PlannerError,
                                                PlannerErrorType, StorageReservation, UniformProposer)
-from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, row_wise,
-                                                   table_row_wise, table_wise)
+from recship.trainer.planner.components import (DynamicProgrammingProposer, EmbeddingOffloadScaleupProposer,
+                                               EmbeddingPerfEstimator, EmbeddingStorageEstimator, GreedyPerfPartitioner,
+                                               Partitioner, PipelineType, Proposer, ShardEstimator, SortBy)
+from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleShardingPlan
+from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
+                                                   row_wise, table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
@@ -64,5 +69,8 @@ __all__ = [
     "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
     "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
     "EmbeddingCollectionSharder",
+    "DataParallelWrapper", "DefaultDataParallelWrapper", "DynamicProgrammingProposer", "EmbeddingModuleShardingPlan",
+    "EmbeddingOffloadScaleupProposer", "EmbeddingPerfEstimator", "EmbeddingStorageEstimator", "GreedyPerfPartitioner",
+    "ModuleShardingPlan", "Partitioner", "PipelineType", "Proposer", "ShardEstimator", "SortBy", "grid_shard", "shard_modules",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

@@ -122,14 +122,54 @@ class ShardingType(str, Enum):
     ROW_WISE = "row_wise"  # contiguous row blocks, one per rank of the world
     COLUMN_WISE = "column_wise"  # column blocks (multiples of 4 wide), each on one rank
     TABLE_ROW_WISE = "table_row_wise"  # row blocks over the local ranks of one host
+    # TorchRec's other two, named so that TorchRec code reads; recship does not shard this way (see ``check_runnable``)
+    TABLE_COLUMN_WISE = "table_column_wise"  # TorchRec: column blocks over the ranks of one host
+    GRID_SHARD = "grid_shard"  # TorchRec: column blocks, each row-wise over the ranks of one host
+
+    def check_runnable(self) -> "ShardingType":
+        """``self`` if recship shards tables this way, else a ValueError naming it (TorchRec has it, recship not)."""
+        if self not in TRAINING_SHARDING_TYPES:
+            raise ValueError(f"sharding type {self.value!r} is TorchRec's; recship shards tables "
+                             f"{[st.value for st in TRAINING_SHARDING_TYPES]} only")
+        return self
+
+
+# what recship's sharded modules and planner run (TorchRec's TABLE_COLUMN_WISE and GRID_SHARD are not among them)
+TRAINING_SHARDING_TYPES = (ShardingType.DATA_PARALLEL, ShardingType.TABLE_WISE, ShardingType.ROW_WISE,
+                           ShardingType.COLUMN_WISE, ShardingType.TABLE_ROW_WISE)
 
 
 @unique
 class EmbeddingComputeKernel(str, Enum):
-    """How a shard is looked up and updated; a str equal to its value, as ``ShardingType``."""
+    """How a shard is looked up and updated; a str equal to its value, as ``ShardingType``.
+
+    recship trains with DENSE (data-parallel replicas) and FUSED (every sharded type); QUANT names quantized
+    inference shards (``recship.distributed._shard_modules``). TorchRec's other kernels are named so that
+    TorchRec code reads, and asking for one is a ValueError (``check_runnable``): UVM and its caching, SSD/DRAM
+    virtual tables and key-value stores are CUDA/SSD offloading, Triton and customized kernels GPU code.
+    """
 
     DENSE = "dense"  # plain torch tables, dense-gradient optimizer (data-parallel)
     FUSED = "fused"  # fbgemm TBE with the optimizer fused into backward
+    FUSED_UVM = "fused_uvm"
+    FUSED_UVM_CACHING = "fused_uvm_caching"
+    QUANT = "quant"
+    QUANT_UVM = "quant_uvm"
+    QUANT_UVM_CACHING = "quant_uvm_caching"
+    KEY_VALUE = "key_value"
+    CUSTOMIZED_KERNEL = "customized_kernel"
+    SSD_VIRTUAL_TABLE = "ssd_virtual_table"
+    DRAM_VIRTUAL_TABLE = "dram_virtual_table"
+    DRAM_SSD_VIRTUAL_TABLE = "dram_ssd_virtual_table"
+    FUSED_TRITON = "fused_triton"
+
+    def check_runnable(self) -> "EmbeddingComputeKernel":
+        """``self`` if recship runs it (dense, fused; quant for inference shards), else a ValueError naming it."""
+        if self not in (EmbeddingComputeKernel.DENSE, EmbeddingComputeKernel.FUSED, EmbeddingComputeKernel.QUANT):
+            raise ValueError(f"compute kernel {self.value!r} is TorchRec's (UVM, caching, SSD/key-value offload, "
+                             "Triton: CUDA kernels); recship trains with 'dense' (data_parallel) and 'fused' (every "
+                             "other sharding type) only, and shards quantized tables with 'quant'")
+        return self
 
 
 @unique
@@ -175,7 +215,7 @@ def _values(members) -> Tuple[str, ...]:
 # the names flags and config files take
 OPTIMIZERS = _values(EmbOptimType)
 CPU_OPTIMIZERS = _values(o for o in EmbOptimType if o.cpu_supported)
-SHARDINGS = _values(ShardingType)  # training
+SHARDINGS = _values(TRAINING_SHARDING_TYPES)  # training
 INFERENCE_SHARDINGS = _values((ShardingType.TABLE_WISE, ShardingType.ROW_WISE, ShardingType.COLUMN_WISE))  # export
 INFERENCE_TYPES = (DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP8, DataType.FP16, DataType.FP32)  # what export writes
 AUTO = "auto"  # a table's type chosen per table by the error budget

@@ -19,7 +19,7 @@ keys the tables' optimizer state by the same names.
 """
 
 from dataclasses import asdict
-from typing import Any, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,13 @@ class DistributedModelParallel(nn.Module):
         plan: a ShardingPlan; planned with EmbeddingShardingPlanner (on rank 0,
             broadcast) when None.
         sharders: the sharders to use (default ``get_default_sharders()``).
+        init_data_parallel: wrap the dense part for data parallelism now (default); False defers it to
+            ``init_data_parallel()``, as in TorchRec (e.g. to change the model first).
+        init_parameters: allocate and initialise meta-device dense modules (``reset_parameters``) when the
+            data-parallel wrap happens; False leaves them on meta. Sharded tables are always materialised.
+        data_parallel_wrapper: wraps the dense part (``DataParallelWrapper.wrap(dmp, env, device)``); default:
+            DistributedDataParallel over the group when there is more than one rank and a dense parameter,
+            with the sharded tables ignored (``DefaultDataParallelWrapper`` takes TorchRec's DDP settings).
         optimizer: settings of the fused embedding optimizer (not with ``sharders``).
     """
 
@@ -59,9 +66,17 @@ class DistributedModelParallel(nn.Module):
         device: Optional[torch.device] = None,
         plan: Optional[ShardingPlan] = None,
         sharders: Optional[Sequence[ModuleSharder]] = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper: Optional["DataParallelWrapper"] = None,
+        model_tracker_configs: Any = None,
+        *,
         optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
         super().__init__()
+        if model_tracker_configs is not None:
+            raise ValueError("DistributedModelParallel(model_tracker_configs=...): TorchRec's model delta tracker "
+                             "(ids touched between checkpoints) is not in recship")
         if env is None:
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("DistributedModelParallel needs torch.distributed.init_process_group first (or env=)")
@@ -75,7 +90,7 @@ class DistributedModelParallel(nn.Module):
             sharders = [EmbeddingBagCollectionSharder(asdict(optimizer))] if optimizer else get_default_sharders()
         sharders = with_ebc_sharders(sharders)  # a FeatureProcessedEmbeddingBagCollectionSharder brings its EBC sharder
         sharder = next((s for s in sharders if s.module_type is EmbeddingBagCollection), None)
-        if sharder is None:
+        if sharder is None and any(isinstance(m, EmbeddingBagCollection) for m in module.modules()):
             raise ValueError(f"none of the sharders {sharders} shards EmbeddingBagCollection")
         if plan is None:
             local = _local_world_size(env.world_size)
@@ -96,6 +111,7 @@ class DistributedModelParallel(nn.Module):
                 tables = plan.get_plan_for_module(owner)
             if tables is None:
                 raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
+            assert sharder is not None  # checked above: the model has an EmbeddingBagCollection
             replacement = sharder.shard(sub, tables, env, device)
             assert isinstance(replacement, ShardedEmbeddingBagCollection)
             sharded.append((path, replacement))
@@ -104,19 +120,26 @@ class DistributedModelParallel(nn.Module):
             else:
                 parent, _, name = path.rpartition(".")
                 setattr(module.get_submodule(parent) if parent else module, name, replacement)
-        if not sharded:
-            raise ValueError("DistributedModelParallel found no EmbeddingBagCollection in the model")
-        _materialize_dense(module, device, [m for _, m in sharded])
+        if not sharded and not any(type(m) is EmbeddingCollection for m in module.modules()):
+            raise ValueError("DistributedModelParallel found no EmbeddingBagCollection or EmbeddingCollection in the model")
         self._sharded = [m for _, m in sharded]
         self.fused_optimizer = CombinedOptimizer([(path, m.fused_optimizer) for path, m in sharded])
-        if env.world_size > 1 and any(True for _ in self._dense_params(module)):
-            # DDP must neither all-reduce nor broadcast from rank 0 what differs per rank:
-            # the fused tables and the TBE's per-rank metadata buffers.
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module))
-            device_ids = None if device.type == "cpu" else [device]
-            self._dmp_wrapped_module: nn.Module = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids)
-        else:
-            self._dmp_wrapped_module = module
+        self._env, self._device, self.init_parameters = env, device, init_parameters
+        self._data_parallel_wrapper = data_parallel_wrapper or _RecshipDataParallelWrapper()
+        self._dmp_wrapped_module: nn.Module = module
+        self._ddp_wrapped = False
+        if init_data_parallel:
+            self.init_data_parallel()
+
+    def init_data_parallel(self) -> None:
+        """Wraps the dense part for data parallelism (once; later calls do nothing), after allocating meta-device
+        dense modules when ``init_parameters``: what the constructor does unless ``init_data_parallel=False``."""
+        if self._ddp_wrapped:
+            return
+        if self.init_parameters:
+            _materialize_dense(self._dmp_wrapped_module, self._device, self._sharded)
+        self._data_parallel_wrapper.wrap(self, self._env, self._device)
+        self._ddp_wrapped = True
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._dmp_wrapped_module(*args, **kwargs)
@@ -162,6 +185,93 @@ class DistributedModelParallel(nn.Module):
 
     def sharded_modules(self) -> List[ShardedEmbeddingBagCollection]:
         return list(self._sharded)
+
+
+class DataParallelWrapper:
+    """TorchRec's interface: ``wrap(dmp, env, device)`` replaces ``dmp._dmp_wrapped_module`` with the dense part's
+    data-parallel wrapper (called once, by ``DistributedModelParallel.init_data_parallel``)."""
+
+    def wrap(self, dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device) -> None:
+        raise NotImplementedError
+
+
+def _ddp(dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device, ignore: Sequence[str] = (),
+         **ddp_kwargs: Any) -> Optional[DistributedDataParallel]:
+    """DDP around ``dmp``'s model, or None (nothing to wrap: one rank, or no dense parameter).
+
+    DDP must neither all-reduce nor broadcast from rank 0 what differs per rank: the fused tables and the
+    TBE's per-rank metadata buffers."""
+    module = dmp._dmp_wrapped_module
+    if isinstance(module, DistributedDataParallel) or env.world_size <= 1 or not any(True for _ in dmp._dense_params(module)):
+        return None
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module) + list(ignore))
+    device_ids = None if device.type == "cpu" else [device]
+    wrapped = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids, **ddp_kwargs)
+    dmp._dmp_wrapped_module = wrapped
+    return wrapped
+
+
+class _RecshipDataParallelWrapper(DataParallelWrapper):
+    """DMP's default: torch's DDP defaults (static_graph=False; TorchRec's default wrapper sets True)."""
+
+    def wrap(self, dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device) -> None:
+        _ddp(dmp, env, device)
+
+
+class DefaultDataParallelWrapper(DataParallelWrapper):
+    """TorchRec's DDP settings for the dense part.
+
+    Args:
+        bucket_cap_mb, static_graph, find_unused_parameters: DistributedDataParallel's.
+        allreduce_comm_precision: "fp16" or "bf16" compresses the gradients' all-reduce (torch's
+            ``fp16_compress_hook`` / ``bf16_compress_hook``); None keeps fp32.
+        params_to_ignore: more parameter names DDP leaves alone (the sharded tables always are).
+        ddp_kwargs: further DistributedDataParallel arguments.
+    """
+
+    def __init__(self, bucket_cap_mb: int = 25, static_graph: bool = True, find_unused_parameters: bool = False,
+                 allreduce_comm_precision: Optional[str] = None, params_to_ignore: Optional[List[str]] = None,
+                 ddp_kwargs: Optional[Dict[str, Any]] = None) -> None:
+        if allreduce_comm_precision not in (None, "fp16", "bf16"):
+            raise ValueError(f"allreduce_comm_precision must be 'fp16', 'bf16' or None, got {allreduce_comm_precision!r}")
+        self._kwargs = dict(ddp_kwargs or {}, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
+                            find_unused_parameters=find_unused_parameters)
+        self._precision = allreduce_comm_precision
+        self._ignore = list(params_to_ignore or [])
+
+    def wrap(self, dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device) -> None:
+        wrapped = _ddp(dmp, env, device, self._ignore, **self._kwargs)
+        if wrapped is not None and self._precision is not None:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            hook = default_hooks.fp16_compress_hook if self._precision == "fp16" else default_hooks.bf16_compress_hook
+            wrapped.register_comm_hook(env.pg, hook)
+
+
+def shard_modules(
+    module: nn.Module,
+    env: Optional[ShardingEnv] = None,
+    device: Optional[torch.device] = None,
+    plan: Optional[ShardingPlan] = None,
+    sharders: Optional[Sequence[ModuleSharder]] = None,
+    init_params: bool = False,
+) -> nn.Module:
+    """TorchRec's ``torchrec.distributed.shard.shard_modules``: ``module`` with its embedding collections sharded in
+    place (as DistributedModelParallel shards them, planned the same way when ``plan`` is None) and no data-parallel
+    wrapper. ``init_params``: allocate and initialise meta-device dense modules (TorchRec's default leaves them).
+
+    A quantized model (QuantEmbeddingBagCollections) is sharded for inference, as ``recship.distributed._shard_modules``.
+    """
+    if any(type(m).__module__.startswith("recship.quantize") for m in module.modules()):
+        if init_params:
+            raise ValueError("shard_modules(init_params=True) of a quantized model: its tables are already filled")
+        from recship.quantize.sharded import shard_modules as shard_quantized
+
+        return shard_quantized(module, env=env, device=device, plan=plan, sharders=list(sharders) if sharders else None)
+    dmp = DistributedModelParallel(module, env, device, plan, sharders, init_data_parallel=False, init_parameters=init_params)
+    if init_params:
+        _materialize_dense(dmp.module, dmp._device, dmp._sharded)
+    return dmp.module
 
 
 def in_backward_optimizer_filter(

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from recship.names import TRAINING_SHARDING_TYPES
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
 from recship.trainer.embedding_configs import EmbeddingBagConfig
@@ -47,7 +48,7 @@ def _batch(seed: int, examples: int) -> KeyedJaggedTensor:
 def _rank_errors(rank: int) -> dict:
     """Max abs difference between the sharded and the unsharded forward, per sharding type."""
     errors = {}
-    for st in ShardingType:
+    for st in TRAINING_SHARDING_TYPES:
         torch.manual_seed(0)
         ebc = tutorial_ebc()
         sharded = ShardedEmbeddingBagCollection(ebc, plan_for(st).get_plan_for_module(""), FusedOptimizerConfig())
@@ -79,7 +80,7 @@ def _slice(jt, rank):
 
 
 def run() -> None:
-    for st in ShardingType:
+    for st in TRAINING_SHARDING_TYPES:
         print(f"\n-- {st.value} over {WORLD_SIZE} ranks")
         print(plan_for(st))
     with socket.socket() as s:
@@ -90,7 +91,7 @@ def run() -> None:
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_rank_main, args=(port, queue), nprocs=WORLD_SIZE)
     results = dict(queue.get() for _ in range(WORLD_SIZE))
-    for st in ShardingType:
+    for st in TRAINING_SHARDING_TYPES:
         worst = max(results[r][st.value] for r in range(WORLD_SIZE))
         if worst > 1e-5:
             raise RuntimeError(f"{st.value}: sharded forward differs from unsharded by {worst}")

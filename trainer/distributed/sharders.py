@@ -22,7 +22,7 @@ import torch
 
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
-from recship.names import ShardingType
+from recship.names import EmbeddingComputeKernel, ShardingType
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config, fused_config_from_torch
 from recship.trainer.planner.types import ParameterSharding
@@ -35,9 +35,18 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         fused_params: TorchRec's dict: "optimizer" (an EmbOptimType, recship's or
             fbgemm's), "learning_rate", "eps", "weight_decay", "beta1", "beta2".
             Unknown keys are an error.
+        qcomm_codecs_registry: TorchRec's quantized-communication codecs; recship's all-to-alls send
+            fp32 (and int64 ids): refused.
+        sharded_module_order_overwrite: TorchRec's order of sharding types inside the module;
+            recship's is fixed: refused.
     """
 
-    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None, qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+                 sharded_module_order_overwrite: Optional[List[Any]] = None) -> None:
+        _refuse_qcomm(qcomm_codecs_registry)
+        if sharded_module_order_overwrite is not None:
+            raise ValueError(f"EmbeddingBagCollectionSharder(sharded_module_order_overwrite={sharded_module_order_overwrite!r}): "
+                             "recship's sharded collection runs its sharding types in one fixed order")
         self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
         fused_config(self.fused_params)  # bad keys or values fail here, not at shard time
 
@@ -72,6 +81,8 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         """The ShardedEmbeddingBagCollection for this rank of ``env`` (which needs a process group)."""
         if not isinstance(module, EmbeddingBagCollection):
             raise TypeError(f"EmbeddingBagCollectionSharder shards EmbeddingBagCollection, got {type(module).__name__}")
+        for name, ps in params.items():
+            check_training_kernel(name, ps)
         return ShardedEmbeddingBagCollection(module, params, self.optimizer_config(module), pg=env.pg, device=device)
 
     def __repr__(self) -> str:
@@ -96,9 +107,15 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         fused_params: accepted for TorchRec's signature and checked as the EBC sharder's;
             as in TorchRec, data-parallel tables take no fused optimizer (the dense
             optimizer of ``DistributedModelParallel.dense_parameters()`` updates them).
+        qcomm_codecs_registry: TorchRec's quantized-communication codecs: refused.
+        use_index_dedup: TorchRec dedups ids before a sharded table's input all-to-all; recship's
+            EmbeddingCollection tables are data-parallel (no all-to-all), so either value gives the same.
     """
 
-    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None) -> None:
+    def __init__(self, fused_params: Optional[Mapping[str, Any]] = None, qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+                 use_index_dedup: bool = False) -> None:
+        _refuse_qcomm(qcomm_codecs_registry)
+        self.use_index_dedup = use_index_dedup
         self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
         fused_config(self.fused_params)
 
@@ -129,6 +146,24 @@ class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
         return f"EmbeddingCollectionSharder(fused_params={self.fused_params})"
 
 
+def _refuse_qcomm(registry: Optional[Dict[str, Any]]) -> None:
+    if registry:
+        raise ValueError(f"qcomm_codecs_registry={registry!r}: TorchRec's quantized communication (fp16/bf16/fp8 "
+                         "all-to-alls); recship's all-to-alls send fp32 outputs and int64 ids only")
+
+
+def check_training_kernel(name: str, ps: ParameterSharding) -> None:
+    """ValueError naming table ``name`` unless its kernel is the one recship trains its sharding type with:
+    dense for data_parallel replicas (a torch optimizer updates them), fused (fbgemm TBE, optimizer in backward)
+    for every sharded type. TorchRec also runs sharded tables with the dense kernel; recship has no such kernel."""
+    want = EmbeddingComputeKernel.DENSE if ps.sharding_type == ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED
+    if ps.compute_kernel != want:
+        raise ValueError(
+            f"table {name!r} is planned {ps.sharding_type.value!r} with compute kernel {ps.compute_kernel.value!r}: recship "
+            f"trains {ps.sharding_type.value} tables with {want.value!r} only (dense: data_parallel replicas; fused: every "
+            "sharded type, its optimizer fused into backward)")
+
+
 def check_data_parallel(module: EmbeddingCollection, params: Mapping[str, ParameterSharding]) -> None:
     """ValueError naming the table unless ``params`` gives each of ``module``'s tables ``data_parallel``."""
     names = [t.name for t in module.embedding_configs()]
@@ -142,6 +177,7 @@ def check_data_parallel(module: EmbeddingCollection, params: Mapping[str, Parame
                 f"table {name!r} of an EmbeddingCollection is planned {getattr(st, 'value', st)!r}: recship trains "
                 "EmbeddingCollection tables data-parallel only (plan them data_parallel)"
             )
+        check_training_kernel(name, params[name])
 
 
 def get_default_sharders() -> List[ModuleSharder]:

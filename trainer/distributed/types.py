@@ -34,8 +34,12 @@ class ShardingEnv:
     world_size: int
     rank: int
     pg: Optional[dist.ProcessGroup] = None
+    output_dtensor: bool = False  # TorchRec's: sharded state as DTensor; recship gives ShardedTensor (True refused)
 
     def __post_init__(self) -> None:
+        if self.output_dtensor:
+            raise ValueError("ShardingEnv(output_dtensor=True): recship's sharded state_dict holds ShardedTensors "
+                             "(TorchRec's default layout, which torch.distributed.checkpoint reshards), never DTensor")
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"ShardingEnv needs 0 <= rank < world_size, got rank {self.rank} of {self.world_size}")
 
@@ -116,9 +120,9 @@ for _name in torch.fx.graph.reflectable_magic_methods:
 class NoWait(LazyAwaitable[W]):
     """A LazyAwaitable holding a result that is already computed."""
 
-    def __init__(self, result: W) -> None:
+    def __init__(self, obj: W) -> None:
         super().__init__()
-        self._result = result
+        self._result = obj
         self._done = True
 
     def _wait_impl(self) -> W:
@@ -139,9 +143,9 @@ class ModuleSharder(abc.ABC, Generic[M]):
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         """Names of the sharding types this sharder can produce on ``compute_device_type``."""
-        from recship.trainer.planner.types import ShardingType
+        from recship.names import TRAINING_SHARDING_TYPES
 
-        return [st.value for st in ShardingType]
+        return [st.value for st in TRAINING_SHARDING_TYPES]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         """Names of the compute kernels usable for ``sharding_type``."""

@@ -12,7 +12,9 @@ What each part does in recship's planner (``recship.trainer.planner.planner``):
   (``percentage``) of the capacity the plan fills (``hbm_cap`` on cuda, ``ddr_cap`` on cpu),
   the dense part of the model (``parameter_multiplier`` x its parameter bytes, plus its
   buffers; or ``dense_tensor_estimate``) and the batch's ids (20 copies of
-  ``batch_size`` x pooling factor int64 per table), as TorchRec's heuristic does.
+  ``batch_size`` x pooling factor int64 per table, or the sum over the constraints'
+  ``pooling_factors`` x ``batch_sizes``), as TorchRec's heuristic does; recship adds 4 bytes
+  a weight per id for ``is_weighted`` tables.
 - The enumerator lists, per table, the sharding types its constraints allow.
 - A proposer turns those lists into proposals: per table, the types placement may pick
   from. Greedy: all of them (the placement picks per table); uniform: one type for every
@@ -28,7 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from torch import nn
 
@@ -37,6 +39,7 @@ from recship.trainer.planner.types import ParameterConstraints, Topology
 
 KJT_COPIES = 20  # TorchRec: 2 pipelined batches, each with 10 internal copies of its ids
 ID_BYTES = 8  # ids counted as int64
+WEIGHT_BYTES = 4  # a weighted feature's fp32 weight per id (ParameterConstraints.is_weighted)
 
 
 class PlannerErrorType(Enum):
@@ -46,6 +49,12 @@ class PlannerErrorType(Enum):
     STRICT_CONSTRAINTS = "strict_constraints"
     PARTITION = "partition"
     OTHER = "other"
+    PLANNER_INPUT_CONTEXT_MISMATCH = "planner_input_context_mismatch"
+    PLAN_LOADING_FAILED = "plan_loading_failed"
+    INVALID_RANK_ASSIGNMENT = "invalid_rank_assignment"
+    INPUT_VALIDATION = "input_validation"
+    MISSING_MODULE_IN_PLAN = "missing_module_in_plan"
+    INVALID_COMPUTE_KERNEL = "invalid_compute_kernel"
 
 
 class PlannerError(ValueError):
@@ -106,12 +115,17 @@ class HeuristicalStorageReservation(StorageReservation):
         if dense is None:
             dense = _module_bytes(module, self._parameter_multiplier) - sum(
                 _module_bytes(m, self._parameter_multiplier) for m in shardable)
-        ids = 0.0
+        id_bytes = 0.0
         for m in shardable:
             for t in _tables_of(m):
                 c = constraints.get(t.name) or ParameterConstraints()
-                ids += c.pooling_factor * batch_size
-        kjt = math.ceil(ids * ID_BYTES) * KJT_COPIES
+                if c.pooling_factors is None:
+                    ids = c.pooling_factor * (c.batch_sizes[0] if c.batch_sizes else batch_size)
+                else:  # TorchRec's: one entry per listed feature, each over its batch size
+                    sizes = c.batch_sizes or [batch_size] * len(c.pooling_factors)
+                    ids = sum(p * b for p, b in zip(c.pooling_factors, sizes))
+                id_bytes += ids * (ID_BYTES + (WEIGHT_BYTES if c.is_weighted else 0))
+        kjt = math.ceil(id_bytes) * KJT_COPIES
         self.last_reserved = {"percentage": margin, "dense": dense, "kjt": kjt}
         total = margin + dense + kjt
         if total > topology.capacity:
@@ -140,6 +154,86 @@ def _tables_of(module: nn.Module) -> list:
     return list(configs())
 
 
+# -- estimators and partitioner: recship's fixed models under TorchRec's names -----------------
+
+
+class ShardEstimator:
+    """TorchRec's estimator interface; recship's estimators name its fixed models (see below)."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None) -> None:
+        self._topology = topology
+        self._constraints = constraints
+
+
+class EmbeddingPerfEstimator(ShardEstimator):
+    """TorchRec's perf estimator, here recship's cost model: ``shard_cost`` (floats a shard reads and sends a step).
+
+    ``is_inference=True`` (TorchRec's inference costs) is refused: recship plans training; quantized models are
+    sharded by ``_shard_modules``."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 is_inference: bool = False) -> None:
+        if is_inference:
+            raise ValueError("EmbeddingPerfEstimator(is_inference=True): recship's planner plans training; quantized "
+                             "models are sharded by recship.distributed._shard_modules")
+        super().__init__(topology, constraints)
+
+
+class PipelineType(Enum):
+    """TorchRec's train pipeline kinds, for its storage estimator (recship's estimate is the plain step's)."""
+
+    NONE = "none"
+    TRAIN_BASE = "train_base"
+    TRAIN_SPARSE_DIST = "train_sparse_dist"
+    TRAIN_PREFETCH_SPARSE_DIST = "train_prefetch_sparse_dist"
+
+
+class EmbeddingStorageEstimator(ShardEstimator):
+    """TorchRec's storage estimator, here recship's memory model: ``shard_bytes`` (weights plus the fused
+    optimizer's state). TorchRec's pipeline and inference variants are refused."""
+
+    def __init__(self, topology: Topology, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 pipeline_type: PipelineType = PipelineType.NONE, run_embedding_at_peak_memory: bool = False, is_inference: bool = False) -> None:
+        if str(getattr(pipeline_type, "value", pipeline_type)).lower() != "none" or run_embedding_at_peak_memory or is_inference:
+            raise ValueError(f"EmbeddingStorageEstimator(pipeline_type={pipeline_type!r}, run_embedding_at_peak_memory="
+                             f"{run_embedding_at_peak_memory}, is_inference={is_inference}): recship's memory model "
+                             "(shard_bytes) counts a training step's tables and optimizer state only; keep the defaults")
+        super().__init__(topology, constraints)
+
+
+class SortBy(Enum):
+    """What TorchRec's GreedyPerfPartitioner orders sharding options by."""
+
+    COMPUTE = "compute"
+    STORAGE = "storage"
+    PERF = "perf"
+
+
+class Partitioner:
+    """TorchRec's partitioner interface."""
+
+
+class GreedyPerfPartitioner(Partitioner):
+    """TorchRec's default partitioner, here recship's placement: tables largest first (storage order), each on
+    the ranks that keep the busiest rank least busy. ``sort_by`` other than STORAGE and ``balance_modules`` are
+    refused (recship has that one order)."""
+
+    def __init__(self, sort_by: SortBy = SortBy.STORAGE, balance_modules: bool = False) -> None:
+        if SortBy(getattr(sort_by, "value", sort_by)) is not SortBy.STORAGE or balance_modules:
+            raise ValueError(f"GreedyPerfPartitioner(sort_by={sort_by}, balance_modules={balance_modules}): recship "
+                             "places tables largest first (SortBy.STORAGE) over all modules at once; keep the defaults")
+
+
+def check_estimators(estimator: Any) -> None:
+    """An enumerator's ``estimator`` argument: recship's estimators (its fixed models) or None, else a ValueError."""
+    given = estimator if isinstance(estimator, list) else [estimator]
+    foreign = [e for e in given if e is not None and not isinstance(e, (EmbeddingPerfEstimator, EmbeddingStorageEstimator))]
+    if foreign:
+        raise ValueError(f"EmbeddingEnumerator(estimator={foreign!r}): recship's planner has one fixed cost and memory "
+                        "model (EmbeddingPerfEstimator: shard_cost, EmbeddingStorageEstimator: shard_bytes); it takes "
+                        "no other estimators")
+
+
 # -- enumerator -----------------------------------------------------------------
 
 
@@ -159,15 +253,14 @@ class EmbeddingEnumerator:
         topology: the ranks; must be the planner's.
         batch_size: examples per rank per step; must be the planner's.
         constraints: table name -> ParameterConstraints.
-        estimator: TorchRec's shard estimators; recship's cost model is fixed (must be None).
+        estimator: TorchRec's shard estimators: recship's EmbeddingPerfEstimator / EmbeddingStorageEstimator (its
+            fixed cost and memory models) or None; any other is refused.
         use_exact_enumerate_order: recship places tables largest first always (must be False).
     """
 
     def __init__(self, topology: Topology, batch_size: int, constraints: Optional[Dict[str, ParameterConstraints]] = None,
                  estimator: object = None, use_exact_enumerate_order: Optional[bool] = False) -> None:
-        if estimator is not None:
-            raise ValueError(f"EmbeddingEnumerator(estimator={estimator!r}): recship's planner has one fixed cost and "
-                             "memory model (shard_cost, shard_bytes); it takes no estimators")
+        check_estimators(estimator)
         if use_exact_enumerate_order:
             raise ValueError("EmbeddingEnumerator(use_exact_enumerate_order=True): recship's planner always places "
                              "tables largest first")
@@ -229,6 +322,22 @@ class GridSearchProposer(Proposer):
             return
         for combo in itertools.product(*allowed):
             yield [[st] for st in combo]
+
+
+class DynamicProgrammingProposer(Proposer):
+    """TorchRec's HBM-binned dynamic-programming proposer: not in recship (refused at construction, naming why)."""
+
+    def __init__(self, hbm_bins_per_device: int = 100) -> None:
+        raise ValueError("DynamicProgrammingProposer: recship has no dynamic-programming proposer (it bins HBM per "
+                         "device); use GreedyProposer, UniformProposer or GridSearchProposer")
+
+
+class EmbeddingOffloadScaleupProposer(Proposer):
+    """TorchRec's proposer of UVM-cache sizes: refused (UVM caching is CUDA-only)."""
+
+    def __init__(self, use_depth: bool = True) -> None:
+        raise ValueError("EmbeddingOffloadScaleupProposer sizes UVM caches (fused_uvm_caching), a CUDA-only kernel; "
+                         "recship has none")
 
 
 def proposers_of(proposer: object) -> List[Proposer]:

@@ -28,6 +28,7 @@ busiest rank is least busy wins. EmbeddingCollection tables are planned data-par
 
 import logging
 import math
+import time
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
@@ -37,10 +38,10 @@ from torch import nn
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
-from recship.trainer.planner.components import (EmbeddingEnumerator, PlannerError, PlannerErrorType, Proposer,
-                                               StorageReservation, proposers_of)
-from recship.trainer.planner.types import (EmbeddingComputeKernel, ParameterConstraints, ParameterSharding, ShardingPlan,
-                                          ShardingType, ShardMetadata, Topology)
+from recship.trainer.planner.components import (EmbeddingEnumerator, GreedyPerfPartitioner, PlannerError, PlannerErrorType,
+                                               Proposer, StorageReservation, proposers_of)
+from recship.trainer.planner.types import (EmbeddingComputeKernel, EmbeddingModuleShardingPlan, ParameterConstraints,
+                                          ParameterSharding, ShardingPlan, ShardingType, ShardMetadata, Topology)
 
 _log = logging.getLogger(__name__)
 
@@ -201,6 +202,17 @@ def _configs(m: nn.Module) -> List[Any]:
     return list(m.embedding_configs())
 
 
+def _load(c: ParameterConstraints, t: Any, batch_size: int) -> Tuple[float, float]:
+    """(pooling factor, features) for ``shard_cost``: ``c.pooling_factor`` and the table's feature count, or, where
+    the constraints list ``pooling_factors`` / ``num_poolings`` / ``batch_sizes`` per feature, the equivalent pair:
+    batch_size x features = pooled outputs a step, batch_size x pooling factor x features = ids a step."""
+    if c.pooling_factors is None and c.num_poolings is None and c.batch_sizes is None:
+        return c.pooling_factor, t.num_features()
+    loads = c.feature_loads(list(t.feature_names), batch_size)
+    ids, outputs = sum(i for i, _ in loads), sum(o for _, o in loads)
+    return ids / outputs, outputs / batch_size
+
+
 def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
     if sharding_type == ShardingType.DATA_PARALLEL:
         return EmbeddingComputeKernel.DENSE
@@ -224,11 +236,17 @@ class EmbeddingShardingPlanner:
         storage_reservation: memory kept free on every rank (e.g.
             HeuristicalStorageReservation(percentage=0.15)); default none.
         proposer: a proposer or a list of them (default GreedyProposer()).
-        partitioner, performance_model, stats: TorchRec's replaceable parts; recship's
-            placement, cost model and plan printout are fixed, so these must be None.
+        partitioner: None or GreedyPerfPartitioner() (TorchRec's default, which is recship's placement);
+            another is refused.
+        performance_model, stats: TorchRec's replaceable parts; recship's cost model and plan
+            printout are fixed, so these must be None.
         constraints: table name -> ParameterConstraints (applies to every collection
             holding a table of that name).
         debug: log each plan (``str(plan)``, TorchRec's stats table's place) at DEBUG.
+        callbacks, plan_loader: TorchRec's hooks into its ShardingOptions and plan storage: refused
+            (recship: ParameterConstraints, ShardingPlan.load).
+        timeout_seconds: stop trying further proposals once planning has taken this long (the best
+            plan so far wins), as TorchRec's search does.
         optimizer: recship's: the fused optimizer whose state counts against memory
             (default: the sharders' ``fused_params`` optimizer, else EXACT_ROWWISE_ADAGRAD).
     """
@@ -245,9 +263,22 @@ class EmbeddingShardingPlanner:
         stats: Any = None,
         constraints: Optional[Dict[str, ParameterConstraints]] = None,
         debug: bool = True,
+        callbacks: Optional[List[Any]] = None,
+        timeout_seconds: Optional[int] = None,
+        plan_loader: Any = None,
         *,
         optimizer: Optional[FusedOptimizerConfig] = None,
     ) -> None:
+        if callbacks:
+            raise ValueError(f"EmbeddingShardingPlanner(callbacks={callbacks!r}): TorchRec's callbacks rewrite its "
+                             "ShardingOptions, which recship's planner does not have; constrain tables with "
+                             "ParameterConstraints instead")
+        if plan_loader is not None:
+            raise ValueError(f"EmbeddingShardingPlanner(plan_loader={plan_loader!r}): recship loads a stored plan with "
+                             "ShardingPlan.load(path) and passes it to DistributedModelParallel(plan=...)")
+        if timeout_seconds is not None and not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0 or None, got {timeout_seconds!r}")
+        self.timeout_seconds = timeout_seconds
         if isinstance(topology, dict) or isinstance(batch_size, dict):
             raise TypeError("EmbeddingShardingPlanner's second argument is batch_size (TorchRec's order): "
                             "pass constraints=... by keyword")
@@ -255,6 +286,8 @@ class EmbeddingShardingPlanner:
             batch_size = enumerator.batch_size if enumerator is not None else 512
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if isinstance(partitioner, GreedyPerfPartitioner):  # recship's placement (checked at its construction)
+            partitioner = None
         for name, given in (("partitioner", partitioner), ("performance_model", performance_model), ("stats", stats)):
             if given is not None and given != []:
                 raise ValueError(
@@ -326,8 +359,11 @@ class EmbeddingShardingPlanner:
                                                         [m for _, m in collections], self.constraints)
         best: Optional[Tuple[Tuple[float, float, int], Dict[Tuple[str, str], ParameterSharding]]] = None
         first_error: Optional[PlannerError] = None
+        started = time.monotonic()
         for proposer in self.proposers:
             for proposal in proposer.proposals(allowed):
+                if self.timeout_seconds is not None and best is not None and time.monotonic() - started > self.timeout_seconds:
+                    break
                 try:
                     chosen, memory, cost = self._place_all(tables, proposal, optim, reserved)
                 except PlannerError as e:
@@ -342,10 +378,16 @@ class EmbeddingShardingPlanner:
             raise PlannerError(f"no proposer proposed a plan ({self.proposers}): grid search stops above max_proposals, "
                                "uniform needs one sharding type every table allows", PlannerErrorType.OTHER)
         chosen = best[1]
-        for sharding in chosen.values():
+        for (_, name), sharding in chosen.items():
             for shard in sharding.shards:
                 shard.device = self._device_of(shard.rank)
-        plan = ShardingPlan({p: {t.name: chosen[(p, t.name)] for t in _configs(m)} for p, m in collections})
+            c = self.constraints.get(name)
+            if c is not None:  # TorchRec copies these into the table's ParameterSharding
+                sharding.stochastic_rounding = c.stochastic_rounding
+                sharding.bounds_check_mode = c.bounds_check_mode
+                sharding.output_dtype = c.output_dtype
+        plan = ShardingPlan({p: EmbeddingModuleShardingPlan({t.name: chosen[(p, t.name)] for t in _configs(m)})
+                             for p, m in collections})
         if self.debug:
             _log.debug("sharding plan:\n%s", plan)
         return plan
@@ -410,9 +452,20 @@ class EmbeddingShardingPlanner:
             raise PlannerError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}", PlannerErrorType.STRICT_CONSTRAINTS)
         if c.min_partition is not None and c.min_partition < 1:
             raise PlannerError(f"table {t.name!r}: min_partition must be >= 1, got {c.min_partition}", PlannerErrorType.STRICT_CONSTRAINTS)
+        if c.device_group is not None and c.device_group != self.topology.compute_device:
+            raise PlannerError(f"table {t.name!r}: device_group {c.device_group!r} is not the topology's compute device "
+                               f"{self.topology.compute_device!r}: recship plans every table on one device kind",
+                               PlannerErrorType.STRICT_CONSTRAINTS)
+        try:
+            c.feature_loads(list(t.feature_names), self.batch_size)
+        except ValueError as e:
+            raise PlannerError(f"table {t.name!r}: {e}", PlannerErrorType.STRICT_CONSTRAINTS) from None
         if c.compute_kernels is not None:
             allowed = cast(List[EmbeddingComputeKernel], c.compute_kernels)
             kernels = [k.value for k in allowed]
+            if (c.sharding_types is None and not unpooled and EmbeddingComputeKernel.DENSE in allowed
+                    and EmbeddingComputeKernel.FUSED not in allowed):
+                types = [ShardingType.DATA_PARALLEL]  # TorchRec: the dense kernel alone plans the table data-parallel
             types = [st for st in types if _kernel(st) in allowed]
             if not types:
                 raise PlannerError(
@@ -518,10 +571,9 @@ class EmbeddingShardingPlanner:
         c = self.constraints.get(t.name) or ParameterConstraints()
         memory, cost = list(memory), list(cost)
         world = self.topology.world_size
+        pooling_factor, num_features = _load(c, t, self.batch_size)
         for s in shards:
             rows, cols = s.shard_sizes
             memory[s.rank] += shard_bytes(rows, cols, st, optim)
-            cost[s.rank] += shard_cost(
-                rows, cols, t.num_embeddings, st, self.batch_size, world, c.pooling_factor, t.num_features()
-            )
+            cost[s.rank] += shard_cost(rows, cols, t.num_embeddings, st, self.batch_size, world, pooling_factor, num_features)
         return memory, cost

@@ -18,7 +18,7 @@ from torch import nn
 
 from recship.names import EmbeddingComputeKernel, ShardingType
 from recship.trainer.planner.planner import column_blocks, host_ranks, row_blocks
-from recship.trainer.planner.types import ParameterSharding, ShardMetadata
+from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardMetadata, _member
 
 ParameterShardingGenerator = Callable[..., ParameterSharding]
 
@@ -27,13 +27,20 @@ def _device(device_type: str, rank: int, local_size: int) -> str:
     return "cpu" if device_type == "cpu" else f"cuda:{rank % local_size}"
 
 
+def _kernel(kind: ShardingType, compute_kernel: Optional[str]) -> EmbeddingComputeKernel:
+    """The kernel a helper puts in its ParameterSharding: the one asked for (a kernel recship does not run is a
+    ValueError naming it), else dense for data_parallel and fused for every sharded type. TorchRec's default for a
+    sharded type is dense unless the table has an in-backward optimizer; recship trains sharded tables fused only."""
+    if compute_kernel is not None:
+        return _member(EmbeddingComputeKernel, compute_kernel, "compute kernel")
+    return EmbeddingComputeKernel.DENSE if kind == ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED
+
+
 def _sharding(kind: ShardingType, blocks: List[Tuple[int, int, int, int, int]], device_type: str, local_size: int,
               compute_kernel: Optional[str] = None) -> ParameterSharding:
     """(rank, row offset, rows, column offset, columns) blocks as a ParameterSharding."""
-    kernel = EmbeddingComputeKernel(compute_kernel) if compute_kernel is not None else (
-        EmbeddingComputeKernel.DENSE if kind == ShardingType.DATA_PARALLEL else EmbeddingComputeKernel.FUSED)
     shards = [ShardMetadata([r0, c0], [n, w], rank, _device(device_type, rank, local_size)) for rank, r0, n, c0, w in blocks]
-    return ParameterSharding(kind, kernel, [s.rank for s in shards], shards)
+    return ParameterSharding(kind, _kernel(kind, compute_kernel), [s.rank for s in shards], shards)
 
 
 def _shape(param: Any) -> Tuple[int, int]:
@@ -42,7 +49,7 @@ def _shape(param: Any) -> Tuple[int, int]:
 
 
 def data_parallel() -> ParameterShardingGenerator:
-    """A full replica of the table on every rank (its gradients all-reduced)."""
+    """A full replica of the table on every rank (its gradients all-reduced); kernel dense."""
     def generate(param: Any, local_size: int, world_size: int, device_type: str, sharder: Any = None) -> ParameterSharding:
         rows, dim = _shape(param)
         return _sharding(ShardingType.DATA_PARALLEL, [(r, 0, rows, 0, dim) for r in range(world_size)], device_type, local_size)
@@ -51,17 +58,29 @@ def data_parallel() -> ParameterShardingGenerator:
 
 def table_wise(rank: int, device: Optional[str] = None, compute_kernel: Optional[str] = None) -> ParameterShardingGenerator:
     """The whole table on ``rank`` (``device``: its device type there, default the plan's)."""
+    kernel = _kernel(ShardingType.TABLE_WISE, compute_kernel)  # checked when the plan is written, not when applied
+
     def generate(param: Any, local_size: int, world_size: int, device_type: str, sharder: Any = None) -> ParameterSharding:
         rows, dim = _shape(param)
         if not 0 <= rank < world_size:
             raise ValueError(f"table_wise(rank={rank}): the world has ranks 0..{world_size - 1}")
-        return _sharding(ShardingType.TABLE_WISE, [(rank, 0, rows, 0, dim)], device or device_type, local_size, compute_kernel)
+        return _sharding(ShardingType.TABLE_WISE, [(rank, 0, rows, 0, dim)], device or device_type, local_size, kernel)
     return generate
 
 
-def row_wise(sizes_placement: Optional[Tuple[List[int], Any]] = None) -> ParameterShardingGenerator:
+def row_wise(sizes_placement: Optional[Tuple[List[int], Any]] = None, compute_kernel: Optional[str] = None,
+             num_buckets: Optional[int] = None) -> ParameterShardingGenerator:
     """Contiguous row blocks, one a rank of the world (ceil-sized, as the planner cuts them), or the given
-    ``(sizes, placement)``: ``sizes[r]`` rows on rank r, in order."""
+    ``(sizes, placement)``: ``sizes[r]`` rows on rank r, in order. With ``sizes_placement`` and no
+    ``compute_kernel`` the kernel is quant, as in TorchRec (uneven row blocks are its inference form); recship
+    also trains them when ``compute_kernel="fused"`` is given. ``num_buckets`` (TorchRec's bucketed virtual
+    tables) is refused."""
+    if num_buckets is not None:
+        raise ValueError(f"row_wise(num_buckets={num_buckets}): bucketed row-wise shards are TorchRec's for virtual "
+                         "(key-value / managed-collision) tables, which recship does not have; leave num_buckets out")
+    kernel = _kernel(ShardingType.ROW_WISE, compute_kernel if compute_kernel is not None or sizes_placement is None
+                     else EmbeddingComputeKernel.QUANT.value)
+
     def generate(param: Any, local_size: int, world_size: int, device_type: str, sharder: Any = None) -> ParameterSharding:
         rows, dim = _shape(param)
         if sizes_placement is None:
@@ -72,24 +91,45 @@ def row_wise(sizes_placement: Optional[Tuple[List[int], Any]] = None) -> Paramet
                 raise ValueError(f"row_wise(sizes={sizes}): {rows} rows over at most {world_size} ranks")
             starts = [sum(sizes[:r]) for r in range(len(sizes))]
             blocks = [(r, starts[r], n) for r, n in enumerate(sizes) if n > 0]
-        return _sharding(ShardingType.ROW_WISE, [(r, o, n, 0, dim) for r, o, n in blocks], device_type, local_size)
+        return _sharding(ShardingType.ROW_WISE, [(r, o, n, 0, dim) for r, o, n in blocks], device_type, local_size, kernel)
     return generate
 
 
-def column_wise(ranks: List[int]) -> ParameterShardingGenerator:
-    """Column blocks (multiples of 4 wide, as fbgemm needs), one on each of ``ranks``, in order."""
+def column_wise(ranks: Optional[List[int]] = None, size_per_rank: Optional[List[int]] = None,
+                compute_kernel: Optional[str] = None, device_types: Optional[List[str]] = None) -> ParameterShardingGenerator:
+    """Column blocks (multiples of 4 wide, as fbgemm needs), one on each of ``ranks``, in order; or, with
+    ``size_per_rank``, block i of ``size_per_rank[i]`` columns on rank i (TorchRec's rule). ``device_types``
+    (TorchRec's per-shard devices, for mixed CPU/GPU inference) is refused: recship places every shard on the
+    plan's device type."""
+    if device_types is not None:
+        raise ValueError(f"column_wise(device_types={device_types}): recship places every shard on the plan's device "
+                         "type (construct_module_sharding_plan(device_type=...)); leave device_types out")
+    if (ranks is None) == (size_per_rank is None):
+        raise ValueError("column_wise takes either ranks= (the ranks of even column blocks) or size_per_rank= "
+                         f"(columns on rank 0, 1, ...), got ranks={ranks}, size_per_rank={size_per_rank}")
+    kernel = _kernel(ShardingType.COLUMN_WISE, compute_kernel)
+
     def generate(param: Any, local_size: int, world_size: int, device_type: str, sharder: Any = None) -> ParameterSharding:
         rows, dim = _shape(param)
+        if size_per_rank is not None:
+            widths = list(size_per_rank)
+            if (len(widths) > world_size or sum(widths) != dim or any(w < 0 or w % 4 for w in widths)):
+                raise ValueError(f"column_wise(size_per_rank={widths}): {dim} columns in blocks of multiples of 4 over "
+                                 f"at most {world_size} ranks")
+            offsets = [sum(widths[:i]) for i in range(len(widths))]
+            return _sharding(ShardingType.COLUMN_WISE, [(r, 0, rows, offsets[r], w) for r, w in enumerate(widths) if w],
+                             device_type, local_size, kernel)
+        assert ranks is not None
         if not ranks or any(not 0 <= r < world_size for r in ranks) or len(set(ranks)) != len(ranks):
             raise ValueError(f"column_wise(ranks={ranks}): distinct ranks of a world of {world_size}")
         blocks = column_blocks(dim, len(ranks))
         return _sharding(ShardingType.COLUMN_WISE, [(r, 0, rows, o, w) for r, (o, w) in zip(ranks, blocks)], device_type,
-                         local_size)
+                         local_size, kernel)
     return generate
 
 
 def table_row_wise(host_index: int) -> ParameterShardingGenerator:
-    """Row blocks over the ranks of host ``host_index`` (``local_size`` ranks a host)."""
+    """Row blocks over the ranks of host ``host_index`` (``local_size`` ranks a host); kernel fused."""
     def generate(param: Any, local_size: int, world_size: int, device_type: str, sharder: Any = None) -> ParameterSharding:
         rows, dim = _shape(param)
         if not 0 <= host_index < world_size // local_size:
@@ -97,6 +137,12 @@ def table_row_wise(host_index: int) -> ParameterShardingGenerator:
         blocks = row_blocks(rows, host_ranks(host_index, local_size))
         return _sharding(ShardingType.TABLE_ROW_WISE, [(r, o, n, 0, dim) for r, o, n in blocks], device_type, local_size)
     return generate
+
+
+def grid_shard(host_indexes: List[int]) -> ParameterShardingGenerator:
+    """TorchRec's grid sharding (column blocks, each row-wise over a host): recship does not shard this way."""
+    ShardingType.GRID_SHARD.check_runnable()
+    raise AssertionError("unreachable: check_runnable raises")
 
 
 def _tables(module: nn.Module) -> Dict[str, Any]:
@@ -114,16 +160,26 @@ def _tables(module: nn.Module) -> Dict[str, Any]:
 def apply_to_all(module: nn.Module, parameter_sharding_generator: ParameterShardingGenerator,
                  sharder: Any = None) -> Dict[str, ParameterShardingGenerator]:
     """The same generator for every table of ``module``."""
+    _check_sharder(module, sharder)
     return {name: parameter_sharding_generator for name in _tables(module)}
+
+
+def _check_sharder(module: nn.Module, sharder: Any) -> None:
+    module_type = getattr(sharder, "module_type", None)
+    if sharder is not None and not isinstance(module, module_type if isinstance(module_type, type) else ()):
+        raise TypeError(f"sharder {sharder!r} shards {getattr(module_type, '__name__', module_type)}, not "
+                        f"{type(module).__name__}")
 
 
 def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Dict[str, ParameterShardingGenerator],
                                    sharder: Any = None, local_size: Optional[int] = None, world_size: Optional[int] = None,
-                                   device_type: Optional[str] = None) -> Dict[str, ParameterSharding]:
-    """``module``'s plan (table -> ParameterSharding): each table's generator called with its weight. ``world_size``
-    defaults to the process group's, ``local_size`` to the world's, ``device_type`` to cuda where torch sees one."""
+                                   device_type: Optional[str] = None) -> EmbeddingModuleShardingPlan:
+    """``module``'s plan (table -> ParameterSharding, an ``EmbeddingModuleShardingPlan`` as in TorchRec): each table's
+    generator called with its weight. ``world_size`` defaults to the process group's, ``local_size`` to the world's,
+    ``device_type`` to cuda where torch sees one."""
     import torch.distributed as dist
 
+    _check_sharder(module, sharder)
     tables = _tables(module)
     unknown, missing = sorted(set(per_param_sharding) - set(tables)), sorted(set(tables) - set(per_param_sharding))
     if unknown or missing:
@@ -132,4 +188,5 @@ def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Dict[s
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     local_size = local_size or world_size
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    return {name: per_param_sharding[name](tables[name], local_size, world_size, device_type, sharder) for name in tables}
+    return EmbeddingModuleShardingPlan(
+        {name: per_param_sharding[name](tables[name], local_size, world_size, device_type, sharder) for name in tables})

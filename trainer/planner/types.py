@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Type, TypeVar, Union
+from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 from recship.names import DEVICES, EmbeddingComputeKernel, ShardingType
 from recship.trainer.text import text_table
@@ -34,50 +34,142 @@ class ShardMetadata:
         return f"rank:{self.rank}/{self.device}"
 
 
+def check_table_options(owner: str, cache_params: Any = None, enforce_hbm: Optional[bool] = None,
+                        stochastic_rounding: Optional[bool] = None, bounds_check_mode: Any = None,
+                        output_dtype: Any = None, key_value_params: Any = None) -> None:
+    """The per-table settings TorchRec's ``ParameterConstraints`` and ``ParameterSharding`` share, each honoured or
+    refused here with why (``owner`` names the object in the error).
+
+    - ``stochastic_rounding``: fbgemm rounds stochastically only when it writes low-precision (fp16) weights;
+      recship trains fp32 tables, where neither value changes a bit (as in TorchRec with fp32 tables).
+    - ``bounds_check_mode``: recship always checks ids and raises on one out of range (fbgemm's FATAL); WARNING,
+      IGNORE and NONE (rewrite, skip or trust such ids) are refused.
+    - ``output_dtype``: sharded collections return fp32 (FP32 or None).
+    - ``cache_params``, ``enforce_hbm=True``, ``key_value_params``: UVM caching, HBM placement and SSD/key-value
+      offload are CUDA kernels (fbgemm's CPU build has none): refused.
+    """
+    if cache_params is not None:
+        raise ValueError(f"{owner}: cache_params={cache_params!r} configures fbgemm's UVM cache (fused_uvm_caching), a "
+                         "CUDA-only kernel; recship keeps whole shards in memory: leave cache_params out")
+    if enforce_hbm:
+        raise ValueError(f"{owner}: enforce_hbm=True places UVM-cached tables in GPU memory (CUDA-only); recship "
+                         "has no UVM kernels: leave it out")
+    if key_value_params is not None:
+        raise ValueError(f"{owner}: key_value_params={key_value_params!r} configures SSD / key-value offloaded tables "
+                         "(CUDA-only kernels); recship has none")
+    if stochastic_rounding is not None and not isinstance(stochastic_rounding, bool):
+        raise TypeError(f"{owner}: stochastic_rounding must be a bool or None, got {stochastic_rounding!r}")
+    if bounds_check_mode is not None and getattr(bounds_check_mode, "name", bounds_check_mode) != "FATAL":
+        raise ValueError(f"{owner}: bounds_check_mode={bounds_check_mode!r}: recship always refuses an id outside its "
+                         "table (fbgemm's BoundsCheckMode.FATAL); it does not rewrite, skip or trust such ids")
+    if output_dtype is not None and getattr(output_dtype, "name", output_dtype) != "FP32":
+        raise ValueError(f"{owner}: output_dtype={output_dtype!r}: recship's sharded collections return fp32 "
+                         "(DataType.FP32)")
+
+
 @dataclass
 class ParameterSharding:
-    """The plan for one table."""
+    """The plan for one table: TorchRec's fields, and recship's ``shards``.
+
+    ``shards`` (recship's ShardMetadata: offsets, sizes, rank, device) and ``sharding_spec`` (TorchRec's: torch's
+    ``EnumerableShardingSpec``, None for data-parallel replicas) are two views of the same shards: give either
+    (a spec is read into ``shards``; one given as the fourth positional argument, TorchRec's order, too) and
+    ``sharding_spec`` reads back from ``shards``. The other TorchRec fields are checked by ``check_table_options``.
+    """
 
     sharding_type: ShardingType
     compute_kernel: EmbeddingComputeKernel
     ranks: List[int]
     shards: List[ShardMetadata] = field(default_factory=list)
+    sharding_spec: Optional[Any] = field(default=None, compare=False)  # a property below: derived from shards
+    cache_params: Optional[Any] = None
+    enforce_hbm: Optional[bool] = None
+    stochastic_rounding: Optional[bool] = None
+    bounds_check_mode: Optional[Any] = None
+    output_dtype: Optional[Any] = None
+    key_value_params: Optional[Any] = None
 
-    @property
-    def sharding_spec(self) -> Optional[Any]:
-        """TorchRec's view of ``shards``: torch's ``EnumerableShardingSpec`` of ``ShardMetadata``
-        (offsets, sizes, placement "rank:<r>/<device>"), or None for data-parallel replicas.
+    def __post_init__(self) -> None:
+        # TorchRec passes the enums' values ("table_wise", "fused"); a kind recship cannot run is refused by name
+        self.sharding_type = _member(ShardingType, self.sharding_type, "sharding type")
+        self.compute_kernel = _member(EmbeddingComputeKernel, self.compute_kernel, "compute kernel")
+        if hasattr(self.shards, "shards") and not isinstance(self.shards, list):  # TorchRec's 4th field: a spec
+            spec, self.shards = self.shards, []
+            self.sharding_spec = spec
+        check_table_options(f"ParameterSharding({self.sharding_type.value})", self.cache_params, self.enforce_hbm,
+                            self.stochastic_rounding, self.bounds_check_mode, self.output_dtype, self.key_value_params)
 
-        Read-only here: recship's ``shards`` are the plan (TorchRec's constructor argument
-        ``sharding_spec`` is not taken).
-        """
-        if self.sharding_type == ShardingType.DATA_PARALLEL:
-            return None
-        from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-        from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
-        return EnumerableShardingSpec([
-            TorchShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes), placement=s.placement)
-            for s in self.shards
-        ])
+def _get_sharding_spec(self: ParameterSharding) -> Optional[Any]:
+    """TorchRec's view of ``shards``: torch's ``EnumerableShardingSpec`` of ``ShardMetadata`` (offsets, sizes,
+    placement "rank:<r>/<device>"), or None for data-parallel replicas."""
+    if self.sharding_type == ShardingType.DATA_PARALLEL:
+        return None
+    from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    return EnumerableShardingSpec([
+        TorchShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes), placement=s.placement)
+        for s in self.shards
+    ])
+
+
+def _set_sharding_spec(self: ParameterSharding, spec: Optional[Any]) -> None:
+    """A given spec becomes ``shards`` (it must agree with shards given too)."""
+    if spec is None or isinstance(spec, property):
+        return
+    shards = [ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), m.placement.rank(), str(m.placement.device()))
+              for m in spec.shards]
+    if self.shards and [(s.shard_offsets, s.shard_sizes, s.rank) for s in self.shards] != [
+            (s.shard_offsets, s.shard_sizes, s.rank) for s in shards]:
+        raise ValueError(f"ParameterSharding: sharding_spec {spec} and shards {self.shards} describe different shards")
+    self.shards = shards
+
+
+# after @dataclass, so that __init__ (whose default None is fixed) assigns through the property
+ParameterSharding.sharding_spec = property(_get_sharding_spec, _set_sharding_spec)  # type: ignore[assignment]
 
 
 @dataclass
 class ParameterConstraints:
-    """What the planner may do with one table (all optional).
+    """What the planner may do with one table (all optional): TorchRec 1.8.0's fields, and recship's ``pooling_factor``.
 
     Args:
         sharding_types: the allowed sharding types (default: all but data_parallel,
             which replicates the table and must be asked for).
-        compute_kernels: the allowed kernels (default: all).
-        pooling_factor: expected ids per example, for the cost estimate.
+        compute_kernels: the allowed kernels (default: all); ``["dense"]`` alone plans the table
+            data-parallel, as in TorchRec (dense is the data-parallel kernel here).
         min_partition: smallest column-block width for column-wise sharding.
+        pooling_factors: expected ids per example of each of the table's features (TorchRec's), for the cost
+            estimate and the storage reservation; default: ``pooling_factor`` for every feature.
+        num_poolings: lookups per example of each feature (default 1 each); scales that feature's ids and outputs.
+        batch_sizes: examples per step of each feature (default the planner's batch_size).
+        is_weighted: the features carry per-id weights: the storage reservation counts 4 more bytes per id.
+        feature_names: the features ``pooling_factors`` etc. are listed for; must be the table's, in order.
+        device_group: "cpu" or "cuda"; must be the topology's compute device (recship plans one device kind).
+        stochastic_rounding, bounds_check_mode, output_dtype, cache_params, enforce_hbm, key_value_params:
+            copied into the table's ParameterSharding, or refused with why (``check_table_options``).
+        use_virtual_table: SSD/DRAM virtual tables are CUDA kernels: True is refused.
+        pooling_factor: recship's single-number form of ``pooling_factors``.
     """
 
     sharding_types: Optional[List[Union[ShardingType, str]]] = None
     compute_kernels: Optional[List[Union[EmbeddingComputeKernel, str]]] = None
-    pooling_factor: float = 1.0
     min_partition: Optional[int] = None
+    pooling_factors: Optional[List[float]] = None
+    num_poolings: Optional[List[float]] = None
+    batch_sizes: Optional[List[int]] = None
+    is_weighted: bool = False
+    cache_params: Optional[Any] = None
+    enforce_hbm: Optional[bool] = None
+    stochastic_rounding: Optional[bool] = None
+    bounds_check_mode: Optional[Any] = None
+    feature_names: Optional[List[str]] = None
+    output_dtype: Optional[Any] = None
+    device_group: Optional[str] = None
+    key_value_params: Optional[Any] = None
+    use_virtual_table: bool = False
+    pooling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         # TorchRec's tutorials pass the enums' values: ParameterConstraints(sharding_types=["table_wise"])
@@ -85,15 +177,47 @@ class ParameterConstraints:
             self.sharding_types = [_member(ShardingType, x, "sharding type") for x in self.sharding_types]
         if self.compute_kernels is not None:
             self.compute_kernels = [_member(EmbeddingComputeKernel, x, "compute kernel") for x in self.compute_kernels]
+        check_table_options("ParameterConstraints", self.cache_params, self.enforce_hbm, self.stochastic_rounding,
+                            self.bounds_check_mode, self.output_dtype, self.key_value_params)
+        if self.use_virtual_table:
+            raise ValueError("ParameterConstraints(use_virtual_table=True): SSD/DRAM virtual tables are fbgemm CUDA "
+                             "kernels; recship has none")
+        if self.device_group is not None and self.device_group not in DEVICES:
+            raise ValueError(f"ParameterConstraints: device_group must be 'cpu' or 'cuda', got {self.device_group!r}")
+        lists = {n: v for n, v in (("pooling_factors", self.pooling_factors), ("num_poolings", self.num_poolings),
+                                   ("batch_sizes", self.batch_sizes), ("feature_names", self.feature_names))
+                 if v is not None}
+        if len({len(v) for v in lists.values()}) > 1:
+            raise ValueError(f"ParameterConstraints: {', '.join(lists)} list one entry per feature: their lengths "
+                             f"{[len(v) for v in lists.values()]} differ")
+        for name in ("pooling_factors", "num_poolings", "batch_sizes"):
+            values = lists.get(name)
+            if values is not None and (not values or any(isinstance(v, bool) or not v > 0 for v in values)):
+                raise ValueError(f"ParameterConstraints: {name} must be positive numbers, one per feature, got {values}")
+
+    def feature_loads(self, features: List[str], batch_size: int) -> List[Tuple[float, float]]:
+        """(ids, pooled outputs) per step of each feature of a table whose features are ``features``.
+
+        Raises ValueError when ``feature_names`` or the per-feature lists do not fit the table's features.
+        """
+        if self.feature_names is not None and list(self.feature_names) != list(features):
+            raise ValueError(f"feature_names {self.feature_names} are not the table's features {features}")
+        n = len(features)
+        for name in ("pooling_factors", "num_poolings", "batch_sizes"):
+            values = getattr(self, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"{name} {values} has {len(values)} entries, the table has {n} features {features}")
+        pooling = self.pooling_factors or [self.pooling_factor] * n
+        poolings = self.num_poolings or [1.0] * n
+        batches = self.batch_sizes or [batch_size] * n
+        return [(b * p * k, b * k) for p, k, b in zip(pooling, poolings, batches)]
 
 
 def _member(enum: Type[E], value: object, what: str) -> E:
     """``value`` as a member of ``enum``: the member itself or its value string."""
-    if isinstance(value, enum):
-        return value
     names = [m.value for m in enum]
-    if isinstance(value, str) and value in names:
-        return enum(value)
+    if isinstance(value, enum) or (isinstance(value, str) and value in names):
+        return enum(value).check_runnable()  # type: ignore[attr-defined]
     raise ValueError(f"unknown {what} {value!r}: recship has {names}")
 
 
@@ -144,6 +268,32 @@ class Topology:
         return self.hbm_cap if self.compute_device == "cuda" else self.ddr_cap
 
 
+class ModuleShardingPlan:
+    """TorchRec's base of one module's plan."""
+
+
+class EmbeddingModuleShardingPlan(ModuleShardingPlan, Dict[str, ParameterSharding]):
+    """One embedding collection's plan, table name -> ParameterSharding: a dict, as TorchRec's
+    (``construct_module_sharding_plan`` and the planner give one per collection). Prints as TorchRec's does."""
+
+    def __str__(self) -> str:
+        return _module_tables(self)
+
+
+def _module_tables(tables: Dict[str, ParameterSharding]) -> str:
+    """TorchRec's layout of one module's plan: a table of shardings, then one of shards."""
+    params = [[name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks)] for name, ps in tables.items()]
+    # data-parallel replicas are not shards (TorchRec gives them no sharding spec)
+    shards = [
+        [name, str(s.shard_offsets), str(s.shard_sizes), s.placement]
+        for name, ps in tables.items()
+        if ps.sharding_type != ShardingType.DATA_PARALLEL
+        for s in ps.shards
+    ]
+    return (text_table(["param", "sharding type", "compute kernel", "ranks"], params, center_headers=True) + "\n\n"
+            + text_table(["param", "shard offsets", "shard sizes", "placement"], shards, center_headers=True))
+
+
 @dataclass
 class ShardingPlan:
     """module path ("" for the root) -> table name -> ParameterSharding."""
@@ -157,9 +307,13 @@ class ShardingPlan:
 
     def to_json(self) -> str:
         def encode(ps: ParameterSharding) -> dict:
-            d = asdict(ps)
-            d["sharding_type"] = ps.sharding_type.value
-            d["compute_kernel"] = ps.compute_kernel.value
+            d: Dict[str, Any] = {"sharding_type": ps.sharding_type.value, "compute_kernel": ps.compute_kernel.value,
+                                 "ranks": list(ps.ranks), "shards": [asdict(s) for s in ps.shards]}
+            # TorchRec's per-table options recship honours (the others are refused at construction), by name
+            for name in ("stochastic_rounding", "bounds_check_mode", "output_dtype"):
+                value = getattr(ps, name)
+                if value is not None:
+                    d[name] = getattr(value, "name", value)
             return d
 
         body = {path: {t: encode(ps) for t, ps in tables.items()} for path, tables in self.plan.items()}
@@ -172,15 +326,16 @@ class ShardingPlan:
             raise ValueError(f"not a recship sharding plan (format {data.get('format')!r})")
         plan: Dict[str, Dict[str, ParameterSharding]] = {}
         for path, tables in data["plan"].items():
-            plan[path] = {
+            plan[path] = EmbeddingModuleShardingPlan({
                 name: ParameterSharding(
                     sharding_type=ShardingType(d["sharding_type"]),
                     compute_kernel=EmbeddingComputeKernel(d["compute_kernel"]),
                     ranks=list(d["ranks"]),
                     shards=[ShardMetadata(**s) for s in d["shards"]],  # plans saved before "device" read as cpu
+                    **{k: d[k] for k in ("stochastic_rounding", "bounds_check_mode", "output_dtype") if k in d},
                 )
                 for name, d in tables.items()
-            }
+            })
         return ShardingPlan(plan)
 
     def save(self, path: Union[str, Path]) -> None:
@@ -194,20 +349,4 @@ class ShardingPlan:
 
     def __str__(self) -> str:
         """TorchRec's layout: per module, a table of shardings, then one of shards."""
-        out = []
-        for path, tables in self.plan.items():
-            params = [[name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks)] for name, ps in tables.items()]
-            # data-parallel replicas are not shards (TorchRec gives them no sharding spec)
-            shards = [
-                [name, str(s.shard_offsets), str(s.shard_sizes), s.placement]
-                for name, ps in tables.items()
-                if ps.sharding_type != ShardingType.DATA_PARALLEL
-                for s in ps.shards
-            ]
-            out.append(
-                f"module: {path}\n\n"
-                + text_table(["param", "sharding type", "compute kernel", "ranks"], params, center_headers=True)
-                + "\n\n"
-                + text_table(["param", "shard offsets", "shard sizes", "placement"], shards, center_headers=True)
-            )
-        return "\n\n".join(out)
+        return "\n\n".join(f"module: {path}\n\n" + _module_tables(tables) for path, tables in self.plan.items())

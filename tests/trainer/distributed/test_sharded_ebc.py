@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gloo_ranks import run_ranks
+from recship.names import TRAINING_SHARDING_TYPES
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
@@ -13,7 +14,7 @@ from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
 LOCAL_BATCH = 3
-TYPES = [t for t in ShardingType]
+TYPES = list(TRAINING_SHARDING_TYPES)
 FORWARD_CASES = list(itertools.product(TYPES, [PoolingType.SUM, PoolingType.MEAN], [False, True]))
 CPU_OPTIMIZERS = [EmbOptimType.EXACT_SGD, EmbOptimType.EXACT_ADAGRAD, EmbOptimType.EXACT_ROWWISE_ADAGRAD]
 OPTIM_CASES = list(itertools.product([t for t in TYPES if t != ShardingType.DATA_PARALLEL], CPU_OPTIMIZERS))
