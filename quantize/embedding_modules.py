@@ -11,7 +11,9 @@ recship: the names below ARE ``recship.quantize.QuantEmbeddingBagCollection`` an
                      mapping={recship.EmbeddingBagCollection: EmbeddingBagCollection})
 
 swaps every float collection for recship's quantized one (``from_float``). Elsewhere
-recship uses the unambiguous ``Quant...`` names.
+recship uses the unambiguous ``Quant...`` names. A FeatureProcessedEmbeddingBagCollection
+(``OriginalFeatureProcessedEmbeddingBagCollection`` here, as in TorchRec) keeps its feature
+processors and gets its inner collection swapped (recship has no quantized FP-EBC class).
 
 TorchRec's ``quant_prep_*`` functions mark float collections before ``from_float`` so that the
 quantized state_dict splits scale and bias out of the rows (``weight`` / ``weight_qscale`` /
@@ -25,6 +27,8 @@ from torch import nn
 from recship.quantize.modules import REGISTER_TBES_ATTR, SPLIT_SCALE_BIAS_ATTR
 from recship.quantize.modules import QuantEmbeddingBagCollection as EmbeddingBagCollection
 from recship.quantize.modules import QuantEmbeddingCollection as EmbeddingCollection
+from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection as OriginalFeatureProcessedEmbeddingBagCollection
+from recship.trainer.feature_processors import FeatureProcessorsCollection
 
 
 def quant_prep_enable_quant_state_dict_split_scale_bias(module: nn.Module) -> None:
@@ -46,5 +50,6 @@ def quant_prep_enable_register_tbes(module: nn.Module, module_types: List[Type[n
             setattr(m, REGISTER_TBES_ATTR, True)
 
 
-__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "quant_prep_enable_quant_state_dict_split_scale_bias",
+__all__ = ["EmbeddingBagCollection", "EmbeddingCollection", "FeatureProcessorsCollection", "OriginalFeatureProcessedEmbeddingBagCollection",
+           "quant_prep_enable_quant_state_dict_split_scale_bias",
            "quant_prep_enable_quant_state_dict_split_scale_bias_for_types", "quant_prep_enable_register_tbes"]

@@ -14,6 +14,7 @@ from torch import nn
 
 from recship.names import DataType, EmbeddingComputeKernel, ShardingType
 from recship.trainer.planner.types import ParameterConstraints, ParameterSharding, ShardingPlan, ShardMetadata
+from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection  # noqa: F401 (TorchRec's name here)
 
 
 def quantize_inference_model(model: nn.Module, quantization_mapping: Optional[Dict[str, type]] = None,

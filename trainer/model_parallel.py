@@ -299,7 +299,7 @@ def _per_rank_state(module: nn.Module) -> List[str]:
     return names
 
 
-def _materialize_dense(module: nn.Module, device: torch.device, sharded: List[nn.Module]) -> None:
+def _materialize_dense(module: nn.Module, device: torch.device, sharded: Sequence[nn.Module]) -> None:
     """Allocates and initialises meta-device dense submodules (sharded ones are already real)."""
     skip = {id(m) for s in sharded for m in s.modules()}
     for sub in module.modules():

@@ -7,7 +7,7 @@ State-dict keys are TorchRec's: ``position_weights.<feature>``.
 """
 
 import abc
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ class PositionWeightedProcessor(BaseGroupedFeatureProcessor):
         """None (TorchRec's: the position weights are parameters only)."""
         yield from ()
 
-    def state_dict(self, destination=None, prefix: str = "", keep_vars: bool = False):  # type: ignore[no-untyped-def, override]
+    def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False):  # type: ignore[no-untyped-def, override]
         """``position_weights.<feature>`` for each feature (TorchRec's)."""
         from collections import OrderedDict
 

@@ -12,7 +12,7 @@ recship plans and shards the inner collection at ``<path>._embedding_bag_collect
 keyed by the FP-EBC's own path (TorchRec's) is found too.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence, Type, cast
 
 import torch
 from torch import nn
@@ -54,7 +54,7 @@ class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcess
     def shardable_parameters(self, module: FeatureProcessedEmbeddingBagCollection) -> Dict[str, nn.Parameter]:
         """Table name -> weight of the inner collection (the position weights stay dense)."""
         ebc = module._embedding_bag_collection
-        return {t.name: ebc.embedding_bags[t.name].weight for t in ebc.embedding_bag_configs()}
+        return {t.name: cast(nn.Parameter, ebc.embedding_bags[t.name].weight) for t in ebc.embedding_bag_configs()}
 
     def shard(
         self,
@@ -69,7 +69,7 @@ class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcess
         ebc = module._embedding_bag_collection
         if not isinstance(ebc, EmbeddingBagCollection):
             raise ValueError("this FeatureProcessedEmbeddingBagCollection is sharded already")
-        module._embedding_bag_collection = self._ebc_sharder.shard(ebc, params, env, device)
+        module._embedding_bag_collection = self._ebc_sharder.shard(ebc, params, env, device)  # type: ignore[assignment]
         if device is not None and device.type != "meta":
             module._feature_processors.to(device)
         return module
@@ -78,7 +78,7 @@ class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcess
         return f"FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder={self._ebc_sharder!r})"
 
 
-def with_ebc_sharders(sharders: Sequence[ModuleSharder]) -> List[ModuleSharder]:
+def with_ebc_sharders(sharders: Sequence[Any]) -> List[Any]:
     """``sharders`` plus, when none of them shards EmbeddingBagCollection, the EBC sharder of a
     FeatureProcessedEmbeddingBagCollectionSharder among them (DistributedModelParallel shards the FP-EBC's
     inner collection with it)."""

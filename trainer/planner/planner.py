@@ -171,7 +171,7 @@ def shard_cost(
     batch_size: int,
     world_size: int,
     pooling_factor: float,
-    num_features: int,
+    num_features: float,
 ) -> float:
     """Floats one shard reads and sends per step on its rank (a relative cost, not seconds).
 

@@ -184,7 +184,7 @@ class ParameterConstraints:
                              "kernels; recship has none")
         if self.device_group is not None and self.device_group not in DEVICES:
             raise ValueError(f"ParameterConstraints: device_group must be 'cpu' or 'cuda', got {self.device_group!r}")
-        lists = {n: v for n, v in (("pooling_factors", self.pooling_factors), ("num_poolings", self.num_poolings),
+        lists: Dict[str, List[Any]] = {n: v for n, v in (("pooling_factors", self.pooling_factors), ("num_poolings", self.num_poolings),
                                    ("batch_sizes", self.batch_sizes), ("feature_names", self.feature_names))
                  if v is not None}
         if len({len(v) for v in lists.values()}) > 1:
