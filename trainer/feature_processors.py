@@ -159,6 +159,7 @@ def _position_weighted(features: KeyedJaggedTensor, position_weights: Dict[str, 
         stride=features.stride(),
         length_per_key=features.length_per_key(),
         stride_per_key_per_rank=get_stride_per_key_per_rank(features),
+        inverse_indices=features.inverse_indices_or_none(),  # (TorchRec drops them: its EBC then cannot expand a variable batch)
     )
 
 

@@ -151,3 +151,23 @@ def test_mistakes_are_value_errors():
         FeatureProcessedEmbeddingBagCollection(EmbeddingBagCollection(_tables(), is_weighted=True), {"f0": PositionWeightedModule(2)})
     with pytest.raises(ValueError, match="positive"):
         PositionWeightedModuleCollection({"f0": 0})
+
+
+def test_a_variable_batch_keeps_its_inverse_indices_through_the_position_weights():
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"])], is_weighted=True)
+    model = FeatureProcessedEmbeddingBagCollection(ebc, _randomised_collection({"a": 4, "b": 4}))
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2, 1, 2]),
+                            stride_per_key_per_rank=[[2], [1]], inverse_indices=(["a", "b"], torch.tensor([[0, 1], [0, 0]])))
+    out = model(kjt).values()
+    table, pw = ebc.embedding_bags["t"].weight.detach(), model._feature_processors.position_weights
+    a = torch.stack([pw["a"][0] * table[1] + pw["a"][1] * table[2], pw["a"][0] * table[3]])
+    b = pw["b"][0] * table[4] + pw["b"][1] * table[5]
+    torch.testing.assert_close(out, torch.cat([a, torch.stack([b, b])], dim=1).detach(), rtol=1e-6, atol=1e-6)
+
+
+def _randomised_collection(lengths: Dict[str, int]) -> PositionWeightedModuleCollection:
+    pw = PositionWeightedModuleCollection(lengths)
+    with torch.no_grad():
+        for p in pw.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(8)))
+    return pw
