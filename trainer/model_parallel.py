@@ -51,8 +51,9 @@ class DistributedModelParallel(nn.Module):
         sharders: the sharders to use (default ``get_default_sharders()``).
         init_data_parallel: wrap the dense part for data parallelism now (default); False defers it to
             ``init_data_parallel()``, as in TorchRec (e.g. to change the model first).
-        init_parameters: allocate and initialise meta-device dense modules (``reset_parameters``) when the
-            data-parallel wrap happens; False leaves them on meta. Sharded tables are always materialised.
+        init_parameters: allocate and initialise meta-device dense modules (``reset_parameters``) here and
+            again before the data-parallel wrap, as TorchRec; False leaves them on meta. Sharded tables are
+            always materialised.
         data_parallel_wrapper: wraps the dense part (``DataParallelWrapper.wrap(dmp, env, device)``); default:
             DistributedDataParallel over the group when there is more than one rank and a dense parameter,
             with the sharded tables ignored (``DefaultDataParallelWrapper`` takes TorchRec's DDP settings).
@@ -128,6 +129,8 @@ class DistributedModelParallel(nn.Module):
         self._data_parallel_wrapper = data_parallel_wrapper or _RecshipDataParallelWrapper()
         self._dmp_wrapped_module: nn.Module = module
         self._ddp_wrapped = False
+        if init_parameters:  # as TorchRec: now, whether or not the data-parallel wrap waits
+            _materialize_dense(module, device, self._sharded)
         if init_data_parallel:
             self.init_data_parallel()
 

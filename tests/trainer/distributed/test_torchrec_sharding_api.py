@@ -311,6 +311,8 @@ def _worker(rank: int, world_size: int, steps: int):
     meta = DistributedModelParallel(SeqTower(device="meta"), sharders=[EmbeddingCollectionSharder()],
                                     init_data_parallel=False, init_parameters=False)
     out["meta_left"] = meta.module.out.weight.is_meta
+    early = DistributedModelParallel(SeqTower(device="meta"), sharders=[EmbeddingCollectionSharder()], init_data_parallel=False)
+    out["early_meta"] = early.module.out.weight.is_meta  # TorchRec: init_parameters acts in the constructor
     # shard_modules: the EBC sharded in place, no DDP, forward equal to the unsharded model's rows
     torch.manual_seed(1)
     bag = BagTower()
@@ -347,7 +349,7 @@ def test_dmp_and_shard_modules_take_torchrecs_arguments():
         assert (r["wrapped_before"], r["wrapped_after"], r["wrapper_calls"]) == (False, True, 1)
         assert r["plan"] == {"seq": "data_parallel"}
         torch.testing.assert_close(r["seq"], reference.ec.embeddings["seq"].weight.detach(), atol=1e-6, rtol=0)
-        assert r["meta_left"] is True
+        assert r["meta_left"] is True and r["early_meta"] is False
         same, kind, err = r["shard_modules"]
         assert same and kind == "ShardedEmbeddingBagCollection" and err < 1e-6
         assert "table 'bag' is planned 'table_wise' with compute kernel 'dense'" in r["dense_tw"]
