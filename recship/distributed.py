@@ -31,7 +31,8 @@ from recship.trainer.planner.components import (EmbeddingEnumerator, FixedPercen
                                                PlannerErrorType, StorageReservation, UniformProposer)
 from recship.trainer.planner.components import (DynamicProgrammingProposer, EmbeddingOffloadScaleupProposer,
                                                EmbeddingPerfEstimator, EmbeddingStorageEstimator, GreedyPerfPartitioner,
-                                               Partitioner, PipelineType, Proposer, ShardEstimator, SortBy)
+                                               Enumerator, Partitioner, PipelineType, Proposer, ShardEstimator, ShardingPlanner,
+                                               SortBy)
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleShardingPlan
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
                                                    row_wise, table_row_wise, table_wise)
@@ -72,5 +73,6 @@ __all__ = [
     "DataParallelWrapper", "DefaultDataParallelWrapper", "DynamicProgrammingProposer", "EmbeddingModuleShardingPlan",
     "EmbeddingOffloadScaleupProposer", "EmbeddingPerfEstimator", "EmbeddingStorageEstimator", "GreedyPerfPartitioner",
     "ModuleShardingPlan", "Partitioner", "PipelineType", "Proposer", "ShardEstimator", "SortBy", "grid_shard", "shard_modules",
+    "Enumerator", "ShardingPlanner",
     "_shard_modules",  # TorchRec's name for it, underscore included
 ]

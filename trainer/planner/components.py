@@ -246,7 +246,29 @@ class TableOptions:
     sharding_types: List[ShardingType]
 
 
-class EmbeddingEnumerator:
+class Enumerator:
+    """TorchRec's enumerator interface: what a planner's ``enumerator`` is (recship's is EmbeddingEnumerator)."""
+
+    def __init__(self, topology: Topology, batch_size: int = 512, constraints: Optional[Dict[str, ParameterConstraints]] = None,
+                 estimator: object = None) -> None:
+        check_estimators(estimator)
+        self.topology = topology
+        self.batch_size = batch_size
+        self.constraints: Dict[str, ParameterConstraints] = dict(constraints or {})
+
+
+class ShardingPlanner:
+    """TorchRec's planner interface (``torchrec.distributed.types.ShardingPlanner``): ``plan(module, sharders)``
+    and ``collective_plan(module, sharders, pg)``; recship's is EmbeddingShardingPlanner."""
+
+    def plan(self, module: nn.Module, sharders: Any) -> Any:
+        raise NotImplementedError
+
+    def collective_plan(self, module: nn.Module, sharders: Any, pg: Any = None) -> Any:
+        raise NotImplementedError
+
+
+class EmbeddingEnumerator(Enumerator):
     """Lists every shardable table with the sharding types its constraints allow (TorchRec's enumerator).
 
     Args:

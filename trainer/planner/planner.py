@@ -39,7 +39,7 @@ from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner.components import (EmbeddingEnumerator, GreedyPerfPartitioner, PlannerError, PlannerErrorType,
-                                               Proposer, StorageReservation, proposers_of)
+                                               Proposer, ShardingPlanner, StorageReservation, proposers_of)
 from recship.trainer.planner.types import (EmbeddingComputeKernel, EmbeddingModuleShardingPlan, ParameterConstraints,
                                           ParameterSharding, ShardingPlan, ShardingType, ShardMetadata, Topology)
 
@@ -222,7 +222,7 @@ def _kernel(sharding_type: ShardingType) -> EmbeddingComputeKernel:
 # -- the planner ---------------------------------------------------------------
 
 
-class EmbeddingShardingPlanner:
+class EmbeddingShardingPlanner(ShardingPlanner):
     """Plans every EmbeddingBagCollection (and EmbeddingCollection) of a module for ``topology``.
 
     TorchRec's arguments, in TorchRec's order (``recship.trainer.planner.components`` says
@@ -294,6 +294,9 @@ class EmbeddingShardingPlanner:
                     f"EmbeddingShardingPlanner({name}={given!r}): recship's placement (largest table first, on the least "
                     f"busy rank), cost model (shard_cost) and plan printout (print(plan)) are fixed; leave {name} out"
                 )
+        if enumerator is not None and not isinstance(enumerator, EmbeddingEnumerator):
+            raise TypeError(f"enumerator must be recship's EmbeddingEnumerator (its enumeration is the planner's own), "
+                            f"got {type(enumerator).__name__}")
         if storage_reservation is not None and not isinstance(storage_reservation, StorageReservation):
             raise TypeError(f"storage_reservation must be recship's HeuristicalStorageReservation or "
                             f"FixedPercentageStorageReservation, got {type(storage_reservation).__name__}")

@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 from gloo_ranks import run_ranks
 from recship.distributed import (DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel,
                                  DynamicProgrammingProposer, EmbeddingBagCollectionSharder, EmbeddingCollectionSharder,
-                                 EmbeddingComputeKernel, EmbeddingEnumerator, EmbeddingModuleShardingPlan,
+                                 EmbeddingComputeKernel, EmbeddingEnumerator, EmbeddingModuleShardingPlan, Enumerator,
                                  EmbeddingOffloadScaleupProposer, EmbeddingPerfEstimator, EmbeddingShardingPlanner,
                                  EmbeddingStorageEstimator, GreedyPerfPartitioner, HeuristicalStorageReservation,
                                  ParameterConstraints, ParameterSharding, PlannerError, PlannerErrorType, ShardingEnv,
-                                 ShardingPlan, ShardingType, ShardMetadata, SortBy, Topology, column_wise,
+                                 ShardingPlan, ShardingPlanner, ShardingType, ShardMetadata, SortBy, Topology, column_wise,
                                  construct_module_sharding_plan, data_parallel, grid_shard, row_wise, shard_modules,
                                  table_row_wise, table_wise)
 from recship.sparse import KeyedJaggedTensor
@@ -213,6 +213,9 @@ def test_planner_parts_are_importable_where_torchrec_has_them():
     explicit = EmbeddingShardingPlanner(topology, enumerator=EmbeddingEnumerator(topology, 512, estimator=estimators),
                                         partitioner=GreedyPerfPartitioner()).plan(ebc)
     assert explicit == default
+    assert isinstance(EmbeddingShardingPlanner(topology), ShardingPlanner)
+    with pytest.raises(TypeError, match="EmbeddingEnumerator"):
+        EmbeddingShardingPlanner(topology, enumerator=Enumerator(topology))
     with pytest.raises(ValueError, match="SortBy.STORAGE"):
         GreedyPerfPartitioner(sort_by=SortBy.PERF)
     with pytest.raises(ValueError, match="is_inference"):
