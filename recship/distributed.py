@@ -10,7 +10,7 @@ here (README: "Coming from TorchRec"). The implementations live in
 ``recship.trainer`` (training) and ``recship.export`` (inference sharding).
 """
 
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -23,7 +23,8 @@ from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimiz
 from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
                                         OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
 from recship.trainer.model_parallel import (DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel,
-                                           in_backward_optimizer_filter, shard_modules)
+                                           in_backward_optimizer_filter)
+from recship.trainer.model_parallel import shard_modules as _shard_for_training
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
 from recship.trainer.planner.components import (EmbeddingEnumerator, FixedPercentageStorageReservation, GreedyProposer,
@@ -38,6 +39,24 @@ from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, co
                                                    row_wise, table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+
+def shard_modules(
+    module: nn.Module,
+    env: Optional[ShardingEnv] = None,
+    device: Optional[torch.device] = None,
+    plan: Optional[ShardingPlan] = None,
+    sharders: Optional[Sequence[ModuleSharder]] = None,
+    init_params: bool = False,
+) -> nn.Module:
+    """TorchRec's ``torchrec.distributed.shard.shard_modules``: ``module`` with its embedding collections sharded in
+    place and no data-parallel wrapper (``recship.trainer.model_parallel.shard_modules``); a quantized model
+    (QuantEmbeddingBagCollections) is sharded for inference, as ``_shard_modules``."""
+    if any(type(m).__module__.startswith("recship.quantize") for m in module.modules()):
+        if init_params:
+            raise ValueError("shard_modules(init_params=True) of a quantized model: its tables are already filled")
+        return _shard_modules(module, env=env, device=device, plan=plan, sharders=list(sharders) if sharders else None)
+    return _shard_for_training(module, env, device, plan, sharders, init_params)
 
 
 def _shard_modules(

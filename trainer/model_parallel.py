@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, check_data_parallel, get_default_sharders
-from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path, with_ebc_sharders
+from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path
+from recship.trainer.planner.planner import with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
@@ -259,18 +260,11 @@ def shard_modules(
     sharders: Optional[Sequence[ModuleSharder]] = None,
     init_params: bool = False,
 ) -> nn.Module:
-    """TorchRec's ``torchrec.distributed.shard.shard_modules``: ``module`` with its embedding collections sharded in
-    place (as DistributedModelParallel shards them, planned the same way when ``plan`` is None) and no data-parallel
-    wrapper. ``init_params``: allocate and initialise meta-device dense modules (TorchRec's default leaves them).
-
-    A quantized model (QuantEmbeddingBagCollections) is sharded for inference, as ``recship.distributed._shard_modules``.
+    """TorchRec's ``torchrec.distributed.shard.shard_modules`` for training: ``module`` with its embedding collections
+    sharded in place (as DistributedModelParallel shards them, planned the same way when ``plan`` is None) and no
+    data-parallel wrapper. ``init_params``: allocate and initialise meta-device dense modules (TorchRec's default
+    leaves them). ``recship.distributed.shard_modules`` sends a quantized model to inference sharding instead.
     """
-    if any(type(m).__module__.startswith("recship.quantize") for m in module.modules()):
-        if init_params:
-            raise ValueError("shard_modules(init_params=True) of a quantized model: its tables are already filled")
-        from recship.quantize.sharded import shard_modules as shard_quantized
-
-        return shard_quantized(module, env=env, device=device, plan=plan, sharders=list(sharders) if sharders else None)
     dmp = DistributedModelParallel(module, env, device, plan, sharders, init_data_parallel=False, init_parameters=init_params)
     if init_params:
         _materialize_dense(dmp.module, dmp._device, dmp._sharded)

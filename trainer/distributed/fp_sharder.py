@@ -78,16 +78,6 @@ class FeatureProcessedEmbeddingBagCollectionSharder(ModuleSharder[FeatureProcess
         return f"FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder={self._ebc_sharder!r})"
 
 
-def with_ebc_sharders(sharders: Sequence[Any]) -> List[Any]:
-    """``sharders`` plus, when none of them shards EmbeddingBagCollection, the EBC sharder of a
-    FeatureProcessedEmbeddingBagCollectionSharder among them (DistributedModelParallel shards the FP-EBC's
-    inner collection with it)."""
-    out = list(sharders)
-    if not any(s.module_type is EmbeddingBagCollection for s in out):
-        out += [s.ebc_sharder for s in out if isinstance(s, FeatureProcessedEmbeddingBagCollectionSharder)][:1]
-    return out
-
-
 def fp_ebc_plan_path(module: nn.Module, path: str) -> Optional[str]:
     """The FP-EBC's own path when ``path`` is the collection inside a FeatureProcessedEmbeddingBagCollection
     of ``module`` (where TorchRec's plans key its tables), else None."""

@@ -337,8 +337,6 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         optim = self.optimizer.optimizer
         kinds: Tuple[type, ...] = (EmbeddingBagCollection,)
         if sharders is not None:
-            from recship.trainer.distributed.fp_sharder import with_ebc_sharders  # (a cycle at import time)
-
             sharders = with_ebc_sharders(sharders)  # an FP-EBC's sharder plans its EmbeddingBagCollection
             ebc_sharders = [s for s in sharders if getattr(s, "module_type", None) is EmbeddingBagCollection]
             kinds = tuple(k for k in (EmbeddingBagCollection, EmbeddingCollection)
@@ -580,3 +578,13 @@ class EmbeddingShardingPlanner(ShardingPlanner):
             memory[s.rank] += shard_bytes(rows, cols, st, optim)
             cost[s.rank] += shard_cost(rows, cols, t.num_embeddings, st, self.batch_size, world, pooling_factor, num_features)
         return memory, cost
+
+
+def with_ebc_sharders(sharders: Sequence[Any]) -> List[Any]:
+    """``sharders`` plus, when none of them shards EmbeddingBagCollection, the EBC sharder of a
+    FeatureProcessedEmbeddingBagCollectionSharder among them (its ``ebc_sharder``): the planner plans, and
+    DistributedModelParallel shards, the FP-EBC's inner collection with it."""
+    out = list(sharders)
+    if not any(getattr(s, "module_type", None) is EmbeddingBagCollection for s in out):
+        out += [s.ebc_sharder for s in out if getattr(s, "ebc_sharder", None) is not None][:1]
+    return out
