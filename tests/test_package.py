@@ -21,15 +21,9 @@ def _python_files():
         yield path
 
 
-# run by hand in a throwaway venv with TorchRec installed, to write its API file; nothing imports it
-TORCHREC_TOOLS = {Path("tests/torchrec_api/generate.py")}
-
-
 def test_no_module_imports_a_bare_subpackage_name():
     offenders = []
     for path in _python_files():
-        if path.relative_to(ROOT) in TORCHREC_TOOLS:
-            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []
             if isinstance(node, ast.Import):

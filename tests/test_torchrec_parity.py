@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from torchrec_api.generate import default_json
+
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "tests" / "torchrec_api" / "torchrec_1.8.0.json"
 MISSING = ROOT / "tests" / "torchrec_api" / "missing.txt"
@@ -39,27 +41,12 @@ def mapped(module: str, table: Dict[str, str]) -> Optional[str]:
     return None
 
 
-def _default(value: Any) -> Any:
-    import dataclasses
-    import enum
-
-    if value is inspect.Parameter.empty or value is dataclasses.MISSING:
-        return {"required": True}
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__name__}.{value.name}"
-    if isinstance(value, (list, tuple)) and all(v is None or isinstance(v, (bool, int, float, str)) for v in value):
-        return list(value)
-    return {"repr": type(value).__name__}
-
-
 def _params(fn: Any) -> Optional[List[Tuple[str, str, Any]]]:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
-    return [(p.name, p.kind.name, _default(p.default)) for p in sig.parameters.values() if p.name not in ("self", "cls")]
+    return [(p.name, p.kind.name, default_json(p.default)) for p in sig.parameters.values() if p.name not in ("self", "cls")]
 
 
 def _want(entry: List[Dict[str, Any]]) -> List[Tuple[str, str, Any]]:
@@ -90,7 +77,7 @@ def difference(entry: Dict[str, Any], obj: Any) -> Optional[str]:
         absent = [f["name"] for f in entry["fields"] if f["name"] not in have]
         return f"fields {absent} absent" if absent else None
     if kind == "constant":
-        return None if _default(obj) == entry["value"] or isinstance(entry["value"], dict) else f"value {_default(obj)!r}"
+        return None if default_json(obj) == entry["value"] or isinstance(entry["value"], dict) else f"value {default_json(obj)!r}"
     want = entry.get("params") if kind == "function" else entry.get("init")
     if want is None:
         return None

@@ -4,12 +4,14 @@ dependency of recship or of its tests; ../shared/STACK.md says how):
 
     /tmp/trec/bin/python tests/torchrec_api/generate.py
 
-tests/test_torchrec_parity.py reads the JSON; this script is not imported by any test.
+tests/test_torchrec_parity.py reads the JSON, and describes recship's side with this file's ``default_json`` (which
+needs no TorchRec).
 """
 
 import dataclasses
 import enum
 import importlib
+import importlib.util
 import inspect
 import json
 import pkgutil
@@ -30,7 +32,7 @@ PACKAGES = ["torchrec.sparse", "torchrec.modules", "torchrec.optim", "torchrec.q
             "torchrec.datasets", "torchrec.metrics"]
 
 
-def _default(value: Any) -> Any:
+def default_json(value: Any) -> Any:
     """A default as JSON: plain values as they are, an enum member as "Enum.NAME", anything else as {"repr": ...}."""
     if value is inspect.Parameter.empty or value is dataclasses.MISSING:
         return {"required": True}
@@ -52,7 +54,7 @@ def _params(fn: Any, skip_self: bool) -> Optional[List[Dict[str, Any]]]:
     for i, p in enumerate(sig.parameters.values()):
         if skip_self and i == 0 and p.name in ("self", "cls"):
             continue
-        out.append({"name": p.name, "kind": p.kind.name, "default": _default(p.default)})
+        out.append({"name": p.name, "kind": p.kind.name, "default": default_json(p.default)})
     return out
 
 
@@ -63,7 +65,7 @@ def describe(obj: Any) -> Optional[Dict[str, Any]]:
         entry: Dict[str, Any] = {"kind": "class"}
         if dataclasses.is_dataclass(obj):
             entry["kind"] = "dataclass"
-            entry["fields"] = [{"name": f.name, "default": _default(f.default) if f.default_factory is dataclasses.MISSING
+            entry["fields"] = [{"name": f.name, "default": default_json(f.default) if f.default_factory is dataclasses.MISSING
                                 else {"factory": True}} for f in dataclasses.fields(obj) if f.init]
         elif "__init__" in vars(obj) or any("__init__" in vars(b) for b in obj.__mro__[1:] if b.__module__.startswith("torchrec")):
             entry["init"] = _params(obj.__init__, skip_self=True)
@@ -75,8 +77,8 @@ def describe(obj: Any) -> Optional[Dict[str, Any]]:
 
 
 def main() -> None:
-    import torchrec  # noqa: F401
-
+    if importlib.util.find_spec("torchrec") is None:
+        sys.exit("generate.py reads TorchRec's API: run it with a Python that has torchrec 1.8.0 installed (see its docstring)")
     names = list(MODULES)
     for root in PACKAGES:
         package = importlib.import_module(root)
@@ -102,7 +104,7 @@ def main() -> None:
             owner = getattr(obj, "__module__", "") or ""
             if not owner.startswith("torchrec"):
                 if exported is None and attr.isupper() and isinstance(obj, (int, float, str, list, tuple)):
-                    entries[attr] = {"kind": "constant", "value": _default(obj)}
+                    entries[attr] = {"kind": "constant", "value": default_json(obj)}
                 continue
             entry = describe(obj)
             if entry is not None:
