@@ -1,7 +1,7 @@
-"""TorchRec parity, measured: every public name of the TorchRec modules users import (tests/torchrec_api/
-torchrec_1.8.0.json, written by tests/torchrec_api/generate.py from TorchRec 1.8.0 itself), mapped through the
+"""TorchRec parity, measured: every public name of the TorchRec modules users import (tests/api_parity/
+torchrec_1.8.0.json, written by tests/api_parity/generate.py from TorchRec 1.8.0 itself), mapped through the
 README's import map, is in recship with TorchRec's parameters (names, kinds, defaults), dataclass fields and enum
-members, or listed in tests/torchrec_api/missing.txt.
+members, or listed in tests/api_parity/missing.txt.
 
 missing.txt is a ratchet while parity is being built: a name that is missing or differs and is not listed fails
 (a regression, or a new gap), and so does a listed name that now matches (take it off the list). The figure
@@ -17,11 +17,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from torchrec_api.generate import default_json
+from api_parity.generate import default_json
 
 ROOT = Path(__file__).resolve().parents[1]
-API = ROOT / "tests" / "torchrec_api" / "torchrec_1.8.0.json"
-MISSING = ROOT / "tests" / "torchrec_api" / "missing.txt"
+API = ROOT / "tests" / "api_parity" / "torchrec_1.8.0.json"
+MISSING = ROOT / "tests" / "api_parity" / "missing.txt"
 
 
 def import_map() -> Dict[str, str]:

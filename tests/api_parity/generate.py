@@ -2,7 +2,7 @@
 for the modules TorchRec users import. Run once, with TorchRec 1.8.0 installed in a throwaway venv (never a
 dependency of recship or of its tests; ../shared/STACK.md says how):
 
-    /tmp/trec/bin/python tests/torchrec_api/generate.py
+    /tmp/trec/bin/python tests/api_parity/generate.py
 
 tests/test_torchrec_parity.py reads the JSON, and describes recship's side with this file's ``default_json`` (which
 needs no TorchRec).
