@@ -19,12 +19,12 @@ LAYERS = [
     ["recship", "recship.names", "recship.flags", "recship.lazy", "recship.logs", "recship.plots", "recship.fx", "recship.cpus",
      "recship.native", "recship.fbgemm", "recship.oserrors"],
     ["recship.sparse"],
-    ["recship.trainer"],
+    ["recship.trainer", "recship.metrics"],
     ["recship.models"],
     ["recship.quantize"],
     ["recship.export"],
     ["recship.serving"],
-    ["recship.distributed", "recship.datasets", "recship.inference", "recship.demo", "recship.cli", "recship.__main__"],
+    ["recship.distributed", "recship.datasets", "recship.inference", "recship.test_utils", "recship.demo", "recship.cli", "recship.__main__"],
 ]
 
 

@@ -32,13 +32,27 @@ def import_map() -> Dict[str, str]:
 
 
 def mapped(module: str, table: Dict[str, str]) -> Optional[str]:
-    """``module`` rewritten by its longest prefix in the map (whole dotted components), or None."""
+    """``module`` rewritten by its longest prefix in the map (whole dotted components), or None: the rest of the path
+    is kept where recship has that submodule (``torchrec.metrics.ne`` -> ``recship.metrics.ne``), else the entry's
+    module holds it."""
     parts = module.split(".")
     for i in range(len(parts), 0, -1):
         prefix = ".".join(parts[:i])
         if prefix in table:
-            return table[prefix]
+            return _keep_rest(table[prefix], parts[i:])
     return None
+
+
+def _keep_rest(target: str, rest: List[str]) -> str:
+    import importlib.util
+
+    if rest:
+        try:
+            if importlib.util.find_spec(".".join([target, *rest])) is not None:
+                return ".".join([target, *rest])
+        except ImportError:  # ``target`` is a module, not a package
+            pass
+    return target
 
 
 def _params(fn: Any) -> Optional[List[Tuple[str, str, Any]]]:

@@ -544,11 +544,21 @@ def import_map(readme: Path = ROOT / "README.md") -> Dict[str, str]:
 
 
 def map_module(path: str, table: Dict[str, str]) -> str:
-    """The recship module for a torchrec module path: the entry of its longest prefix."""
+    """The recship module for a torchrec module path: the entry of its longest prefix, with the rest of the path kept
+    where recship has that submodule (``torchrec.metrics.ne`` -> ``recship.metrics.ne``)."""
+    import importlib.util
+
     parts = path.split(".")
     for k in range(len(parts), 0, -1):
         if ".".join(parts[:k]) in table:
-            return table[".".join(parts[:k])]
+            target, rest = table[".".join(parts[:k])], parts[k:]
+            if rest:
+                try:
+                    if importlib.util.find_spec(".".join([target, *rest])) is not None:
+                        return ".".join([target, *rest])
+                except ImportError:  # the entry's module is not a package
+                    pass
+            return target
     raise ValueError(f"the README's import map has no entry for {path!r}")
 
 
