@@ -6,11 +6,12 @@ from C++ by the tests exactly as a user's own model would be.
 
 ``dlrm`` (``recship.models.dlrm``) holds TorchRec's DLRM family (``torchrec.models.dlrm``: ``dlrm.DLRM``,
 ``dlrm.DLRM_DCN``, ...) and, called, builds the built-in DLRM: the entry point ``recship.models:dlrm``.
-``layers`` holds TorchRec's ``torchrec.modules.mlp`` / ``crossnet`` / ``activation``.
+``deepfm`` (``recship.models.deepfm``) holds TorchRec's ``torchrec.models.deepfm`` (``SimpleDeepFMNN`` and its archs).
+``layers`` holds TorchRec's ``torchrec.modules.mlp`` / ``crossnet`` / ``activation`` / ``deepfm``.
 """
 
-from recship.models import dlrm, layers
+from recship.models import deepfm, dlrm, layers
 from recship.models.ranker import MixedRanker, MultiTaskRanker
 from recship.models.two_tower import TwoTower
 
-__all__ = ["MixedRanker", "MultiTaskRanker", "TwoTower", "dlrm", "layers"]
+__all__ = ["MixedRanker", "MultiTaskRanker", "TwoTower", "deepfm", "dlrm", "layers"]

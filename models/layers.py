@@ -1,6 +1,7 @@
 """TorchRec's dense building blocks: ``torchrec.modules.mlp`` (``Perceptron``, ``MLP``), ``torchrec.modules.crossnet``
 (``CrossNet``, ``LowRankCrossNet``, ``VectorCrossNet``, ``LowRankMixtureCrossNet``) and
-``torchrec.modules.activation`` (``SwishLayerNorm``); the import map sends those three paths here.
+``torchrec.modules.activation`` (``SwishLayerNorm``) and ``torchrec.modules.deepfm`` (``DeepFM``,
+``FactorizationMachine``); the import map sends those paths here.
 
 Constructors, forward math and parameter names (so state_dict keys and shapes) are TorchRec's: an ``MLP``'s
 linear layers are ``_mlp.<i>._linear.weight`` / ``.bias``, a cross net's ``kernels.<layer>`` (or ``W_kernels``,
@@ -248,5 +249,40 @@ class LowRankMixtureCrossNet(nn.Module):
         return x.squeeze(2)
 
 
-__all__ = ["CrossNet", "LowRankCrossNet", "LowRankMixtureCrossNet", "MLP", "Perceptron", "SwishLayerNorm",
+def _flatten_cat(embeddings: List[torch.Tensor]) -> torch.Tensor:
+    """Each [B, *] tensor flattened to [B, n_i], concatenated: [B, sum n_i]."""
+    if not embeddings:
+        raise ValueError("DeepFM / FactorizationMachine need at least one embedding tensor, got []")
+    return torch.cat([e.flatten(1) for e in embeddings], dim=1)
+
+
+class DeepFM(nn.Module):
+    """DeepFM's deep part (https://arxiv.org/pdf/1703.04247.pdf): ``dense_module`` applied to the embeddings flattened
+    and concatenated. forward(list of [B, N_i, D_i]) -> dense_module([B, sum N_i * D_i]); ``dense_module``'s input
+    width must be that sum (e.g. ``nn.Linear(2 * 64 + 2 * 32, out)`` for [B, 2, 64] and [B, 2, 32]). Its parameters
+    are ``dense_module.*``, as TorchRec's."""
+
+    def __init__(self, dense_module: nn.Module) -> None:
+        super().__init__()
+        self.dense_module = dense_module
+
+    def forward(self, embeddings: List[torch.Tensor]) -> torch.Tensor:
+        """embeddings: [B, N_i, D_i] each (any trailing shape; the batch sizes must agree) -> dense_module's output."""
+        return self.dense_module(_flatten_cat(embeddings))
+
+
+class FactorizationMachine(nn.Module):
+    """DeepFM's second-order term over all the input's elements: with x the embeddings flattened and concatenated
+    ([B, n]), ``0.5 * ((sum_i x_i)^2 - sum_i x_i^2)`` = sum over pairs i < j of x_i x_j. No parameters.
+    forward(list of [B, N_i, D_i]) -> [B, 1]."""
+
+    def forward(self, embeddings: List[torch.Tensor]) -> torch.Tensor:
+        """embeddings: [B, N_i, D_i] each -> [B, 1]."""
+        x = _flatten_cat(embeddings)
+        total = torch.sum(x, dim=1, keepdim=True)
+        squares = torch.sum(x * x, dim=1, keepdim=True)
+        return torch.sum(total * total - squares, dim=1, keepdim=True) * 0.5
+
+
+__all__ = ["CrossNet", "DeepFM", "FactorizationMachine", "LowRankCrossNet", "LowRankMixtureCrossNet", "MLP", "Perceptron", "SwishLayerNorm",
            "VectorCrossNet"]
