@@ -1,7 +1,9 @@
 """TorchRec's dense building blocks: ``torchrec.modules.mlp`` (``Perceptron``, ``MLP``), ``torchrec.modules.crossnet``
 (``CrossNet``, ``LowRankCrossNet``, ``VectorCrossNet``, ``LowRankMixtureCrossNet``) and
-``torchrec.modules.activation`` (``SwishLayerNorm``) and ``torchrec.modules.deepfm`` (``DeepFM``,
-``FactorizationMachine``); the import map sends those paths here.
+``torchrec.modules.activation`` (``SwishLayerNorm``), ``torchrec.modules.deepfm`` (``DeepFM``,
+``FactorizationMachine``); the import map sends those paths here, and ``torchrec.modules.embedding_tower``'s names
+(``EmbeddingTower``, ``EmbeddingTowerCollection``, ``tower_input_params``; recship.models.embedding_tower) are
+re-exported.
 
 Constructors, forward math and parameter names (so state_dict keys and shapes) are TorchRec's: an ``MLP``'s
 linear layers are ``_mlp.<i>._linear.weight`` / ``.bias``, a cross net's ``kernels.<layer>`` (or ``W_kernels``,
@@ -14,6 +16,9 @@ from typing import Callable, List, Optional, Union, cast
 
 import torch
 from torch import nn
+
+from recship.models.embedding_tower import (EmbeddingBagCollection, EmbeddingCollection, EmbeddingTower,
+                                            EmbeddingTowerCollection, KeyedJaggedTensor, tower_input_params)
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 Activation = Union[str, nn.Module, Callable[[], nn.Module], TensorFn]
@@ -284,5 +289,6 @@ class FactorizationMachine(nn.Module):
         return torch.sum(total * total - squares, dim=1, keepdim=True) * 0.5
 
 
-__all__ = ["CrossNet", "DeepFM", "FactorizationMachine", "LowRankCrossNet", "LowRankMixtureCrossNet", "MLP", "Perceptron", "SwishLayerNorm",
-           "VectorCrossNet"]
+__all__ = ["CrossNet", "DeepFM", "EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingTower",
+           "EmbeddingTowerCollection", "FactorizationMachine", "KeyedJaggedTensor", "LowRankCrossNet",
+           "LowRankMixtureCrossNet", "MLP", "Perceptron", "SwishLayerNorm", "VectorCrossNet", "tower_input_params"]

@@ -112,6 +112,57 @@ def _torch_dtypes() -> "dict[DataType, torch.dtype]":
     return {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
 
 
+# TorchRec's module-level conversions (torchrec.modules.embedding_configs), as functions of the enums above.
+def data_type_to_dtype(data_type: DataType) -> "torch.dtype":
+    """The torch dtype of ``data_type``, as TorchRec's: FP32/FP16/BF16 their float dtypes, INT8 torch.int8, INT4
+    torch.quint4x2, INT2 torch.quint2x4. FP8 (fbgemm's row-wise HFP8, which TorchRec has not) is a ValueError."""
+    import torch
+
+    if not isinstance(data_type, DataType):
+        raise TypeError(f"data_type_to_dtype takes a DataType, got {data_type!r}")
+    packed = {DataType.INT8: torch.int8, DataType.INT4: torch.quint4x2, DataType.INT2: torch.quint2x4}
+    if data_type in packed:
+        return packed[data_type]
+    if data_type is DataType.FP8:
+        raise ValueError("DataType FP8 (fbgemm's row-wise 8-bit float) cannot be converted to a torch dtype")
+    return data_type.to_torch_dtype()
+
+
+def dtype_to_data_type(dtype: "torch.dtype") -> DataType:
+    """The DataType of a torch dtype, as TorchRec's: float32/float16/bfloat16, int8/qint8/quint8 -> INT8,
+    quint4x2 -> INT4, quint2x4 -> INT2; ValueError for any other dtype."""
+    try:
+        return DataType.from_quant_dtype(dtype)
+    except ValueError:
+        raise ValueError(f"Invalid data type {dtype}: no DataType for it") from None
+
+
+def data_type_to_sparse_type(data_type: DataType):  # -> fbgemm_gpu.split_embedding_configs.SparseType
+    """fbgemm's SparseType of ``data_type`` (imports fbgemm_gpu)."""
+    if not isinstance(data_type, DataType):
+        raise ValueError(f"Invalid DataType {data_type!r}")
+    return data_type.to_sparse_type()
+
+
+def pooling_type_to_str(pooling_type: PoolingType) -> str:
+    """"sum" or "mean"; ValueError for NONE (an unpooled table has no bag mode)."""
+    if pooling_type in (PoolingType.SUM, PoolingType.MEAN):
+        return pooling_type.value.lower()
+    raise ValueError(f"Unsupported pooling type {pooling_type}: only SUM and MEAN name a bag mode")
+
+
+def pooling_type_to_pooling_mode(pooling_type: PoolingType, sharding_type: Optional["ShardingType"] = None):
+    """fbgemm's PoolingMode of ``pooling_type`` (imports fbgemm_gpu). MEAN under row-wise or table-row-wise
+    sharding is SUM, as TorchRec's: those shardings divide by the bag size after their all-to-all."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import PoolingMode
+
+    if not isinstance(pooling_type, PoolingType):
+        raise ValueError(f"Invalid pooling type {pooling_type!r}")
+    if pooling_type is PoolingType.MEAN and sharding_type is not None and sharding_type.value in ("row_wise", "table_row_wise"):
+        return PoolingMode.SUM
+    return PoolingMode[pooling_type.value]
+
+
 @unique
 class ShardingType(str, Enum):
     """How one table is split across ranks. A str, as TorchRec's ``ParameterSharding.sharding_type`` is: it equals its

@@ -1,5 +1,10 @@
-"""Jagged sparse data types: JaggedTensor, KeyedJaggedTensor, KeyedTensor (and TorchRec's equality helpers)."""
+"""Jagged sparse data types: JaggedTensor, KeyedJaggedTensor, KeyedTensor (and TorchRec's equality helpers), and
+the KeyedTensor regrouping of ``torchrec.modules.regroup`` (``KTRegroupAsDict``; recship.sparse.regroup)."""
 
 from recship.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor, jt_is_equal, kjt_is_equal
+from recship.sparse.regroup import (CacheMixin, DataType, KTRegroupAsDict, PermuteMultiEmbedding, data_type_to_dtype,
+                                    is_fx_tracing, module_init, permute_multi_embedding, regroup_kts)
 
-__all__ = ["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "jt_is_equal", "kjt_is_equal"]
+__all__ = ["CacheMixin", "DataType", "JaggedTensor", "KTRegroupAsDict", "KeyedJaggedTensor", "KeyedTensor",
+           "PermuteMultiEmbedding", "data_type_to_dtype", "is_fx_tracing", "jt_is_equal", "kjt_is_equal", "module_init",
+           "permute_multi_embedding", "regroup_kts"]
