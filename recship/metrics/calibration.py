@@ -1,0 +1,43 @@
+"""Calibration: sum(w * prediction) / sum(w * label), 0 where no weighted positives. 1 is calibrated.
+Keys ``calibration-{task}|lifetime_calibration`` and ``|window_calibration``."""
+
+from typing import Dict, List, Optional, Type
+
+import torch
+
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
+from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.sums import SumsComputation
+
+CALIBRATION_NUM = "calibration_num"
+CALIBRATION_DENOM = "calibration_denom"
+
+
+def compute_calibration(calibration_num: torch.Tensor, calibration_denom: torch.Tensor) -> torch.Tensor:
+    return torch.where(calibration_denom <= 0.0, 0.0, calibration_num / calibration_denom).double()
+
+
+def get_calibration_states(
+    labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor
+) -> Dict[str, torch.Tensor]:
+    return {
+        CALIBRATION_NUM: torch.sum(predictions * weights, dim=-1),
+        CALIBRATION_DENOM: torch.sum(labels * weights, dim=-1),
+    }
+
+
+class CalibrationMetricComputation(SumsComputation):
+    _SUMS = (CALIBRATION_NUM, CALIBRATION_DENOM)
+
+    def _batch_sums(
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> Dict[str, torch.Tensor]:
+        return get_calibration_states(labels, predictions, weights)
+
+    def _compute(self) -> List[MetricComputationReport]:
+        return self._reports(MetricName.CALIBRATION, compute_calibration, *self._SUMS)
+
+
+class CalibrationMetric(RecMetric):
+    _namespace: MetricNamespace = MetricNamespace.CALIBRATION
+    _computation_class: Type[RecMetricComputation] = CalibrationMetricComputation

@@ -1,0 +1,65 @@
+"""Recall at a threshold: weighted true positives / (true positives + false negatives). As in TorchRec a
+positive predicted exactly at the threshold counts both as a true positive (>=) and as a false negative (<=).
+Keys ``recall-{task}|lifetime_recall`` and ``|window_recall``."""
+
+from typing import Any, Dict, List, Optional, Type
+
+import torch
+
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
+from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.sums import SumsComputation
+
+THRESHOLD = "threshold"
+
+
+def compute_recall(num_true_positives: torch.Tensor, num_false_negitives: torch.Tensor) -> torch.Tensor:
+    positives = num_true_positives + num_false_negitives
+    return torch.where(positives == 0.0, 0.0, num_true_positives / positives)
+
+
+def compute_true_pos_sum(
+    labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor, threshold: float = 0.5
+) -> torch.Tensor:
+    return torch.sum(weights * ((predictions.double() >= threshold) * labels), dim=-1)
+
+
+def compute_false_neg_sum(
+    labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor, threshold: float = 0.5
+) -> torch.Tensor:
+    return torch.sum(weights * ((predictions.double() <= threshold) * labels), dim=-1)
+
+
+def get_recall_states(
+    labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor], threshold: float = 0.5
+) -> Dict[str, torch.Tensor]:
+    if weights is None:
+        weights = torch.ones_like(predictions)
+    return {
+        "true_pos_sum": compute_true_pos_sum(labels, predictions, weights, threshold),
+        "false_neg_sum": compute_false_neg_sum(labels, predictions, weights, threshold),
+    }
+
+
+class RecallMetricComputation(SumsComputation):
+    """Args: threshold (float): a prediction at or above it counts as positive."""
+
+    _SUMS = ("true_pos_sum", "false_neg_sum")
+    _NEEDS = ("predictions",)
+
+    def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._threshold = threshold
+
+    def _batch_sums(
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+    ) -> Dict[str, torch.Tensor]:
+        return get_recall_states(labels, predictions, weights, self._threshold)
+
+    def _compute(self) -> List[MetricComputationReport]:
+        return self._reports(MetricName.RECALL, compute_recall, *self._SUMS)
+
+
+class RecallMetric(RecMetric):
+    _namespace: MetricNamespace = MetricNamespace.RECALL
+    _computation_class: Type[RecMetricComputation] = RecallMetricComputation
