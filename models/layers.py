@@ -2,8 +2,9 @@
 (``CrossNet``, ``LowRankCrossNet``, ``VectorCrossNet``, ``LowRankMixtureCrossNet``) and
 ``torchrec.modules.activation`` (``SwishLayerNorm``), ``torchrec.modules.deepfm`` (``DeepFM``,
 ``FactorizationMachine``); the import map sends those paths here, and ``torchrec.modules.embedding_tower``'s names
-(``EmbeddingTower``, ``EmbeddingTowerCollection``, ``tower_input_params``; recship.models.embedding_tower) are
-re-exported.
+(``EmbeddingTower``, ``EmbeddingTowerCollection``, ``tower_input_params``; recship.models.embedding_tower) and
+``torchrec.modules.utils``'s (``construct_jagged_tensors``, ``deterministic_dedup``, ...;
+recship.models.module_helpers) are re-exported.
 
 Constructors, forward math and parameter names (so state_dict keys and shapes) are TorchRec's: an ``MLP``'s
 linear layers are ``_mlp.<i>._linear.weight`` / ``.bias``, a cross net's ``kernels.<layer>`` (or ``W_kernels``,
@@ -19,6 +20,13 @@ from torch import nn
 
 from recship.models.embedding_tower import (EmbeddingBagCollection, EmbeddingCollection, EmbeddingTower,
                                             EmbeddingTowerCollection, KeyedJaggedTensor, tower_input_params)
+from recship.models.module_helpers import (CacheMixin, JaggedTensor, Multistreamable, SequenceVBEContext,
+                                           check_module_output_dimension, construct_jagged_tensors,
+                                           construct_jagged_tensors_inference, construct_modulelist_from_single_module,
+                                           convert_list_of_modules_to_modulelist, deterministic_dedup,
+                                           extract_module_or_tensor_callable, get_module_output_dimension,
+                                           init_mlp_weights_xavier_uniform, jagged_index_select_with_empty,
+                                           make_hash_zch_buckets_non_persistent, reset_module_states_post_sharding)
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
 Activation = Union[str, nn.Module, Callable[[], nn.Module], TensorFn]
@@ -289,6 +297,11 @@ class FactorizationMachine(nn.Module):
         return torch.sum(total * total - squares, dim=1, keepdim=True) * 0.5
 
 
-__all__ = ["CrossNet", "DeepFM", "EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingTower",
-           "EmbeddingTowerCollection", "FactorizationMachine", "KeyedJaggedTensor", "LowRankCrossNet",
-           "LowRankMixtureCrossNet", "MLP", "Perceptron", "SwishLayerNorm", "VectorCrossNet", "tower_input_params"]
+__all__ = ["CacheMixin", "CrossNet", "DeepFM", "EmbeddingBagCollection", "EmbeddingCollection", "EmbeddingTower",
+           "EmbeddingTowerCollection", "FactorizationMachine", "JaggedTensor", "KeyedJaggedTensor", "LowRankCrossNet",
+           "LowRankMixtureCrossNet", "MLP", "Multistreamable", "Perceptron", "SequenceVBEContext", "SwishLayerNorm",
+           "VectorCrossNet", "check_module_output_dimension", "construct_jagged_tensors",
+           "construct_jagged_tensors_inference", "construct_modulelist_from_single_module",
+           "convert_list_of_modules_to_modulelist", "deterministic_dedup", "extract_module_or_tensor_callable",
+           "get_module_output_dimension", "init_mlp_weights_xavier_uniform", "jagged_index_select_with_empty",
+           "make_hash_zch_buckets_non_persistent", "reset_module_states_post_sharding", "tower_input_params"]

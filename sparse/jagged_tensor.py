@@ -1265,6 +1265,11 @@ class KeyedTensor:
         )
 
     @torch.jit.unused
+    def record_stream(self, stream: torch.Stream) -> None:
+        """Marks the values as used on ``stream`` (CUDA), as TorchRec's."""
+        _record_stream([self._values], stream)
+
+    @torch.jit.unused
     def __str__(self) -> str:
         shape = tuple(self._values.shape)
         pairs = ", ".join(f"'{k}': {n}" for k, n in zip(self._keys, self._length_per_key))
