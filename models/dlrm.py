@@ -1,7 +1,7 @@
-"""TorchRec's DLRM family (``torchrec.models.dlrm``): ``DLRM``, ``DLRM_DCN``, ``DLRM_Projection``, ``DLRMTrain`` and
-their archs (``SparseArch``, ``DenseArch``, ``InteractionArch``, ``InteractionDCNArch``, ``InteractionProjectionArch``,
-``OverArch``), with TorchRec's constructors, forward math and parameter names, so a TorchRec DLRM's state_dict loads
-strictly here and back::
+"""TorchRec's DLRM family (``torchrec.models.dlrm``): ``DLRM``, ``DLRM_DCN``, ``DLRM_Projection``, ``DLRMTrain``,
+``DLRMWrapper`` and their archs (``SparseArch``, ``DenseArch``, ``InteractionArch``, ``InteractionDCNArch``,
+``InteractionProjectionArch``, ``OverArch``), with TorchRec's constructors, forward math and parameter names, so a
+TorchRec DLRM's state_dict loads strictly here and back::
 
     sparse_arch.embedding_bag_collection.embedding_bags.<table>.weight   [rows, D]
     dense_arch.model._mlp.<i>._linear.weight / .bias                     the dense MLP (ReLU after every layer)
@@ -253,6 +253,19 @@ class DLRMTrain(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels.detach())
 
 
+class DLRMWrapper(DLRM):
+    """A DLRM taking one ``ModelInput`` (TorchRec's test-model batch: ``float_features`` [B, dense_in_features],
+    ``idlist_features`` KJT, ``label`` [B] float). forward(model_input) -> in training, (loss, logits [B, out]): the
+    loss is binary cross-entropy with logits of ``logits.squeeze()`` against ``label``; in eval, the logits."""
+
+    def forward(self, model_input: Any) -> Any:  # type: ignore[override]
+        """ModelInput -> (loss, logits) when training, else logits [B, over_arch_layer_sizes[-1]]."""
+        pred = super().forward(dense_features=model_input.float_features, sparse_features=model_input.idlist_features)
+        if self.training:
+            return torch.nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label), pred
+        return pred
+
+
 def builtin(num_embeddings_per_feature: Optional[List[int]] = None, embedding_dim: int = 16,
             dense_arch: Optional[List[int]] = None, over_arch: Optional[List[int]] = None,
             device: Optional[str] = None) -> nn.Module:
@@ -277,5 +290,5 @@ class _CallableModule(types.ModuleType):
 __signature__ = inspect.signature(builtin)  # what inspect (build_model's device check) reads for the module
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["DLRM", "DLRMTrain", "DLRM_DCN", "DLRM_Projection", "DenseArch", "InteractionArch", "InteractionDCNArch",
+__all__ = ["DLRM", "DLRMTrain", "DLRMWrapper", "DLRM_DCN", "DLRM_Projection", "DenseArch", "InteractionArch", "InteractionDCNArch",
            "InteractionProjectionArch", "OverArch", "SparseArch", "builtin", "choose"]
