@@ -192,7 +192,9 @@ class RecMetricModule(nn.Module):
                 self._compute_interval_steps[0] = int(steps)
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(self._compute_interval_steps, op=dist.ReduceOp.MAX)
-            self.compute_interval_steps = int(self._compute_interval_steps.item())
+                # TorchRec also assigns the buffer (still 0) when the interval is already in range, which makes
+                # should_compute() divide by zero; recship keeps the steps then, and never goes below 1
+                self.compute_interval_steps = max(1, int(self._compute_interval_steps.item()))
             self.min_compute_interval = -1.0
             self.max_compute_interval = -1.0
         self.last_compute_time = time.time()
