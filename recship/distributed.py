@@ -20,8 +20,9 @@ from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, 
 from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
-from recship.trainer.fused_optim import (GradientClipping, GradientClippingOptimizer, KeyedOptimizer, KeyedOptimizerWrapper,
-                                        OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
+from recship.trainer.fused_optim import (EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule, KeyedOptimizer,
+                                        KeyedOptimizerWrapper, OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
+from recship.trainer.clipping import GradientClipping, GradientClippingOptimizer
 from recship.trainer.model_parallel import (DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel,
                                            in_backward_optimizer_filter)
 from recship.trainer.model_parallel import shard_modules as _shard_for_training
@@ -39,6 +40,7 @@ from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, co
                                                    row_wise, table_row_wise, table_wise)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+from recship.trainer.optimizers import LAMB, SGD, Adagrad, Adam, LarsSGD, PartialRowWiseAdam, PartialRowWiseLAMB, adagrad
 
 
 def shard_modules(
@@ -94,4 +96,6 @@ __all__ = [
     "ModuleShardingPlan", "Partitioner", "PipelineType", "Proposer", "ShardEstimator", "SortBy", "grid_shard", "shard_modules",
     "Enumerator", "ShardingPlanner",
     "_shard_modules",  # TorchRec's name for it, underscore included
+    "Adagrad", "Adam", "LAMB", "LarsSGD", "PartialRowWiseAdam", "PartialRowWiseLAMB", "SGD", "adagrad",
+    "EmptyFusedOptimizer", "FusedOptimizer", "FusedOptimizerModule",
 ]

@@ -6,24 +6,27 @@ the others need CUDA and are refused at construction on CPU.
 
 Settings come in three ways, as in TorchRec: a ``FusedOptimizerConfig``, a sharder's
 ``fused_params`` dict (``fused_config``), or torch's ``_apply_optimizer_in_backward``
-on the unsharded tables (``fused_config_from_torch``: SGD, Adagrad, Adam and
-``RowWiseAdagrad`` map to their fbgemm kernels; a setting fbgemm cannot honour, such
-as SGD momentum, is an error, never ignored). After sharding, ``fused_optimizer`` is a
+on the unsharded tables (``fused_config_from_torch``: torch's SGD, Adagrad and Adam,
+TorchRec's ``RowWiseAdagrad`` and TorchRec's fbgemm-rule classes of ``recship.trainer.optimizers``
+map to their fbgemm kernels; a setting fbgemm cannot honour, such as SGD momentum, is an
+error, never ignored). After sharding, ``fused_optimizer`` is a
 ``CombinedOptimizer`` of one ``EmbeddingFusedOptimizer`` per sharded module; changing a
 param group's ``lr`` and calling ``step()`` or ``zero_grad()`` (as TorchRec's) sets the rate
 used from the next backward on.
 """
 
+import abc
 import inspect
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 
 from recship.names import EmbOptimType
+from recship.trainer.optimizers import RowWiseAdagrad, TableOptimizer
 
 
 @dataclass
@@ -102,35 +105,6 @@ def _optim_type(value: Any) -> EmbOptimType:
         raise ValueError(f"fused optimizer {value!r} is not supported; recship has {[o.name for o in EmbOptimType]}") from None
 
 
-class RowWiseAdagrad(torch.optim.Optimizer):
-    """Adagrad with one accumulator per row: G[r] += mean(g[r]^2); w[r] -= lr * g[r] / (sqrt(G[r]) + eps).
-
-    The dense form of fbgemm's EXACT_ROWWISE_ADAGRAD (TorchRec's ``torchrec.optim.RowWiseAdagrad``):
-    use it on unsharded tables, or hand it to ``_apply_optimizer_in_backward`` before
-    sharding to get the fused kernel.
-    """
-
-    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10) -> None:
-        if lr < 0 or eps <= 0:
-            raise ValueError(f"RowWiseAdagrad needs lr >= 0 and eps > 0, got lr={lr}, eps={eps}")
-        super().__init__(params, {"lr": lr, "eps": eps})
-
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise ValueError("RowWiseAdagrad takes dense gradients")
-                g = p.grad.reshape(p.shape[0], -1)
-                acc = self.state[p].setdefault("sum", torch.zeros(p.shape[0], dtype=p.dtype, device=p.device))
-                acc.add_(g.pow(2).mean(dim=1))
-                p.reshape(p.shape[0], -1).sub_(group["lr"] * g / (acc.sqrt() + group["eps"]).unsqueeze(1))
-        return loss
-
-
 _FROM_TORCH = {
     torch.optim.SGD: EmbOptimType.EXACT_SGD,
     torch.optim.Adagrad: EmbOptimType.EXACT_ADAGRAD,
@@ -148,9 +122,12 @@ def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) ->
     An argument fbgemm's kernel has no equivalent for, set to anything but its default,
     raises ValueError naming it.
     """
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, TableOptimizer):
+        return _fused_config_of_rule(optimizer_class, kwargs)
     if optimizer_class not in _FROM_TORCH:
         supported = ", ".join(c.__name__ for c in _FROM_TORCH)
-        raise ValueError(f"no fused embedding optimizer for {optimizer_class.__name__}; recship fuses {supported}")
+        raise ValueError(f"no fused embedding optimizer for {optimizer_class.__name__}; recship fuses {supported} and "
+                         "recship.distributed's SGD, Adagrad, Adam, PartialRowWiseAdam and LAMB")
     optim = _FROM_TORCH[optimizer_class]
     defaults = {
         name: p.default
@@ -177,6 +154,21 @@ def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) ->
                 f"kernel has no {name!r} (only its default {defaults[name]!r} is supported)"
             )
     return FusedOptimizerConfig(**settings)
+
+
+def _fused_config_of_rule(optimizer_class: type, kwargs: Mapping[str, Any]) -> FusedOptimizerConfig:
+    """TorchRec's fbgemm-rule classes (recship.trainer.optimizers): their keywords are the kernel's, defaults fbgemm's."""
+    settings = optimizer_class.settings(dict(kwargs))  # type: ignore[attr-defined]
+    optim = optimizer_class.optim_type  # type: ignore[attr-defined]
+    if optim is None:
+        raise ValueError(f"{optimizer_class.__name__} (fbgemm's {optimizer_class.fbgemm_name}) cannot be fused by recship: "  # type: ignore[attr-defined]
+                         f"its sharded tables run {', '.join(o.name for o in EmbOptimType)}; step it as a dense optimizer instead")
+    defaults = FusedOptimizerConfig()
+    return FusedOptimizerConfig(
+        optimizer=optim, learning_rate=settings["lr"], eps=settings.get("eps", defaults.eps),
+        weight_decay=settings.get("weight_decay", 0.0), beta1=settings.get("beta1", defaults.beta1),
+        beta2=settings.get("beta2", defaults.beta2),
+    )
 
 
 # -- optimizer handles ---------------------------------------------------------
@@ -209,6 +201,18 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} has a fixed set of parameters")
+
+    def init_state(self, sparse_grad_parameter_names: Optional[Set[str]] = None) -> None:
+        """Creates the (lazy) optimizer state by one step on zero gradients (sparse ones for the parameters named in
+        ``sparse_grad_parameter_names``), as TorchRec's, so a checkpoint's state can be loaded into it in place."""
+        for key, param in self.params.items():
+            if param.requires_grad:
+                zero = torch.zeros_like(param)
+                param.grad = zero.to_sparse() if sparse_grad_parameter_names is not None and key in sparse_grad_parameter_names else zero
+        self.step(closure=None)
+
+    def post_load_state_dict(self) -> None:
+        """Called at the end of ``load_state_dict`` (TorchRec's hook; nothing to do here)."""
 
     def save_param_groups(self, save: bool) -> None:
         """Whether ``state_dict()`` includes "param_groups" (TorchRec's default: not)."""
@@ -246,9 +250,56 @@ class KeyedOptimizer(torch.optim.Optimizer):
                 if name not in given:
                     raise ValueError(f"optimizer state_dict has no param group of {name!r}")
                 group.update({k: v for k, v in given[name].items() if k != "params"})
+        self.post_load_state_dict()
 
 
-class EmbeddingFusedOptimizer(KeyedOptimizer):
+class FusedOptimizer(KeyedOptimizer, abc.ABC):
+    """A keyed optimizer whose update happens in backward (TorchRec's): ``step`` and ``zero_grad`` have no gradients
+    to act on; subclasses define what they do (recship's apply a changed learning rate)."""
+
+    @abc.abstractmethod
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        ...
+
+    @abc.abstractmethod
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        ...
+
+    def __repr__(self) -> str:
+        return torch.optim.Optimizer.__repr__(self)
+
+
+class EmptyFusedOptimizer(FusedOptimizer):
+    """A fused optimizer over no parameters (TorchRec's): a module with nothing fused returns it."""
+
+    def __init__(self) -> None:
+        super().__init__({}, {}, [])
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        pass
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        pass
+
+
+class FusedOptimizerModule(abc.ABC):
+    """A module that updates its own parameters in backward and exposes the handle as ``fused_optimizer``
+    (TorchRec's). Any class defining ``fused_optimizer`` counts as one (``isinstance`` checks the attribute, as
+    ``collections.abc`` does), so recship's sharded collections are FusedOptimizerModules without deriving from it."""
+
+    @property
+    @abc.abstractmethod
+    def fused_optimizer(self) -> KeyedOptimizer:
+        ...
+
+    @classmethod
+    def __subclasshook__(cls, subclass: type) -> Any:
+        if cls is FusedOptimizerModule:
+            return True if any("fused_optimizer" in vars(c) for c in subclass.__mro__) else NotImplemented
+        return NotImplemented
+
+
+class EmbeddingFusedOptimizer(FusedOptimizer):
     """The optimizer fused into one sharded module's TBE: one param group whose "lr" is the kernel's.
 
     ``params`` are the sharded tables (``embedding_bags.<table>.weight``, ShardedTensors of this
@@ -278,6 +329,17 @@ class EmbeddingFusedOptimizer(KeyedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Fused tables keep no gradients; applies a changed "lr" (as TorchRec's does), so that a rate set before
         the loop's zero_grad (an LR scheduler's, a warmup's) is the one the next backward uses."""
+        self.step()
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        """Sets the kernel's learning rate from ``params_dict["lr"]`` (or ``"learning_rate"``), as TorchRec's; recship's
+        kernels take no other setting after construction (ValueError naming it)."""
+        others = sorted(set(params_dict) - {"lr", "learning_rate"})
+        if others:
+            raise ValueError(f"a fused table optimizer changes only its learning rate after construction; got {others}")
+        for key in ("lr", "learning_rate"):
+            if key in params_dict:
+                self.param_groups[0]["lr"] = float(params_dict[key])
         self.step()
 
 
@@ -341,6 +403,29 @@ class CombinedOptimizer(KeyedOptimizer):
         for _, opt in self._optims:
             opt.zero_grad(set_to_none=set_to_none)
 
+    @staticmethod
+    def prepend_opt_key(name: str, opt_key: str) -> str:
+        """``opt_key.name`` (just one of them when the other is empty), TorchRec's naming of combined parameters."""
+        if not name:
+            return opt_key
+        return f"{opt_key}.{name}" if opt_key else name
+
+    def post_load_state_dict(self) -> None:
+        for _, opt in self._optims:
+            opt.post_load_state_dict()
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Passes the step on to every optimizer that keeps one."""
+        for _, opt in self._optims:
+            if hasattr(opt, "set_optimizer_step"):
+                opt.set_optimizer_step(step)
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        """Passes the settings on to every optimizer that takes them."""
+        for _, opt in self._optims:
+            if hasattr(opt, "update_hyper_parameters"):
+                opt.update_hyper_parameters(params_dict)
+
     def set_learning_rate(self, lr: float) -> None:
         """Sets every group's learning rate, effective from the next backward on."""
         for group in self.param_groups:
@@ -363,11 +448,14 @@ def apply_optimizer_in_backward(optimizer_class: Any, params: Any, optimizer_kwa
 
 
 class KeyedOptimizerWrapper(KeyedOptimizer):
-    """A torch optimizer over named parameters (TorchRec's): ``optim_factory(list of the parameters)`` builds it, and
-    this keyed optimizer steps it. Typically over ``in_backward_optimizer_filter(dmp.named_parameters())``."""
+    """A torch optimizer over named parameters (TorchRec's): ``optim_factory`` builds it from the parameters (a list,
+    or the name -> parameter dict itself with ``pass_params_dict=True``), and this keyed optimizer steps it.
+    Typically over ``in_backward_optimizer_filter(dmp.named_parameters())``."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], optim_factory: Callable[[List[torch.Tensor]], torch.optim.Optimizer]) -> None:
-        self._optimizer = optim_factory(list(params.values()))
+    def __init__(self, params: Mapping[str, torch.Tensor], optim_factory: Callable[[Any], torch.optim.Optimizer],
+                 pass_params_dict: bool = False) -> None:
+        params = dict(params)
+        self._optimizer = optim_factory(params if pass_params_dict else list(params.values()))
         super().__init__(params, self._optimizer.state, self._optimizer.param_groups)
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -375,6 +463,14 @@ class KeyedOptimizerWrapper(KeyedOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_optimizer_step(self, step: int) -> None:
+        if hasattr(self._optimizer, "set_optimizer_step"):
+            self._optimizer.set_optimizer_step(step)
+
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        if hasattr(self._optimizer, "update_hyper_parameters"):
+            self._optimizer.update_hyper_parameters(params_dict)
 
 
 class OptimizerWrapper(KeyedOptimizer):
@@ -397,27 +493,19 @@ class OptimizerWrapper(KeyedOptimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # type: ignore[override]
         self._optimizer.load_state_dict(state_dict)
 
+    def post_load_state_dict(self) -> None:
+        self._optimizer.post_load_state_dict()
 
-class GradientClipping(Enum):
-    NORM = "norm"
-    VALUE = "value"
-    NONE = "none"
+    def save_param_groups(self, save: bool) -> None:
+        self._optimizer.save_param_groups(save)
 
+    def set_optimizer_step(self, step: int) -> None:
+        if hasattr(self._optimizer, "set_optimizer_step"):
+            self._optimizer.set_optimizer_step(step)
 
-class GradientClippingOptimizer(OptimizerWrapper):
-    """Clips the wrapped optimizer's gradients before its step (TorchRec's): their total ``norm_type`` norm to
-    ``max_gradient`` (``GradientClipping.NORM``, ``torch.nn.utils.clip_grad_norm_``), or each value to
-    [-max_gradient, max_gradient] (``VALUE``). Gradients fused into a sharded table's backward are not here to clip."""
+    def update_hyper_parameters(self, params_dict: Dict[str, Any]) -> None:
+        if hasattr(self._optimizer, "update_hyper_parameters"):
+            self._optimizer.update_hyper_parameters(params_dict)
 
-    def __init__(self, optimizer: KeyedOptimizer, clipping: GradientClipping = GradientClipping.NONE, max_gradient: float = 0.1,
-                 norm_type: float = 2.0) -> None:
-        super().__init__(optimizer)
-        self._clipping, self._max_gradient, self._norm_type = GradientClipping(clipping), max_gradient, norm_type
-
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if self._clipping == GradientClipping.NORM:
-            torch.nn.utils.clip_grad_norm_(params, self._max_gradient, norm_type=self._norm_type)
-        elif self._clipping == GradientClipping.VALUE:
-            torch.nn.utils.clip_grad_value_(params, self._max_gradient)
-        return super().step(closure)
+    def __repr__(self) -> str:
+        return repr(self._optimizer)
