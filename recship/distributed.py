@@ -18,6 +18,8 @@ from torch import nn
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
 from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
+from recship.trainer.distributed.mc_sharder import (ManagedCollisionCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
+                                                    ManagedCollisionEmbeddingCollectionSharder, ShardedManagedCollisionCollection)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule, KeyedOptimizer,
@@ -91,6 +93,8 @@ __all__ = [
     "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
     "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
     "EmbeddingCollectionSharder",
+    "ManagedCollisionCollectionSharder", "ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder",
+    "ShardedManagedCollisionCollection",
     "DataParallelWrapper", "DefaultDataParallelWrapper", "DynamicProgrammingProposer", "EmbeddingModuleShardingPlan",
     "EmbeddingOffloadScaleupProposer", "EmbeddingPerfEstimator", "EmbeddingStorageEstimator", "GreedyPerfPartitioner",
     "ModuleShardingPlan", "Partitioner", "PipelineType", "Proposer", "ShardEstimator", "SortBy", "grid_shard", "shard_modules",

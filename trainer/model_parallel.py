@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, check_data_parallel, get_default_sharders
 from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path
+from recship.trainer.distributed.mc_sharder import managed_collision_plan_path, per_rank_buffers, shard_managed_collision_collection
 from recship.trainer.planner.planner import with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -108,7 +109,8 @@ class DistributedModelParallel(nn.Module):
             if not isinstance(sub, EmbeddingBagCollection):
                 continue
             tables = plan.get_plan_for_module(path)
-            owner = fp_ebc_plan_path(module, path)
+            mc_owner = managed_collision_plan_path(module, path)  # a managed-collision collection's tables, as an FP-EBC's:
+            owner = fp_ebc_plan_path(module, path) or mc_owner  # its sharded ids are remapped per rank's rows
             if tables is None and owner is not None:  # TorchRec keys an FP-EBC's tables by the FP-EBC's path
                 tables = plan.get_plan_for_module(owner)
             if tables is None:
@@ -116,6 +118,8 @@ class DistributedModelParallel(nn.Module):
             assert sharder is not None  # checked above: the model has an EmbeddingBagCollection
             replacement = sharder.shard(sub, tables, env, device)
             assert isinstance(replacement, ShardedEmbeddingBagCollection)
+            if mc_owner is not None:
+                shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
             sharded.append((path, replacement))
             if path == "":
                 module = replacement
@@ -293,7 +297,7 @@ def _per_rank_state(module: nn.Module) -> List[str]:
         if isinstance(sub, ShardedEmbeddingBagCollection):
             prefix = f"{path}." if path else ""
             names += [prefix + n for n, p in sub.named_parameters() if getattr(p, FUSED_PARAMETER_MARK, False)]
-    return names
+    return names + per_rank_buffers(module)
 
 
 def _materialize_dense(module: nn.Module, device: torch.device, sharded: Sequence[nn.Module]) -> None:
