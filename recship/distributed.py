@@ -40,6 +40,14 @@ from recship.trainer.planner.components import (DynamicProgrammingProposer, Embe
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleShardingPlan
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
                                                    row_wise, table_row_wise, table_wise)
+from recship.trainer.distributed.sharded_module import (CommOp, DeviceToHostTensorAwaitable, EmbeddingEvent, GenericMeta,
+                                                       GetItemLazyAwaitable, LazyGetItemMixin, LazyNoWait, ModuleNoCopyMixin,
+                                                       NoOpQuantizedCommCodec, NullShardedModuleContext, NullShardingContext,
+                                                       QuantizedCommCodec, QuantizedCommCodecs, ShardedModule, ShardedModuleContext,
+                                                       get_tensor_size_bytes, rank_device)
+from recship.trainer.planner.constants import *  # noqa: F401,F403 - TorchRec's planner constants and unit helpers
+from recship.trainer.planner.types import (CacheParams, CacheStatistics, ComputeDevice, ComputeKernel, KeyValueParams,
+                                           ParameterStorage, ShardingBucketMetadata, ShardingStrategy, StorageUsageType)
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 from recship.trainer.optimizers import LAMB, SGD, Adagrad, Adam, LarsSGD, PartialRowWiseAdam, PartialRowWiseLAMB, adagrad
@@ -102,4 +110,9 @@ __all__ = [
     "_shard_modules",  # TorchRec's name for it, underscore included
     "Adagrad", "Adam", "LAMB", "LarsSGD", "PartialRowWiseAdam", "PartialRowWiseLAMB", "SGD", "adagrad",
     "EmptyFusedOptimizer", "FusedOptimizer", "FusedOptimizerModule",
+    "CommOp", "DeviceToHostTensorAwaitable", "EmbeddingEvent", "GenericMeta", "GetItemLazyAwaitable", "LazyGetItemMixin",
+    "LazyNoWait", "ModuleNoCopyMixin", "NoOpQuantizedCommCodec", "NullShardedModuleContext", "NullShardingContext",
+    "QuantizedCommCodec", "QuantizedCommCodecs", "ShardedModule", "ShardedModuleContext", "get_tensor_size_bytes",
+    "rank_device", "CacheParams", "CacheStatistics", "ComputeDevice", "ComputeKernel", "KeyValueParams", "ParameterStorage",
+    "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
 ]

@@ -9,7 +9,7 @@ leaves: their forwards validate ids and build KeyedJaggedTensors with data-depen
 checks that fx cannot trace, and TorchScript compiles them as they are.
 """
 
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 from torch import nn
@@ -43,7 +43,9 @@ class Tracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def symbolic_trace(module: nn.Module, leaf_modules: Optional[Iterable[str]] = None) -> torch.fx.GraphModule:
-    """``module`` traced with ``Tracer(leaf_modules)`` into a GraphModule (ready for ``torch.jit.script``)."""
-    graph = Tracer(leaf_modules).trace(module)
-    return torch.fx.GraphModule(module, graph, class_name=type(module).__name__)
+def symbolic_trace(root: nn.Module, concrete_args: Optional[Dict[str, Any]] = None,
+                   leaf_modules: Optional[Iterable[str]] = None) -> torch.fx.GraphModule:
+    """``root`` traced with ``Tracer(leaf_modules)`` into a GraphModule (ready for ``torch.jit.script``);
+    ``concrete_args`` fixes some inputs to constants, as in ``torch.fx.symbolic_trace``."""
+    graph = Tracer(leaf_modules).trace(root, concrete_args)
+    return torch.fx.GraphModule(root, graph, class_name=type(root).__name__)

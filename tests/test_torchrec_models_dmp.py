@@ -51,7 +51,7 @@ def _batch(step, lo, hi):
 def _worker(rank, world_size):
     model = _model()
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
     dense_opt = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
     logits = []

@@ -34,7 +34,7 @@ def tutorial_ebc(device: Optional[str] = None) -> EmbeddingBagCollection:
 
 def plan_for(sharding_type: ShardingType):
     constraints = {n: ParameterConstraints(sharding_types=[sharding_type]) for n in TABLES}
-    return EmbeddingShardingPlanner(Topology(WORLD_SIZE), constraints=constraints).plan(tutorial_ebc("meta"))
+    return EmbeddingShardingPlanner(Topology(WORLD_SIZE, "cpu"), constraints=constraints).plan(tutorial_ebc("meta"))
 
 
 def _batch(seed: int, examples: int) -> KeyedJaggedTensor:

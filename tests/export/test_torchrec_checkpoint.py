@@ -61,7 +61,7 @@ def _worker(rank, world_size, path):
     model = TwoTower(**ARGS)
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE])
                    for m in (model.user_tables, model.item_tables) for t in m.embedding_bag_configs()}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD))
     sd, osd = dmp.state_dict(), dmp.fused_optimizer.state_dict()
     dcp.load({"model": sd, "optim": osd}, checkpoint_id=path)

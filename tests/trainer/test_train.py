@@ -55,7 +55,7 @@ def _gathered_after_load(rank, world_size, checkpoint, sharding):
     model = DLRM(config, device="meta")
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType(sharding)]) for t in config.tables()}
     optim = FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints, optimizer=optim).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints, optimizer=optim).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=optim)
     dense_opt = torch.optim.Adagrad(dmp.dense_parameters(), lr=0.05)
     load_checkpoint(checkpoint, dmp, dense_opt)

@@ -7,13 +7,17 @@ print as a readable table and round-trip through JSON, so a production job can
 reuse a static plan.
 """
 
+import abc
 import json
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import Enum, unique
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
 from recship.names import DEVICES, EmbeddingComputeKernel, ShardingType
+from recship.trainer.planner.constants import (BWD_COMPUTE_MULTIPLIER, CROSS_NODE_BANDWIDTH, DDR_CAP, DDR_MEM_BW, HBM_CAP,
+                                              HBM_MEM_BW, HBM_TO_DDR_MEM_BW, INTRA_NODE_BANDWIDTH, SSD_CAP, SSD_MEM_BW,
+                                              WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER)
 from recship.trainer.text import text_table
 
 
@@ -32,6 +36,114 @@ class ShardMetadata:
     @property
     def placement(self) -> str:
         return f"rank:{self.rank}/{self.device}"
+
+
+class CacheStatistics(abc.ABC):
+    """TorchRec's statistics of a table's id stream for sizing its UVM cache (CacheParams.stats)."""
+
+    @property
+    @abc.abstractmethod
+    def expected_lookups(self) -> float:
+        """Distinct ids a step looks up."""
+
+    @abc.abstractmethod
+    def expected_miss_rate(self, clf: float) -> float:
+        """The miss rate with a cache of ``clf`` (cache load factor)."""
+
+    @property
+    @abc.abstractmethod
+    def cacheability(self) -> float:
+        """How cacheable the id stream is (0: not at all)."""
+
+
+@dataclass
+class CacheParams:
+    """TorchRec's UVM-cache settings of a table (fbgemm's fused_uvm_caching kernel, CUDA only). recship keeps whole
+    shards in memory: ParameterConstraints / ParameterSharding refuse a CacheParams, naming why."""
+
+    algorithm: Optional[Any] = None
+    load_factor: Optional[float] = None
+    reserved_memory: Optional[float] = None
+    precision: Optional[Any] = None
+    prefetch_pipeline: Optional[bool] = None
+    stats: Optional[CacheStatistics] = None
+    multipass_prefetch_config: Optional[Any] = None
+
+
+@dataclass
+class KeyValueParams:
+    """TorchRec's SSD / key-value offload settings of a table (CUDA-only kernels): refused where given, as CacheParams."""
+
+    ssd_storage_directory: Optional[str] = None
+    ssd_rocksdb_write_buffer_size: Optional[int] = None
+    ssd_rocksdb_shards: Optional[int] = None
+    gather_ssd_cache_stats: Optional[bool] = None
+    stats_reporter_config: Optional[Any] = None
+    use_passed_in_path: bool = True
+    l2_cache_size: Optional[int] = None
+    max_l1_cache_size: Optional[int] = None
+    enable_async_update: Optional[bool] = None
+    bulk_init_chunk_size: Optional[int] = None
+    lazy_bulk_init_enabled: Optional[bool] = None
+    enable_raw_embedding_streaming: Optional[bool] = None
+    res_store_shards: Optional[int] = None
+    kvzch_tbe_config: Optional[Any] = None
+    load_ckpt_without_opt: bool = False
+    ps_hosts: Optional[Any] = None
+    ps_client_thread_num: Optional[int] = None
+    ps_max_key_per_request: Optional[int] = None
+    ps_max_local_index_length: Optional[int] = None
+
+
+@dataclass
+class ShardingBucketMetadata:
+    """The buckets of a row-wise table sharded with bucketization (TorchRec's; recship's row-wise shards are
+    contiguous row ranges, described by ShardMetadata)."""
+
+    num_buckets_per_shard: List[int]
+    bucket_offsets_per_shard: List[int]
+    bucket_size: int
+
+
+@unique
+class ParameterStorage(Enum):
+    """Where a parameter lives: device memory or host memory."""
+
+    HBM = "hbm"
+    DDR = "ddr"
+
+
+@unique
+class ComputeDevice(Enum):
+    """TorchRec's compute devices (recship runs CPU and CUDA; MTIA has no kernels here)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+    MTIA = "mtia"
+
+
+class ComputeKernel(Enum):
+    """TorchRec's base of compute-kernel enums (EmbeddingComputeKernel is recship's)."""
+
+    DEFAULT = "default"
+
+
+@unique
+class StorageUsageType(Enum):
+    """Which storage estimate a sharder uses, by sharder kind."""
+
+    BASE_QUANT = "BaseQuantEmbeddingSharder"
+    BASE = "BaseEmbeddingSharder"
+    DEFAULT = "ModuleSharder"
+
+
+@unique
+class ShardingStrategy(Enum):
+    """TorchRec's 2D-parallel sharding strategies (DMPCollection)."""
+
+    DEFAULT = "default"
+    PER_MODULE = "per_module"
+    FULLY_SHARDED = "fully_sharded"
 
 
 def check_table_options(owner: str, cache_params: Any = None, enforce_hbm: Optional[bool] = None,
@@ -221,36 +333,79 @@ def _member(enum: Type[E], value: object, what: str) -> E:
     raise ValueError(f"unknown {what} {value!r}: recship has {names}")
 
 
+# Topology's perf-model inputs (TorchRec's defaults): recship's cost model does not weigh them, so other values are refused
+_PERF_INPUTS = {"hbm_mem_bw": HBM_MEM_BW, "ddr_mem_bw": DDR_MEM_BW, "ssd_mem_bw": SSD_MEM_BW,
+                "hbm_to_ddr_mem_bw": HBM_TO_DDR_MEM_BW, "intra_host_bw": INTRA_NODE_BANDWIDTH,
+                "inter_host_bw": CROSS_NODE_BANDWIDTH, "bwd_compute_multiplier": BWD_COMPUTE_MULTIPLIER,
+                "weighted_feature_bwd_compute_multiplier": WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER,
+                "uneven_sharding_perf_multiplier": 1.0}
+
+
 @dataclass
 class Topology:
-    """The ranks a plan spreads over.
+    """The ranks a plan spreads over, with TorchRec's parameters.
 
     Args:
         world_size: number of ranks.
         compute_device: "cpu" or "cuda".
-        hbm_cap: bytes of device memory per rank (cuda), default 80 GiB.
-        ddr_cap: bytes of host memory per rank (cpu), default 128 GiB.
-        local_world_size: ranks per host (table_row_wise shards inside one host);
-            defaults to world_size (one host).
+        hbm_cap: bytes of device memory per rank (cuda); None: TorchRec's HBM_CAP (32 GiB).
+        ddr_cap: bytes of host memory per rank (cpu); None: TorchRec's DDR_CAP (128 GiB).
+        ssd_cap: SSD capacity; recship places no table on SSD (a CUDA-only kernel), so it only records it.
+        local_world_size: ranks per host (table_row_wise shards inside one host); defaults to world_size (one host).
+        pod_size: TorchRec's pods of hosts for its comms model: None or world_size (one pod).
+        hbm_mem_bw ... uneven_sharding_perf_multiplier: TorchRec's perf-model inputs; recship's planner has one
+            fixed cost model (floats a shard reads and sends per step) that does not weigh them: TorchRec's
+            defaults only, another value is refused.
+        custom_topology_data, generalized_comms_bandwidths: per-device capacities and bandwidth models: refused.
+        created_by_factory: TorchRec's TopologyFactory marker (recorded).
     """
 
     world_size: int
-    compute_device: str = "cpu"
-    hbm_cap: int = 80 * 1024**3  # TorchRec's order: world_size, compute_device, hbm_cap, ddr_cap, ..., local_world_size
-    ddr_cap: int = 128 * 1024**3
+    compute_device: str
+    hbm_cap: Optional[int] = None
+    ddr_cap: Optional[int] = None
+    ssd_cap: Optional[int] = None
     local_world_size: Optional[int] = None
+    pod_size: Optional[int] = None
+    hbm_mem_bw: float = HBM_MEM_BW
+    ddr_mem_bw: float = DDR_MEM_BW
+    ssd_mem_bw: float = SSD_MEM_BW
+    hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW
+    intra_host_bw: float = INTRA_NODE_BANDWIDTH
+    inter_host_bw: float = CROSS_NODE_BANDWIDTH
+    bwd_compute_multiplier: float = BWD_COMPUTE_MULTIPLIER
+    custom_topology_data: Optional[Any] = None
+    weighted_feature_bwd_compute_multiplier: float = WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER
+    uneven_sharding_perf_multiplier: float = 1.0
+    generalized_comms_bandwidths: Optional[Any] = None
+    created_by_factory: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.compute_device not in DEVICES:
             raise ValueError(f"compute_device must be 'cpu' or 'cuda', got {self.compute_device!r}")
+        self.hbm_cap = HBM_CAP if self.hbm_cap is None else self.hbm_cap
+        self.ddr_cap = DDR_CAP if self.ddr_cap is None else self.ddr_cap
+        self.ssd_cap = SSD_CAP if self.ssd_cap is None else self.ssd_cap
         if self.local_world_size is None:
             self.local_world_size = self.world_size
         if self.local_world_size < 1 or self.world_size % self.local_world_size != 0:
             raise ValueError(
                 f"local_world_size {self.local_world_size} must divide world_size {self.world_size}"
             )
+        if self.pod_size is not None and self.pod_size != self.world_size:
+            raise ValueError(f"Topology(pod_size={self.pod_size}): recship plans one pod (pod_size None or world_size "
+                             f"{self.world_size}); TorchRec's pods only change its comms model")
+        changed = [f"{k}={getattr(self, k)!r}" for k, v in _PERF_INPUTS.items() if getattr(self, k) != v]
+        if changed:
+            raise ValueError(f"Topology({', '.join(changed)}): recship's planner has one fixed cost model (floats a shard "
+                             "reads and sends per step) that does not weigh bandwidths or compute multipliers; leave "
+                             "them at TorchRec's defaults")
+        for name in ("custom_topology_data", "generalized_comms_bandwidths"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"Topology({name}=...): recship's planner gives every rank the same capacity and one "
+                                 "cost model; leave it out")
 
     @property
     def ranks_per_host(self) -> int:
@@ -265,6 +420,7 @@ class Topology:
     @property
     def capacity(self) -> int:
         """Bytes each rank may fill with tables and optimizer state."""
+        assert self.hbm_cap is not None and self.ddr_cap is not None  # __post_init__ sets them
         return self.hbm_cap if self.compute_device == "cuda" else self.ddr_cap
 
 

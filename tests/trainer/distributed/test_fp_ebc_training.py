@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, how: str) -> Dict[str, torch.Tensor]:
         plan = ShardingPlan({"fp": construct_module_sharding_plan(model.fp, {"t0": row_wise(), "t1": table_wise(rank=1)},
                                                                   local_size=world_size, world_size=world_size, device_type="cpu")})
     else:
-        plan = EmbeddingShardingPlanner(Topology(world_size), debug=False).collective_plan(model, sharders)
+        plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), debug=False).collective_plan(model, sharders)
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
     dense = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
     for step in range(STEPS):

@@ -67,7 +67,7 @@ def _dmp_worker(rank, world_size, steps):
     torch.manual_seed(0)
     model = Toy()
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(model)
     dmp = train_dmp(model, plan, rank, world_size, steps)
     sharded = dmp.sharded_modules()[0]
     tables = {t.name: sharded.gather_table(t.name) for t in _tables()}
@@ -103,7 +103,7 @@ def test_dmp_trains_like_one_process():
 def _meta_worker(rank, world_size):
     model = Toy(device="meta")
     constraints = {t: ParameterConstraints(sharding_types=[ShardingType.ROW_WISE]) for t in SHARDING}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD))
     shards = dmp.sharded_modules()[0].local_shards()
     return {f"{t}/{s}": tuple(w.shape) for (t, s), w in shards.items()}, [p.is_meta for p in dmp.parameters()]

@@ -62,7 +62,7 @@ def global_batch(tables, world_size, seed, weighted):
 
 
 def _plan(ebc, world_size, sharding_type, local_world_size=None):
-    topology = Topology(world_size=world_size, local_world_size=local_world_size)
+    topology = Topology(world_size=world_size, compute_device="cpu", local_world_size=local_world_size)
     constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in ebc.embedding_bag_configs()}
     return EmbeddingShardingPlanner(topology, constraints=constraints).plan(ebc).get_plan_for_module("")
 

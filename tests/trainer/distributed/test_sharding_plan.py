@@ -24,7 +24,7 @@ def _by_hand(model: Toy, planned) -> dict:
 def test_a_plan_by_hand_equals_the_planners_plan_of_the_same_choices():
     model = Toy(device="meta")
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
-    planned = EmbeddingShardingPlanner(Topology(2), constraints=constraints).plan(model).get_plan_for_module("sparse")
+    planned = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=constraints).plan(model).get_plan_for_module("sparse")
     assert _by_hand(model, planned) == planned
     every = construct_module_sharding_plan(model.sparse, apply_to_all(model.sparse, row_wise()), world_size=2, device_type="cpu")
     assert sorted(every) == ["t0", "t1", "t2", "t3"] and all(p.sharding_type == "row_wise" for p in every.values())
@@ -45,7 +45,7 @@ def _worker(rank, world_size, steps):
     torch.manual_seed(0)
     model = Toy()
     constraints = {t: ParameterConstraints(sharding_types=[st]) for t, st in SHARDING.items()}
-    planned = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).plan(Toy(device="meta")).get_plan_for_module("sparse")
+    planned = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).plan(Toy(device="meta")).get_plan_for_module("sparse")
     dmp = train_dmp(model, ShardingPlan({"sparse": _by_hand(model, planned)}), rank, world_size, steps)
     sharded = dmp.sharded_modules()[0]
     return {t.name: sharded.gather_table(t.name) for t in _tables() if t.name != "t2"}

@@ -59,7 +59,7 @@ def batch(seed=1, examples=5):
 
 def shard(module, pg, sharder=None):
     sharder = sharder or EmbeddingBagCollectionSharder()
-    plan = EmbeddingShardingPlanner(Topology(world_size=1)).collective_plan(module, [sharder], pg)
+    plan = EmbeddingShardingPlanner(Topology(world_size=1, compute_device="cpu")).collective_plan(module, [sharder], pg)
     return sharder.shard(module, plan.plan[""], ShardingEnv.from_process_group(pg), torch.device("cpu"))
 
 

@@ -155,10 +155,10 @@ def test_parameter_constraints_fields_are_used_or_refused():
                    (ParameterConstraints(feature_names=["nope"]), "not the table's features"),
                    (ParameterConstraints(device_group="cuda"), "device_group 'cuda'")):
         with pytest.raises(PlannerError, match=f"'t'.*{why}") as e:
-            EmbeddingShardingPlanner(Topology(2), constraints={"t": c}).plan(ebc)
+            EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"t": c}).plan(ebc)
         assert e.value.error_type is PlannerErrorType.STRICT_CONSTRAINTS
     # copied into the plan, as TorchRec copies them
-    plan = EmbeddingShardingPlanner(Topology(2), constraints={"t": ParameterConstraints(
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"t": ParameterConstraints(
         stochastic_rounding=False, bounds_check_mode="FATAL", output_dtype="FP32")}).plan(ebc).plan[""]
     assert (plan["t"].stochastic_rounding, plan["t"].bounds_check_mode, plan["t"].output_dtype) == (False, "FATAL", "FP32")
     assert isinstance(plan, EmbeddingModuleShardingPlan)
@@ -166,10 +166,10 @@ def test_parameter_constraints_fields_are_used_or_refused():
 
 def test_dense_kernel_alone_plans_the_table_data_parallel():
     """TorchRec 1.8.0 (2 CPU ranks): ParameterConstraints(compute_kernels=["dense"]) -> t data_parallel, dense."""
-    plan = EmbeddingShardingPlanner(Topology(2), constraints={"t": ParameterConstraints(compute_kernels=["dense"])}).plan(_ebc())
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"t": ParameterConstraints(compute_kernels=["dense"])}).plan(_ebc())
     assert _geometry(plan.plan[""]["t"]) == ("data_parallel", "dense", [0, 1], [])
     with pytest.raises(PlannerError, match="compute kernels \\['dense'\\] fit none"):  # asked for a sharded type too
-        EmbeddingShardingPlanner(Topology(2), constraints={"t": ParameterConstraints(
+        EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"t": ParameterConstraints(
             sharding_types=["row_wise"], compute_kernels=["dense"])}).plan(_ebc())
 
 
@@ -182,10 +182,10 @@ def test_per_feature_loads_drive_the_cost_and_the_reservation():
     one = {t.name: ParameterConstraints(pooling_factor=3.0 + i) for i, t in enumerate(tables)}
     per_feature = {t.name: ParameterConstraints(pooling_factors=[3.0 + i] * 2, feature_names=t.feature_names)
                    for i, t in enumerate(tables)}
-    plans = [EmbeddingShardingPlanner(Topology(4), batch_size=32, constraints=c).plan(ebc) for c in (one, per_feature)]
+    plans = [EmbeddingShardingPlanner(Topology(4, "cpu"), batch_size=32, constraints=c).plan(ebc) for c in (one, per_feature)]
     assert plans[0] == plans[1]
     heavy = {"t0": ParameterConstraints(pooling_factors=[500.0, 500.0])}
-    assert EmbeddingShardingPlanner(Topology(4), batch_size=32, constraints=heavy).plan(ebc) != plans[0]
+    assert EmbeddingShardingPlanner(Topology(4, "cpu"), batch_size=32, constraints=heavy).plan(ebc) != plans[0]
     # feature a: 10 examples x 1.0 ids x 2 poolings, b: 20 x 3.0 x 1 -> 80 ids and 40 pooled outputs a step
     c = ParameterConstraints(pooling_factors=[1.0, 3.0], num_poolings=[2.0, 1.0], batch_sizes=[10, 20])
     assert _load(c, tables[0], 10) == (80 / 40, 40 / 10)
@@ -193,7 +193,7 @@ def test_per_feature_loads_drive_the_cost_and_the_reservation():
 
     def reserved(constraints):
         r = HeuristicalStorageReservation(percentage=0.0, dense_tensor_estimate=0)
-        EmbeddingShardingPlanner(Topology(2, ddr_cap=10**9), batch_size=10, storage_reservation=r,
+        EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=10**9), batch_size=10, storage_reservation=r,
                                  constraints=constraints).plan(ebc)
         return r.last_reserved["kjt"]
 
@@ -207,7 +207,7 @@ def test_per_feature_loads_drive_the_cost_and_the_reservation():
 
 
 def test_planner_parts_are_importable_where_torchrec_has_them():
-    topology, ebc = Topology(2), _ebc()
+    topology, ebc = Topology(2, "cpu"), _ebc()
     default = EmbeddingShardingPlanner(topology).plan(ebc)
     estimators = [EmbeddingPerfEstimator(topology), EmbeddingStorageEstimator(topology)]
     explicit = EmbeddingShardingPlanner(topology, enumerator=EmbeddingEnumerator(topology, 512, estimator=estimators),

@@ -140,7 +140,7 @@ def test_shard_bytes_and_cost_by_hand():
 
 def test_tutorial_row_wise_gives_2048_rows_per_rank():
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.ROW_WISE)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.ROW_WISE)).plan(ebc)
     check_plan(plan, ebc, 2)
     for name in ("large_0", "large_1"):
         assert geometry(plan, name) == [(0, [0, 0], [2048, 64]), (1, [2048, 0], [2048, 64])]
@@ -150,7 +150,7 @@ def test_tutorial_row_wise_gives_2048_rows_per_rank():
 def test_sharding_type_and_compute_kernel_compare_equal_to_their_strings():
     """TorchRec's ParameterSharding holds strings: code written for it compares with ``ShardingType.X.value`` or a
     literal, and must not be silently False here."""
-    plan = EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.ROW_WISE)).plan(ebc_of(TUTORIAL))
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.ROW_WISE)).plan(ebc_of(TUTORIAL))
     for module_plan in plan.plan.values():
         for p in module_plan.values():
             assert p.sharding_type == ShardingType.ROW_WISE.value == "row_wise" and p.sharding_type != "table_wise"
@@ -160,7 +160,7 @@ def test_sharding_type_and_compute_kernel_compare_equal_to_their_strings():
 
 def test_tutorial_column_wise_gives_32_columns_per_rank():
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.COLUMN_WISE)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.COLUMN_WISE)).plan(ebc)
     check_plan(plan, ebc, 2)
     for name, rows in TUTORIAL.items():
         shards = sorted(geometry(plan, name))
@@ -170,7 +170,7 @@ def test_tutorial_column_wise_gives_32_columns_per_rank():
 
 def test_column_wise_over_3_ranks_uses_blocks_of_24_20_20_on_distinct_ranks():
     ebc = ebc_of({"t": 100})
-    plan = EmbeddingShardingPlanner(Topology(3), constraints=forced(ShardingType.COLUMN_WISE, ["t"])).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(3, "cpu"), constraints=forced(ShardingType.COLUMN_WISE, ["t"])).plan(ebc)
     check_plan(plan, ebc, 3)
     shards = geometry(plan, "t")
     assert [(o, s) for _, o, s in shards] == [([0, 0], [100, 24]), ([0, 24], [100, 20]), ([0, 44], [100, 20])]
@@ -179,7 +179,7 @@ def test_column_wise_over_3_ranks_uses_blocks_of_24_20_20_on_distinct_ranks():
 
 def test_tutorial_table_wise_balances_one_large_and_one_small_per_rank():
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.TABLE_WISE)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.TABLE_WISE)).plan(ebc)
     check_plan(plan, ebc, 2)
     by_rank = {0: [], 1: []}
     for name, rows in TUTORIAL.items():
@@ -191,7 +191,7 @@ def test_tutorial_table_wise_balances_one_large_and_one_small_per_rank():
 
 def test_table_row_wise_splits_rows_inside_one_host():
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(4, local_world_size=2), constraints=forced(ShardingType.TABLE_ROW_WISE)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(4, "cpu", local_world_size=2), constraints=forced(ShardingType.TABLE_ROW_WISE)).plan(ebc)
     check_plan(plan, ebc, 4)
     hosts = []
     for name, rows in TUTORIAL.items():
@@ -205,7 +205,7 @@ def test_table_row_wise_splits_rows_inside_one_host():
 
 def test_data_parallel_replicates_on_every_rank():
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(3), constraints=forced(ShardingType.DATA_PARALLEL)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(3, "cpu"), constraints=forced(ShardingType.DATA_PARALLEL)).plan(ebc)
     check_plan(plan, ebc, 3)
     for name, rows in TUTORIAL.items():
         assert geometry(plan, name) == [(r, [0, 0], [rows, 64]) for r in range(3)]
@@ -215,13 +215,13 @@ def test_data_parallel_replicates_on_every_rank():
 @pytest.mark.parametrize("rows, sizes", [(10, [4, 4, 2]), (2, [1, 1]), (9, [3, 3, 3]), (7, [3, 3, 1])])
 def test_uneven_row_splits_for_world_size_3(rows, sizes):
     ebc = ebc_of({"t": rows}, dim=8)
-    plan = EmbeddingShardingPlanner(Topology(3), constraints=forced(ShardingType.ROW_WISE, ["t"])).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(3, "cpu"), constraints=forced(ShardingType.ROW_WISE, ["t"])).plan(ebc)
     check_plan(plan, ebc, 3)
     assert [(r, s[0]) for r, _, s in geometry(plan, "t")] == list(enumerate(sizes))
     assert plan.get_plan_for_module("")["t"].ranks == list(range(len(sizes)))
 
 
-@pytest.mark.parametrize("topology", [Topology(1), Topology(2), Topology(3), Topology(4, local_world_size=2)])
+@pytest.mark.parametrize("topology", [Topology(1, "cpu"), Topology(2, "cpu"), Topology(3, "cpu"), Topology(4, "cpu", local_world_size=2)])
 def test_default_plans_tile_every_table_and_are_deterministic(topology):
     ebc = ebc_of({"a": 4096, "b": 1000, "c": 7, "d": 1024})
     planner = EmbeddingShardingPlanner(topology)
@@ -238,7 +238,7 @@ def test_pooling_factor_moves_a_busy_table_to_a_rank_of_its_own():
     ebc = ebc_of({"busy": 100, "a": 100, "b": 100, "c": 100}, dim=8)
     constraints = forced(ShardingType.TABLE_WISE, ["busy", "a", "b", "c"])
     constraints["busy"].pooling_factor = 10.0
-    plan = EmbeddingShardingPlanner(Topology(2), constraints=constraints).plan(ebc).get_plan_for_module("")
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=constraints).plan(ebc).get_plan_for_module("")
     busy_rank = plan["busy"].ranks[0]
     assert [n for n, ps in plan.items() if ps.ranks[0] == busy_rank] == ["busy"]
 
@@ -249,7 +249,7 @@ def test_data_parallel_wins_for_a_tiny_table_only(rows, winner):
     # data-parallel on each rank: 512 ids x 8 columns + all-reducing 2 x rows x 8 gradient floats
     ebc = ebc_of({"t": rows}, dim=8)
     both = ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL])
-    plan = EmbeddingShardingPlanner(Topology(2), constraints={"t": both}).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"t": both}).plan(ebc)
     check_plan(plan, ebc, 2)
     assert plan.get_plan_for_module("")["t"].sharding_type == winner
 
@@ -261,37 +261,37 @@ def test_memory_counts_optimizer_state():
     ebc = ebc_of({"t": 100}, dim=8)
     weights = 100 * 8 * 4
     tw = forced(ShardingType.TABLE_WISE, ["t"])
-    EmbeddingShardingPlanner(Topology(1, ddr_cap=weights), constraints=tw, optimizer=SGD).plan(ebc)  # SGD keeps no state
+    EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=weights), constraints=tw, optimizer=SGD).plan(ebc)  # SGD keeps no state
     with pytest.raises(ValueError, match=f"table 't' \\({2 * weights} bytes.*capacity {2 * weights - 1} bytes"):
-        EmbeddingShardingPlanner(Topology(1, ddr_cap=2 * weights - 1), constraints=tw, optimizer=ADAGRAD).plan(ebc)
-    EmbeddingShardingPlanner(Topology(1, ddr_cap=2 * weights), constraints=tw, optimizer=ADAGRAD).plan(ebc)
-    EmbeddingShardingPlanner(Topology(1, ddr_cap=weights + 100 * 4), constraints=tw, optimizer=ROWWISE).plan(ebc)  # one float per row
+        EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=2 * weights - 1), constraints=tw, optimizer=ADAGRAD).plan(ebc)
+    EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=2 * weights), constraints=tw, optimizer=ADAGRAD).plan(ebc)
+    EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=weights + 100 * 4), constraints=tw, optimizer=ROWWISE).plan(ebc)  # one float per row
     with pytest.raises(ValueError, match="table 't'.*fits on no rank"):
-        EmbeddingShardingPlanner(Topology(1, ddr_cap=weights + 100 * 4 - 1), constraints=tw, optimizer=ROWWISE).plan(ebc)
-    assert EmbeddingShardingPlanner(Topology(1, ddr_cap=weights + 100 * 4)).optimizer == ROWWISE  # the default
+        EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=weights + 100 * 4 - 1), constraints=tw, optimizer=ROWWISE).plan(ebc)
+    assert EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=weights + 100 * 4)).optimizer == ROWWISE  # the default
 
 
 def test_data_parallel_counts_weights_gradient_and_state_on_every_rank():
     ebc = ebc_of({"t": 100}, dim=8)
     dp = forced(ShardingType.DATA_PARALLEL, ["t"])
-    EmbeddingShardingPlanner(Topology(2, ddr_cap=3 * 3200), constraints=dp, optimizer=SGD).plan(ebc)
+    EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=3 * 3200), constraints=dp, optimizer=SGD).plan(ebc)
     with pytest.raises(ValueError, match=f"table 't' \\({3 * 3200} bytes.*capacity {3 * 3200 - 1} bytes"):
-        EmbeddingShardingPlanner(Topology(2, ddr_cap=3 * 3200 - 1), constraints=dp, optimizer=SGD).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=3 * 3200 - 1), constraints=dp, optimizer=SGD).plan(ebc)
 
 
 def test_memory_adds_up_across_tables():
     ebc = ebc_of({"a": 100, "b": 100, "c": 100}, dim=8)
     tw = forced(ShardingType.TABLE_WISE, ["a", "b", "c"])
-    plan = EmbeddingShardingPlanner(Topology(3, ddr_cap=3200), constraints=tw, optimizer=SGD).plan(ebc).get_plan_for_module("")
+    plan = EmbeddingShardingPlanner(Topology(3, "cpu", ddr_cap=3200), constraints=tw, optimizer=SGD).plan(ebc).get_plan_for_module("")
     assert sorted(ps.ranks[0] for ps in plan.values()) == [0, 1, 2]  # one table fills a rank
     with pytest.raises(ValueError, match="table 'c'.*already used"):
-        EmbeddingShardingPlanner(Topology(2, ddr_cap=3200), constraints=tw, optimizer=SGD).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=3200), constraints=tw, optimizer=SGD).plan(ebc)
 
 
 def test_memory_pushes_a_table_to_row_wise():
     ebc = ebc_of({"t": 100}, dim=8)
     # row-wise: 50 x 8 weights + 50 row states = 1800 bytes per rank; column-wise needs 100 x 4 + 100 = 2000
-    plan = EmbeddingShardingPlanner(Topology(2, ddr_cap=1800), optimizer=ROWWISE).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=1800), optimizer=ROWWISE).plan(ebc)
     check_plan(plan, ebc, 2)
     assert plan.get_plan_for_module("")["t"].sharding_type == ShardingType.ROW_WISE
 
@@ -305,12 +305,12 @@ def test_plans_every_collection_by_path():
     model.b = nn.Module()
     model.b.c = ebc_of({"t": 100}, dim=8)
     # each rank holds one 100 x 8 table: the two tables named "t" must land on different ranks
-    plan = EmbeddingShardingPlanner(Topology(2, ddr_cap=3200 + 640), constraints=forced(ShardingType.TABLE_WISE, ["t", "u"]),
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu", ddr_cap=3200 + 640), constraints=forced(ShardingType.TABLE_WISE, ["t", "u"]),
                                     optimizer=SGD).plan(model)
     check_plan(plan, model, 2)
     assert list(plan.plan) == ["a", "b.c"]
     assert {geometry(plan, "t", "a")[0][0], geometry(plan, "t", "b.c")[0][0]} == {0, 1}
-    assert EmbeddingShardingPlanner(Topology(1)).plan(nn.Linear(2, 2)) == ShardingPlan({})
+    assert EmbeddingShardingPlanner(Topology(1, "cpu")).plan(nn.Linear(2, 2)) == ShardingPlan({})
 
 
 # -- errors ----------------------------------------------------------------------
@@ -319,22 +319,22 @@ def test_plans_every_collection_by_path():
 def test_bad_constraints_name_the_table():
     ebc = ebc_of({"odd": 10}, dim=6)
     with pytest.raises(ValueError, match="'odd'.*divisible by 4"):
-        EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.COLUMN_WISE, ["odd"])).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.COLUMN_WISE, ["odd"])).plan(ebc)
     with pytest.raises(ValueError, match="'nope'"):
-        EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.ROW_WISE, ["nope"])).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.ROW_WISE, ["nope"])).plan(ebc)
     with pytest.raises(ValueError, match="'odd'.*no sharding type"):
-        EmbeddingShardingPlanner(Topology(2), constraints={"odd": ParameterConstraints(sharding_types=[])}).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"odd": ParameterConstraints(sharding_types=[])}).plan(ebc)
     dense_row_wise = ParameterConstraints([ShardingType.ROW_WISE], [EmbeddingComputeKernel.DENSE])
     with pytest.raises(ValueError, match="'odd'.*compute kernels \\['dense'\\]"):
-        EmbeddingShardingPlanner(Topology(2), constraints={"odd": dense_row_wise}).plan(ebc)
+        EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"odd": dense_row_wise}).plan(ebc)
 
 
 def test_constraints_take_the_enum_values_as_strings_as_torchrec_tutorials_write_them():
     ebc = ebc_of({"a": 40, "b": 20})
     for st in TRAINING_SHARDING_TYPES:
-        by_enum = EmbeddingShardingPlanner(Topology(2), constraints=forced(st, ["a", "b"])).plan(ebc)
+        by_enum = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(st, ["a", "b"])).plan(ebc)
         by_value = {t: ParameterConstraints(sharding_types=[st.value]) for t in ["a", "b"]}
-        assert EmbeddingShardingPlanner(Topology(2), constraints=by_value).plan(ebc) == by_enum
+        assert EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=by_value).plan(ebc) == by_enum
     kernels = ParameterConstraints(sharding_types=["data_parallel"], compute_kernels=["dense"])
     assert kernels.compute_kernels == [EmbeddingComputeKernel.DENSE]
     with pytest.raises(ValueError, match="unknown sharding type 'tablewise'.*'table_wise'"):
@@ -348,7 +348,7 @@ def test_constraints_take_the_enum_values_as_strings_as_torchrec_tutorials_write
 def test_column_wise_is_skipped_for_an_odd_dim_when_other_types_are_allowed():
     ebc = ebc_of({"odd": 10}, dim=6)
     types = [ShardingType.COLUMN_WISE, ShardingType.TABLE_WISE]
-    plan = EmbeddingShardingPlanner(Topology(2), constraints={"odd": ParameterConstraints(types)}).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(2, "cpu"), constraints={"odd": ParameterConstraints(types)}).plan(ebc)
     assert plan.get_plan_for_module("")["odd"].sharding_type == ShardingType.TABLE_WISE
 
 
@@ -357,7 +357,7 @@ def test_column_wise_is_skipped_for_an_odd_dim_when_other_types_are_allowed():
 
 def test_json_round_trip_and_printed_table(tmp_path):
     ebc = ebc_of(TUTORIAL)
-    plan = EmbeddingShardingPlanner(Topology(3)).plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(3, "cpu")).plan(ebc)
     plan.save(tmp_path / "plan.json")
     assert ShardingPlan.load(tmp_path / "plan.json") == plan
     assert ShardingPlan.from_json(plan.to_json()).to_json() == plan.to_json()
@@ -379,7 +379,7 @@ def test_json_round_trip_and_printed_table(tmp_path):
 
 def test_collective_plan_without_process_group_equals_plan():
     ebc = ebc_of(TUTORIAL)
-    planner = EmbeddingShardingPlanner(Topology(2))
+    planner = EmbeddingShardingPlanner(Topology(2, "cpu"))
     assert not dist.is_initialized()
     assert planner.collective_plan(ebc) == planner.plan(ebc)
 
@@ -388,10 +388,10 @@ def test_collective_plan_on_a_one_rank_group_broadcasts_plan_and_errors(tmp_path
     ebc = ebc_of(TUTORIAL)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        planner = EmbeddingShardingPlanner(Topology(2))
+        planner = EmbeddingShardingPlanner(Topology(2, "cpu"))
         assert planner.collective_plan(ebc) == planner.plan(ebc)
         with pytest.raises(ValueError, match="'nope'"):
-            EmbeddingShardingPlanner(Topology(2), constraints=forced(ShardingType.ROW_WISE, ["nope"])).collective_plan(ebc)
+            EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.ROW_WISE, ["nope"])).collective_plan(ebc)
     finally:
         dist.destroy_process_group()
 

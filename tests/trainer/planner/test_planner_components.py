@@ -57,7 +57,7 @@ def test_heuristical_reservation_takes_its_share_and_a_plan_that_no_longer_fits_
     with pytest.raises(user["PlannerError"], match="'t_small'"):
         user["plan_of"](model, user["make_planner"](1, 40000, 0.3))
     # without a reservation the tables alone fit
-    EmbeddingShardingPlanner(Topology(1, ddr_cap=tables), debug=False).plan(model)
+    EmbeddingShardingPlanner(Topology(1, "cpu", ddr_cap=tables), debug=False).plan(model)
     # a reservation larger than the rank
     with pytest.raises(user["PlannerError"], match="exceeds each rank's capacity") as e:
         user["plan_of"](model, user["make_planner"](1, 10**6, 1.0))
@@ -83,11 +83,11 @@ def test_grid_search_keeps_the_least_busy_combination_and_uniform_one_type(user)
     best = None
     for combo in itertools.product(*allowed.values()):
         forced = {n: ParameterConstraints(sharding_types=[st]) for n, st in zip(allowed, combo)}
-        alone = EmbeddingShardingPlanner(Topology(2), batch_size=batch, constraints=forced, debug=False).plan(model)
+        alone = EmbeddingShardingPlanner(Topology(2, "cpu"), batch_size=batch, constraints=forced, debug=False).plan(model)
         if best is None or _cost(alone, batch, 2) < _cost(best, batch, 2):
             best = alone
     assert grid == best
-    greedy = EmbeddingShardingPlanner(Topology(2), batch_size=batch, constraints=constraints, debug=False).plan(model)
+    greedy = EmbeddingShardingPlanner(Topology(2, "cpu"), batch_size=batch, constraints=constraints, debug=False).plan(model)
     assert greedy != best and _cost(grid, batch, 2) < _cost(greedy, batch, 2)  # the grid found a plan greedy misses
     # uniform: one type for both tables, the only one both allow
     uniform = user["plan_of"](model, user["make_planner"](2, 10**9, 0.0, batch, user["UniformProposer"](), constraints))
@@ -101,33 +101,33 @@ def test_grid_search_keeps_the_least_busy_combination_and_uniform_one_type(user)
 
 def test_what_recship_cannot_honour_is_an_error(user):
     with pytest.raises(ValueError, match="partitioner"):
-        EmbeddingShardingPlanner(Topology(1), partitioner=object())
+        EmbeddingShardingPlanner(Topology(1, "cpu"), partitioner=object())
     with pytest.raises(ValueError, match="performance_model"):
-        EmbeddingShardingPlanner(Topology(1), performance_model=object())
+        EmbeddingShardingPlanner(Topology(1, "cpu"), performance_model=object())
     with pytest.raises(ValueError, match="stats"):
-        EmbeddingShardingPlanner(Topology(1), stats=[object()])
+        EmbeddingShardingPlanner(Topology(1, "cpu"), stats=[object()])
     with pytest.raises(ValueError, match="use_depth"):
         GreedyProposer(use_depth=False)
     with pytest.raises(TypeError, match="own proposers"):
-        EmbeddingShardingPlanner(Topology(1), proposer=object())
+        EmbeddingShardingPlanner(Topology(1, "cpu"), proposer=object())
     with pytest.raises(ValueError, match="estimator"):
-        user["EmbeddingEnumerator"](Topology(1), 8, estimator=[object()])
+        user["EmbeddingEnumerator"](Topology(1, "cpu"), 8, estimator=[object()])
     with pytest.raises(ValueError, match="percentage"):
         user["HeuristicalStorageReservation"](percentage=1.5)
     with pytest.raises(TypeError, match="batch_size"):  # recship's old positional order: constraints second
-        EmbeddingShardingPlanner(Topology(1), {"t_big": ParameterConstraints()})
-    topology = Topology(2)
+        EmbeddingShardingPlanner(Topology(1, "cpu"), {"t_big": ParameterConstraints()})
+    topology = Topology(2, "cpu")
     with pytest.raises(ValueError, match="enumerator's topology"):
-        EmbeddingShardingPlanner(Topology(1), enumerator=user["EmbeddingEnumerator"](topology, 8))
+        EmbeddingShardingPlanner(Topology(1, "cpu"), enumerator=user["EmbeddingEnumerator"](topology, 8))
 
 
 def test_debug_logs_the_plan(caplog):
     with caplog.at_level(logging.DEBUG, logger="recship.trainer.planner.planner"):
-        plan = EmbeddingShardingPlanner(Topology(2), debug=True).plan(Model())
+        plan = EmbeddingShardingPlanner(Topology(2, "cpu"), debug=True).plan(Model())
     assert str(plan) in caplog.text
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="recship.trainer.planner.planner"):
-        EmbeddingShardingPlanner(Topology(2), debug=False).plan(Model())
+        EmbeddingShardingPlanner(Topology(2, "cpu"), debug=False).plan(Model())
     assert "sharding plan" not in caplog.text
 
 
