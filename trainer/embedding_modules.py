@@ -11,6 +11,7 @@ Built with ``device="meta"``, they allocate nothing; ``materialize(module,
 device)`` allocates and initialises every parameter afterwards.
 """
 
+import abc
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -138,7 +139,76 @@ def _bag_inputs(
     return ids, offsets, per_feature_lengths, weights
 
 
-class EmbeddingBagCollection(nn.Module):
+class EmbeddingBagCollectionInterface(abc.ABC, nn.Module):
+    """What a pooled collection offers (TorchRec's interface; EmbeddingBagCollection implements it):
+    ``forward(KJT) -> KeyedTensor``, ``embedding_bag_configs()``, ``is_weighted()``."""
+
+    @abc.abstractmethod
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor: ...
+
+    @abc.abstractmethod
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]: ...
+
+    @abc.abstractmethod
+    def is_weighted(self) -> bool: ...
+
+
+class EmbeddingCollectionInterface(abc.ABC, nn.Module):
+    """What an unpooled collection offers (TorchRec's interface; EmbeddingCollection implements it):
+    ``forward(KJT) -> Dict[str, JaggedTensor]``, ``embedding_configs()``, ``need_indices()``, ``embedding_dim()``,
+    ``embedding_names_by_table()``."""
+
+    @abc.abstractmethod
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]: ...
+
+    @abc.abstractmethod
+    def embedding_configs(self) -> List[EmbeddingConfig]: ...
+
+    @abc.abstractmethod
+    def need_indices(self) -> bool: ...
+
+    @abc.abstractmethod
+    def embedding_dim(self) -> int: ...
+
+    @abc.abstractmethod
+    def embedding_names_by_table(self) -> List[List[str]]: ...
+
+
+def get_embedding_names_by_table(tables: Union[List[EmbeddingBagConfig], List[EmbeddingConfig]]) -> List[List[str]]:
+    """Each table's output names, as TorchRec names them: a feature's name, or ``feature@table`` for a feature that
+    several tables look up."""
+    count: Dict[str, int] = {}
+    for t in tables:
+        for f in t.feature_names:
+            count[f] = count.get(f, 0) + 1
+    return [[f if count[f] == 1 else f"{f}@{t.name}" for f in t.feature_names] for t in tables]
+
+
+def reorder_inverse_indices(inverse_indices: Optional[Tuple[List[str], torch.Tensor]],
+                            feature_names: List[str]) -> torch.Tensor:
+    """The rows of a variable-batch KJT's inverse indices ([F', B]) in the order of ``feature_names`` (a
+    ``feature@table`` name takes its feature's row) -> [len(feature_names), B]; an empty tensor without them.
+    ValueError for a feature the inverse indices do not name."""
+    if inverse_indices is None:
+        return torch.empty(0)
+    row_of = {name: i for i, name in enumerate(inverse_indices[0])}
+    missing = [n for n in feature_names if n.split("@")[0] not in row_of]
+    if missing:
+        raise ValueError(f"reorder_inverse_indices: the inverse indices have no row for {missing} (they name {inverse_indices[0]})")
+    index = torch.tensor([row_of[n.split("@")[0]] for n in feature_names], device=inverse_indices[1].device)
+    return torch.index_select(inverse_indices[1], 0, index)
+
+
+@torch.fx.wrap
+def process_pooled_embeddings(pooled_embeddings: List[torch.Tensor], inverse_indices: torch.Tensor) -> torch.Tensor:
+    """Each feature's pooled rows [B_j, D_j] expanded to the full batch by its row of ``inverse_indices`` ([F, B],
+    fbgemm's ``group_index_select_dim0``; empty: as they are), concatenated: [B, sum D_j]."""
+    if inverse_indices.numel() > 0:
+        pooled_embeddings = torch.ops.fbgemm.group_index_select_dim0(pooled_embeddings, list(torch.unbind(inverse_indices)))
+    return torch.cat(pooled_embeddings, dim=1)
+
+
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """Pooled embedding lookups for several tables: KJT in, KeyedTensor out.
 
     Args:
@@ -270,7 +340,7 @@ class EmbeddingBagCollection(nn.Module):
             t.init_weight(self.embedding_bags[t.name].weight)
 
 
-class EmbeddingCollection(nn.Module):
+class EmbeddingCollection(EmbeddingCollectionInterface):
     """Unpooled embedding lookups: KJT in, {feature: JaggedTensor of [N, dim] rows} out.
 
     Args:
@@ -278,6 +348,10 @@ class EmbeddingCollection(nn.Module):
         device: where to allocate; "meta" allocates nothing.
         need_indices: each output JaggedTensor carries its ids as ``weights`` ([N] int, the input's values), as
             TorchRec's.
+        use_gather_select / use_gather_select_per_sharding: TorchRec's choice of ``torch.gather`` over
+            ``index_select`` (overall, or per sharding type) where sharded lookups expand deduplicated rows; both
+            pick the same rows, so the outputs do not depend on it. Kept and reported by the methods of the same
+            names.
     """
 
     __jit_unused_properties__ = ["device"]
@@ -288,12 +362,18 @@ class EmbeddingCollection(nn.Module):
         tables: List[EmbeddingConfig],
         device: Optional[Union[str, torch.device]] = None,
         need_indices: bool = False,
+        use_gather_select: bool = False,
+        use_gather_select_per_sharding: Optional[Dict[str, bool]] = None,
     ) -> None:
         super().__init__()
         _check_tables(tables, EmbeddingConfig)
-        if not isinstance(need_indices, bool):
-            raise TypeError(f"need_indices must be a bool, got {need_indices!r}")
+        for name, flag in (("need_indices", need_indices), ("use_gather_select", use_gather_select)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self._need_indices = need_indices
+        self._use_gather_select = use_gather_select
+        self._use_gather_select_per_sharding = (None if use_gather_select_per_sharding is None
+                                                else dict(use_gather_select_per_sharding))
         self._embedding_configs = list(tables)
         self.embeddings = nn.ModuleDict()
         self._feature_names = []
@@ -336,6 +416,15 @@ class EmbeddingCollection(nn.Module):
     def need_indices(self) -> bool:
         """Whether the outputs carry their ids as weights."""
         return self._need_indices
+
+    def use_gather_select(self) -> bool:
+        """The constructor's ``use_gather_select``."""
+        return self._use_gather_select
+
+    def use_gather_select_per_sharding(self) -> Optional[Dict[str, bool]]:
+        """The constructor's ``use_gather_select_per_sharding`` (a sharding type's entry overrides
+        ``use_gather_select``)."""
+        return self._use_gather_select_per_sharding
 
     @property
     def device(self) -> torch.device:
