@@ -10,15 +10,15 @@ them, as in TorchRec (so ties are not given half credit). The states are buffers
 """
 
 import logging
-from functools import partial
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, List, Optional, Type
 
 import torch
 import torch.distributed as dist
 
 from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
+from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -27,14 +27,6 @@ LABELS = "labels"
 WEIGHTS = "weights"
 GROUPING_KEYS = "grouping_keys"
 REQUIRED_INPUTS = "required_inputs"
-
-
-def _concat_if_needed(
-    predictions: List[torch.Tensor], labels: List[torch.Tensor], weights: List[torch.Tensor]
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if len(predictions) > 1:
-        return torch.cat(predictions, dim=-1), torch.cat(labels, dim=-1), torch.cat(weights, dim=-1)
-    return predictions[0], labels[0], weights[0]
 
 
 def _compute_auc_helper(
@@ -88,14 +80,7 @@ def compute_auc_per_group(
     return torch.cat(aucs)
 
 
-def _state_reduction(state: List[torch.Tensor], dim: int = 1) -> List[torch.Tensor]:
-    return [torch.cat(state, dim=dim)]
-
-
-_grouping_keys_state_reduction = partial(_state_reduction, dim=0)
-
-
-class AUCMetricComputation(RecMetricComputation):
+class AUCMetricComputation(SampleWindowComputation):
     """Window AUC over [n_tasks, B] updates.
 
     Args:
@@ -103,105 +88,29 @@ class AUCMetricComputation(RecMetricComputation):
         apply_bin (bool): binarise the labels at 0.039.
     """
 
+    _GROUPED_NAME = "grouped_auc"
+
     def __init__(
         self, *args: Any, grouped_auc: bool = False, apply_bin: bool = False, fused_update_limit: int = 0, **kwargs: Any
     ) -> None:
-        super().__init__(*args, **kwargs)
-        if grouped_auc and fused_update_limit > 0:
-            raise RecMetricException("Grouped AUC and Fused Update Limit cannot be enabled together yet.")
+        super().__init__(*args, grouped=grouped_auc, fused_update_limit=fused_update_limit, **kwargs)
         self._grouped_auc = grouped_auc
         self._apply_bin = apply_bin
-        self._num_samples = 0
-        for name in (PREDICTIONS, LABELS, WEIGHTS):
-            self._add_state(name, [], add_window_state=False, dist_reduce_fx=_state_reduction, persistent=False)
-        if grouped_auc:
-            self._add_state(
-                GROUPING_KEYS, [], add_window_state=False, dist_reduce_fx=_grouping_keys_state_reduction, persistent=False
-            )
-        self._init_states()
-
-    def _init_states(self) -> None:
-        """An empty window holds one [n_tasks, 1] zero sample (AUC 0.5), dropped by the first update."""
-        if len(getattr(self, PREDICTIONS)) > 0:
-            return
-        self._num_samples = 0
-        for name in (PREDICTIONS, LABELS, WEIGHTS):
-            getattr(self, name).append(torch.zeros((self._n_tasks, 1), dtype=torch.float, device=self.device))
-        if self._grouped_auc:
-            getattr(self, GROUPING_KEYS).append(torch.tensor([-1], device=self.device))
-
-    def update(
-        self,
-        *,
-        predictions: Optional[torch.Tensor],
-        labels: torch.Tensor,
-        weights: Optional[torch.Tensor],
-        **kwargs: Dict[str, Any],
-    ) -> None:
-        """predictions, labels, weights: [n_tasks, B]; ``required_inputs["grouping_keys"]``: [B] with grouped_auc."""
-        if predictions is None or weights is None:
-            raise RecMetricException(
-                "Inputs 'predictions' and 'weights' should not be None for AUCMetricComputation update"
-            )
-        predictions, labels, weights = predictions.float(), labels.float(), weights.float()
-        batch_size = predictions.size(-1)
-        start_index = max(self._num_samples + batch_size - self._window_size, 0)
-        buffers = [getattr(self, PREDICTIONS), getattr(self, LABELS), getattr(self, WEIGHTS)]
-        if self._num_samples == 0:  # drop the placeholder
-            for buffer in buffers:
-                buffer.pop(0)
-        for buffer, value in zip(buffers, (predictions, labels, weights)):
-            buffer.append(value)
-        self._num_samples += batch_size
-        while self._num_samples > self._window_size:  # trim the oldest samples to the window
-            excess = self._num_samples - self._window_size
-            if excess > buffers[0][0].size(-1):
-                self._num_samples -= buffers[0][0].size(-1)
-                for buffer in buffers:
-                    buffer.pop(0)
-            else:
-                for buffer in buffers:
-                    buffer[0] = buffer[0][:, excess:]
-                    if torch.numel(buffer[0]) == 0:
-                        buffer.pop(0)
-                self._num_samples -= excess
-        if self._grouped_auc:
-            grouping_keys = kwargs.get(REQUIRED_INPUTS, {}).get(GROUPING_KEYS)  # type: ignore[union-attr]
-            if grouping_keys is None:
-                raise RecMetricException(
-                    f"Input '{GROUPING_KEYS}' are required for AUCMetricComputation grouped update"
-                )
-            keys = getattr(self, GROUPING_KEYS)
-            keys[0] = torch.cat([keys[0][start_index:], grouping_keys.squeeze()], dim=0)
 
     def _compute(self) -> List[MetricComputationReport]:
-        states = [getattr(self, name) for name in (PREDICTIONS, LABELS, WEIGHTS)]
+        window = self._window()
         reports = [
-            MetricComputationReport(
-                MetricName.AUC, MetricPrefix.WINDOW, compute_auc(self._n_tasks, *states, self._apply_bin)
-            )
+            MetricComputationReport(MetricName.AUC, MetricPrefix.WINDOW, compute_auc(self._n_tasks, *window, self._apply_bin))
         ]
         if self._grouped_auc:
             reports.append(
                 MetricComputationReport(
                     MetricName.GROUPED_AUC,
                     MetricPrefix.WINDOW,
-                    compute_auc_per_group(self._n_tasks, *states, getattr(self, GROUPING_KEYS)[0]),
+                    compute_auc_per_group(self._n_tasks, *window, getattr(self, GROUPING_KEYS)[0]),
                 )
             )
         return reports
-
-    def _sync_dist(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
-        # one tensor per rank, in sample order, so that the reduction concatenates rank after rank
-        for name in self._reductions:
-            value = getattr(self, name)
-            if isinstance(value, list) and len(value) > 1:
-                setattr(self, name, [torch.cat(value, dim=-1)])
-        super()._sync_dist(process_group)
-
-    def reset(self) -> None:
-        super().reset()
-        self._init_states()
 
 
 class AUCMetric(RecMetric):

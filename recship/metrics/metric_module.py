@@ -24,7 +24,9 @@ import torch.nn as nn
 
 from recship.metrics.accuracy import AccuracyMetric
 from recship.metrics.auc import AUCMetric
+from recship.metrics.auprc import AUPRCMetric
 from recship.metrics.average import AverageMetric
+from recship.metrics.cali_free_ne import CaliFreeNEMetric
 from recship.metrics.calibration import CalibrationMetric
 from recship.metrics.ctr import CTRMetric
 from recship.metrics.deferrable_metrics import DeferrableMetrics
@@ -43,17 +45,21 @@ from recship.metrics.model_utils import parse_task_model_outputs
 from recship.metrics.mse import MSEMetric
 from recship.metrics.ne import NEMetric
 from recship.metrics.ne_positive import NEPositiveMetric
+from recship.metrics.nmse import NMSEMetric
 from recship.metrics.num_missing_labels import NumMissingLabelsMetric
 from recship.metrics.num_positive_samples import NumPositiveSamplesMetric
 from recship.metrics.precision import PrecisionMetric
+from recship.metrics.rauc import RAUCMetric
 from recship.metrics.rec_metric import RecMetric, RecMetricException, RecMetricList
 from recship.metrics.recall import RecallMetric
 from recship.metrics.sum_weights import SumWeightsMetric
 from recship.metrics.synced_states import gather_all_tensors
+from recship.metrics.tensor_weighted_avg import TensorWeightedAvgMetric
 from recship.metrics.throughput import ThroughputMetric
 from recship.metrics.unweighted_ne import UnweightedNEMetric
 from recship.metrics.weighted_avg import WeightedAvgMetric
 from recship.metrics.weighted_sum_predictions import WeightedSumPredictionsMetric
+from recship.metrics.xauc import XAUCMetric
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -64,10 +70,16 @@ REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.CTR: CTRMetric,
     RecMetricEnum.CALIBRATION: CalibrationMetric,
     RecMetricEnum.AUC: AUCMetric,
+    RecMetricEnum.AUPRC: AUPRCMetric,
+    RecMetricEnum.RAUC: RAUCMetric,
     RecMetricEnum.MSE: MSEMetric,
     RecMetricEnum.MAE: MAEMetric,
     RecMetricEnum.WEIGHTED_AVG: WeightedAvgMetric,
     RecMetricEnum.ACCURACY: AccuracyMetric,
+    RecMetricEnum.XAUC: XAUCMetric,
+    RecMetricEnum.TENSOR_WEIGHTED_AVG: TensorWeightedAvgMetric,
+    RecMetricEnum.CALI_FREE_NE: CaliFreeNEMetric,
+    RecMetricEnum.NMSE: NMSEMetric,
     RecMetricEnum.PRECISION: PrecisionMetric,
     RecMetricEnum.RECALL: RecallMetric,
     RecMetricEnum.UNWEIGHTED_NE: UnweightedNEMetric,

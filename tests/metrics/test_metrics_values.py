@@ -8,22 +8,28 @@ import torch
 
 from recship.metrics.accuracy import AccuracyMetric
 from recship.metrics.auc import AUCMetric, compute_auc
+from recship.metrics.auprc import AUPRCMetric
 from recship.metrics.average import AverageMetric
+from recship.metrics.cali_free_ne import CaliFreeNEMetric
 from recship.metrics.calibration import CalibrationMetric
 from recship.metrics.ctr import CTRMetric
 from recship.metrics.mae import MAEMetric
-from recship.metrics.metrics_config import DefaultTaskInfo
+from recship.metrics.metrics_config import DefaultTaskInfo, RecTaskInfo
 from recship.metrics.mse import MSEMetric
 from recship.metrics.ne import NEMetric
 from recship.metrics.ne_positive import NEPositiveMetric
+from recship.metrics.nmse import NMSEMetric
 from recship.metrics.num_missing_labels import NumMissingLabelsMetric
 from recship.metrics.num_positive_samples import NumPositiveSamplesMetric
 from recship.metrics.precision import PrecisionMetric
+from recship.metrics.rauc import RAUCMetric
 from recship.metrics.recall import RecallMetric
 from recship.metrics.sum_weights import SumWeightsMetric
+from recship.metrics.tensor_weighted_avg import TensorWeightedAvgMetric
 from recship.metrics.unweighted_ne import UnweightedNEMetric
 from recship.metrics.weighted_avg import WeightedAvgMetric
 from recship.metrics.weighted_sum_predictions import WeightedSumPredictionsMetric
+from recship.metrics.xauc import XAUCMetric
 
 B, STEPS, WINDOW = 16, 7, 40  # the window keeps the last 2 batches (3 would be 48 > 40)
 EPS = 1e-12
@@ -67,6 +73,16 @@ def _d(a):
     return a.astype(np.float64)
 
 
+def _cali_free_ne(p, y, w):
+    m = np.sum(_d(w) * p) / np.sum(_d(w))
+    pos = np.sum(_d(w) * y)
+    return _ne(p, y, w) / (-pos * np.log2(m) - (np.sum(_d(w)) - pos) * np.log2(1 - m))
+
+
+def _mse_vs(p, y, w):
+    return np.sum(_d(w) * (_d(y) - p) ** 2) / np.sum(_d(w))
+
+
 REFERENCES = {
     "ne": (NEMetric, {}, False, {"ne": _ne}),
     "ne_positive": (NEPositiveMetric, {}, False, {"ne_positive": _ne_positive}),
@@ -92,6 +108,11 @@ REFERENCES = {
     }),
     "num_positive_samples": (NumPositiveSamplesMetric, {}, False, {"num_positive_samples": lambda p, y, w: np.sum(_d(w) * y)}),
     "sum_weights": (SumWeightsMetric, {}, False, {"sum_weights": lambda p, y, w: np.sum(_d(w))}),
+    "cali_free_ne": (CaliFreeNEMetric, {}, False, {"cali_free_ne": _cali_free_ne}),
+    "nmse": (NMSEMetric, {}, True, {
+        "nmse": lambda p, y, w: _mse_vs(p, y, w) / _mse_vs(np.ones_like(p), y, w),
+        "nrmse": lambda p, y, w: np.sqrt(_mse_vs(p, y, w)) / np.sqrt(_mse_vs(np.ones_like(p), y, w)),
+    }),
     "weighted_sum_predictions": (WeightedSumPredictionsMetric, {}, False,
                                  {"weighted_sum_predictions": lambda p, y, w: np.sum(_d(w) * p)}),
 }
@@ -172,3 +193,94 @@ def test_ne_include_logloss_and_the_zero_weight_task():
     zero.update(predictions={"DefaultTask": torch.from_numpy(p)}, labels={"DefaultTask": torch.from_numpy(y)},
                 weights={"DefaultTask": torch.zeros(B)})
     assert zero.compute()["ne-DefaultTask|lifetime_ne"].item() == 1e-12
+
+
+def _feed(metric, batches, **kwargs):
+    for p, y, w in batches:
+        metric.update(predictions={"DefaultTask": torch.from_numpy(p)}, labels={"DefaultTask": torch.from_numpy(y)},
+                      weights={"DefaultTask": torch.from_numpy(w)}, **kwargs)
+    return metric.compute()
+
+
+def _xauc_sums(p, y, w):
+    p, y, w = _d(p), _d(y), _d(w)
+    agree = total = 0.0
+    for i in range(len(p)):
+        for j in range(i + 1, len(p)):
+            same = (p[i] > p[j] and y[i] > y[j]) or (p[i] < p[j] and y[i] < y[j]) or (p[i] == p[j] and y[i] == y[j])
+            agree += w[i] * w[j] * same
+            total += w[i] * w[j]
+    return agree, total
+
+
+def test_xauc_counts_the_pairs_ordered_alike_inside_each_batch():
+    batches = [(np.round(p, 1), np.round(y, 1), w) for p, y, w in _stream(seed=21, soft=True)]  # ties in both
+    got = _feed(XAUCMetric(world_size=1, my_rank=0, batch_size=B, tasks=[DefaultTaskInfo], window_size=WINDOW), batches)
+    sums = [_xauc_sums(*b) for b in batches]
+    for prefix, part in (("lifetime", sums), ("window", sums[-2:])):
+        want = sum(a for a, _ in part) / sum(t for _, t in part)
+        np.testing.assert_allclose(got[f"xauc-DefaultTask|{prefix}_xauc"].item(), want, rtol=1e-6)  # float32 w_i * w_j
+
+
+def test_rauc_is_the_share_of_pairs_ordered_as_the_labels():
+    batches = list(_stream(seed=22, soft=True))
+    got = _feed(RAUCMetric(world_size=1, my_rank=0, batch_size=B, tasks=[DefaultTaskInfo], window_size=WINDOW), batches)
+    p, y, _ = (np.concatenate(a)[-WINDOW:] for a in zip(*batches))
+    discordant = sum((p[i] < p[j]) == (y[i] > y[j]) and y[i] != y[j] for i in range(len(p)) for j in range(len(p)) if i < j)
+    pairs = len(p) * (len(p) - 1) / 2
+    np.testing.assert_allclose(got["rauc-DefaultTask|window_rauc"].item(), 1 - discordant / pairs, rtol=1e-6)
+
+
+def _average_precision(p, y, w):
+    order = np.argsort(-_d(p), kind="stable")
+    p, y, w = _d(p)[order], _d(y)[order], _d(w)[order]
+    tp, fp = np.cumsum(w * y), np.cumsum(w * (1 - y))
+    last = np.append(p[1:] != p[:-1], True)  # the last sample of each distinct prediction
+    tp, fp = tp[last], fp[last]
+    recall, precision = tp / tp[-1], tp / (tp + fp)
+    return float(np.sum(np.diff(np.concatenate([[0.0], recall])) * precision))
+
+
+def test_auprc_is_the_average_precision_of_the_window_and_lifetime_the_weighted_mean_of_computes():
+    metric = AUPRCMetric(world_size=1, my_rank=0, batch_size=B, tasks=[DefaultTaskInfo], window_size=WINDOW)
+    batches = list(_stream(seed=23))
+    computed = []
+    for k in (3, len(batches)):
+        got = _feed(metric, batches[len(computed) and 3:k])
+        p, y, w = (np.concatenate(a)[-WINDOW:] for a in zip(*batches[:k]))
+        want = _average_precision(p, y, w)
+        np.testing.assert_allclose(got["auprc-DefaultTask|window_auprc"].item(), want, rtol=1e-5)
+        computed.append((want, float(np.sum(_d(w)))))
+    mean = sum(a * w for a, w in computed) / sum(w for _, w in computed)
+    np.testing.assert_allclose(got["auprc-DefaultTask|lifetime_auprc"].item(), mean, rtol=1e-5)
+
+
+def test_grouped_auc_averages_the_groups_and_survives_a_full_window():
+    """TorchRec's grouped AUC fails once its window is full (its group keys keep the empty window's placeholder);
+    recship's keeps one key per sample."""
+    metric = AUCMetric(world_size=1, my_rank=0, batch_size=B, tasks=[DefaultTaskInfo], window_size=WINDOW, grouped_auc=True)
+    g = np.random.default_rng(24)
+    batches = list(_stream(seed=24))
+    keys = [g.integers(0, 3, B) for _ in batches]
+    for (p, y, w), k in zip(batches, keys):
+        metric.update(predictions={"DefaultTask": torch.from_numpy(p)}, labels={"DefaultTask": torch.from_numpy(y)},
+                      weights={"DefaultTask": torch.from_numpy(w)}, required_inputs={"grouping_keys": torch.from_numpy(k)})
+    got = metric.compute()
+    p, y, w = (np.concatenate(a)[-WINDOW:] for a in zip(*batches))
+    k = np.concatenate(keys)[-WINDOW:]
+    want = np.mean([_auc(p[k == group], y[k == group], w[k == group]) for group in np.unique(k)])
+    np.testing.assert_allclose(got["auc-DefaultTask|window_grouped_auc"].item(), want, rtol=1e-5)
+
+
+def test_tensor_weighted_avg_averages_the_named_output_weighted_or_not():
+    tasks = [RecTaskInfo(name="a", tensor_name="t", weighted=True), RecTaskInfo(name="b", tensor_name="u", weighted=False)]
+    metric = TensorWeightedAvgMetric(world_size=1, my_rank=0, batch_size=B, tasks=tasks, window_size=WINDOW,
+                                     description="_x")
+    assert metric.get_required_inputs() == {"t", "u"}
+    g = torch.Generator().manual_seed(25)
+    t, u, w = torch.randn(B, generator=g), torch.randn(B, generator=g), torch.rand(B, generator=g)
+    metric.update(predictions={"a": torch.rand(B), "b": torch.rand(B)}, labels={"a": torch.ones(B), "b": torch.ones(B)},
+                  weights={"a": w, "b": w}, required_inputs={"t": t, "u": u})
+    got = metric.compute()
+    torch.testing.assert_close(got["weighted_avg-a|lifetime_weighted_avg_x"].item(), float((t * w).sum() / w.sum()))
+    torch.testing.assert_close(got["weighted_avg-b|window_weighted_avg_x"].item(), float(u.mean()))

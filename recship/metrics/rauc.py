@@ -1,0 +1,153 @@
+"""Regression AUC: the share of sample pairs that the predictions order as the labels do. The samples are sorted
+by (prediction, label) and the labels' inversions counted (merge sort): RAUC = 1 - inversions / (n (n - 1) / 2).
+Weights are not used. Over the window of samples, as AUC. Key ``rauc-{task}|window_rauc`` (and
+``|window_grouped_rauc`` with ``grouped_rauc``).
+"""
+
+import logging
+from typing import Any, List, Optional, Type
+
+import torch
+import torch.distributed as dist
+
+from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
+from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed
+
+logger: logging.Logger = logging.getLogger(__name__)
+
+PREDICTIONS = "predictions"
+LABELS = "labels"
+WEIGHTS = "weights"
+GROUPING_KEYS = "grouping_keys"
+REQUIRED_INPUTS = "required_inputs"
+
+
+def count_reverse_pairs_divide_and_conquer(input: List[float]) -> float:
+    """The share of pairs (i < j) with input[i] > input[j]; sorts ``input`` in place."""
+    n = len(input)
+    return divide(input, 0, n - 1) / (n * (n - 1) / 2)
+
+
+def divide(input: List[float], low: int, high: int) -> int:
+    """Inversions in input[low..high], which ends sorted (merge sort)."""
+    if low >= high:
+        return 0
+    mid = low + (high - low) // 2
+    return divide(input, low, mid) + divide(input, mid + 1, high) + conquer_and_count(input, low, mid, high)
+
+
+def conquer_and_count(input: List[float], left_index: int, mid_index: int, right_index: int) -> int:
+    """Merge the sorted runs input[left..mid] and input[mid+1..right]; the pairs across them out of order."""
+    left, right = input[left_index : mid_index + 1], input[mid_index + 1 : right_index + 1]
+    i = j = inversions = 0
+    k = left_index
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            input[k] = left[i]
+            i += 1
+        else:  # right[j] is below every remaining left element
+            input[k] = right[j]
+            j += 1
+            inversions += len(left) - i
+        k += 1
+    rest = left[i:] + right[j:]
+    input[k : k + len(rest)] = rest
+    return inversions
+
+
+def _compute_rauc_helper(predictions: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    ordered = [label for label, _ in sorted(zip(labels.tolist(), predictions.tolist()), key=lambda x: (x[1], x[0]))]
+    if len(ordered) < 2:  # no pair (TorchRec divides by zero here)
+        return torch.tensor(0.5)
+    return torch.tensor(1 - count_reverse_pairs_divide_and_conquer(ordered))
+
+
+def compute_rauc(
+    n_tasks: int, predictions: List[torch.Tensor], labels: List[torch.Tensor], weights: List[torch.Tensor]
+) -> torch.Tensor:
+    """[n_tasks] RAUCs from lists of [n_tasks, b] tensors."""
+    preds, labs, wts = _concat_if_needed(predictions, labels, weights)
+    return torch.cat([_compute_rauc_helper(p, l, w).view(1) for p, l, w in zip(preds, labs, wts)])
+
+
+def compute_rauc_per_group(
+    n_tasks: int,
+    predictions: List[torch.Tensor],
+    labels: List[torch.Tensor],
+    weights: List[torch.Tensor],
+    grouping_keys: torch.Tensor,
+) -> torch.Tensor:
+    """[n_tasks] means over the groups of ``grouping_keys`` ([N]) of each group's RAUC (0.5 with no group)."""
+    preds, labs, wts = _concat_if_needed(predictions, labels, weights)
+    if grouping_keys.numel() != 0 and grouping_keys[0] == -1:
+        grouping_keys = grouping_keys[1:]
+    groups = torch.unique(grouping_keys)
+    raucs = []
+    for p, l, w in zip(preds, labs, wts):
+        total = torch.tensor([0], dtype=torch.float32)
+        for group in groups:
+            mask = grouping_keys == group
+            rauc = _compute_rauc_helper(p[mask], l[mask], w[mask])
+            total = total.to(rauc.device) + rauc.view(1)
+        raucs.append(total / len(groups) if len(groups) > 0 else torch.tensor([0.5], dtype=torch.float32))
+    return torch.cat(raucs)
+
+
+class RAUCMetricComputation(SampleWindowComputation):
+    """Window RAUC. Args: grouped_rauc (bool): also report the mean per-group RAUC."""
+
+    _GROUPED_NAME = "grouped_rauc"
+
+    def __init__(self, *args: Any, grouped_rauc: bool = False, fused_update_limit: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, grouped=grouped_rauc, fused_update_limit=fused_update_limit, **kwargs)
+        self._grouped_rauc = grouped_rauc
+
+    def _compute(self) -> List[MetricComputationReport]:
+        window = self._window()
+        reports = [MetricComputationReport(MetricName.RAUC, MetricPrefix.WINDOW, compute_rauc(self._n_tasks, *window))]
+        if self._grouped_rauc:
+            reports.append(
+                MetricComputationReport(
+                    MetricName.GROUPED_RAUC,
+                    MetricPrefix.WINDOW,
+                    compute_rauc_per_group(self._n_tasks, *window, getattr(self, GROUPING_KEYS)[0]),
+                )
+            )
+        return reports
+
+
+class RAUCMetric(RecMetric):
+    _namespace: MetricNamespace = MetricNamespace.RAUC
+    _computation_class: Type[RecMetricComputation] = RAUCMetricComputation
+
+    def __init__(
+        self,
+        world_size: int,
+        my_rank: int,
+        batch_size: int,
+        tasks: List[RecTaskInfo],
+        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
+        window_size: int = 100,
+        fused_update_limit: int = 0,
+        compute_on_all_ranks: bool = False,
+        should_validate_update: bool = False,
+        process_group: Optional[dist.ProcessGroup] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            world_size=world_size,
+            my_rank=my_rank,
+            batch_size=batch_size,
+            tasks=tasks,
+            compute_mode=compute_mode,
+            window_size=window_size,
+            fused_update_limit=fused_update_limit,
+            compute_on_all_ranks=compute_on_all_ranks,
+            should_validate_update=should_validate_update,
+            process_group=process_group,
+            **kwargs,
+        )
+        if kwargs.get("grouped_rauc"):
+            self._required_inputs.add(GROUPING_KEYS)
