@@ -283,9 +283,10 @@ class KeyedJaggedTensorPool(ObjectPool[KeyedJaggedTensor]):
 
     def _apply(self, fn: Any, recurse: bool = True) -> "KeyedJaggedTensorPool":
         super()._apply(fn, recurse)  # the buffers may be new tensors now: the lookup reads them
-        self._lookup._values, self._lookup._key_lengths = self._buffers["values"], self._buffers["key_lengths"]
+        buffers = {name: b for name, b in self._buffers.items() if b is not None}
+        self._lookup._values, self._lookup._key_lengths = buffers["values"], buffers["key_lengths"]
         if self._is_weighted:
-            self._lookup._weights = self._buffers["weights"]
+            self._lookup._weights = buffers["weights"]
         return self
 
     @property

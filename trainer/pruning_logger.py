@@ -41,7 +41,7 @@ class PruningLogger(ABC):
     @contextmanager
     def pruning_logger(cls, event: str, trainer: Optional[str] = None,
                        publisher: Optional[str] = None) -> Generator[object, None, None]:
-        yield  # pragma: no cover - abstract
+        yield SimpleNamespace()  # pragma: no cover - abstract
 
 
 class PruningLoggerDefault(PruningLogger):
