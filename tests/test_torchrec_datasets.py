@@ -27,7 +27,7 @@ def test_torchrec_datasets_through_the_import_map():
         assert kjt.keys() == ["cat_0", "cat_1", "cat_2"] and kjt.stride() == 8
         for key, rows, ids in zip(kjt.keys(), [10, 20, 30], [1, 2, 3]):
             jt = kjt[key]
-            assert torch.equal(jt.lengths(), torch.full((8,), ids, dtype=jt.lengths().dtype))
+            assert 0 <= int(jt.lengths().min()) and int(jt.lengths().max()) <= ids  # TorchRec's: 0 to ids_per_features
             assert 0 <= int(jt.values().min()) and int(jt.values().max()) < rows
     # two batches drawn, then repeated; the same seed draws the same batches
     assert batches[2] is batches[0] and batches[3] is batches[1] and not torch.equal(batches[0].dense_features, batches[1].dense_features)
@@ -35,3 +35,108 @@ def test_torchrec_datasets_through_the_import_map():
                for a, b in zip(batches, again))
     moved = batches[0].to(torch.device("cpu"))
     assert torch.equal(moved.dense_features, batches[0].dense_features)
+
+
+# --- recship.datasets as a library: TorchRec's datapipes and loaders on tiny local files -----------------------
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+from torch.utils.data import IterDataPipe  # noqa: E402
+
+from recship import datasets as D  # noqa: E402
+
+
+class _Range(IterDataPipe):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        yield from range(self.n)
+
+
+def _movielens_folder(tmp_path):
+    (tmp_path / "ratings.csv").write_text("userId,movieId,rating,timestamp\n1,10,4.5,100\n2,20,3.0,200\n1,20,,300\n")
+    (tmp_path / "movies.csv").write_text('movieId,title,genres\n10,"Heat, The (1995)",Action|Crime\n20,Up (2009),Animation\n')
+    return str(tmp_path)
+
+
+def test_movielens_reads_ratings_and_joins_movies(tmp_path):
+    root = _movielens_folder(tmp_path)
+    for loader in (D.movielens_20m, D.movielens_25m):
+        assert list(loader(root)) == [
+            {"userId": 1, "movieId": 10, "rating": 4.5, "timestamp": 100},
+            {"userId": 2, "movieId": 20, "rating": 3.0, "timestamp": 200},
+            {"userId": 1, "movieId": 20, "rating": 0.0, "timestamp": 300}]  # an empty cell: safe_cast's default
+    joined = list(D.movielens_20m(root, include_movies_data=True))
+    assert joined[0]["title"] == "Heat, The (1995)" and joined[2]["genres"] == "Animation"
+    assert list(D.movielens_20m(root, row_mapper=None))[0] == ["1", "10", "4.5", "100"]
+    with pytest.raises(FileNotFoundError, match="no such MovieLens folder"):
+        D.movielens_20m(str(tmp_path / "nope"))
+
+
+def test_criteo_rows_map_from_the_last_column(tmp_path):
+    g = random.Random(0)
+    lines = [[str(g.randint(0, 1))] + [str(g.randint(0, 50)) if g.random() > 0.2 else "" for _ in range(13)]
+             + [format(g.getrandbits(32), "08x") if g.random() > 0.2 else "" for _ in range(26)] for _ in range(4)]
+    (tmp_path / "train.txt").write_text("".join("\t".join(line) + "\n" for line in lines))
+    (tmp_path / "test.txt").write_text("".join("\t".join(line[1:]) + "\n" for line in lines))
+    rows = list(D.criteo_kaggle(str(tmp_path / "train.txt")))
+    for row, line in zip(rows, lines):
+        assert list(row) == D.DEFAULT_COLUMN_NAMES[::-1]
+        assert row["label"] == int(line[0]) and row["cat_25"] == line[-1]
+        assert [row[f"int_{i}"] for i in range(13)] == [int(v) if v else 0 for v in line[1:14]]
+    test_rows = list(D.criteo_terabyte([str(tmp_path / "test.txt")]))
+    assert all("label" not in r and r == {k: v for k, v in full.items() if k != "label"} for r, full in zip(test_rows, rows))
+
+
+def test_splits_are_disjoint_cover_and_repeat():
+    train, val = D.idx_split_train_val(_Range(250), 0.7)
+    assert list(train) == [i for i in range(250) if i % 100 < 70] and list(val) == [i for i in range(250) if i % 100 >= 70]
+    train, val = D.rand_split_train_val(_Range(200), 0.6, random_seed=3)
+    draws = random.Random(3)
+    expected = [i for i in range(200) if draws.random() < 0.6]
+    assert list(train) == expected == list(train)  # the same on every pass
+    assert sorted(list(train) + list(val)) == list(range(200))
+    with pytest.raises(ValueError, match=r"train_perc must be in range \(0.0, 1.0\), got 1.0"):
+        D.idx_split_train_val(_Range(3), 1.0)
+    assert D.train_filter(lambda i: i * 7, 0.5, 1, 1) is False and D.val_filter(lambda i: i * 7, 0.5, 1, 1) is True
+
+
+def test_small_datapipes(tmp_path):
+    (tmp_path / "a.csv").write_text("x;y\n1;2\n3;4\n")
+    rows = D.ReadLinesFromCSV(D.LoadFiles([str(tmp_path / "a.csv")], mode="t"), skip_first_line=True, delimiter=";")
+    assert list(rows) == [["1", "2"], ["3", "4"]]
+    assert list(_Range(10).limit(3)) == [0, 1, 2] == list(D.Limit(_Range(10), 3))
+    assert list(D.ParallelReadConcat(_Range(2), _Range(3))) == [0, 1, 0, 1, 2]
+    assert D.safe_cast("7", int, 0) == 7 and D.safe_cast("", int, -1) == -1
+    with pytest.raises(ValueError, match="Invalid mode 'w'"):
+        D.LoadFiles([], mode="w")
+    with pytest.raises(ValueError, match="local paths only"):
+        list(D.LoadFiles(["s3://bucket/x"]))
+    assert len(D.LoadFiles([], length=4)) == 4
+    assert isinstance(D.Batch(torch.zeros(1, 1), None, torch.zeros(1)), D.Pipelineable)
+
+
+def test_random_batches_follow_the_documented_draws():
+    ds = D.RandomRecDataset(keys=["a", "b"], batch_size=5, hash_sizes=[10, 20], ids_per_features=[3, 4],
+                            min_ids_per_features=[1, 0], num_dense=3, manual_seed=11, num_batches=3, num_generated_batches=2)
+    g = torch.Generator().manual_seed(11)
+    expected = []
+    for _ in range(2):
+        lengths, values = [], []
+        for size, lo, hi in [(10, 1, 3), (20, 0, 4)]:
+            length = torch.randint(lo, hi + 1, (5,), dtype=torch.int32, generator=g)
+            lengths.append(length)
+            values.append(torch.randint(0, size, (int(length.sum()),), generator=g))
+        expected.append((torch.cat(lengths), torch.cat(values), torch.randn(5, 3, generator=g),
+                         torch.randint(0, 2, (5,), generator=g).float()))
+    got = list(ds)
+    assert len(got) == 3 and got[2] is got[0]
+    for b, (lengths, values, dense, labels) in zip(got, expected):
+        assert torch.equal(b.sparse_features.lengths(), lengths) and torch.equal(b.sparse_features.values(), values)
+        assert torch.equal(b.dense_features, dense) and torch.equal(b.labels, labels)
+    fixed = next(iter(D.RandomRecDataset(keys=["a"], batch_size=4, ids_per_feature=2, manual_seed=0, num_batches=1)))
+    assert fixed.sparse_features.lengths().tolist() == [2, 2, 2, 2]  # min defaults to ids_per_feature when given
+    with pytest.raises(ValueError, match="key 'a' needs hash size >= 1"):
+        D.RandomRecDataset(keys=["a"], batch_size=2, ids_per_feature=1, min_ids_per_feature=3)
