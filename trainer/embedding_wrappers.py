@@ -1,4 +1,5 @@
-"""Thin wrappers around the embedding collections (TorchRec's debug_embedding_modules and pec_embedding_modules).
+"""Thin wrappers around the embedding collections (TorchRec's debug_embedding_modules, pec_embedding_modules and
+itep_embedding_modules).
 
 ``DebugEmbeddingBagCollection`` / ``DebugEmbeddingCollection`` build a collection (``ebc`` / ``ec``) and, with
 ``debug_mode=True``, pass every output through an identity whose backward raises RuntimeError naming the feature when
@@ -6,10 +7,15 @@ the gradient coming back holds a NaN or an Inf: the first place a bad gradient r
 ``torch.autograd.set_detect_anomaly``'s cost. ``PECEmbeddingCollection`` carries TorchRec's Prioritized Embedding
 Communication setting (which ids overlap between batches, sent first by TorchRec's sharded version) on an
 EmbeddingCollection and otherwise is it: recship's sharded collections have no PEC, so unsharded it is a plain
-delegate, as TorchRec's unsharded module is.
+delegate, as TorchRec's unsharded module is. ``ITEPEmbeddingBagCollection`` / ``ITEPEmbeddingCollection`` pass the
+features through an in-training pruning module, ``itep_module(features, iteration)``, before the lookup and count
+iterations in an ``_iter`` buffer; TorchRec's pruning module itself (``GenericITEPModule``) is not in recship: its fbgemm
+kernels (``init_address_lookup``, ``prune_embedding_tables``, ``remap_indices_update_utils``) are not in fbgemm_gpu
+1.8.0's CPU build, so ``itep_module`` is the caller's.
 
 state_dict keys are TorchRec's: ``ebc.embedding_bags.<table>.weight``, ``ec.embeddings.<table>.weight``,
-``_embedding_collection.embeddings.<table>.weight``.
+``_embedding_collection.embeddings.<table>.weight``, ``_embedding_bag_collection.embedding_bags.<table>.weight``,
+``_itep_module.*`` and ``_iter``.
 """
 
 from enum import Enum
@@ -151,4 +157,67 @@ class PECEmbeddingCollection(nn.Module):
         return self._embedding_collection.need_indices()
 
 
-__all__ = ["DebugEmbeddingBagCollection", "DebugEmbeddingCollection", "OverlappingCheckerType", "PECEmbeddingCollection"]
+class _ITEPWrapper(nn.Module):
+    """An iteration counter (``_iter``, an int64 scalar kept on the CPU and in the state_dict) and the pruning step."""
+
+    _iter: torch.Tensor
+
+    def __init__(self, name: str, collection: nn.Module, itep_module: nn.Module) -> None:
+        super().__init__()
+        setattr(self, name, collection)  # registered first, as TorchRec's: its state_dict keys come in the same order
+        if not callable(itep_module):
+            raise TypeError(f"itep_module must be callable as itep_module(features, iteration), got {itep_module!r}")
+        self._itep_module = itep_module
+        self.register_buffer("_iter", torch.tensor(0, dtype=torch.int64, device=torch.device("cpu")))
+
+    def _pruned(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        self._iter = self._iter.cpu()  # read every step: kept on the CPU even after .to(cuda)
+        return self._itep_module(features, int(self._iter.item()))
+
+
+class ITEPEmbeddingBagCollection(_ITEPWrapper):
+    """An EmbeddingBagCollection whose features first go through ``itep_module(features, iteration)``.
+
+    Args:
+        embedding_bag_collection: the tables.
+        itep_module: maps (KJT, the iteration count from 0) to the KJT to look up (e.g. ids remapped to the rows
+            that survived pruning).
+
+    forward(features) -> KeyedTensor [B, sum of dims], as the collection's; the iteration count then grows by one.
+    """
+
+    _embedding_bag_collection: EmbeddingBagCollection
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection, itep_module: nn.Module) -> None:
+        super().__init__("_embedding_bag_collection", embedding_bag_collection, itep_module)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        pooled = self._embedding_bag_collection(self._pruned(features))
+        self._iter += 1
+        return pooled
+
+    def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
+        return self._embedding_bag_collection.embedding_bag_configs()
+
+
+class ITEPEmbeddingCollection(_ITEPWrapper):
+    """An EmbeddingCollection whose features first go through ``itep_module(features, iteration)``; see
+    ITEPEmbeddingBagCollection. forward(features) -> {feature: JaggedTensor of [N_f, D] rows}."""
+
+    _embedding_collection: EmbeddingCollection
+
+    def __init__(self, embedding_collection: EmbeddingCollection, itep_module: nn.Module) -> None:
+        super().__init__("_embedding_collection", embedding_collection, itep_module)
+
+    def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
+        embeddings = self._embedding_collection(self._pruned(features))
+        self._iter += 1
+        return embeddings
+
+    def embedding_bag_configs(self) -> List[EmbeddingConfig]:
+        """The collection's EmbeddingConfigs (TorchRec's name for them here)."""
+        return self._embedding_collection.embedding_configs()
+
+
+__all__ = ["DebugEmbeddingBagCollection", "DebugEmbeddingCollection", "ITEPEmbeddingBagCollection", "ITEPEmbeddingCollection",
+           "OverlappingCheckerType", "PECEmbeddingCollection"]

@@ -1,8 +1,9 @@
-"""DebugEmbedding(Bag)Collection and PECEmbeddingCollection (TorchRec's debug_embedding_modules and
-pec_embedding_modules): the wrapped collection's outputs and state_dict under TorchRec's keys, and the gradient check.
+"""DebugEmbedding(Bag)Collection, PECEmbeddingCollection and ITEPEmbedding(Bag)Collection (TorchRec's
+debug_embedding_modules, pec_embedding_modules, itep_embedding_modules): the wrapped collection's outputs and
+state_dict under TorchRec's keys, the gradient check, the pruning step and its iteration count.
 
-Checked against TorchRec 1.8.0 besides (not here): with the same seed the state_dicts and debug-mode outputs were
-bit-equal, and an Inf gradient raised the same message.
+Checked against TorchRec 1.8.0 besides (not here): with the same seed the state_dicts, debug-mode and ITEP outputs
+were bit-equal, and an Inf gradient raised the same message.
 """
 
 import pytest
@@ -12,6 +13,8 @@ from recship import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollect
 from recship.trainer.embedding_wrappers import (
     DebugEmbeddingBagCollection,
     DebugEmbeddingCollection,
+    ITEPEmbeddingBagCollection,
+    ITEPEmbeddingCollection,
     OverlappingCheckerType,
     PECEmbeddingCollection,
 )
@@ -81,3 +84,31 @@ def test_pec_collection_is_its_collection():
     assert list(out) == list(want) and all(torch.equal(out[f].values(), want[f].values()) for f in out)
     with pytest.raises(TypeError, match="OverlappingCheckerType"):
         PECEmbeddingCollection(ec, checker_type="boolean")
+
+
+class Remap(torch.nn.Module):
+    """A stand-in pruning step: ids folded onto the first rows, the iterations it saw summed in a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, features, iteration):
+        self.seen += iteration
+        return KeyedJaggedTensor(features.keys(), features.values() % 3, lengths=features.lengths())
+
+
+def test_itep_collections_look_up_the_pruned_ids_and_count_iterations():
+    itep = ITEPEmbeddingBagCollection(EmbeddingBagCollection(BAGS), Remap())
+    assert list(itep.state_dict()) == ["_iter", "_embedding_bag_collection.embedding_bags.t1.weight",
+                                       "_embedding_bag_collection.embedding_bags.t2.weight", "_itep_module.seen"]
+    assert itep.embedding_bag_configs() == BAGS
+    for step in range(3):
+        features = kjt(10 + step)
+        folded = KeyedJaggedTensor(features.keys(), features.values() % 3, lengths=features.lengths())
+        assert torch.equal(itep(features).values(), itep._embedding_bag_collection(folded).values())
+    assert int(itep.state_dict()["_iter"]) == 3 and int(itep.state_dict()["_itep_module.seen"]) == 0 + 1 + 2
+    ec_itep = ITEPEmbeddingCollection(EmbeddingCollection(TABLES), Remap())
+    out = ec_itep(kjt(20))
+    assert torch.equal(out["f1"].values(), ec_itep._embedding_collection.embeddings["t1"].weight[kjt(20)["f1"].values() % 3])
+    assert int(ec_itep._iter) == 1 and ec_itep.embedding_bag_configs() == TABLES
