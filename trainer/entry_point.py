@@ -178,6 +178,8 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     """
     from recship.sparse import KeyedJaggedTensor
     from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
+    from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
+    from recship.trainer.managed_collisions.modules import resized_collection
 
     name = type(module).__name__
     for feature, path, table, _, _ in contract["features"]:
@@ -196,7 +198,11 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
         else:
             continue
         parent, _, leaf = path.rpartition(".")
-        setattr(tiny.get_submodule(parent) if parent else tiny, leaf, small)
+        owner = tiny.get_submodule(parent) if parent else tiny
+        setattr(owner, leaf, small)
+        if isinstance(owner, BaseManagedCollisionEmbeddingCollection):  # its remapped ids must fit the small tables too
+            configs = small.embedding_bag_configs() if isinstance(small, EmbeddingBagCollection) else small.embedding_configs()
+            owner._managed_collision_collection = resized_collection(owner._managed_collision_collection, configs)
     materialize(tiny, "cpu")
     g = torch.Generator().manual_seed(0)
     keys = [f[0] for f in contract["features"]]

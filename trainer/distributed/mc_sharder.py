@@ -275,10 +275,13 @@ def shard_managed_collision_collection(module: BaseManagedCollisionEmbeddingColl
                                        device: Optional[torch.device] = None,
                                        mc_sharder: Optional[ManagedCollisionCollectionSharder] = None) -> None:
     """Replaces ``module``'s ManagedCollisionCollection by its row-wise sharded form under ``params`` (the plan of
-    ``module``'s embedding collection, already sharded); what DistributedModelParallel calls."""
+    ``module``'s embedding collection, already sharded); what DistributedModelParallel calls. On a world of one
+    rank the collection stays as it is."""
     mcc = module._managed_collision_collection
     if not isinstance(mcc, ManagedCollisionCollection):
         raise ValueError("this managed-collision collection is sharded already")
+    if env.world_size == 1:  # one rank sees every id: the unsharded collection is exact, whatever the tables' plan
+        return
     module._managed_collision_collection = (mc_sharder or ManagedCollisionCollectionSharder()).shard(mcc, params, env, device)  # type: ignore[assignment]
 
 

@@ -525,3 +525,11 @@ class ManagedCollisionCollection(nn.Module):
 
     def open_slots(self) -> Dict[str, torch.Tensor]:
         return {table: m.open_slots() for table, m in self._managed_collision_modules.items()}
+
+
+def resized_collection(collection: ManagedCollisionCollection, embedding_configs: Sequence[BaseEmbeddingConfig]) -> ManagedCollisionCollection:
+    """A new collection whose modules are ``collection``'s rebuilt, empty, for the row counts of ``embedding_configs``
+    (same tables, policies and intervals): what a smaller copy of a model (recship's model-contract probe) holds."""
+    modules = {t.name: collection._managed_collision_modules[t.name].rebuild_with_output_id_range((0, t.num_embeddings), [0, t.num_embeddings])
+               for t in embedding_configs}
+    return ManagedCollisionCollection(modules, embedding_configs)  # type: ignore[arg-type]

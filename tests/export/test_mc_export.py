@@ -1,0 +1,106 @@
+"""A model holding a ManagedCollisionEmbeddingBagCollection (tests/export/mc_model.py) goes train -> export -> serve:
+trained by `recship train --model` (its modules hand slots to the most frequent ids every 2 steps), exported from the
+checkpoint as a user would (fp32 tables), and answered by both fronts and recship_predict bitwise as the artifact in
+process. The artifact applies the checkpoint's remapping: it equals a plain-PyTorch float reference that remaps each
+raw id with a dict built from the checkpoint's ``_mch_sorted_raw_ids`` / ``_mch_remapped_ids_mapping`` (a raw id
+without a slot: the last row), and is far from the same reference looking the raw ids up directly.
+
+The served model takes raw ids inside each table's rows: the fronts check ids against the manifest's rows before
+the model sees them (tests/export/mc_model.py sets input_hash_size to the rows)."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from recship.export.artifact import open_artifact
+from recship.serving import PredictClient
+from recship.serving.front import FrontError, build_front
+from recship.serving.server import Server, ServerConfig
+from recship.trainer.checkpoint_reader import CheckpointReader
+
+from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
+
+PREFIX = "mc._managed_collision_collection._managed_collision_modules."
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(artifact folder, checkpoint): CollisionRanker trained in one process and exported from its checkpoint."""
+    from recship.cli import main
+
+    root = tmp_path_factory.mktemp("mc-ebc")
+    assert main(["train", "--model", "tests.export.mc_model:build", "--out", str(root / "run"), "--steps", "12", "--batch-size", "32",
+                 "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress"]) == 0
+    checkpoint = sorted((root / "run" / "checkpoints").iterdir())[-1]
+    out = root / "artifact"
+    done = subprocess.run([sys.executable, "-m", "recship", "export", str(checkpoint), "--out", str(out), "--model-name", "mc",
+                           "--dtype", "fp32", "--format", "torchscript", "--validation-batch-size", "64", "--no-plot"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return out, checkpoint
+
+
+def _float_reference(checkpoint, sparse, dense, remap: bool) -> np.ndarray:
+    """[B, 1] of the checkpoint in plain PyTorch: raw ids remapped by dict (or not), pooled sums, the MLP."""
+    reader = CheckpointReader(checkpoint)
+    tables = {cfg.name: w for _, cfg, w in reader.tables()}
+    state = reader.dense_state_dict()
+    pooled = [torch.from_numpy(np.asarray(dense, dtype=np.float32))]
+    for feature, table in (("user", "t_user"), ("item", "t_item")):
+        raw, rows = state[PREFIX + f"{table}._mch_sorted_raw_ids"].tolist(), state[PREFIX + f"{table}._mch_remapped_ids_mapping"].tolist()
+        slot = {r: row for r, row in zip(raw, rows) if r != 2**63 - 1}
+        weight = tables[table]
+        miss = weight.shape[0] - 1
+        pooled.append(torch.stack([sum((weight[slot.get(i, miss) if remap else i] for i in bag), torch.zeros(weight.shape[1]))
+                                   for bag in sparse[feature]]))
+    x = torch.cat(pooled, dim=1)
+    h = torch.relu(x @ state["over.0.weight"].T + state["over.0.bias"])
+    return (h @ state["over.2.weight"].T + state["over.2.bias"]).numpy()
+
+
+def test_the_artifact_remaps_ids_as_the_checkpoint_does(exported):
+    out, checkpoint = exported
+    state = CheckpointReader(checkpoint).dense_state_dict()
+    assert int(state[PREFIX + "t_user._current_iter_tensor"]) == 12  # profiled every training step
+    slots = state[PREFIX + "t_user._mch_sorted_raw_ids"]
+    assert (slots != 2**63 - 1).sum() > 10  # slots went to ids
+    model, manifest = open_artifact(out)
+    sparse, dense, _ = random_request(ModelInputs.of(manifest), 64, 11, ids=(0, 4))
+    got = in_process(model, sparse, dense)["output"]
+    want = _float_reference(checkpoint, sparse, dense, remap=True)
+    raw = _float_reference(checkpoint, sparse, dense, remap=False)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.abs(raw - want).max() > 100 * np.abs(got - want).max()  # the remapping matters here
+
+
+def test_both_fronts_and_recship_predict_answer_as_the_artifact_in_process(exported, binary, tmp_path):
+    out, _ = exported
+    repo = model_repo(tmp_path / "repo", {"mc": out})
+    fronts = ["python"]
+    try:
+        build_front()
+        fronts.append("cpp")
+    except FrontError:  # no gRPC C++ here: the Python front alone
+        pass
+    model, manifest = open_artifact(out, format="torchscript")
+    requests = [random_request(ModelInputs.of(manifest), batch, seed, ids=(0, 5)) for batch, seed in [(1, 1), (9, 2), (200, 3)]]
+    wants = [in_process(model, *r) for r in requests]
+    for front in fronts:
+        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format="torchscript"))
+        try:
+            with PredictClient(f"127.0.0.1:{server.port}") as client:
+                for (sparse, dense, weights), want in zip(requests, wants):
+                    got = client.predict("mc", sparse, dense, weights)
+                    np.testing.assert_array_equal(got["output"], want["output"], err_msg=front)
+        finally:
+            server.stop()
+    for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
+        path = request_file(tmp_path / f"r{n}.json", sparse, dense, weights)
+        done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", "torchscript"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        got = np.asarray(json.loads(done.stdout)["output"], dtype=np.float32).reshape(want["output"].shape)
+        np.testing.assert_array_equal(got, want["output"], err_msg="recship_predict")
