@@ -28,6 +28,7 @@ from recship.metrics.auprc import AUPRCMetric
 from recship.metrics.average import AverageMetric
 from recship.metrics.cali_free_ne import CaliFreeNEMetric
 from recship.metrics.calibration import CalibrationMetric
+from recship.metrics.calibration_with_recalibration import RecalibratedCalibrationMetric
 from recship.metrics.ctr import CTRMetric
 from recship.metrics.deferrable_metrics import DeferrableMetrics
 from recship.metrics.mae import MAEMetric
@@ -43,8 +44,10 @@ from recship.metrics.metrics_config import (
 from recship.metrics.metrics_namespace import MetricNamespace, compose_customized_metric_key, compose_metric_namespace
 from recship.metrics.model_utils import parse_task_model_outputs
 from recship.metrics.mse import MSEMetric
+from recship.metrics.multiclass_recall import MulticlassRecallMetric
 from recship.metrics.ne import NEMetric
 from recship.metrics.ne_positive import NEPositiveMetric
+from recship.metrics.ne_with_recalibration import RecalibratedNEMetric
 from recship.metrics.nmse import NMSEMetric
 from recship.metrics.num_missing_labels import NumMissingLabelsMetric
 from recship.metrics.num_positive_samples import NumPositiveSamplesMetric
@@ -52,6 +55,9 @@ from recship.metrics.precision import PrecisionMetric
 from recship.metrics.rauc import RAUCMetric
 from recship.metrics.rec_metric import RecMetric, RecMetricException, RecMetricList
 from recship.metrics.recall import RecallMetric
+from recship.metrics.segmented_ne import SegmentedNEMetric
+from recship.metrics.serving_calibration import ServingCalibrationMetric
+from recship.metrics.serving_ne import ServingNEMetric
 from recship.metrics.sum_weights import SumWeightsMetric
 from recship.metrics.synced_states import gather_all_tensors
 from recship.metrics.tensor_weighted_avg import TensorWeightedAvgMetric
@@ -67,6 +73,9 @@ logger: logging.Logger = logging.getLogger(__name__)
 REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.NE: NEMetric,
     RecMetricEnum.NE_POSITIVE: NEPositiveMetric,
+    RecMetricEnum.SEGMENTED_NE: SegmentedNEMetric,
+    RecMetricEnum.RECALIBRATED_NE: RecalibratedNEMetric,
+    RecMetricEnum.RECALIBRATED_CALIBRATION: RecalibratedCalibrationMetric,
     RecMetricEnum.CTR: CTRMetric,
     RecMetricEnum.CALIBRATION: CalibrationMetric,
     RecMetricEnum.AUC: AUCMetric,
@@ -74,6 +83,7 @@ REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.RAUC: RAUCMetric,
     RecMetricEnum.MSE: MSEMetric,
     RecMetricEnum.MAE: MAEMetric,
+    RecMetricEnum.MULTICLASS_RECALL: MulticlassRecallMetric,
     RecMetricEnum.WEIGHTED_AVG: WeightedAvgMetric,
     RecMetricEnum.ACCURACY: AccuracyMetric,
     RecMetricEnum.XAUC: XAUCMetric,
@@ -82,6 +92,8 @@ REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.NMSE: NMSEMetric,
     RecMetricEnum.PRECISION: PrecisionMetric,
     RecMetricEnum.RECALL: RecallMetric,
+    RecMetricEnum.SERVING_NE: ServingNEMetric,
+    RecMetricEnum.SERVING_CALIBRATION: ServingCalibrationMetric,
     RecMetricEnum.UNWEIGHTED_NE: UnweightedNEMetric,
     RecMetricEnum.AVERAGE: AverageMetric,
     RecMetricEnum.NUM_MISSING_LABELS: NumMissingLabelsMetric,

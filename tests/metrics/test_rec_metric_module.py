@@ -218,6 +218,6 @@ def test_bad_configurations_are_refused_by_name():
         NEMetric(world_size=1, my_rank=0, batch_size=4, tasks=[DefaultTaskInfo], thresold=0.3)
     with pytest.raises(ValueError, match="out of range"):
         MetricsConfig(rec_tasks=TASKS, rec_metrics={RecMetricEnum.NE: RecMetricDef(rec_task_indices=[2])})
-    config = MetricsConfig(rec_tasks=TASKS, rec_metrics={RecMetricEnum.SEGMENTED_NE: RecMetricDef(rec_task_indices=[0])})
-    with pytest.raises(ValueError, match="segmented_ne is not implemented"):
+    config = MetricsConfig(rec_tasks=TASKS, rec_metrics={RecMetricEnum.LOG_LOSS: RecMetricDef(rec_task_indices=[0])})
+    with pytest.raises(ValueError, match="log_loss is not implemented"):
         generate_metric_module(RecMetricModule, config, 8, 1, 0, {}, torch.device("cpu"))
