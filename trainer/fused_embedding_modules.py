@@ -33,7 +33,7 @@ from recship.names import EmbOptimType
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, _check_tables, check_features
-from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig, KeyedOptimizer, RowWiseAdagrad
+from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, KeyedOptimizer, RowWiseAdagrad
 from recship.trainer.types import DataType, PoolingType
 
 _FUSABLE: Dict[type, EmbOptimType] = {
@@ -136,7 +136,7 @@ def _training_kernel(
     return kernel
 
 
-class EmbeddingFusedOptimizer(KeyedOptimizer):
+class EmbeddingFusedOptimizer(FusedOptimizer):
     """The optimizer fused into one fbgemm kernel, as a keyed optimizer (TorchRec's).
 
     Args:

@@ -17,7 +17,7 @@ from recship.trainer.fused_embedding_modules import (
     convert_optimizer_type_and_kwargs,
     fuse_embedding_optimizer,
 )
-from recship.trainer.fused_optim import RowWiseAdagrad
+from recship.trainer.fused_optim import FusedOptimizer, FusedOptimizerModule, RowWiseAdagrad
 
 B = 5
 ROWS = {"f1": 10, "f2": 12, "f3": 12}
@@ -118,6 +118,8 @@ def test_state_dict_keys_and_load_write_into_the_kernel():
     torch.manual_seed(0)
     fused = FusedEmbeddingBagCollection(bag_tables(), torch.optim.SGD, {"lr": 0.1})
     assert list(fused.state_dict()) == ["embedding_bags.t1.weight", "embedding_bags.t2.weight"]
+    assert isinstance(fused, FusedOptimizerModule)
+    assert all(isinstance(opt, FusedOptimizer) for _, opt in fused.fused_optimizer().optimizers)
     plain = EmbeddingBagCollection(bag_tables())
     fused.load_state_dict(plain.state_dict())
     kjt, _ = next(batches(2))
