@@ -38,7 +38,8 @@ from recship.trainer.distributed import sharded_state
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.managed_collisions.embedding import (BaseManagedCollisionEmbeddingCollection,
-                                                          ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+                                                          ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection,
+                                                          managed_collision_plan_path)
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection, ManagedCollisionModule, _features_in_order
 from recship.trainer.planner.types import ParameterSharding
 
@@ -317,16 +318,6 @@ class ManagedCollisionEmbeddingCollectionSharder(_ManagedCollisionSharder):
         if ec_sharder is not None and not isinstance(ec_sharder, EmbeddingCollectionSharder):
             raise TypeError(f"ec_sharder must be an EmbeddingCollectionSharder, got {type(ec_sharder).__name__}")
         super().__init__(ec_sharder or EmbeddingCollectionSharder(fused_params=fused_params), mc_sharder, qcomm_codecs_registry)
-
-
-def managed_collision_plan_path(module: nn.Module, path: str) -> Optional[str]:
-    """The managed-collision collection's own path when ``path`` is the embedding collection inside one
-    (TorchRec keys its tables there), else None."""
-    parent, _, name = path.rpartition(".")
-    if name != "_embedding_module":
-        return None
-    owner = module.get_submodule(parent) if parent else module
-    return parent if isinstance(owner, BaseManagedCollisionEmbeddingCollection) else None
 
 
 def per_rank_buffers(module: nn.Module) -> List[str]:

@@ -252,3 +252,13 @@ class McEmbeddingBagCollectionAdapter(nn.Module):
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         return self.mc_embedding_bag_collection._embedding_module.embedding_bag_configs()  # type: ignore[union-attr]
+
+
+def managed_collision_plan_path(module: nn.Module, path: str) -> Optional[str]:
+    """The managed-collision collection's own path when ``path`` is the embedding collection inside one (TorchRec
+    keys its tables' plan there, and they shard row-wise only), else None."""
+    parent, _, name = path.rpartition(".")
+    if name != "_embedding_module":
+        return None
+    owner = module.get_submodule(parent) if parent else module
+    return parent if isinstance(owner, BaseManagedCollisionEmbeddingCollection) else None

@@ -38,6 +38,7 @@ from torch import nn
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
+from recship.trainer.managed_collisions.embedding import managed_collision_plan_path
 from recship.trainer.planner.components import (EmbeddingEnumerator, GreedyPerfPartitioner, PlannerError, PlannerErrorType,
                                                Proposer, ShardingPlanner, StorageReservation, proposers_of)
 from recship.trainer.planner.types import (EmbeddingComputeKernel, EmbeddingModuleShardingPlan, ParameterConstraints,
@@ -354,6 +355,7 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         # all constraint errors before placing
         allowed = [self._allowed_types(t, isinstance(m, EmbeddingCollection))
                    for p, m in collections for t in _configs(m)]
+        allowed = [_row_wise_if_managed(module, p, t, types) for (p, t), types in zip(tables, allowed)]
         reserved = 0
         if self.storage_reservation is not None:
             reserved = self.storage_reservation.reserve(self.topology, self.batch_size, module,
@@ -578,6 +580,17 @@ class EmbeddingShardingPlanner(ShardingPlanner):
             memory[s.rank] += shard_bytes(rows, cols, st, optim)
             cost[s.rank] += shard_cost(rows, cols, t.num_embeddings, st, self.batch_size, world, pooling_factor, num_features)
         return memory, cost
+
+
+def _row_wise_if_managed(module: nn.Module, path: str, t: Any, types: List[ShardingType]) -> List[ShardingType]:
+    """``types``, or row-wise alone for a table behind a managed-collision collection (TorchRec's managed-collision
+    sharders shard row-wise only: each rank remaps the ids of its input block into its rows)."""
+    if managed_collision_plan_path(module, path) is None:
+        return types
+    if ShardingType.ROW_WISE not in types:
+        raise PlannerError(f"table {t.name!r} has a managed-collision module: it shards row_wise only, its constraints "
+                           f"allow {[st.value for st in types]}", PlannerErrorType.STRICT_CONSTRAINTS)
+    return [ShardingType.ROW_WISE]
 
 
 def with_ebc_sharders(sharders: Sequence[Any]) -> List[Any]:

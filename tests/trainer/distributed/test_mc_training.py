@@ -23,6 +23,7 @@ from recship.trainer.fused_optim import EmbOptimType
 from recship.trainer.managed_collisions import (DistanceLFU_EvictionPolicy, LRU_EvictionPolicy, ManagedCollisionCollection,
                                                 ManagedCollisionEmbeddingBagCollection, MCHManagedCollisionModule)
 from recship.trainer.model_parallel import DistributedModelParallel
+from recship.trainer.planner import EmbeddingShardingPlanner, Topology
 
 LOCAL_BATCH, LR, STEPS, HASH = 4, 0.1, 5, 60
 TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=12, feature_names=["a", "b"]),
@@ -68,13 +69,21 @@ def _jt(lengths: torch.Tensor, ids: List[torch.Tensor]) -> JaggedTensor:
     return JaggedTensor(values=torch.cat(ids), lengths=lengths)
 
 
-def _worker(rank: int, world_size: int) -> Dict[str, object]:
+def _worker(rank: int, world_size: int) -> Dict[str, Dict[str, object]]:
+    return {how: _train(rank, world_size, how) for how in ("torchrec_plan", "planner")}
+
+
+def _train(rank: int, world_size: int, how: str) -> Dict[str, object]:
     torch.manual_seed(0)
     model = Model()
     ebc_sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR})
     sharders = [ManagedCollisionEmbeddingBagCollectionSharder(ebc_sharder)]
-    plan = ShardingPlan({"mc": construct_module_sharding_plan(model.mc, {"t0": row_wise(), "t1": row_wise()},
-                                                              local_size=world_size, world_size=world_size, device_type="cpu")})
+    if how == "torchrec_plan":  # TorchRec's way: the tables under the MC-EBC's own path
+        plan = ShardingPlan({"mc": construct_module_sharding_plan(model.mc, {"t0": row_wise(), "t1": row_wise()},
+                                                                  local_size=world_size, world_size=world_size, device_type="cpu")})
+    else:  # the planner gives a managed-collision collection's tables row-wise shards, whatever else would fit
+        plan = EmbeddingShardingPlanner(Topology(world_size, "cpu")).collective_plan(model, sharders)
+        assert {t: ps.sharding_type for t, ps in plan.get_plan_for_module("mc._embedding_module").items()} == {"t0": "row_wise", "t1": "row_wise"}
     dmp = DistributedModelParallel(model, plan=plan, sharders=sharders)
     dense = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
     for step in range(STEPS):
@@ -142,7 +151,12 @@ def test_input_block_ranks_follow_fbgemm_bucketization() -> None:
 
 def test_mc_ebc_trains_on_two_ranks_like_one_process() -> None:
     want = _reference()
-    results = run_ranks(_worker, 2)
+    both = run_ranks(_worker, 2)
+    for how in ("torchrec_plan", "planner"):
+        _check([ranks[how] for ranks in both], want)
+
+
+def _check(results, want) -> None:
     prefix = "mc._managed_collision_collection._managed_collision_modules."
     for r, got in enumerate(results):
         assert len(got["remapped"]) == STEPS
