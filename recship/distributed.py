@@ -51,6 +51,13 @@ from recship.trainer.planner.types import (CacheParams, CacheStatistics, Compute
 from recship.trainer.train_pipeline import TrainPipeline, TrainPipelineBase, TrainPipelineContext, TrainPipelineSparseDist
 from recship.trainer.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 from recship.trainer.optimizers import LAMB, SGD, Adagrad, Adam, LarsSGD, PartialRowWiseAdam, PartialRowWiseLAMB, adagrad
+from recship.trainer.semi_sync import (SEMI_SYNC_GLOBAL_OPTIM_KEY, SEMI_SYNC_GLOBAL_STATE_KEY, SEMI_SYNC_LOCAL_OPTIM_KEY,
+                                      SEMI_SYNC_LOCAL_STATE_KEY, SEMISYNC_GLOBAL_STEP_COUNTER_KEY, SEMISYNC_LOCAL_STEP_COUNTER_KEY,
+                                      SemisyncOptimizer)
+from recship.trainer.comm import (get_group_rank, get_local_rank, get_local_size, get_node_group_size, get_num_groups,
+                                  get_topology_domain_multiple, get_topology_group_world_size, intra_and_cross_node_pg)
+from recship.trainer.distributed.model_utils import get_module, get_unsharded_module_names, get_unwrapped_module, sharded_model_copy
+from recship.trainer.train_pipeline import DataLoadingThread, EvalPipelineSparseDist
 
 
 def shard_modules(
@@ -110,6 +117,11 @@ __all__ = [
     "_shard_modules",  # TorchRec's name for it, underscore included
     "Adagrad", "Adam", "LAMB", "LarsSGD", "PartialRowWiseAdam", "PartialRowWiseLAMB", "SGD", "adagrad",
     "EmptyFusedOptimizer", "FusedOptimizer", "FusedOptimizerModule",
+    "SEMI_SYNC_GLOBAL_OPTIM_KEY", "SEMI_SYNC_GLOBAL_STATE_KEY", "SEMI_SYNC_LOCAL_OPTIM_KEY", "SEMI_SYNC_LOCAL_STATE_KEY",
+    "SEMISYNC_GLOBAL_STEP_COUNTER_KEY", "SEMISYNC_LOCAL_STEP_COUNTER_KEY", "SemisyncOptimizer",
+    "get_group_rank", "get_local_rank", "get_local_size", "get_node_group_size", "get_num_groups", "get_topology_domain_multiple",
+    "get_topology_group_world_size", "intra_and_cross_node_pg", "get_module", "get_unsharded_module_names", "get_unwrapped_module",
+    "sharded_model_copy", "DataLoadingThread", "EvalPipelineSparseDist",
     "CommOp", "DeviceToHostTensorAwaitable", "EmbeddingEvent", "GenericMeta", "GetItemLazyAwaitable", "LazyGetItemMixin",
     "LazyNoWait", "ModuleNoCopyMixin", "NoOpQuantizedCommCodec", "NullShardedModuleContext", "NullShardingContext",
     "QuantizedCommCodec", "QuantizedCommCodecs", "ShardedModule", "ShardedModuleContext", "get_tensor_size_bytes",

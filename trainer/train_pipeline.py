@@ -21,13 +21,17 @@ start early: batches move to the device on the current stream when they are read
 the results are those of the plain loop, bit for bit. The overlap-only arguments (``pipeline_postproc``,
 ``dmp_collection_sync_interval_batches``) change nothing here; ``apply_jit=True`` (TorchScript the unsharded
 modules) is refused, since recship does not compile the training model.
+
+``EvalPipelineSparseDist`` runs forwards only, its batches read and moved by a ``DataLoadingThread`` in the
+background (TorchRec's; on CPU the thread overlaps reading the next batch with the current forward).
 """
 
 import abc
 import functools
+import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Generic, Iterator, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Deque, Dict, Generic, Iterator, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import nn
@@ -38,13 +42,20 @@ Out = TypeVar("Out")
 
 @dataclass
 class TrainPipelineContext:
-    """The per-batch record a pipeline keeps (TorchRec's): ``index`` counts the batches read, from 0. TorchRec also
-    keeps the batch's in-flight input-distribution requests here; recship has none, so ``module_contexts`` stays
-    empty."""
+    """The per-batch record a pipeline keeps (TorchRec's fields, order and defaults): ``index`` counts the batches
+    read, from 0. TorchRec keeps the batch's in-flight input-distribution requests, module contexts, CUDA events and
+    post-processing results in the other fields; recship's sharded modules distribute their input inside their
+    forward, so those stay empty."""
 
-    index: Optional[int] = None
-    version: int = 1
+    input_dist_splits_requests: Dict[str, Any] = field(default_factory=dict)
+    input_dist_tensors_requests: Dict[str, Any] = field(default_factory=dict)
     module_contexts: Dict[str, Any] = field(default_factory=dict)
+    module_contexts_next_batch: Dict[str, Any] = field(default_factory=dict)
+    fused_splits_awaitables: List[Any] = field(default_factory=list)
+    events: List[Any] = field(default_factory=list)
+    postproc_fwd_results: Dict[str, Any] = field(default_factory=dict)
+    index: Optional[int] = None
+    version: int = 0
 
 
 def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -107,10 +118,14 @@ class TrainPipelineBase(_Stepper, TrainPipeline[In, Out]):
             dense one and DMP's ``fused_optimizer``).
         device: where each batch is moved (``batch.to(device, non_blocking=True)``).
         custom_model_fwd: called instead of ``model(batch)`` when given.
+        enable_inplace_copy_batch: TorchRec allocates the device copy of a batch on its copy stream (a CUDA memory
+            saving); the batch is the same either way, so it changes nothing here.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                 custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, Any]]] = None) -> None:
+                 custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, Any]]] = None,
+                 enable_inplace_copy_batch: bool = False) -> None:
+        self._enable_inplace_copy_batch = enable_inplace_copy_batch
         self._model = model
         self._optimizer = optimizer
         self._device = _device(device)
@@ -161,12 +176,20 @@ class TrainPipelineSparseDist(_Stepper, TrainPipeline[In, Out]):
             effect in recship (nothing is overlapped, there is no DMPCollection).
         custom_model_fwd: called instead of ``model(batch)`` when given.
         enqueue_batch_after_forward: read batch i+2 after batch i's forward instead of before it.
+        enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: TorchRec's CUDA memory savings
+            around its early input distribution (copy on the copy stream, free the host KJT once distributed, drop
+            the distribution's inputs once done); there is no early distribution here, so they change nothing.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, execute_all_batches: bool = True,
                  apply_jit: bool = False, context_type: Type[TrainPipelineContext] = TrainPipelineContext,
                  pipeline_postproc: bool = False, custom_model_fwd: Optional[Callable[[Any], Tuple[torch.Tensor, Any]]] = None,
-                 dmp_collection_sync_interval_batches: Optional[int] = 1, enqueue_batch_after_forward: bool = False) -> None:
+                 dmp_collection_sync_interval_batches: Optional[int] = 1, enqueue_batch_after_forward: bool = False,
+                 enable_inplace_copy_batch: bool = False, free_features_storage_early: bool = False,
+                 clear_data_dist_inputs: bool = False) -> None:
+        self._enable_inplace_copy_batch = enable_inplace_copy_batch
+        self._free_features_storage_early = free_features_storage_early
+        self._clear_data_dist_inputs = clear_data_dist_inputs
         if apply_jit:
             raise ValueError("TrainPipelineSparseDist(apply_jit=True): recship does not TorchScript the training model "
                              "(its sharded modules run eagerly); pass apply_jit=False")
@@ -210,6 +233,10 @@ class TrainPipelineSparseDist(_Stepper, TrainPipeline[In, Out]):
                 raise StopIteration
             return None, context
         return _to_device(batch, self._device, non_blocking=True), context
+
+    def inplace_copy_batch_to_gpu(self, dataloader_iter: Iterator[In]) -> Tuple[Optional[In], Optional[TrainPipelineContext]]:
+        """``copy_batch_to_gpu`` (TorchRec's variant allocates on its copy stream; the batch is the same)."""
+        return self.copy_batch_to_gpu(dataloader_iter)
 
     def enqueue_batch(self, dataloader_iter: Iterator[In]) -> bool:
         """Reads one batch into the pipeline; False when there was none."""
@@ -265,3 +292,141 @@ class TrainPipelineSparseDist(_Stepper, TrainPipeline[In, Out]):
         self.contexts.clear()
         self._next_index = 0
         self._dataloader_iter, self._dataloader_exhausted = None, False
+
+
+def _retriable(exc: Exception) -> bool:
+    """TorchRec's test: the exception (or its cause) says ``is_retryable``."""
+    for e in (exc, exc.__cause__):
+        if e is not None and hasattr(e, "is_retryable"):
+            return bool(e.is_retryable)
+    return False
+
+
+class DataLoadingThread(threading.Thread, Generic[In]):
+    """Reads the next batch and moves it to ``device`` in a background thread, one batch ahead (TorchRec's).
+
+    ``get_next_batch()`` waits for the buffered batch, hands it over and lets the thread read the next; None (or
+    StopIteration with ``none_throws``) once the iterator is spent. An exception from the iterator is re-raised by
+    the next ``get_next_batch`` (one whose ``is_retryable`` is true skips that batch, as TorchRec's). A daemon
+    thread: ``stop()`` ends it.
+
+    Args:
+        device: where each batch goes (``batch.to(device, non_blocking=to_device_non_blocking)``).
+        dataloader_iter: the batches.
+        to_device_non_blocking: passed to ``batch.to``.
+        memcpy_stream_priority, memcpy_stream: TorchRec's CUDA copy stream (its priority, or one to use); on CUDA the
+            copy runs on it, elsewhere there is none.
+    """
+
+    def __init__(self, device: torch.device, dataloader_iter: Iterator[In], to_device_non_blocking: bool,
+                 memcpy_stream_priority: int = 0, memcpy_stream: Optional[torch.Stream] = None) -> None:
+        super().__init__(name="DataLoadingThread", daemon=True)
+        self._device = _device(device)
+        self._dataloader_iter = dataloader_iter
+        self._to_device_non_blocking = to_device_non_blocking
+        if memcpy_stream is None and self._device.type == "cuda":
+            memcpy_stream = torch.cuda.Stream(device=self._device, priority=memcpy_stream_priority)
+        self._memcpy_stream = memcpy_stream
+        self._stopping = False
+        self._buffered: Optional[In] = None
+        self._exception: Optional[Exception] = None
+        self._buffer_empty = threading.Event()
+        self._buffer_filled = threading.Event()
+        self._buffer_empty.set()
+
+    def run(self) -> None:
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+        while not self._stopping:
+            self._buffer_empty.wait()
+            if self._stopping:
+                break
+            try:
+                batch = next(self._dataloader_iter)
+            except StopIteration:
+                break
+            except Exception as e:  # handed to the reading thread by get_next_batch
+                if _retriable(e):
+                    continue
+                self._exception = e
+                break
+            if self._memcpy_stream is not None:
+                with torch.cuda.stream(self._memcpy_stream):  # type: ignore[arg-type]
+                    self._buffered = _to_device(batch, self._device, self._to_device_non_blocking)
+            else:
+                self._buffered = _to_device(batch, self._device, self._to_device_non_blocking)
+            self._buffer_empty.clear()
+            self._buffer_filled.set()
+        self._stopping = True
+        self._buffer_filled.set()
+
+    def stop(self) -> None:
+        """Ends the thread after the batch it is reading, if any."""
+        self._stopping = True
+        self._buffer_filled.set()
+        self._buffer_empty.set()
+
+    def get_next_batch(self, none_throws: bool = False) -> Optional[In]:
+        """The next batch on the device; None at the end (StopIteration if ``none_throws``). Main thread only."""
+        self._buffer_filled.wait()
+        if self._exception is not None:
+            exc, self._exception = self._exception, None
+            raise exc
+        batch = self._buffered
+        if batch is None:
+            if none_throws:
+                raise StopIteration
+            return None
+        self._buffered = None
+        self._buffer_filled.clear()
+        self._buffer_empty.set()
+        return batch
+
+
+class EvalPipelineSparseDist(TrainPipelineSparseDist[In, Out]):
+    """TorchRec's evaluation pipeline: ``progress`` runs the forward of the next batch and returns its output; no
+    backward, no optimizer step (``optimizer`` is taken for TorchRec's signature and never stepped), and the model's
+    train/eval mode is left as the caller set it, as TorchRec's. Batches are read and moved to the device by a
+    DataLoadingThread, one ahead; StopIteration when they are spent.
+
+    Args:
+        model: ``model(batch) -> (losses, output)``.
+        optimizer: unused.
+        device: where each batch goes.
+        apply_jit: must be False.
+        pipeline_postproc, enable_inplace_copy_batch, free_features_storage_early, clear_data_dist_inputs: as
+            TrainPipelineSparseDist's (no effect here).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, apply_jit: bool = False,
+                 pipeline_postproc: bool = False, enable_inplace_copy_batch: bool = False,
+                 free_features_storage_early: bool = False, clear_data_dist_inputs: bool = False) -> None:
+        super().__init__(model, optimizer, device, execute_all_batches=True, apply_jit=apply_jit,
+                         pipeline_postproc=pipeline_postproc, enable_inplace_copy_batch=enable_inplace_copy_batch,
+                         free_features_storage_early=free_features_storage_early, clear_data_dist_inputs=clear_data_dist_inputs)
+        self._batch_loader: Optional[DataLoadingThread[In]] = None
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """The model's output for the next batch (its forward only)."""
+        if self._batch_loader is None:
+            self._batch_loader = DataLoadingThread(self._device, dataloader_iter, to_device_non_blocking=True)
+            self._batch_loader.start()
+        batch = self._batch_loader.get_next_batch()
+        if batch is None:
+            raise StopIteration
+        self._next_index += 1
+        result = (self._custom_fwd if self._custom_fwd is not None else self._model)(batch)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError(f"a pipelined model returns (losses, output), as TorchRec's DLRMTrain does; {type(self._model).__name__} "
+                            f"returned {type(result).__name__}")
+        return result[1]
+
+    def reset(self) -> None:
+        super().reset()
+        if self._batch_loader is not None:
+            self._batch_loader.stop()
+        self._batch_loader = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_batch_loader", None) is not None:
+            self._batch_loader.stop()  # type: ignore[union-attr]

@@ -16,6 +16,9 @@ the stage is the first whose ``max_iters`` ``i`` has not passed (stage k covers 
     STEP      value ** (i // decay_iters)                     (decay_iters defaults to 1)
     INVSQRT   1 / sqrt(i)
     COSINE_ANNEALING_WARM_RESTARTS  value + (1 - value) * (1 + cos(pi * (i % sgdr_period) / sgdr_period)) / 2
+    INTERPOLATE  value + (end_value - value) * (i - start_interpolating_iters) / (max_iters - start_interpolating_iters)
+                 (a straight line through (start_interpolating_iters, value) and (max_iters, end_value); ``i`` is the
+                 global iteration, as everywhere above)
 
 The rate reaches every param group of the wrapped optimizer, and so the kernels of fused embedding optimizers: the
 wrapper applies it to them right away (a fused optimizer takes a new rate on ``step()`` or ``zero_grad()``), so the
@@ -30,7 +33,7 @@ would not know the extra parameter); ``state_dict()`` carries it under TorchRec'
 import math
 from dataclasses import dataclass
 from enum import Enum, unique
-from typing import Any, Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -48,6 +51,7 @@ class WarmupPolicy(Enum):
     STEP = "step"
     INVSQRT = "inv_sqrt"
     COSINE_ANNEALING_WARM_RESTARTS = "cosine_annealing_warm_restarts"
+    INTERPOLATE = "interpolate"
 
 
 @dataclass
@@ -61,6 +65,8 @@ class WarmupStage:
         lr_scale: multiplies this stage's multiplier.
         decay_iters: POLY's horizon (<= 0: max_iters) and STEP's step length (<= 0: 1).
         sgdr_period: COSINE_ANNEALING_WARM_RESTARTS's period, in iterations.
+        start_interpolating_iters: INTERPOLATE's start iteration (where the multiplier is ``value``); required by it.
+        end_value: INTERPOLATE's multiplier at ``max_iters``; required by it.
     """
 
     policy: WarmupPolicy = WarmupPolicy.LINEAR
@@ -69,6 +75,8 @@ class WarmupStage:
     lr_scale: float = 1.0
     decay_iters: int = -1
     sgdr_period: int = 1
+    start_interpolating_iters: Optional[int] = None
+    end_value: Optional[float] = None
 
 
 def _checked_stages(stages: List[WarmupStage]) -> List[WarmupStage]:
@@ -82,6 +90,12 @@ def _checked_stages(stages: List[WarmupStage]) -> List[WarmupStage]:
                              f"max_iters must grow from stage to stage")
         if stage.policy == WarmupPolicy.COSINE_ANNEALING_WARM_RESTARTS and stage.sgdr_period < 1:
             raise ValueError(f"stage {k}: sgdr_period must be >= 1, got {stage.sgdr_period}")
+        if stage.policy == WarmupPolicy.INTERPOLATE:
+            if stage.start_interpolating_iters is None or stage.end_value is None:
+                raise ValueError(f"stage {k} ({stage}): INTERPOLATE needs start_interpolating_iters and end_value")
+            if stage.max_iters <= stage.start_interpolating_iters:
+                raise ValueError(f"stage {k}: INTERPOLATE's max_iters ({stage.max_iters}) must be greater than its "
+                                 f"start_interpolating_iters ({stage.start_interpolating_iters})")
         start = stage.max_iters
         if stage.decay_iters <= 0:
             stage.decay_iters = 1 if stage.policy == WarmupPolicy.STEP else stage.max_iters
@@ -108,6 +122,10 @@ def _multiplier(stage: WarmupStage, i: int) -> float:
         # SGDR (arXiv 1608.03983) without the period multiplier: the phase is i modulo the period
         phase = (i % stage.sgdr_period) / stage.sgdr_period
         m = stage.value + (1.0 - stage.value) * 0.5 * (1.0 + math.cos(math.pi * phase))
+    elif policy == WarmupPolicy.INTERPOLATE:
+        start, end = stage.start_interpolating_iters, stage.end_value
+        assert start is not None and end is not None  # _checked_stages saw to it
+        m = stage.value + (end - stage.value) * (i - start) / (stage.max_iters - start)
     else:
         m = 1.0
     return m * stage.lr_scale

@@ -170,3 +170,55 @@ def test_torchrecs_golden_training_runs_and_equals_the_plain_loop(world_size):
         assert len(losses) == len(want_losses) == STEPS and all(torch.equal(a, b) for a, b in zip(losses, want_losses))
         assert len({round(float(x), 6) for x in losses}) == STEPS  # it trains: every step's loss differs
         assert sorted(params) == sorted(want_params) and all(torch.equal(params[k], want_params[k]) for k in params)
+
+
+def test_eval_pipeline_runs_forwards_only():
+    from recship.distributed import EvalPipelineSparseDist
+
+    code = _user_code()
+    torch.manual_seed(0)
+    model = code["SmallTrain"]()
+    before = copy.deepcopy(model)
+    batches = code["make_batches"](3, STEPS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipeline = EvalPipelineSparseDist(model, optimizer, torch.device("cpu"), enable_inplace_copy_batch=True)
+    it = iter(batches)
+    outputs = []
+    with pytest.raises(StopIteration):
+        while True:
+            outputs.append(pipeline.progress(it))
+    want = [before(b)[1] for b in batches]
+    assert len(outputs) == STEPS and all(all(torch.equal(g, w) for g, w in zip(got, ref)) for got, ref in zip(outputs, want))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before.parameters()))  # never stepped
+    pipeline.reset()
+
+
+def test_data_loading_thread_reads_ahead_and_hands_over_errors():
+    from recship.distributed import DataLoadingThread
+
+    class Flaky(Exception):
+        is_retryable = True
+
+    def batches():
+        yield torch.tensor([1.0])
+        raise Flaky("skipped")  # retriable: the thread goes on to the next batch ... which ends the generator
+
+    loader = DataLoadingThread(torch.device("cpu"), batches(), to_device_non_blocking=False)
+    loader.start()
+    assert torch.equal(loader.get_next_batch(), torch.tensor([1.0]))
+    assert loader.get_next_batch() is None
+    with pytest.raises(StopIteration):
+        loader.get_next_batch(none_throws=True)
+    loader.join(timeout=10)
+
+    def broken():
+        yield torch.tensor([2.0])
+        raise RuntimeError("disk gone")
+
+    loader = DataLoadingThread(torch.device("cpu"), broken(), to_device_non_blocking=False)
+    loader.start()
+    assert torch.equal(loader.get_next_batch(), torch.tensor([2.0]))
+    with pytest.raises(RuntimeError, match="disk gone"):
+        loader.get_next_batch()
+    loader.stop()
+    loader.join(timeout=10)

@@ -43,6 +43,7 @@ def _reference_multiplier(stages, i):
         "STEP": lambda: s.value ** (i // decay),
         "INVSQRT": lambda: i ** -0.5,
         "COSINE_ANNEALING_WARM_RESTARTS": lambda: s.value + (1 - s.value) * (1 + math.cos(math.pi * (i % s.sgdr_period) / s.sgdr_period)) / 2,
+        "INTERPOLATE": lambda: s.value + (s.end_value - s.value) * (i - s.start_interpolating_iters) / (s.max_iters - s.start_interpolating_iters),
     }[name]()
     return value * s.lr_scale
 
@@ -114,6 +115,28 @@ def test_state_dict_carries_the_schedule():
         code["warmup_sgd"](model.named_parameters(), [W(P.INVSQRT, max_iters=5)], LR)
 
 
+def test_interpolate_stage_draws_a_line_on_the_global_iteration():
+    code = _user_code()
+    W, P = code["WarmupStage"], code["WarmupPolicy"]
+    stages = [W(P.LINEAR, max_iters=3, value=0.2),
+              W(P.INTERPOLATE, max_iters=10, value=1.0, end_value=0.25, start_interpolating_iters=4, lr_scale=2.0),
+              W(P.INTERPOLATE, max_iters=14, value=0.5, end_value=0.1, start_interpolating_iters=11)]
+    opt = code["warmup_sgd"](nn.Linear(3, 2).named_parameters(), copy.deepcopy(stages), LR)
+    lrs = []
+    for i in range(18):
+        lrs.append(opt.param_groups[0]["lr"])
+        assert lrs[-1] == pytest.approx(LR * _reference_multiplier(stages, i), rel=1e-12), i
+        opt.step()
+    # iteration 4 starts the line at value (times lr_scale 2), iteration 10 ends it at end_value; after the last stage, 1
+    assert lrs[4] == pytest.approx(2 * LR) and lrs[10] == pytest.approx(0.5 * LR) and lrs[14] == pytest.approx(0.1 * LR)
+    assert lrs[15:] == [LR] * 3
+    model = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="INTERPOLATE needs start_interpolating_iters and end_value"):
+        code["warmup_sgd"](model.named_parameters(), [W(P.INTERPOLATE, max_iters=5, end_value=0.1)], LR)
+    with pytest.raises(ValueError, match="must be greater than its start_interpolating_iters"):
+        code["warmup_sgd"](model.named_parameters(), [W(P.INTERPOLATE, max_iters=5, end_value=0.1, start_interpolating_iters=5)], LR)
+
+
 # -- the fused embedding optimizer of a sharded model -----------------------------------------------------------
 
 LOCAL_BATCH, STEPS = 4, 9
@@ -159,7 +182,7 @@ def _fused_worker(rank, world_size, how):
     model = _Toy()
     constraints = {"t0": ParameterConstraints(sharding_types=[ShardingType.ROW_WISE]),
                    "t1": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE])}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(model)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(model)
     dmp = DistributedModelParallel(model, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_SGD, learning_rate=LR))
     dense = in_backward_optimizer_filter(dmp.named_parameters())
     if how == "warmup":
