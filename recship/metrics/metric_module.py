@@ -31,6 +31,7 @@ from recship.metrics.calibration import CalibrationMetric
 from recship.metrics.calibration_with_recalibration import RecalibratedCalibrationMetric
 from recship.metrics.ctr import CTRMetric
 from recship.metrics.deferrable_metrics import DeferrableMetrics
+from recship.metrics.hindsight_target_pr import HindsightTargetPRMetric
 from recship.metrics.mae import MAEMetric
 from recship.metrics.metrics_config import (
     BatchSizeStage,
@@ -44,6 +45,7 @@ from recship.metrics.metrics_config import (
 from recship.metrics.metrics_namespace import MetricNamespace, compose_customized_metric_key, compose_metric_namespace
 from recship.metrics.model_utils import parse_task_model_outputs
 from recship.metrics.mse import MSEMetric
+from recship.metrics.multi_label_precision import MultiLabelPrecisionMetric
 from recship.metrics.multiclass_recall import MulticlassRecallMetric
 from recship.metrics.ne import NEMetric
 from recship.metrics.ne_positive import NEPositiveMetric
@@ -51,10 +53,12 @@ from recship.metrics.ne_with_recalibration import RecalibratedNEMetric
 from recship.metrics.nmse import NMSEMetric
 from recship.metrics.num_missing_labels import NumMissingLabelsMetric
 from recship.metrics.num_positive_samples import NumPositiveSamplesMetric
+from recship.metrics.output import OutputMetric
 from recship.metrics.precision import PrecisionMetric
 from recship.metrics.rauc import RAUCMetric
 from recship.metrics.rec_metric import RecMetric, RecMetricException, RecMetricList
 from recship.metrics.recall import RecallMetric
+from recship.metrics.scalar import ScalarMetric
 from recship.metrics.segmented_ne import SegmentedNEMetric
 from recship.metrics.serving_calibration import ServingCalibrationMetric
 from recship.metrics.serving_ne import ServingNEMetric
@@ -62,6 +66,7 @@ from recship.metrics.sum_weights import SumWeightsMetric
 from recship.metrics.synced_states import gather_all_tensors
 from recship.metrics.tensor_weighted_avg import TensorWeightedAvgMetric
 from recship.metrics.throughput import ThroughputMetric
+from recship.metrics.tower_qps import TowerQPSMetric
 from recship.metrics.unweighted_ne import UnweightedNEMetric
 from recship.metrics.weighted_avg import WeightedAvgMetric
 from recship.metrics.weighted_sum_predictions import WeightedSumPredictionsMetric
@@ -85,17 +90,22 @@ REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.MAE: MAEMetric,
     RecMetricEnum.MULTICLASS_RECALL: MulticlassRecallMetric,
     RecMetricEnum.WEIGHTED_AVG: WeightedAvgMetric,
+    RecMetricEnum.TOWER_QPS: TowerQPSMetric,
     RecMetricEnum.ACCURACY: AccuracyMetric,
     RecMetricEnum.XAUC: XAUCMetric,
+    RecMetricEnum.SCALAR: ScalarMetric,
     RecMetricEnum.TENSOR_WEIGHTED_AVG: TensorWeightedAvgMetric,
     RecMetricEnum.CALI_FREE_NE: CaliFreeNEMetric,
+    RecMetricEnum.HINDSIGHT_TARGET_PR: HindsightTargetPRMetric,
     RecMetricEnum.NMSE: NMSEMetric,
     RecMetricEnum.PRECISION: PrecisionMetric,
     RecMetricEnum.RECALL: RecallMetric,
     RecMetricEnum.SERVING_NE: ServingNEMetric,
     RecMetricEnum.SERVING_CALIBRATION: ServingCalibrationMetric,
+    RecMetricEnum.OUTPUT: OutputMetric,
     RecMetricEnum.UNWEIGHTED_NE: UnweightedNEMetric,
     RecMetricEnum.AVERAGE: AverageMetric,
+    RecMetricEnum.MULTI_LABEL_PRECISION: MultiLabelPrecisionMetric,
     RecMetricEnum.NUM_MISSING_LABELS: NumMissingLabelsMetric,
     RecMetricEnum.WEIGHTED_SUM_PREDICTIONS: WeightedSumPredictionsMetric,
     RecMetricEnum.NUM_POSITIVE_SAMPLES: NumPositiveSamplesMetric,
