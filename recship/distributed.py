@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaitable, ShardedEmbeddingBagCollection
-from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
+from recship.trainer.distributed.sharders import BaseEmbeddingSharder, EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
+from recship.trainer.distributed.sharded_ec import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, ShardedEmbeddingCollection
 from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
 from recship.trainer.distributed.mc_sharder import (ManagedCollisionCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
                                                     ManagedCollisionEmbeddingCollectionSharder, ShardedManagedCollisionCollection)
@@ -107,7 +108,8 @@ __all__ = [
     "WarmupOptimizer", "WarmupPolicy", "WarmupStage",
     "EmbeddingEnumerator", "FixedPercentageStorageReservation", "GreedyProposer", "GridSearchProposer",
     "HeuristicalStorageReservation", "PlannerError", "PlannerErrorType", "StorageReservation", "UniformProposer",
-    "EmbeddingCollectionSharder",
+    "EmbeddingCollectionSharder", "BaseEmbeddingSharder", "EmbeddingCollectionAwaitable", "EmbeddingCollectionContext",
+    "ShardedEmbeddingCollection",
     "ManagedCollisionCollectionSharder", "ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder",
     "ShardedManagedCollisionCollection",
     "DataParallelWrapper", "DefaultDataParallelWrapper", "DynamicProgrammingProposer", "EmbeddingModuleShardingPlan",

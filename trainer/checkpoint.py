@@ -7,7 +7,8 @@ Layout of one checkpoint, ``<root>/step_<N>/``:
                                    each table's geometry and optimizer-state layout
 
 Saved tensors (DCP keys):
-    tables/<module>/<table>/weight     ShardedTensor [rows, dim] (the plan's shards)
+    tables/<module>/<table>/weight     ShardedTensor [rows, dim] (the plan's shards) of an
+                                       EmbeddingBagCollection's or EmbeddingCollection's table
     tables/<module>/<table>/state<i>   the fused optimizer's state i: ShardedTensor
                                        [rows, dim] for adagrad; [rows, G] for row-wise
                                        adagrad, one column per column block of the
@@ -41,8 +42,8 @@ from recship.oserrors import doing, no_space
 
 from recship.trainer.checkpoint_reader import (FORMAT, META_FILE, CheckpointError, data_parallel_key, load_tensors, quiet_dcp,
                                                read_metadata)
-from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.distributed.sharded_tables import ShardedEmbeddingTables
+from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.fused_optim import EmbOptimType
 from recship.trainer.planner.types import ShardingPlan
 
@@ -67,18 +68,18 @@ def _sharded(local: List[Tuple[List[int], torch.Tensor]], global_size: List[int]
         return ShardedTensor._init_from_local_shards(shards, global_size, process_group=pg)
 
 
-def _column_blocks(module: ShardedEmbeddingBagCollection, table: str) -> List[int]:
+def _column_blocks(module: ShardedEmbeddingTables, table: str) -> List[int]:
     """Sorted column offsets of the table's shards under the module's plan."""
     return sorted({s.shard_offsets[1] for s in module.module_sharding_plan[table].shards})
 
 
-def _table_state(path: str, module: ShardedEmbeddingBagCollection, rank: int, pg) -> Dict[str, Any]:
+def _table_state(path: str, module: ShardedEmbeddingTables, rank: int, pg) -> Dict[str, Any]:
     """DCP entries for every sharded table of ``module`` (this rank's shards)."""
     out: Dict[str, Any] = {}
     shards = module.local_shards()
     states = module.local_optimizer_states()
     rowwise = module.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD
-    for t in module.embedding_bag_configs():
+    for t in module.table_configs():
         if t.name in module.data_parallel:
             continue
         key = f"tables/{path}/{t.name}"
@@ -104,10 +105,11 @@ def _num_states(optim: EmbOptimType) -> int:
     return 0 if optim == EmbOptimType.EXACT_SGD else 1
 
 
-def _sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingBagCollection]]:
+def _sharded_modules(model: nn.Module) -> List[Tuple[str, ShardedEmbeddingTables]]:
+    """Every sharded collection (pooled or sequence) by its unwrapped path."""
     out = []
     for path, m in model.named_modules():
-        if isinstance(m, ShardedEmbeddingBagCollection):
+        if isinstance(m, ShardedEmbeddingTables):
             out.append((_strip_wrappers(path), m))
     return out
 
@@ -122,11 +124,11 @@ def _strip_wrappers(name: str) -> str:
 
 def _dense_state(model: nn.Module) -> Dict[str, torch.Tensor]:
     """Every state-dict entry but the sharded tables, by unwrapped name (data-parallel tables included,
-    as ``<module>.embedding_bags.<table>.weight``)."""
+    as ``<module>.embedding_bags.<table>.weight``, or ``<module>.embeddings.<table>.weight`` for an EmbeddingCollection's)."""
     sharded = set()
     for path, m in _sharded_modules(model):
         prefix = f"{path}." if path else ""
-        sharded |= {f"{prefix}embedding_bags.{t.name}.weight" for t in m.embedding_bag_configs() if t.name not in m.data_parallel}
+        sharded |= {prefix + m.state_key(t.name) for t in m.table_configs() if t.name not in m.data_parallel}
     out = {}
     for name, t in model.state_dict(keep_vars=True).items():
         name = _strip_wrappers(name)
@@ -173,10 +175,11 @@ def save_checkpoint(
     tables_meta: Dict[str, Any] = {}
     for path, module in _sharded_modules(model):
         state.update(_table_state(path, module, rank, None))
-        for t in module.embedding_bag_configs():
+        for t in module.table_configs():
             ps = module.module_sharding_plan[t.name]
             tables_meta[f"{path}/{t.name}"] = {
                 "config": _table_json(t),
+                "collection": module.state_key(t.name).split(".")[0],  # embedding_bags, or an EmbeddingCollection's embeddings
                 "sharding_type": ps.sharding_type.value,
                 "column_blocks": _column_blocks(module, t.name),
                 "optimizer": module.optimizer.value,
@@ -265,11 +268,12 @@ def _write_meta(tmp: Path, final: Path, step: int, next_batch: int, model: nn.Mo
     tmp.rename(final)  # the checkpoint becomes visible only now, complete
 
 
-def _table_json(t: EmbeddingBagConfig) -> Dict[str, Any]:
+def _table_json(t: Union[EmbeddingBagConfig, EmbeddingConfig]) -> Dict[str, Any]:
     d = asdict(t)
     d.pop("init_fn", None)
     d["data_type"] = t.data_type.value
-    d["pooling"] = t.pooling.value
+    if isinstance(t, EmbeddingBagConfig):
+        d["pooling"] = t.pooling.value
     return d
 
 
@@ -302,7 +306,7 @@ def load_checkpoint(
     rowwise_templates: Dict[str, torch.Tensor] = {}
     for mpath, module in sharded:
         template = _table_state(mpath, module, rank, None)
-        for t in module.embedding_bag_configs():
+        for t in module.table_configs():
             key = f"tables/{mpath}/{t.name}"
             saved = meta["tables"].get(f"{mpath}/{t.name}")
             if saved is None:
@@ -329,8 +333,9 @@ def load_checkpoint(
     saved_as = {name: name for name in dense}
     for mpath, module in sharded:  # data-parallel tables of checkpoints written before they were embedding_bags.<t>.weight
         for table in module.data_parallel:
-            name = f"{mpath}.embedding_bags.{table}.weight" if mpath else f"embedding_bags.{table}.weight"
-            saved_as[name] = data_parallel_key(meta, mpath, table)
+            name = f"{mpath}.{module.state_key(table)}" if mpath else module.state_key(table)
+            if name.split(".")[-3] == "embedding_bags":
+                saved_as[name] = data_parallel_key(meta, mpath, table)
     missing = sorted(name for name in dense if saved_as[name] not in meta["dense_keys"])
     if missing:
         raise CheckpointError(f"{path} lacks dense parameters {missing}")
@@ -351,11 +356,11 @@ def load_checkpoint(
     return meta
 
 
-def _copy_into_tbe(mpath: str, module: ShardedEmbeddingBagCollection, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
+def _copy_into_tbe(mpath: str, module: ShardedEmbeddingTables, state: Dict[str, Any], meta: Dict[str, Any]) -> None:
     shards = module.local_shards()
     states = module.local_optimizer_states()
     with torch.no_grad():
-        for t in module.embedding_bag_configs():
+        for t in module.table_configs():
             if t.name in module.data_parallel:
                 continue
             key = f"tables/{mpath}/{t.name}"

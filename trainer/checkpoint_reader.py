@@ -135,18 +135,27 @@ class CheckpointReader:
         self._reused = torch.empty(0)  # tables read with reuse=True that cannot be mapped as they are
 
     def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
+        """(module path, config) of every pooled table; an EmbeddingCollection's sharded tables come with the dense
+        state (``dense_state_dict``), whole, as its replicated ones do."""
         from recship.trainer.types import DataType, PoolingType
 
         out = []
-        for key, t in self.meta["tables"].items():
+        for key, t in self._pooled_tables():
             c = dict(t["config"])
             c["data_type"] = DataType(c["data_type"])
             c["pooling"] = PoolingType(c["pooling"])
             out.append((key.rpartition("/")[0], EmbeddingBagConfig(**c)))
         return out
 
+    def _pooled_tables(self) -> List[Tuple[str, Dict[str, Any]]]:
+        return [(key, t) for key, t in self.meta["tables"].items() if t.get("collection", "embedding_bags") == "embedding_bags"]
+
+    def _sequence_tables(self) -> List[Tuple[str, Dict[str, Any]]]:
+        """The sharded tables of EmbeddingCollections (their data-parallel ones are dense entries already)."""
+        return [(key, t) for key, t in self.meta["tables"].items() if t.get("collection") == "embeddings" and not t["data_parallel"]]
+
     def tables(self) -> Iterator[Tuple[str, EmbeddingBagConfig, torch.Tensor]]:
-        for (mpath, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+        for (mpath, cfg), (key, t) in zip(self.table_configs(), self._pooled_tables()):
             yield mpath, cfg, self._load_table(mpath, cfg, key, t)
 
     def table(self, mpath: str, name: str, reuse: bool = False) -> torch.Tensor:
@@ -155,7 +164,7 @@ class CheckpointReader:
         ``reuse``: the table may come back in a buffer that the next ``reuse=True`` call
         overwrites (for a caller that streams one table at a time: no new memory per table).
         """
-        for (path, cfg), (key, t) in zip(self.table_configs(), self.meta["tables"].items()):
+        for (path, cfg), (key, t) in zip(self.table_configs(), self._pooled_tables()):
             if path == mpath and cfg.name == name:
                 return self._load_table(mpath, cfg, key, t, reuse)
         raise CheckpointError(f"{self.path} has no table {mpath}/{name}")
@@ -196,7 +205,13 @@ class CheckpointReader:
         prefix = self._dense_prefix
         state = {f"{prefix}{k}": torch.empty(shapes[f"{prefix}{k}"][0], dtype=shapes[f"{prefix}{k}"][1]) for k in keys}
         load_tensors(state, self.path, no_dist=True)
-        return {k[len(prefix) :]: v for k, v in state.items()}
+        out = {k[len(prefix) :]: v for k, v in state.items()}
+        for key, t in self._sequence_tables():  # whole, under the EmbeddingCollection's own key
+            mpath, _, name = key.rpartition("/")
+            weight = torch.empty(t["config"]["num_embeddings"], t["config"]["embedding_dim"])
+            load_tensors({f"tables/{key}/weight": weight}, self.path, no_dist=True)
+            out[f"{mpath}.embeddings.{name}.weight" if mpath else f"embeddings.{name}.weight"] = weight
+        return out
 
 
 _TORCHREC_TABLE = re.compile(r"^(?:(?P<module>.+)\.)?embedding_bags\.(?P<table>[^.]+)\.weight$")

@@ -1,4 +1,4 @@
-"""DistributedModelParallel: shard every EmbeddingBagCollection of a model, DDP the rest.
+"""DistributedModelParallel: shard every EmbeddingBagCollection and EmbeddingCollection of a model, DDP the rest.
 
     model = DistributedModelParallel(model, device=torch.device("cpu"),
                                      optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.05))
@@ -26,15 +26,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from recship.trainer.distributed.sharded_ebc import FUSED_PARAMETER_MARK, ShardedEmbeddingBagCollection
-from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, check_data_parallel, get_default_sharders
+from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.sharded_tables import FUSED_PARAMETER_MARK, ShardedEmbeddingTables
+from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
 from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path
 from recship.trainer.distributed.mc_sharder import managed_collision_plan_path, per_rank_buffers, shard_managed_collision_collection
 from recship.trainer.planner.planner import with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
-from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, Topology
+from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, ShardingType, Topology
 
 
 class DistributedModelParallel(nn.Module):
@@ -90,7 +91,8 @@ class DistributedModelParallel(nn.Module):
         if optimizer is not None and sharders is not None:
             raise ValueError("give the fused optimizer either as optimizer= or in the sharders' fused_params, not both")
         if sharders is None:
-            sharders = [EmbeddingBagCollectionSharder(asdict(optimizer))] if optimizer else get_default_sharders()
+            sharders = ([EmbeddingBagCollectionSharder(asdict(optimizer)), EmbeddingCollectionSharder(asdict(optimizer))] if optimizer
+                        else get_default_sharders())
         sharders = with_ebc_sharders(sharders)  # a FeatureProcessedEmbeddingBagCollectionSharder brings its EBC sharder
         sharder = next((s for s in sharders if s.module_type is EmbeddingBagCollection), None)
         if sharder is None and any(isinstance(m, EmbeddingBagCollection) for m in module.modules()):
@@ -100,26 +102,36 @@ class DistributedModelParallel(nn.Module):
             topology = Topology(world_size=env.world_size, compute_device=device.type, local_world_size=local)
             plan = EmbeddingShardingPlanner(topology).collective_plan(module, sharders, env.pg)
         self.plan = plan
-        for path, sub in module.named_modules():  # a plan that shards an EmbeddingCollection's table: refused, not ignored
-            planned = plan.get_plan_for_module(path) if type(sub) is EmbeddingCollection else None
-            if planned is not None:
-                check_data_parallel(sub, planned)  # type: ignore[arg-type]
-        sharded: List[Tuple[str, ShardedEmbeddingBagCollection]] = []
+        ec_sharder = next((s for s in sharders if s.module_type is EmbeddingCollection), None)
+        sharded: List[Tuple[str, ShardedEmbeddingTables]] = []
         for path, sub in list(module.named_modules()):
-            if not isinstance(sub, EmbeddingBagCollection):
+            if isinstance(sub, EmbeddingBagCollection):
+                tables = plan.get_plan_for_module(path)
+                mc_owner = managed_collision_plan_path(module, path)  # a managed-collision collection's tables, as an FP-EBC's:
+                owner = fp_ebc_plan_path(module, path) or mc_owner  # its sharded ids are remapped per rank's rows
+                if tables is None and owner is not None:  # TorchRec keys an FP-EBC's tables by the FP-EBC's path
+                    tables = plan.get_plan_for_module(owner)
+                if tables is None:
+                    raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
+                assert sharder is not None  # checked above: the model has an EmbeddingBagCollection
+                replacement: nn.Module = sharder.shard(sub, tables, env, device)
+                assert isinstance(replacement, ShardedEmbeddingBagCollection)
+                if mc_owner is not None:
+                    shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
+            elif type(sub) is EmbeddingCollection and plan.get_plan_for_module(path) is not None:
+                tables = plan.get_plan_for_module(path)
+                if ec_sharder is None:  # replicas train under DDP as they are; a sharded table is refused, not ignored
+                    shards = sorted(n for n, ps in tables.items() if ps.sharding_type != ShardingType.DATA_PARALLEL)
+                    if shards:
+                        raise ValueError(f"the plan shards tables {shards} of EmbeddingCollection {path or '<root>'!r}, but "
+                                         f"none of the sharders {list(sharders)} shards EmbeddingCollection "
+                                         "(add an EmbeddingCollectionSharder)")
+                    continue
+                replacement = ec_sharder.shard(sub, tables, env, device)
+                if replacement is sub or not isinstance(replacement, ShardedEmbeddingTables):  # every table data-parallel
+                    continue
+            else:
                 continue
-            tables = plan.get_plan_for_module(path)
-            mc_owner = managed_collision_plan_path(module, path)  # a managed-collision collection's tables, as an FP-EBC's:
-            owner = fp_ebc_plan_path(module, path) or mc_owner  # its sharded ids are remapped per rank's rows
-            if tables is None and owner is not None:  # TorchRec keys an FP-EBC's tables by the FP-EBC's path
-                tables = plan.get_plan_for_module(owner)
-            if tables is None:
-                raise ValueError(f"the sharding plan has no entry for module {path or '<root>'!r}")
-            assert sharder is not None  # checked above: the model has an EmbeddingBagCollection
-            replacement = sharder.shard(sub, tables, env, device)
-            assert isinstance(replacement, ShardedEmbeddingBagCollection)
-            if mc_owner is not None:
-                shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
             sharded.append((path, replacement))
             if path == "":
                 module = replacement
@@ -191,7 +203,8 @@ class DistributedModelParallel(nn.Module):
         for _, p in in_backward_optimizer_filter(module.named_parameters()):
             yield p
 
-    def sharded_modules(self) -> List[ShardedEmbeddingBagCollection]:
+    def sharded_modules(self) -> List[ShardedEmbeddingTables]:
+        """The sharded collections (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection), in model order."""
         return list(self._sharded)
 
 
@@ -294,7 +307,7 @@ def _per_rank_state(module: nn.Module) -> List[str]:
     """Names of the sharded tables' parameters (views of this rank's shards: different on every rank)."""
     names = []
     for path, sub in module.named_modules():
-        if isinstance(sub, ShardedEmbeddingBagCollection):
+        if isinstance(sub, ShardedEmbeddingTables):
             prefix = f"{path}." if path else ""
             names += [prefix + n for n, p in sub.named_parameters() if getattr(p, FUSED_PARAMETER_MARK, False)]
     return names + per_rank_buffers(module)

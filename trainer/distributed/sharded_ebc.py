@@ -25,7 +25,6 @@ the world size in the same way, so N ranks with local batch B train exactly like
 one process with batch N * B and a mean loss.
 """
 
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -33,121 +32,21 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.distributed import sharded_state
+from recship.trainer.distributed.sharded_module import ShardedModule
+from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units,
+                                                       _make_tbe, _PooledAllToAll)
 from recship.trainer.distributed.types import NoWait
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
-from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
+from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.planner import bucketize_rows, merge_blocks
-from recship.trainer.planner.types import ParameterSharding, ShardingType
+from recship.trainer.planner.types import ParameterSharding
 from recship.trainer.types import PoolingType
 
-
-# Attribute set on every parameter whose optimizer is fused into backward.
-FUSED_PARAMETER_MARK = "_recship_in_backward_optimizer"
-
-
-@dataclass(frozen=True)
-class LookupUnit:
-    """One feature looked up in one shard (the unit every stage works in)."""
-
-    feature: str
-    table: str
-    shard: int  # index into the table's ParameterSharding.shards
-    rank: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
-    row_bucketed: bool  # True for row-wise and table-row-wise shards
-
-
-class _PooledAllToAll(torch.autograd.Function):
-    """Differentiable all-to-all of a flat tensor; the backward sends gradients back.
-
-    Gradients are multiplied by ``grad_scale`` on the way back (1 / world size: the
-    mean over ranks, matching DistributedDataParallel's averaging of dense grads).
-    """
-
-    @staticmethod
-    def forward(ctx, x, send: List[int], recv: List[int], pg, grad_scale: float):
-        ctx.send, ctx.recv, ctx.pg, ctx.grad_scale = send, recv, pg, grad_scale
-        out = x.new_empty(sum(recv))
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=pg)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        back = grad.new_empty(sum(ctx.send))
-        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.recv, group=ctx.pg)
-        return back * ctx.grad_scale, None, None, None, None
-
-
-def _lookup_units(
-    configs: List[EmbeddingBagConfig], plan: Dict[str, ParameterSharding]
-) -> List[LookupUnit]:
-    """All sharded lookup units in a fixed order (every rank computes the same list)."""
-    units = []
-    for t in configs:
-        ps = plan[t.name]
-        if ps.sharding_type == ShardingType.DATA_PARALLEL:
-            continue
-        bucketed = ps.sharding_type in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE)
-        for f in t.feature_names:
-            for i, s in enumerate(ps.shards):
-                units.append(
-                    LookupUnit(
-                        feature=f,
-                        table=t.name,
-                        shard=i,
-                        rank=s.rank,
-                        row_offset=s.shard_offsets[0],
-                        rows=s.shard_sizes[0],
-                        col_offset=s.shard_offsets[1],
-                        cols=s.shard_sizes[1],
-                        row_bucketed=bucketed,
-                    )
-                )
-    return units
-
-
-def _make_tbe(
-    shards: List[Tuple[str, int, int, int]],
-    unit_shard_index: List[int],
-    optim: FusedOptimizerConfig,
-    device: torch.device,
-) -> Any:  # fbgemm's SplitTableBatchedEmbeddingBagsCodegen (untyped)
-    """One training TBE over this rank's shards; ``shards`` = [(table, shard, rows, cols)]."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        BoundsCheckMode,
-        EmbeddingLocation,
-        PoolingMode,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-        WeightDecayMode,
-    )
-
-    if device.type == "cuda":
-        location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
-    else:
-        location, compute = EmbeddingLocation.HOST, ComputeDevice.CPU
-    return SplitTableBatchedEmbeddingBagsCodegen(
-        embedding_specs=[(rows, cols, location, compute) for _, _, rows, cols in shards],
-        feature_table_map=unit_shard_index,
-        optimizer=FbgemmOptim[optim.optimizer.name],
-        learning_rate=optim.learning_rate,
-        eps=optim.eps,
-        weight_decay=optim.weight_decay,
-        weight_decay_mode=WeightDecayMode.L2 if optim.weight_decay > 0 else WeightDecayMode.NONE,
-        beta1=optim.beta1,
-        beta2=optim.beta2,
-        pooling_mode=PoolingMode.SUM,
-        bounds_check_mode=BoundsCheckMode.FATAL,
-        device=device,
-    )
+# names other modules import from here (they live in sharded_tables, shared with the sharded EmbeddingCollection)
+__all__ = ["FUSED_PARAMETER_MARK", "LookupUnit", "ShardedEmbeddingBagCollection", "EmbeddingBagCollectionAwaitable",
+           "SparseFeaturesAllToAll", "GroupedPooledEmbeddingsLookup", "PooledEmbeddingsAllToAll", "_lookup_units",
+           "_make_tbe", "_PooledAllToAll"]
 
 
 class SparseFeaturesAllToAll(nn.Module):
@@ -311,7 +210,7 @@ class EmbeddingBagCollectionAwaitable(NoWait[KeyedTensor]):
     """
 
 
-class ShardedEmbeddingBagCollection(nn.Module):
+class ShardedEmbeddingBagCollection(ShardedModule, ShardedEmbeddingTables):
     """The shard of an EmbeddingBagCollection that this rank owns, plus the collectives.
 
     Its three stages are the modules ``_input_dists[0]``, ``_lookups[0]`` (holding the
@@ -341,137 +240,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
         device: Optional[torch.device] = None,
     ) -> None:
         super().__init__()
-        self._pg = pg
-        self._rank = dist.get_rank(pg)
-        self._world_size = dist.get_world_size(pg)
-        self._device = torch.device(device or "cpu")
-        # NCCL moves only CUDA tensors; gloo only CPU ones (for all-to-all).
-        self._comm_device = self._device if dist.get_backend(pg) == "nccl" else torch.device("cpu")
-        optimizer.check_device(self._device.type)
-        self._optimizer_config = optimizer
-        self._configs = module.embedding_bag_configs()
+        self._setup(module.embedding_bag_configs(), plan, optimizer, pg, device)
         self._is_weighted = module.is_weighted()
-        missing = [t.name for t in self._configs if t.name not in plan]
-        if missing:
-            raise ValueError(f"the sharding plan has no entry for tables {missing}")
-        self._plan = {t.name: plan[t.name] for t in self._configs}
-        self._rows = {f: t.num_embeddings for t in self._configs for f in t.feature_names}
-        self._units = _lookup_units(self._configs, self._plan)
-        self._units_by_rank = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
         args = (self._units_by_rank, self._rank, pg, self._comm_device)
         weighted = self._is_weighted
+        mine = self._units_by_rank[self._rank]
+        tbes = self._build_tbes(module.embedding_bags, [mine] if mine else [], pooled=True)
         self._input_dists = nn.ModuleList([SparseFeaturesAllToAll(*args, self._device, weighted)])
-        self._lookups = nn.ModuleList([GroupedPooledEmbeddingsLookup(self._build_tbe(module), self._device)])
+        self._lookups = nn.ModuleList([GroupedPooledEmbeddingsLookup(tbes[0] if tbes else None, self._device)])
         self._output_dists = nn.ModuleList([PooledEmbeddingsAllToAll(*args, self._device)])
-        self._build_data_parallel(module)
-        self._init_torch_state()
-        self.fused_optimizer = CombinedOptimizer([("", EmbeddingFusedOptimizer(self, optimizer))])
+        self._finish(module.embedding_bags)
 
     @property
     def tbe(self) -> Optional[Any]:
         """This rank's fbgemm SplitTableBatchedEmbeddingBagsCodegen (None on a rank without shards)."""
         return self._lookups[0].tbe
-
-    # -- construction ------------------------------------------------------
-
-    def _build_tbe(self, module: EmbeddingBagCollection) -> Optional[Any]:
-        mine = self._units_by_rank[self._rank]
-        self._local_shards: List[Tuple[str, int, int, int]] = []
-        index: Dict[Tuple[str, int], int] = {}
-        unit_shard_index = []
-        for u in mine:
-            key = (u.table, u.shard)
-            if key not in index:
-                index[key] = len(self._local_shards)
-                self._local_shards.append((u.table, u.shard, u.rows, u.cols))
-            unit_shard_index.append(index[key])
-        if not self._local_shards:
-            return None
-        tbe = _make_tbe(self._local_shards, unit_shard_index, self._optimizer_config, self._device)
-        for p in tbe.parameters():
-            setattr(p, FUSED_PARAMETER_MARK, True)
-        configs = {t.name: t for t in self._configs}
-        with torch.no_grad():
-            for (table, shard, rows, cols), w in zip(self._local_shards, tbe.split_embedding_weights()):
-                s = self._plan[table].shards[shard]
-                full = module.embedding_bags[table].weight
-                assert isinstance(full, torch.Tensor)
-                if full.is_meta:
-                    lo, hi = configs[table].init_range()
-                    w.uniform_(lo, hi)
-                else:
-                    r0, c0 = s.shard_offsets
-                    w.copy_(full[r0 : r0 + rows, c0 : c0 + cols])
-        return tbe
-
-    def _build_data_parallel(self, module: EmbeddingBagCollection) -> None:
-        self.embedding_bags = nn.ModuleDict({t.name: nn.Module() for t in self._configs})
-        for t in self._configs:
-            if self._plan[t.name].sharding_type != ShardingType.DATA_PARALLEL:
-                continue
-            full = module.embedding_bags[t.name].weight
-            assert isinstance(full, torch.Tensor)
-            w = torch.empty(t.num_embeddings, t.embedding_dim, device=self._device)
-            with torch.no_grad():
-                if full.is_meta:
-                    w.uniform_(*t.init_range())
-                else:
-                    w.copy_(full)
-            self.embedding_bags[t.name].register_parameter("weight", nn.Parameter(w))
-
-    def _init_torch_state(self) -> None:
-        """Registers each sharded table's ``embedding_bags.<table>.weight`` (views into the TBE) and builds
-        the ShardedTensors that ``state_dict()`` returns for them (TorchRec's ``_initialize_torch_state``)."""
-        by_table: Dict[str, sharded_state.LocalShards] = {}
-        for (table, shard), w in self.local_shards().items():
-            by_table.setdefault(table, []).append((shard, w))
-        self._sharded_weights: Dict[str, Any] = {}  # table -> ShardedTensor
-        for t in self._configs:
-            if t.name in self.data_parallel:
-                continue
-            local = by_table.get(t.name, [])
-            param = sharded_state.local_parameter(local, self._device)
-            setattr(param, FUSED_PARAMETER_MARK, True)
-            self.embedding_bags[t.name].register_parameter("weight", param)
-            self._sharded_weights[t.name] = sharded_state.weight_tensor(
-                self._plan[t.name], [t.num_embeddings, t.embedding_dim], local, self._rank, self._device, self._pg
-            )
-        self._register_state_dict_hook(ShardedEmbeddingBagCollection._post_state_dict_hook)
-        self._register_load_state_dict_pre_hook(self._pre_load_state_dict_hook, with_module=True)
-
-    @staticmethod
-    def _post_state_dict_hook(module: "ShardedEmbeddingBagCollection", destination: Dict[str, Any], prefix: str, _: Any) -> None:
-        for table, st in module._sharded_weights.items():
-            destination[f"{prefix}embedding_bags.{table}.weight"] = st
-
-    @staticmethod
-    def _pre_load_state_dict_hook(module: "ShardedEmbeddingBagCollection", state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
-        """Writes each sharded table given into the TBE; the registered view then loads itself (a no-op copy)."""
-        by_table: Dict[str, sharded_state.LocalShards] = {}
-        for (table, shard), w in module.local_shards().items():
-            by_table.setdefault(table, []).append((shard, w))
-        for t in module._configs:
-            key = f"{prefix}embedding_bags.{t.name}.weight"
-            if t.name in module.data_parallel or key not in state_dict:
-                continue
-            sharded_state.copy_into_shards(
-                key, state_dict[key], module._plan[t.name], [t.num_embeddings, t.embedding_dim], by_table.get(t.name, [])
-            )
-            state_dict[key] = module._table_weight(t.name).detach()
-
-    def _table_weight(self, table: str) -> nn.Parameter:
-        weight = self.embedding_bags[table].weight
-        assert isinstance(weight, nn.Parameter)
-        return weight
-
-    @property
-    def data_parallel(self) -> Dict[str, nn.Parameter]:
-        """Table name -> the replicated weight of each data-parallel table (``embedding_bags.<table>.weight``)."""
-        return {
-            t.name: self._table_weight(t.name)
-            for t in self._configs
-            if self._plan[t.name].sharding_type == ShardingType.DATA_PARALLEL
-        }
 
     # -- forward -----------------------------------------------------------
 
@@ -521,73 +304,3 @@ class ShardedEmbeddingBagCollection(nn.Module):
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         """The tables, in the unsharded module's order."""
         return list(self._configs)
-
-    @property
-    def module_sharding_plan(self) -> Dict[str, ParameterSharding]:
-        """Table name -> its ParameterSharding (TorchRec's name for it)."""
-        return dict(self._plan)
-
-    def local_shards(self) -> Dict[Tuple[str, int], torch.Tensor]:
-        """{(table, shard index): weight view} for the shards on this rank."""
-        if self.tbe is None:
-            return {}
-        weights = self.tbe.split_embedding_weights()
-        return {(t, s): w for (t, s, _, _), w in zip(self._local_shards, weights)}
-
-    def local_optimizer_states(self) -> Dict[Tuple[str, int], List[torch.Tensor]]:
-        """{(table, shard index): [state tensors]} of the fused optimizer on this rank."""
-        if self.tbe is None:
-            return {}
-        states = self.tbe.split_optimizer_states()
-        return {(t, s): list(st) for (t, s, _, _), st in zip(self._local_shards, states)}
-
-    def fused_optimizer_state(self) -> Tuple[Dict[str, Any], Dict[Any, Dict[str, Any]]]:
-        """TorchRec's fused-optimizer parameters and state of the sharded tables with a shard on this rank.
-
-        Returns ({"embedding_bags.<table>.weight": its ShardedTensor}, {that ShardedTensor:
-        {"<table>.momentum1": ShardedTensor, ...}}); the state tensors are the TBE's own (views).
-        As in TorchRec, a table without a shard here is not among this rank's parameters.
-        """
-        layout = sharded_state.OPTIMIZER_STATES[self._optimizer_config.optimizer.name]
-        states = self.local_optimizer_states()  # empty for EXACT_SGD (fbgemm keeps no state)
-        local = list(self.local_shards())
-        params: Dict[str, Any] = {}
-        state: Dict[Any, Dict[str, Any]] = {}
-        for t in self._configs:
-            if t.name in self.data_parallel:
-                continue
-            weight = self._sharded_weights[t.name]
-            mine = [(shard, states.get((table, shard), [])) for table, shard in local if table == t.name]
-            if not mine:
-                continue
-            params[f"embedding_bags.{t.name}.weight"] = weight
-            state[weight] = {
-                f"{t.name}.{key}": sharded_state.optimizer_state_tensor(
-                    self._plan[t.name], [t.num_embeddings, t.embedding_dim], [(shard, st[i]) for shard, st in mine],
-                    pointwise, self._rank, self._device, self._pg,
-                )
-                for i, (key, pointwise) in enumerate(layout)
-            }
-        return params, state
-
-    def gather_table(self, table: str) -> Optional[torch.Tensor]:
-        """The full [rows, dim] table assembled on rank 0 (None elsewhere); a collective."""
-        config = next(t for t in self._configs if t.name == table)
-        if table in self.data_parallel:
-            return self.data_parallel[table].detach().clone() if self._rank == 0 else None
-        full = torch.zeros(config.num_embeddings, config.embedding_dim, device=self._comm_device)
-        for (t, s), w in self.local_shards().items():
-            if t == table:
-                r0, c0 = self._plan[t].shards[s].shard_offsets
-                full[r0 : r0 + w.shape[0], c0 : c0 + w.shape[1]] = w.detach()
-        dist.reduce(full, dst=dist.get_global_rank(self._pg, 0) if self._pg else 0, group=self._pg)
-        full = full.cpu()
-        return full if self._rank == 0 else None
-
-    def set_learning_rate(self, lr: float) -> None:
-        if self.tbe is not None:
-            self.tbe.set_learning_rate(lr)
-
-    @property
-    def optimizer(self) -> EmbOptimType:
-        return self._optimizer_config.optimizer

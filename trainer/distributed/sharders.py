@@ -1,5 +1,5 @@
 """EmbeddingBagCollectionSharder: shards an EmbeddingBagCollection under a plan (TorchRec's sharder);
-EmbeddingCollectionSharder: keeps an EmbeddingCollection's tables as data-parallel replicas.
+EmbeddingCollectionSharder: shards an EmbeddingCollection (table-, row-, column-wise or data-parallel).
 
     sharder = EmbeddingBagCollectionSharder(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
     sharded = sharder.shard(ebc, plan.plan[""], ShardingEnv.from_process_group(pg), torch.device("cpu"))
@@ -10,26 +10,29 @@ unsharded tables, the sharder's ``fused_params``, or the default (row-wise adagr
 lr 0.01). recship fuses one optimizer per sharded module (one TBE per rank), so
 tables of one collection that ask for different optimizers are an error.
 
-recship trains an EmbeddingCollection's tables data-parallel only (TorchRec can also shard
-them table-, row- and column-wise): DistributedModelParallel leaves the collection in the
-model, where DDP all-reduces its gradients. The planner gives its tables ``data_parallel``;
-a plan asking another type for one is an error naming the table.
+An EmbeddingCollection whose tables are all planned data-parallel stays in the model as it is, where
+DistributedModelParallel's DDP all-reduces its gradients; otherwise it becomes a ShardedEmbeddingCollection.
 """
 
-from typing import Any, Dict, List, Mapping, Optional, Type
+from typing import Any, Dict, List, Mapping, Optional, Type, TypeVar, Union, cast
 
 import torch
+from torch import nn
 
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.sharded_ec import EC_SHARDING_TYPES, ShardedEmbeddingCollection
+from recship.trainer.distributed.sharded_tables import optimizer_for
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.names import EmbeddingComputeKernel, ShardingType
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config, fused_config_from_torch
+from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config
 from recship.trainer.planner.types import ParameterSharding
 
+M = TypeVar("M", bound=nn.Module)
 
-class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
-    """Shards EmbeddingBagCollections; ``fused_params`` sets their fused optimizer.
+
+class BaseEmbeddingSharder(ModuleSharder[M]):
+    """What the embedding sharders share (TorchRec's base): ``fused_params`` sets the fused optimizer.
 
     Args:
         fused_params: TorchRec's dict: "optimizer" (an EmbOptimType, recship's or
@@ -45,31 +48,22 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
                  sharded_module_order_overwrite: Optional[List[Any]] = None) -> None:
         _refuse_qcomm(qcomm_codecs_registry)
         if sharded_module_order_overwrite is not None:
-            raise ValueError(f"EmbeddingBagCollectionSharder(sharded_module_order_overwrite={sharded_module_order_overwrite!r}): "
+            raise ValueError(f"{type(self).__name__}(sharded_module_order_overwrite={sharded_module_order_overwrite!r}): "
                              "recship's sharded collection runs its sharding types in one fixed order")
         self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
         fused_config(self.fused_params)  # bad keys or values fail here, not at shard time
 
+    def optimizer_config(self, module: Optional[nn.Module] = None) -> FusedOptimizerConfig:
+        """The fused optimizer ``module``'s tables get (see the module docstring for precedence)."""
+        return fused_config(self.fused_params) if module is None else optimizer_for(module, self.fused_params)
+
+
+class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]):
+    """Shards EmbeddingBagCollections; ``fused_params`` sets their fused optimizer (arguments: BaseEmbeddingSharder's)."""
+
     @property
     def module_type(self) -> Type[EmbeddingBagCollection]:
         return EmbeddingBagCollection
-
-    def optimizer_config(self, module: Optional[EmbeddingBagCollection] = None) -> FusedOptimizerConfig:
-        """The fused optimizer ``module``'s tables get (see the module docstring for precedence)."""
-        default = fused_config(self.fused_params)
-        if module is None:
-            return default
-        per_table = {name: _in_backward_config(name, p) for name, p in module.named_parameters()}
-        asked = {name: c for name, c in per_table.items() if c is not None}
-        if not asked:
-            return default
-        if len(asked) < len(per_table) or len({repr(c) for c in asked.values()}) > 1:
-            settings = {name: (repr(c) if c is not None else "the sharder's fused_params") for name, c in per_table.items()}
-            raise ValueError(
-                "recship fuses one optimizer per EmbeddingBagCollection, but its tables ask for different ones "
-                f"(apply_optimizer_in_backward on some or with different settings): {settings}"
-            )
-        return next(iter(asked.values()))
 
     def shard(
         self,
@@ -89,58 +83,60 @@ class EmbeddingBagCollectionSharder(ModuleSharder[EmbeddingBagCollection]):
         return f"EmbeddingBagCollectionSharder(fused_params={self.fused_params})"
 
 
-def _in_backward_config(name: str, param: torch.Tensor) -> Optional[FusedOptimizerConfig]:
-    """The fused optimizer ``_apply_optimizer_in_backward`` asked for on ``param``, if any."""
-    classes = getattr(param, "_optimizer_classes", None)
-    if not classes:
-        return None
-    kwargs = getattr(param, "_optimizer_kwargs", [{}])
-    if len(classes) != 1:
-        raise ValueError(f"{name}: apply_optimizer_in_backward was called {len(classes)} times; a fused table takes one optimizer")
-    return fused_config_from_torch(classes[0], kwargs[0])
-
-
-class EmbeddingCollectionSharder(ModuleSharder[EmbeddingCollection]):
-    """TorchRec's sharder of EmbeddingCollections; in recship their tables stay data-parallel replicas.
+class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
+    """Shards EmbeddingCollections (sequence embeddings): TorchRec's sharding types for them, table-wise, row-wise,
+    column-wise and data-parallel (no table-row-wise, as in TorchRec).
 
     Args:
-        fused_params: accepted for TorchRec's signature and checked as the EBC sharder's;
-            as in TorchRec, data-parallel tables take no fused optimizer (the dense
-            optimizer of ``DistributedModelParallel.dense_parameters()`` updates them).
+        fused_params: the fused optimizer of the sharded tables, as for EmbeddingBagCollectionSharder
+            (data-parallel tables take the dense optimizer of ``DistributedModelParallel.dense_parameters()``).
         qcomm_codecs_registry: TorchRec's quantized-communication codecs: refused.
-        use_index_dedup: TorchRec dedups ids before a sharded table's input all-to-all; recship's
-            EmbeddingCollection tables are data-parallel (no all-to-all), so either value gives the same.
+        use_index_dedup: TorchRec sends each distinct id of a batch once; recship sends every id (the rows and
+            gradients are the same either way).
     """
 
     def __init__(self, fused_params: Optional[Mapping[str, Any]] = None, qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
                  use_index_dedup: bool = False) -> None:
-        _refuse_qcomm(qcomm_codecs_registry)
+        super().__init__(fused_params, qcomm_codecs_registry)
         self.use_index_dedup = use_index_dedup
-        self.fused_params: Optional[Dict[str, Any]] = dict(fused_params) if fused_params is not None else None
-        fused_config(self.fused_params)
 
     @property
-    def module_type(self) -> Type[EmbeddingCollection]:
+    def module_type(self) -> Type[EmbeddingCollection]:  # type: ignore[override]
         return EmbeddingCollection
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [ShardingType.DATA_PARALLEL.value]
+        return [st.value for st in EC_SHARDING_TYPES]
 
-    def shard(
+    def shardable_parameters(self, module: EmbeddingCollection) -> Dict[str, nn.Parameter]:
+        """Table name -> its weight (TorchRec's)."""
+        return {t.name: cast(nn.Parameter, module.embeddings[t.name].weight) for t in module.embedding_configs()}
+
+    def shard(  # type: ignore[override]
         self,
         module: EmbeddingCollection,
         params: Dict[str, ParameterSharding],
         env: ShardingEnv,
         device: Optional[torch.device] = None,
-    ) -> EmbeddingCollection:
-        """``module`` itself (on ``device`` when given), once every table's plan is data-parallel.
+        module_fqn: Optional[str] = None,
+    ) -> Union[ShardedEmbeddingCollection, EmbeddingCollection]:
+        """This rank's ShardedEmbeddingCollection (a collective); ``module`` itself (on ``device``) when every table is
+        planned data-parallel: DistributedModelParallel's DDP then trains it whole, as before sharding existed.
 
-        Raises ValueError naming the table for a table the plan lacks or gives another sharding type.
+        Raises ValueError naming the table for a table the plan lacks, a sharding type TorchRec has no EC sharding
+        for (table_row_wise) or a kernel recship cannot train it with.
         """
         if not isinstance(module, EmbeddingCollection):
             raise TypeError(f"EmbeddingCollectionSharder shards EmbeddingCollection, got {type(module).__name__}")
-        check_data_parallel(module, params)
-        return module if device is None or device.type == "meta" else module.to(device)
+        names = [t.name for t in module.embedding_configs()]
+        missing, unknown = [n for n in names if n not in params], sorted(set(params) - set(names))
+        if missing or unknown:
+            raise ValueError(f"the plan of an EmbeddingCollection lacks its tables {missing} or names tables it lacks {unknown}")
+        for name in names:
+            check_training_kernel(name, params[name])
+        if all(params[n].sharding_type == ShardingType.DATA_PARALLEL for n in names):
+            return module if device is None or device.type == "meta" else module.to(device)
+        return ShardedEmbeddingCollection(module, params, env, self.optimizer_config(module), device,
+                                          use_index_dedup=self.use_index_dedup, module_fqn=module_fqn)
 
     def __repr__(self) -> str:
         return f"EmbeddingCollectionSharder(fused_params={self.fused_params})"
@@ -162,22 +158,6 @@ def check_training_kernel(name: str, ps: ParameterSharding) -> None:
             f"table {name!r} is planned {ps.sharding_type.value!r} with compute kernel {ps.compute_kernel.value!r}: recship "
             f"trains {ps.sharding_type.value} tables with {want.value!r} only (dense: data_parallel replicas; fused: every "
             "sharded type, its optimizer fused into backward)")
-
-
-def check_data_parallel(module: EmbeddingCollection, params: Mapping[str, ParameterSharding]) -> None:
-    """ValueError naming the table unless ``params`` gives each of ``module``'s tables ``data_parallel``."""
-    names = [t.name for t in module.embedding_configs()]
-    missing, unknown = [n for n in names if n not in params], sorted(set(params) - set(names))
-    if missing or unknown:
-        raise ValueError(f"the plan of an EmbeddingCollection lacks its tables {missing} or names tables it lacks {unknown}")
-    for name in names:
-        st = params[name].sharding_type
-        if st != ShardingType.DATA_PARALLEL:
-            raise ValueError(
-                f"table {name!r} of an EmbeddingCollection is planned {getattr(st, 'value', st)!r}: recship trains "
-                "EmbeddingCollection tables data-parallel only (plan them data_parallel)"
-            )
-        check_training_kernel(name, params[name])
 
 
 def get_default_sharders() -> List[ModuleSharder]:

@@ -23,7 +23,7 @@ fixed order (sharding type order below, then lower ranks).
 
 That placement runs once per proposal (``components``: the proposers say which types each
 table may take, a storage reservation first takes its share of every rank); the plan whose
-busiest rank is least busy wins. EmbeddingCollection tables are planned data-parallel only.
+busiest rank is least busy wins. EmbeddingCollection tables take TorchRec's types for them (no table-row-wise).
 """
 
 import logging
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.managed_collisions.embedding import managed_collision_plan_path
@@ -173,6 +173,7 @@ def shard_cost(
     world_size: int,
     pooling_factor: float,
     num_features: float,
+    pooled: bool = True,
 ) -> float:
     """Floats one shard reads and sends per step on its rank (a relative cost, not seconds).
 
@@ -180,12 +181,15 @@ def shard_cost(
     the shard's rows (ids assumed uniform over the table) x shard_cols; communication =
     the pooled [global batch, shard_cols] output per feature it sends back. Data-parallel
     replicas look up only the local batch, then all-reduce a dense gradient (~2 x table).
+    ``pooled=False`` (an EmbeddingCollection's table): a shard sends one row per id instead of one per bag.
     """
     ids_per_example = pooling_factor * num_features
     if sharding_type == ShardingType.DATA_PARALLEL:
         return batch_size * ids_per_example * shard_cols + 2.0 * shard_rows * shard_cols
     global_batch = batch_size * world_size
     lookups = global_batch * ids_per_example * (shard_rows / table_rows) * shard_cols
+    if not pooled:  # an EmbeddingCollection's shard sends back one row per id it looked up
+        return 2.0 * lookups
     return lookups + global_batch * num_features * shard_cols
 
 
@@ -329,8 +333,8 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         EmbeddingBagCollection sharder's ``fused_params`` optimizer is the one whose state the
         plan makes room for, unless the planner was given one. Collections without a sharder
         among them are not planned (default: EmbeddingBagCollections only).
-        EmbeddingCollections (with an EmbeddingCollectionSharder) are planned data-parallel:
-        recship trains their tables as replicas.
+        EmbeddingCollections (with an EmbeddingCollectionSharder) are planned like EmbeddingBagCollections,
+        without table-row-wise (TorchRec's EmbeddingCollectionSharder has none) and with unpooled output costs.
 
         Raises PlannerError (a ValueError) naming the table for bad constraints or a table
         that fits nowhere, after the storage reservation.
@@ -436,21 +440,23 @@ class EmbeddingShardingPlanner(ShardingPlanner):
     def _allowed_types(self, t: Any, unpooled: bool = False) -> List[ShardingType]:
         """The sharding types ``t`` may use, or PlannerError naming it when none can work.
 
-        ``unpooled``: ``t`` is an EmbeddingCollection's table, which recship trains data-parallel only.
+        ``unpooled``: ``t`` is an EmbeddingCollection's table (no table-row-wise; its lookups send rows, not sums).
         """
         c = self.constraints.get(t.name) or ParameterConstraints()
         # ParameterConstraints turned value strings into members
         types = list(DEFAULT_SHARDING_TYPES if c.sharding_types is None else cast(List[ShardingType], c.sharding_types))
         if not types:
             raise PlannerError(f"table {t.name!r}: constraints allow no sharding type", PlannerErrorType.STRICT_CONSTRAINTS)
-        if unpooled:
-            if c.sharding_types is not None and ShardingType.DATA_PARALLEL not in types:
+        if unpooled:  # TorchRec's EmbeddingCollectionSharder has no table-row-wise sharding
+            if c.sharding_types is None:
+                types = [st for st in types if st != ShardingType.TABLE_ROW_WISE]
+            elif ShardingType.TABLE_ROW_WISE in types:
                 raise PlannerError(
                     f"table {t.name!r} of an EmbeddingCollection: constraints ask for {[st.value for st in types]}, but "
-                    "recship trains EmbeddingCollection tables data-parallel only (data_parallel)",
+                    "EmbeddingCollection tables shard table_wise, row_wise, column_wise or data_parallel (TorchRec's "
+                    "EmbeddingCollectionSharder has no table_row_wise)",
                     PlannerErrorType.STRICT_CONSTRAINTS,
                 )
-            types = [ShardingType.DATA_PARALLEL]
         if c.pooling_factor <= 0:
             raise PlannerError(f"table {t.name!r}: pooling_factor must be > 0, got {c.pooling_factor}", PlannerErrorType.STRICT_CONSTRAINTS)
         if c.min_partition is not None and c.min_partition < 1:
@@ -578,7 +584,8 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         for s in shards:
             rows, cols = s.shard_sizes
             memory[s.rank] += shard_bytes(rows, cols, st, optim)
-            cost[s.rank] += shard_cost(rows, cols, t.num_embeddings, st, self.batch_size, world, pooling_factor, num_features)
+            cost[s.rank] += shard_cost(rows, cols, t.num_embeddings, st, self.batch_size, world, pooling_factor, num_features,
+                                       pooled=not isinstance(t, EmbeddingConfig))
         return memory, cost
 
 

@@ -1,5 +1,5 @@
 """An EmbeddingCollection trains data-parallel under DistributedModelParallel on 2 gloo ranks, planned by the planner
-with TorchRec's default sharders (EBC sharded, EC replicated): weights after 3 steps equal one process training the
+with TorchRec's default sharders (EBC sharded, EC replicated as its constraints ask): weights after 3 steps equal one process training the
 same model on the whole batches with plain torch SGD."""
 
 import torch
@@ -11,7 +11,7 @@ from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, Embeddin
 from recship.trainer.distributed.sharders import get_default_sharders
 from recship.trainer.fused_optim import EmbOptimType
 from recship.trainer.model_parallel import DistributedModelParallel
-from recship.trainer.planner import EmbeddingShardingPlanner, Topology
+from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 
 LOCAL_BATCH, LR, DIM = 3, 0.1, 4
 
@@ -48,7 +48,8 @@ def _worker(rank: int, world_size: int, steps: int):
     torch.manual_seed(0)
     model = TwoTowers()
     sharders = get_default_sharders()
-    plan = EmbeddingShardingPlanner(Topology(world_size), debug=False).collective_plan(model, sharders)
+    replicas = {"seq": ParameterConstraints(sharding_types=["data_parallel"])}  # test_ec_sharding.py: sharded EC tables
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=replicas, debug=False).collective_plan(model, sharders)
     dmp = DistributedModelParallel(model, plan=plan, sharders=[type(sharders[0])(fused_params={"optimizer": EmbOptimType.EXACT_SGD,
                                                                                              "learning_rate": LR}), sharders[1]])
     dense = torch.optim.SGD(dmp.dense_parameters(), lr=LR)
