@@ -41,6 +41,7 @@ from recship.trainer.planner.components import (DynamicProgrammingProposer, Embe
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleShardingPlan
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
                                                    row_wise, table_row_wise, table_wise)
+from recship.trainer.distributed.sharded_module import (CommType, QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry)
 from recship.trainer.distributed.sharded_module import (CommOp, DeviceToHostTensorAwaitable, EmbeddingEvent, GenericMeta,
                                                        GetItemLazyAwaitable, LazyGetItemMixin, LazyNoWait, ModuleNoCopyMixin,
                                                        NoOpQuantizedCommCodec, NullShardedModuleContext, NullShardingContext,
@@ -129,4 +130,19 @@ __all__ = [
     "QuantizedCommCodec", "QuantizedCommCodecs", "ShardedModule", "ShardedModuleContext", "get_tensor_size_bytes",
     "rank_device", "CacheParams", "CacheStatistics", "ComputeDevice", "ComputeKernel", "KeyValueParams", "ParameterStorage",
     "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
+    "CommType", "QCommsConfig", "get_qcomm_codecs", "get_qcomm_codecs_registry",
 ]
+
+
+# TorchRec's inference sharders (torchrec.distributed.quant_embeddingbag / quant_embedding), from recship.quantize.sharders
+# when first asked for, so that importing this module does not load the quantized collections
+_INFERENCE_SHARDERS = ("QuantEmbeddingBagCollectionSharder", "QuantEmbeddingCollectionSharder",
+                       "QuantFeatureProcessedEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollection")
+
+
+def __getattr__(name: str) -> object:
+    if name in _INFERENCE_SHARDERS:
+        from recship.quantize import sharders
+
+        return getattr(sharders, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

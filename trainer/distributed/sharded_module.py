@@ -227,3 +227,59 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 def get_tensor_size_bytes(t: torch.Tensor) -> int:
     """Bytes of ``t``'s elements (numel x element size)."""
     return t.numel() * t.element_size()
+
+
+# -- TorchRec's torchrec.distributed.fbgemm_qcomm_codec -------------------------------------------------------------
+
+
+@unique
+class CommType(Enum):
+    """The precisions TorchRec's quantized communication can send."""
+
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP8 = "fp8"
+    INT8 = "int8"
+    MX4 = "mx4"
+
+
+@dataclass
+class QCommsConfig:
+    """TorchRec's quantized-communication settings of the embedding all-to-alls (forward and backward precision).
+    recship's collectives send fp32: only ``CommType.FP32`` both ways has codecs (none needed)."""
+
+    forward_precision: CommType = CommType.FP32
+    backward_precision: CommType = CommType.FP32
+    forward_loss_scale: Optional[float] = None
+    backward_loss_scale: Optional[float] = None
+    fp8_quantize_dim: Optional[int] = None
+    fp8_quantize_dim_bwd: Optional[int] = None
+    fp8_bwd_uses_143: Optional[bool] = False
+    mx4_quantize_dim: Optional[int] = None
+    mx4_quantize_dim_bwd: Optional[int] = None
+    mx4_rounding_mode: Optional[Any] = None
+
+
+def _check_fp32(qcomms_config: Optional[QCommsConfig]) -> None:
+    if qcomms_config is None:
+        return
+    other = {k: p for k, p in (("forward_precision", qcomms_config.forward_precision),
+                               ("backward_precision", qcomms_config.backward_precision)) if p is not CommType.FP32}
+    if other:
+        raise ValueError(f"QCommsConfig({', '.join(f'{k}={v}' for k, v in other.items())}): recship's all-to-alls send "
+                         "fp32 (no quantized communication); use CommType.FP32 or pass no codecs")
+
+
+def get_qcomm_codecs(qcomms_config: Optional[QCommsConfig]) -> QuantizedCommCodecs:
+    """The codecs of ``qcomms_config``: fp32 both ways (no-op codecs); another precision is refused."""
+    _check_fp32(qcomms_config)
+    return QuantizedCommCodecs()
+
+
+def get_qcomm_codecs_registry(qcomms_config: QCommsConfig, comm_ops: Optional[List[CommOp]] = None,
+                              device: Optional[torch.device] = None) -> Optional[Dict[str, QuantizedCommCodecs]]:
+    """TorchRec's codec registry for the sharders: None for fp32 both ways (as TorchRec); another precision is
+    refused (recship sends fp32), rather than silently sent uncompressed."""
+    _check_fp32(qcomms_config)
+    return None

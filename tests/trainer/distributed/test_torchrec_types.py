@@ -1,0 +1,104 @@
+"""TorchRec's ``torchrec.distributed.types`` / ``planner.types`` / ``fbgemm_qcomm_codec`` vocabulary on recship: what
+each name does (awaitables, codecs, helpers), Topology's TorchRec parameters honoured or refused, and
+``fx.symbolic_trace``'s ``concrete_args``."""
+
+import pytest
+import torch
+from torch import nn
+
+from recship import fx
+from recship.distributed import (HBM_CAP, DDR_CAP, CacheParams, CommType, GetItemLazyAwaitable, LazyGetItemMixin,
+                                 LazyNoWait, NoOpQuantizedCommCodec, ParameterConstraints, QCommsConfig,
+                                 QuantizedCommCodecs, ShardedEmbeddingBagCollection, ShardedModule, Topology, bytes_to_gb,
+                                 gb_to_bytes, get_qcomm_codecs, get_qcomm_codecs_registry, get_tensor_size_bytes, prod,
+                                 rank_device, sharder_name, EmbeddingBagCollectionSharder)
+from recship.trainer.distributed.types import LazyAwaitable
+
+
+def test_topology_takes_torchrecs_parameters_and_defaults():
+    with pytest.raises(TypeError):
+        Topology(2)  # TorchRec requires compute_device
+    cuda = Topology(2, "cuda")
+    assert (cuda.hbm_cap, cuda.ddr_cap, cuda.capacity) == (32 * 1024**3, 128 * 1024**3, 32 * 1024**3)
+    assert (HBM_CAP, DDR_CAP) == (32 * 1024**3, 128 * 1024**3)
+    cpu = Topology(world_size=4, compute_device="cpu", hbm_cap=None, ddr_cap=10, local_world_size=2, pod_size=4)
+    assert (cpu.capacity, cpu.num_hosts) == (10, 2)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"intra_host_bw": 1.0}, "intra_host_bw=1.0"),
+    ({"bwd_compute_multiplier": 3}, "bwd_compute_multiplier=3"),
+    ({"pod_size": 2}, "pod_size=2"),
+    ({"custom_topology_data": object()}, "custom_topology_data"),
+])
+def test_topology_refuses_what_recships_cost_model_does_not_weigh(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        Topology(4, "cpu", **kwargs)
+
+
+def test_cache_params_exist_so_that_their_refusal_is_clear():
+    with pytest.raises(ValueError, match="UVM cache"):
+        ParameterConstraints(cache_params=CacheParams(load_factor=0.2))
+
+
+def test_sharded_modules_are_sharded_modules():
+    assert issubclass(ShardedEmbeddingBagCollection, ShardedModule)
+
+    class Sharded(ShardedModule):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    assert Sharded().qcomm_codecs_registry is None and isinstance(Sharded().create_context(), object)
+    with pytest.raises(ValueError, match="fp32"):
+        Sharded(qcomm_codecs_registry={"x": QuantizedCommCodecs()})
+
+
+def test_lazy_awaitables_wait_for_what_they_hold():
+    calls = []
+
+    class Parent(LazyGetItemMixin[str, torch.Tensor], LazyAwaitable[dict]):
+        def _wait_impl(self) -> dict:
+            calls.append(1)
+            return {"a": torch.arange(3.0), "b": torch.ones(2)}
+
+    parent = Parent()
+    item = parent["a"]
+    assert isinstance(item, GetItemLazyAwaitable) and calls == []  # indexing did not wait
+    assert torch.equal(item.wait(), torch.arange(3.0)) and calls == [1]
+    assert torch.equal(item + 1, torch.arange(3.0) + 1)  # used as its result
+    held = torch.randn(4)
+    assert LazyNoWait(held).wait() is held
+
+
+def test_qcomm_codecs_are_fp32_or_refused():
+    codec = NoOpQuantizedCommCodec()
+    x = torch.randn(5)
+    assert codec.encode(x) is x and codec.decode(x) is x and codec.calc_quantized_size(7) == 7
+    assert codec.quantized_dtype == torch.float
+    assert get_qcomm_codecs_registry(QCommsConfig()) is None
+    assert isinstance(get_qcomm_codecs(None).forward, NoOpQuantizedCommCodec)
+    with pytest.raises(ValueError, match="forward_precision=CommType.FP16"):
+        get_qcomm_codecs_registry(QCommsConfig(forward_precision=CommType.FP16, backward_precision=CommType.BF16))
+    EmbeddingBagCollectionSharder(qcomm_codecs_registry=get_qcomm_codecs_registry(QCommsConfig()))  # TorchRec's CPU path
+
+
+def test_helpers():
+    assert rank_device("cpu", 3) == torch.device("cpu")
+    assert rank_device("cuda", 3) == torch.device("cuda", 3)
+    t = torch.zeros(10, 3, dtype=torch.float16)
+    assert get_tensor_size_bytes(t) == 10 * 3 * 2
+    assert prod([2, 3, 4]) == 24 and prod([]) == 1
+    assert bytes_to_gb(gb_to_bytes(1.5)) == 1.5
+    assert sharder_name(EmbeddingBagCollectionSharder) == f"{EmbeddingBagCollectionSharder.__module__}.EmbeddingBagCollectionSharder"
+
+
+def test_symbolic_trace_takes_concrete_args():
+    class Scaled(nn.Module):
+        def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+            return x * 2 if double else x + 1
+
+    x = torch.randn(3)
+    doubled = fx.symbolic_trace(Scaled(), concrete_args={"double": True})
+    assert torch.equal(doubled(x, True), x * 2)  # fx checks the specialised value, as torch.fx.symbolic_trace
+    plain = fx.symbolic_trace(root=Scaled(), concrete_args={"double": False})
+    assert torch.equal(plain(x, False), x + 1)
