@@ -15,8 +15,8 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    **dict.fromkeys(["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "Multistreamable", "Pipelineable"],
-                    "recship.sparse"),
+    **dict.fromkeys(["JaggedTensor", "KeyedJaggedTensor", "KeyedTensor", "Multistreamable", "Pipelineable",
+                     "maybe_td_to_kjt", "validate_keyed_jagged_tensor"], "recship.sparse"),
     **dict.fromkeys(
         [
             "BaseEmbeddingConfig", "CountBasedEvictionPolicy", "CountTimestampMixedEvictionPolicy", "EmbeddingTableConfig",

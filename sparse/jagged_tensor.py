@@ -26,6 +26,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from recship.sparse.kjt_caches import check_kjt_caches, check_kt_caches
+
 
 # ---------------------------------------------------------------------------
 # Helpers (module-level so that TorchScript compiles them once).
@@ -418,6 +420,19 @@ def _sum_rows(rows: List[List[int]]) -> List[int]:
 
 
 @torch.jit.unused
+def _check_caches(kjt: Any, stride_per_key: Optional[List[int]], lengths_offset_per_key: Optional[List[int]],
+                  offset_per_key: Optional[List[int]], index_per_key: Optional[Dict[str, int]],
+                  jt_dict: Optional[Dict[str, JaggedTensor]]) -> None:
+    check_kjt_caches(kjt, stride_per_key, lengths_offset_per_key, offset_per_key, index_per_key, jt_dict)
+
+
+@torch.jit.unused
+def _check_kt_caches(keys: List[str], length_per_key: List[int], offset_per_key: Optional[List[int]],
+                     index_per_key: Optional[Dict[str, int]]) -> None:
+    check_kt_caches(keys, length_per_key, offset_per_key, index_per_key)
+
+
+@torch.jit.unused
 def _nested_int_list(stride_per_key_per_rank: Any) -> Optional[List[List[int]]]:
     """TorchRec also takes the batch sizes as an [F, R] int tensor (eager only)."""
     if isinstance(stride_per_key_per_rank, torch.Tensor):
@@ -451,6 +466,9 @@ class KeyedJaggedTensor:
             [sum of them], key-major, and ``stride_per_key()`` differs per key.
         length_per_key (Optional[List[int]]): ids per key, if already known
             (saves a device synchronisation).
+        stride_per_key, lengths_offset_per_key, offset_per_key ([F + 1] start of each key's ids in values),
+            index_per_key ({key: position}), jt_dict ({key: JaggedTensor}, what ``to_dict()`` returns): TorchRec's
+            precomputed values, taken as caches; each must equal what the KJT computes (ValueError otherwise).
         inverse_indices (Optional[Tuple[List[str], Tensor]]): (feature names,
             [len(names), B] int) row of each feature's (deduplicated) examples that
             example b of the full batch takes; an EmbeddingBagCollection expands its
@@ -475,7 +493,12 @@ class KeyedJaggedTensor:
         offsets: Optional[torch.Tensor] = None,
         stride: Optional[int] = None,
         stride_per_key_per_rank: Optional[List[List[int]]] = None,
+        stride_per_key: Optional[List[int]] = None,
         length_per_key: Optional[List[int]] = None,
+        lengths_offset_per_key: Optional[List[int]] = None,
+        offset_per_key: Optional[List[int]] = None,
+        index_per_key: Optional[Dict[str, int]] = None,
+        jt_dict: Optional[Dict[str, JaggedTensor]] = None,
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> None:
         if lengths is None:
@@ -512,8 +535,12 @@ class KeyedJaggedTensor:
         self._offsets = offsets
         self._stride = stride
         self._length_per_key = length_per_key
-        self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
+        self._offset_per_key = offset_per_key
         self._split_by_key = torch.jit.annotate(Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]], None)
+        self._jt_dict = jt_dict
+        if not torch.jit.is_scripting():
+            if not _is_proxy(values):
+                _check_caches(self, stride_per_key, lengths_offset_per_key, offset_per_key, index_per_key, jt_dict)
 
     # -- constructors ------------------------------------------------------
 
@@ -529,7 +556,9 @@ class KeyedJaggedTensor:
     ) -> "KeyedJaggedTensor":
         """Builds a KJT and computes length_per_key now (one synchronisation)."""
         kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=stride,
-                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+                                stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+                                jt_dict=None)
         kjt.length_per_key()
         return kjt
 
@@ -544,7 +573,9 @@ class KeyedJaggedTensor:
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> "KeyedJaggedTensor":
         kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, offsets=offsets, lengths=None, stride=stride,
-                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices)
+                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+                                stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+                                jt_dict=None)
         kjt.length_per_key()
         return kjt
 
@@ -581,6 +612,7 @@ class KeyedJaggedTensor:
             if w is not None:
                 weights.append(w)
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=keys,
             values=torch.cat(values),
             weights=torch.cat(weights) if weighted else None,
@@ -605,6 +637,7 @@ class KeyedJaggedTensor:
         keys: List[str] = []
         values_dtype = values_dtype if values_dtype is not None else torch.int64
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=keys,
             values=torch.empty(0, dtype=values_dtype, device=device),
             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
@@ -704,6 +737,7 @@ class KeyedJaggedTensor:
         """A KJT with no keys, ``kjt``'s batch size, dtypes and device (weights if it has them), as TorchRec's."""
         w = kjt.weights_or_none()
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=[],
             values=torch.empty(0, dtype=kjt.values().dtype, device=kjt.device()),
             weights=None if w is None else torch.empty(0, dtype=w.dtype, device=kjt.device()),
@@ -847,7 +881,10 @@ class KeyedJaggedTensor:
         )
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
-        """{key: JaggedTensor} in key order; values are views, not copies."""
+        """{key: JaggedTensor} in key order; values are views, not copies (the constructor's ``jt_dict`` if given)."""
+        given = self._jt_dict
+        if given is not None:
+            return given
         lpk = self.length_per_key()
         values = torch.split(self._values, lpk)
         w = self._weights
@@ -892,6 +929,7 @@ class KeyedJaggedTensor:
             indices, dtype=torch.int64, device=self._lengths.device
         )
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=[self._keys[i] for i in indices],
             values=torch.cat(values) if len(values) > 0 else self._values[:0],
             weights=None if w is None else (torch.cat(weights) if len(weights) > 0 else w[:0]),
@@ -906,6 +944,7 @@ class KeyedJaggedTensor:
     def flatten_lengths(self) -> "KeyedJaggedTensor":
         """This KJT with lengths as one [F * B] vector, which recship's lengths always are."""
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=self._keys,
             values=self._values,
             weights=self._weights,
@@ -938,6 +977,7 @@ class KeyedJaggedTensor:
             end = start + s
             out.append(
                 KeyedJaggedTensor(
+                    stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
                     keys=self._keys[start:end],
                     values=self._values[opk[start] : opk[end]],
                     weights=None if w is None else w[opk[start] : opk[end]],
@@ -991,6 +1031,7 @@ class KeyedJaggedTensor:
             else:
                 length_per_key.extend(cached)
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=keys,
             values=torch.cat(values),
             weights=torch.cat(weights) if weighted else None,
@@ -1045,6 +1086,7 @@ class KeyedJaggedTensor:
         for kjt in kjts:
             stride += kjt.stride()
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=keys,
             values=torch.cat(values) if num_keys > 0 else first.values(),
             weights=(torch.cat(weights) if num_keys > 0 else first.weights()) if weighted else None,
@@ -1061,6 +1103,7 @@ class KeyedJaggedTensor:
     def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedJaggedTensor":
         w = self._weights
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=self._keys,
             values=self._values.to(device, non_blocking=non_blocking),
             weights=None if w is None else w.to(device, non_blocking=non_blocking),
@@ -1081,6 +1124,7 @@ class KeyedJaggedTensor:
     def pin_memory(self) -> "KeyedJaggedTensor":
         w = self._weights
         return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=self._keys,
             values=self._values.pin_memory(),
             weights=None if w is None else w.pin_memory(),
@@ -1158,6 +1202,8 @@ class KeyedTensor:
         length_per_key (List[int]): width of each key along key_dim (e.g. its embedding dim).
         values (Tensor): [B, sum(length_per_key)] for key_dim=1.
         key_dim (int): the dimension the keys are concatenated along.
+        offset_per_key / index_per_key: TorchRec's precomputed running widths and key positions, taken as they are
+            after a check that they are right (ValueError otherwise).
     """
 
     def __init__(
@@ -1166,21 +1212,25 @@ class KeyedTensor:
         length_per_key: List[int],
         values: torch.Tensor,
         key_dim: int = 1,
+        offset_per_key: Optional[List[int]] = None,
+        index_per_key: Optional[Dict[str, int]] = None,
     ) -> None:
         if torch.jit.is_scripting():
             _check_kt(keys, length_per_key, values, key_dim)
         elif not _is_proxy(values):
             _check_kt(keys, length_per_key, values, key_dim)
+            _check_kt_caches(keys, length_per_key, offset_per_key, index_per_key)
         self._keys = keys
         self._length_per_key = length_per_key
         self._values = values
         self._key_dim = key_dim
-        self._offset_per_key = torch.jit.annotate(Optional[List[int]], None)
+        self._offset_per_key = offset_per_key
 
     @staticmethod
     def from_tensor_list(keys: List[str], tensors: List[torch.Tensor], key_dim: int = 1, cat_dim: int = 1) -> "KeyedTensor":
         """One key per tensor, its width along ``key_dim``; the tensors joined along ``cat_dim`` (as TorchRec's)."""
         return KeyedTensor(
+            offset_per_key=None, index_per_key=None,
             keys=keys,
             length_per_key=[t.shape[key_dim] for t in tensors],
             values=torch.cat(tensors, dim=cat_dim),
@@ -1258,6 +1308,7 @@ class KeyedTensor:
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedTensor":
         return KeyedTensor(
+            offset_per_key=None, index_per_key=None,
             keys=self._keys,
             length_per_key=self._length_per_key,
             values=self._values.to(device, non_blocking=non_blocking),
