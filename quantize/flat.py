@@ -525,6 +525,7 @@ def flatten_collections(model: nn.Module) -> nn.Module:
     twins; everything else is deep-copied, the tables' rows are shared with ``model``."""
     import copy
 
+    from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeatureProcessedEmbeddingBagCollection
     from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
     from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 
@@ -532,7 +533,9 @@ def flatten_collections(model: nn.Module) -> nn.Module:
     for m in model.modules():
         if id(m) in memo:
             continue
-        if isinstance(m, (QuantEmbeddingBagCollection, ShardedQuantEmbeddingBagCollection)):
+        if isinstance(m, QuantFeatureProcessedEmbeddingBagCollection):  # its processors (copied), then its flat tables
+            memo[id(m)] = FeatureProcessedLookup(copy.deepcopy(m.feature_processor), FlatEmbeddingBagCollection(FlatPooledLookup.of(m)))
+        elif isinstance(m, (QuantEmbeddingBagCollection, ShardedQuantEmbeddingBagCollection)):
             memo[id(m)] = FlatEmbeddingBagCollection(FlatPooledLookup.of(m))
         elif isinstance(m, QuantEmbeddingCollection):
             memo[id(m)] = FlatEmbeddingCollection.of(m)

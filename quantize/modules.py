@@ -367,6 +367,9 @@ def quantize_embeddings(
 # (recship.quantize.embedding_modules sets them under TorchRec's function names)
 SPLIT_SCALE_BIAS_ATTR = "__quant_state_dict_split_scale_bias"
 REGISTER_TBES_ATTR = "__register_tbes_in_named_modules"
+ROW_ALIGNMENT_ATTR = "__register_row_alignment_in_named_modules"
+# TorchRec's set_pruning_data: table -> rows kept (the first ones) after pruning
+PRUNING_ATTR = "__emb_name_to_num_rows_post_pruning"
 
 # TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
 # tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
@@ -403,20 +406,68 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
             f"qconfig_spec={{{type(module).__name__}: QuantConfig(activation=..., weight=...)}})), got {type(qconfig).__name__}"
         )
     devices = {p.device for p in module.parameters()}
-    if len(devices) != 1 or next(iter(devices)).type == "meta":
-        raise ValueError(f"{type(module).__name__}.from_float needs its tables materialized on one device, found {sorted(map(str, devices))}")
+    if len(devices) != 1:
+        raise ValueError(f"{type(module).__name__}.from_float needs its tables on one device, found {sorted(map(str, devices))}")
+    device = next(iter(devices))
     names = {t.name for t in _configs(module)}
     shared = set(qconfig.per_table_weight_dtype or {})
+    alignment = getattr(module, ROW_ALIGNMENT_ATTR, TORCHREC_ROW_ALIGNMENT)
     config = dataclasses.replace(
         qconfig,
-        device=str(next(iter(devices))),
-        row_alignment=TORCHREC_ROW_ALIGNMENT if qconfig.row_alignment is None else qconfig.row_alignment,
+        device="cpu" if device.type == "meta" else str(device),
+        row_alignment=alignment if qconfig.row_alignment is None else qconfig.row_alignment,
         table_dtypes={t: v for t, v in qconfig.table_dtypes.items() if t in names or t not in shared},
         per_table_weight_dtype=None,
     )
+    module = _pruned(module, getattr(module, PRUNING_ATTR, None) or {})
+    if device.type == "meta":
+        return _state_dict_layout(_empty_twin(cls, module, config), module)
     if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
         return _state_dict_layout(quantize_embedding_bag_collection(module, config)[0], module)
     return _state_dict_layout(quantize_embedding_collection(module, config)[0], module)
+
+
+def _pruned(module: FloatCollection, rows: Dict[str, int]) -> FloatCollection:
+    """``module``, or (TorchRec's ``set_pruning_data``) a float twin whose tables keep their first ``rows[table]`` rows
+    (views of ``module``'s weights): the quantized tables have that many rows; ids are remapped before the lookup."""
+    tables = list(_configs(module))
+    # set_pruning_data gives every collection one dict: the entries for other collections' tables are not this one's
+    rows = {t.name: rows[t.name] for t in tables if t.name in rows}
+    if not rows:
+        return module
+    bad = {t.name: rows[t.name] for t in tables if t.name in rows and not 0 < rows[t.name] <= t.num_embeddings}
+    if bad:
+        raise ValueError(f"pruning data for {type(module).__name__}: row counts {bad} not in [1, the table's rows]")
+    kept = [dataclasses.replace(t, num_embeddings=rows.get(t.name, t.num_embeddings)) for t in tables]
+    twin: FloatCollection
+    if isinstance(module, EmbeddingBagCollection):
+        twin = EmbeddingBagCollection(cast(List[EmbeddingBagConfig], kept), is_weighted=module.is_weighted(), device="meta")
+        container = "embedding_bags"
+    else:
+        twin = EmbeddingCollection(cast(List[EmbeddingConfig], kept), device="meta")
+        container = "embeddings"
+    weights = {f"{container}.{t.name}.weight": _table_weight(getattr(module, container), t.name)[: t.num_embeddings] for t in kept}
+    twin.load_state_dict(weights, assign=True)
+    for attr in (SPLIT_SCALE_BIAS_ATTR, REGISTER_TBES_ATTR):
+        if hasattr(module, attr):
+            setattr(twin, attr, getattr(module, attr))
+    return twin
+
+
+def _empty_twin(cls: Type[QuantModule], module: FloatCollection, config: QuantConfig) -> QuantModule:
+    """The quantized twin of a collection on ``meta`` (TorchRec's ``DLRMPredictFactory`` builds one to load a
+    checkpoint into): its tables in the configured types, rows zero, on the CPU; TorchRec keeps them on meta."""
+    tables = list(_configs(module))
+    types: Dict[str, DataType] = {}
+    for t in tables:
+        chosen = config.table_dtypes.get(t.name, config.dtype)
+        if not isinstance(chosen, DataType):
+            raise ValueError(f"table {t.name!r} is on meta: its type cannot be chosen from its weights ({chosen!r})")
+        types[t.name] = chosen
+    if isinstance(module, EmbeddingBagCollection):
+        return QuantEmbeddingBagCollection(module.embedding_bag_configs(), types, is_weighted=module.is_weighted(),
+                                           row_alignment=config.alignment, id_policy=config.id_policy)
+    return QuantEmbeddingCollection(module.embedding_configs(), types, row_alignment=config.alignment, id_policy=config.id_policy)
 
 
 def _state_dict_layout(quantized: Q, module: nn.Module) -> Q:

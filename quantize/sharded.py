@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
+from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeatureProcessedEmbeddingBagCollection
 from recship.quantize.modules import QuantEmbeddingBagCollection
-from recship.quantize.tbe import LookupGroup, LookupLayout, check_ids
+from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_ids
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
@@ -361,6 +362,8 @@ def shard_quant_model(
             kinds = {t.name: ShardingType(sharding.get(t.name, "table_wise") if isinstance(sharding, dict) else sharding or "table_wise")
                      for t in tables}
             done[id(m)], plans[path] = _shard_one(m, targets, kinds)
+            if isinstance(m, QuantFeatureProcessedEmbeddingBagCollection):  # its processors stay in front
+                done[id(m)] = FeatureProcessedLookup(m.feature_processor, done[id(m)])
         if not path:
             module = done[id(m)]
         else:
@@ -430,54 +433,81 @@ def shard_modules(
             sharding type and ranks (its ``shards`` when given; the compute kernel is
             always the quantized TBE). A collection the plan does not name stays unsharded,
             as in TorchRec. None: table-wise, tables on the least-loaded device.
-        sharders: only None: recship shards its quantized collections itself.
+        sharders: None: every QuantEmbeddingBagCollection (and QuantFeatureProcessedEmbeddingBagCollection) is
+            sharded, QuantEmbeddingCollections stay whole; or ModuleSharders (``recship.quantize.sharders``'
+            QuantEmbeddingBagCollectionSharder, ...): exactly the collections of their ``module_type`` are sharded,
+            each by its sharder.
     """
     from recship.trainer.distributed.types import ShardingEnv
 
-    if sharders is not None:
-        raise ValueError(f"sharders must be None: recship shards QuantEmbeddingBagCollections itself, got {sharders!r}")
+    by_type: Dict[type, Any] = {}
+    for sharder in sharders or []:
+        if not isinstance(getattr(sharder, "module_type", None), type) or not callable(getattr(sharder, "shard", None)):
+            raise TypeError(f"sharders: {sharder!r} is not a ModuleSharder (QuantEmbeddingBagCollectionSharder, ...)")
+        by_type[sharder.module_type] = sharder
     if env is None:
         env = ShardingEnv.from_process_group(None)
     world_size = int(env.world_size)
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
-    if device.type == "cpu":
-        devices = [torch.device("cpu")] * world_size
-    elif device.type == "cuda":
-        if torch.cuda.device_count() < world_size:
-            raise ValueError(f"world_size {world_size} on cuda needs {world_size} CUDA devices, torch sees {torch.cuda.device_count()}")
-        devices = [torch.device("cuda", r) for r in range(world_size)]
-    else:
-        raise ValueError(f"device must be cpu or cuda, got {device}")
-    done: Dict[int, nn.Module] = {}
+    devices = local_devices(world_size, device)
+    done: Dict[int, Optional[nn.Module]] = {}
 
-    def sharded(path: str, qebc: QuantEmbeddingBagCollection) -> Optional[nn.Module]:
-        if id(qebc) not in done:
+    def sharded(path: str, quantized: nn.Module) -> Optional[nn.Module]:
+        if id(quantized) not in done:
             table_plan = None if plan is None else plan.get_plan_for_module(path)
-            if plan is not None and table_plan is None:
-                return None
-            tables = qebc.embedding_bag_configs()
-            kinds = {t.name: ShardingType.TABLE_WISE for t in tables}
-            shards = None if table_plan is None else _shards_from_plan(path, tables, table_plan, world_size)
-            done[id(qebc)] = _shard_one(qebc, devices, kinds, shards)[0]
-        return done[id(qebc)]
+            sharder = by_type.get(type(quantized))
+            if (plan is not None and table_plan is None) or (sharders is not None and sharder is None):
+                done[id(quantized)] = None
+            elif sharder is not None:
+                done[id(quantized)] = sharder.shard(quantized, table_plan, env, device, module_fqn=path)
+            elif isinstance(quantized, QuantEmbeddingBagCollection):
+                done[id(quantized)] = shard_collection(path, quantized, table_plan, devices)
+            else:
+                done[id(quantized)] = None  # a QuantEmbeddingCollection stays whole unless a sharder is given
+        return done[id(quantized)]
 
     def replace(parent: nn.Module, prefix: str) -> None:
         for name, child in parent.named_children():
             path = f"{prefix}.{name}" if prefix else name
-            if isinstance(child, QuantEmbeddingBagCollection):
+            if isinstance(child, QuantTables):
                 new = sharded(path, child)
                 if new is not None:
                     setattr(parent, name, new)
-            elif not isinstance(child, ShardedQuantEmbeddingBagCollection):  # its shards are sharded already
+            elif not isinstance(child, (ShardedQuantEmbeddingBagCollection, FeatureProcessedLookup)):  # sharded already
                 replace(child, path)
 
-    if isinstance(module, QuantEmbeddingBagCollection):  # TorchRec returns the sharded module itself then
+    if isinstance(module, QuantTables):  # TorchRec returns the sharded module itself then
         whole = sharded("", module)
         return module if whole is None else whole
     replace(module, "")
     return module
+
+
+def local_devices(world_size: int, device: Union[str, torch.device]) -> List[torch.device]:
+    """The ``world_size`` devices one process shards onto: the host ``world_size`` times, or cuda:0 .. cuda:N-1."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [torch.device("cpu")] * world_size
+    if device.type == "cuda":
+        if torch.cuda.device_count() < world_size:
+            raise ValueError(f"world_size {world_size} on cuda needs {world_size} CUDA devices, torch sees {torch.cuda.device_count()}")
+        return [torch.device("cuda", r) for r in range(world_size)]
+    raise ValueError(f"device must be cpu or cuda, got {device}")
+
+
+def shard_collection(path: str, qebc: QuantEmbeddingBagCollection, table_plan: Optional[Dict[str, ParameterSharding]],
+                     devices: List[torch.device]) -> nn.Module:
+    """``qebc`` (at ``path``) sharded over ``devices``: as ``table_plan`` places its tables, else table-wise on the
+    least-loaded device; a QuantFeatureProcessedEmbeddingBagCollection keeps its feature processors in front."""
+    tables = qebc.embedding_bag_configs()
+    kinds = {t.name: ShardingType.TABLE_WISE for t in tables}
+    shards = None if table_plan is None else _shards_from_plan(path, tables, table_plan, len(devices))
+    lookup = _shard_one(qebc, devices, kinds, shards)[0]
+    if isinstance(qebc, QuantFeatureProcessedEmbeddingBagCollection):
+        return FeatureProcessedLookup(qebc.feature_processor, lookup)
+    return lookup
 
 
 def _shards_from_plan(

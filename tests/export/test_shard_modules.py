@@ -131,7 +131,7 @@ def test_a_bare_collection_and_resharding():
 
 def test_bad_arguments_are_refused_by_name():
     env = ShardingEnv.from_local(2, 0)
-    with pytest.raises(ValueError, match="sharders must be None"):
+    with pytest.raises(TypeError, match="is not a ModuleSharder"):
         _shard_modules(_quantized(), env=env, device="cpu", sharders=[object()])
     with pytest.raises(ValueError, match="init_process_group"):
         _shard_modules(_quantized(), device="cpu")
