@@ -27,9 +27,9 @@ class CollisionRanker(nn.Module):
         cpu = torch.device("cpu")  # the remapping state is small: it lives on the CPU whatever device the tables use
         mcc = ManagedCollisionCollection({
             "t_user": MCHManagedCollisionModule(zch_size=ROWS["t_user"], device=cpu, eviction_policy=DistanceLFU_EvictionPolicy(),
-                                                eviction_interval=2, input_hash_size=ROWS["t_user"]),
+                                                eviction_interval=2, input_hash_size=ROWS["t_user"], buckets=2),
             "t_item": MCHManagedCollisionModule(zch_size=ROWS["t_item"], device=cpu, eviction_policy=LFU_EvictionPolicy(),
-                                                eviction_interval=2, input_hash_size=ROWS["t_item"]),
+                                                eviction_interval=2, input_hash_size=ROWS["t_item"], buckets=2),
         }, tables)
         self.mc = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(tables, device=device), mcc)
         self.over = nn.Sequential(nn.Linear(2 * dim + self.num_dense, 16, device=device), nn.ReLU(), nn.Linear(16, 1, device=device))

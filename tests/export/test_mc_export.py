@@ -1,6 +1,7 @@
 """A model holding a ManagedCollisionEmbeddingBagCollection (tests/export/mc_model.py) goes train -> export -> serve:
-trained by `recship train --model` (its modules hand slots to the most frequent ids every 2 steps), exported from the
-checkpoint as a user would (fp32 tables), and answered by both fronts and recship_predict bitwise as the artifact in
+trained by `recship train --model` on 2 gloo ranks (each rank's modules hand the slots of its rows to the most frequent
+ids of its input block every 2 steps), exported from the checkpoint as a user would (fp32 tables; the checkpoint holds
+the ranks' remapping buffers gathered, which the unsharded model re-sorts on load), and answered by both fronts and recship_predict bitwise as the artifact in
 process. The artifact applies the checkpoint's remapping: it equals a plain-PyTorch float reference that remaps each
 raw id with a dict built from the checkpoint's ``_mch_sorted_raw_ids`` / ``_mch_remapped_ids_mapping`` (a raw id
 without a slot: the last row), and is far from the same reference looking the raw ids up directly.
@@ -10,7 +11,6 @@ the model sees them (tests/export/mc_model.py sets input_hash_size to the rows).
 
 import json
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -29,18 +29,16 @@ PREFIX = "mc._managed_collision_collection._managed_collision_modules."
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(artifact folder, checkpoint): CollisionRanker trained in one process and exported from its checkpoint."""
+    """(artifact folder, checkpoint): CollisionRanker trained on 2 gloo ranks and exported from its checkpoint."""
     from recship.cli import main
 
     root = tmp_path_factory.mktemp("mc-ebc")
-    assert main(["train", "--model", "tests.export.mc_model:build", "--out", str(root / "run"), "--steps", "12", "--batch-size", "32",
-                 "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress"]) == 0
+    assert main(["train", "--model", "tests.export.mc_model:build", "--out", str(root / "run"), "--steps", "8", "--batch-size", "32",
+                 "--eval-every", "0", "--eval-batches", "1", "--checkpoint-every", "0", "--no-progress", "--nproc-per-node", "2"]) == 0
     checkpoint = sorted((root / "run" / "checkpoints").iterdir())[-1]
     out = root / "artifact"
-    done = subprocess.run([sys.executable, "-m", "recship", "export", str(checkpoint), "--out", str(out), "--model-name", "mc",
-                           "--dtype", "fp32", "--format", "torchscript", "--validation-batch-size", "64", "--no-plot"],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    assert main(["export", str(checkpoint), "--out", str(out), "--model-name", "mc", "--dtype", "fp32", "--format", "torchscript",
+                 "--validation-batch-size", "64", "--no-plot"]) == 0
     return out, checkpoint
 
 
@@ -65,9 +63,13 @@ def _float_reference(checkpoint, sparse, dense, remap: bool) -> np.ndarray:
 def test_the_artifact_remaps_ids_as_the_checkpoint_does(exported):
     out, checkpoint = exported
     state = CheckpointReader(checkpoint).dense_state_dict()
-    assert int(state[PREFIX + "t_user._current_iter_tensor"]) == 12  # profiled every training step
-    slots = state[PREFIX + "t_user._mch_sorted_raw_ids"]
+    assert int(state[PREFIX + "t_user._current_iter_tensor"]) == 8  # profiled every training step
+    assert state[PREFIX + "t_user._output_segments_tensor"][:3].tolist() == [0, 20, 40]  # two row-wise shards
+    slots, rows = state[PREFIX + "t_user._mch_sorted_raw_ids"], state[PREFIX + "t_user._mch_remapped_ids_mapping"]
     assert (slots != 2**63 - 1).sum() > 10  # slots went to ids
+    # each rank's ids (block 0: raw ids < 20, block 1: the others) took the rows of its shard
+    taken = slots != 2**63 - 1
+    assert ((slots[taken] < 20) == (rows[taken] < 20)).all()
     model, manifest = open_artifact(out)
     sparse, dense, _ = random_request(ModelInputs.of(manifest), 64, 11, ids=(0, 4))
     got = in_process(model, sparse, dense)["output"]
