@@ -58,7 +58,8 @@ from recship.trainer.semi_sync import (SEMI_SYNC_GLOBAL_OPTIM_KEY, SEMI_SYNC_GLO
                                       SemisyncOptimizer)
 from recship.trainer.comm import (get_group_rank, get_local_rank, get_local_size, get_node_group_size, get_num_groups,
                                   get_topology_domain_multiple, get_topology_group_world_size, intra_and_cross_node_pg)
-from recship.trainer.distributed.model_utils import get_module, get_unsharded_module_names, get_unwrapped_module, sharded_model_copy
+from recship.trainer.distributed.model_utils import (add_prefix_to_state_dict, copy_to_device, filter_state_dict, get_module,
+                                                    get_unsharded_module_names, get_unwrapped_module, sharded_model_copy)
 from recship.trainer.train_pipeline import DataLoadingThread, EvalPipelineSparseDist
 
 
@@ -125,6 +126,7 @@ __all__ = [
     "get_group_rank", "get_local_rank", "get_local_size", "get_node_group_size", "get_num_groups", "get_topology_domain_multiple",
     "get_topology_group_world_size", "intra_and_cross_node_pg", "get_module", "get_unsharded_module_names", "get_unwrapped_module",
     "sharded_model_copy", "DataLoadingThread", "EvalPipelineSparseDist",
+    "add_prefix_to_state_dict", "copy_to_device", "filter_state_dict",
     "CommOp", "DeviceToHostTensorAwaitable", "EmbeddingEvent", "GenericMeta", "GetItemLazyAwaitable", "LazyGetItemMixin",
     "LazyNoWait", "ModuleNoCopyMixin", "NoOpQuantizedCommCodec", "NullShardedModuleContext", "NullShardingContext",
     "QuantizedCommCodec", "QuantizedCommCodecs", "ShardedModule", "ShardedModuleContext", "get_tensor_size_bytes",

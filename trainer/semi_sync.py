@@ -83,12 +83,12 @@ class SemisyncOptimizer(KeyedOptimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.defaults: Dict[str, Any] = {"_save_param_groups": False}
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> List[Dict[str, Any]]:
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
         return [*self._optimizer.param_groups, *self._global_optimizer.param_groups]
 
-    @property  # type: ignore[override]
-    def params(self) -> Dict[str, torch.Tensor]:
+    @property
+    def params(self) -> Dict[str, torch.Tensor]:  # type: ignore[override]
         """Both optimizers' parameters by name (a name in both must be the same tensor), and the two counters."""
         out = dict(self._optimizer.params)
         for key, p in self._global_optimizer.params.items():
@@ -99,8 +99,8 @@ class SemisyncOptimizer(KeyedOptimizer):
         out[SEMISYNC_LOCAL_STEP_COUNTER_KEY] = self._local_step_counter
         return out
 
-    @property  # type: ignore[override]
-    def state(self) -> Dict[Any, Dict[str, Any]]:
+    @property
+    def state(self) -> Dict[Any, Dict[str, Any]]:  # type: ignore[override]
         """parameter -> its local state (prefixed ``semi_sync_local_``), global state (``semi_sync_global_``) and,
         on global parameters, the step counters."""
         out: Dict[Any, Dict[str, Any]] = {

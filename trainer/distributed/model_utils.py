@@ -6,9 +6,12 @@
     dense_names = get_unsharded_module_names(get_unwrapped_module(dmp))
     with sharded_model_copy(device="cpu"):
         snapshot = copy.deepcopy(dmp)       # tensors copied to the CPU, process groups shared
+    encoder_sd = filter_state_dict(model.state_dict(), "encoder")   # keys under "encoder.", the prefix stripped
 """
 
-from typing import Any, List, Optional, Set, Union
+import copy
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Optional, Set, Union
 
 import torch
 import torch.distributed as dist
@@ -42,9 +45,9 @@ def get_unwrapped_module(module: nn.Module) -> nn.Module:
         if isinstance(module, DistributedModelParallel):
             module = module._dmp_wrapped_module
         elif fsdp is not None and isinstance(module, fsdp):
-            module = module._fsdp_wrapped_module
+            module = module._fsdp_wrapped_module  # type: ignore[assignment]
         elif isinstance(module, DistributedDataParallel):
-            module = module.module
+            module = module.module  # type: ignore[assignment]  # DDP's module is typed loosely
         else:
             return module
 
@@ -116,3 +119,29 @@ class sharded_model_copy:
             else:
                 cls.__deepcopy__ = saved  # type: ignore[attr-defined]
 
+
+
+def filter_state_dict(state_dict: Mapping[str, Any], name: str) -> "OrderedDict[str, Any]":
+    """The entries of ``state_dict`` under ``name.`` with that prefix stripped (TorchRec's), in their order."""
+    prefix = name + "."
+    return OrderedDict((key[len(prefix):], value) for key, value in state_dict.items() if key.startswith(prefix))
+
+
+def add_prefix_to_state_dict(state_dict: Dict[str, Any], prefix: str) -> None:
+    """Prepends ``prefix`` to every key of ``state_dict``, in place (TorchRec's; a ``state_dict()``'s ``_metadata``
+    attribute is not a key and stays as it is)."""
+    for key in sorted(state_dict):
+        state_dict[prefix + key] = state_dict.pop(key)
+
+
+def copy_to_device(module: nn.Module, current_device: torch.device, to_device: torch.device) -> nn.Module:
+    """A copy of ``module`` whose parameters and buffers on ``current_device`` are moved to ``to_device`` (TorchRec's).
+    Tensors elsewhere, and tensors already on ``to_device``, are shared with ``module``, not copied; process groups
+    are shared."""
+    with sharded_model_copy(device=None):
+        copied = copy.deepcopy(module)
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(to_device) if t.device == torch.device(current_device) else t
+
+    return copied._apply(move)

@@ -75,3 +75,23 @@ def test_sharded_model_copy_copies_tensors_and_shares_groups(pg):
     assert all(isinstance(p, nn.Parameter) for p in twin.parameters())
     with pytest.raises(Exception):
         copy.deepcopy(dist.GroupMember.WORLD)  # outside the context, process groups cannot be copied
+
+
+def test_state_dict_prefix_helpers_and_copy_to_device():
+    from recship.distributed import add_prefix_to_state_dict, copy_to_device, filter_state_dict
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3))
+    sd = model.state_dict()
+    assert list(filter_state_dict(sd, "1")) == ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+    assert filter_state_dict(sd, "1")["weight"] is sd["1.weight"] and list(filter_state_dict(sd, "2")) == []
+    add_prefix_to_state_dict(sd, "model.")
+    assert sorted(sd) == sorted("model." + k for k in model.state_dict())
+    assert sorted(sd._metadata) == ["", "0", "1"]  # an attribute, not a key: as TorchRec's, untouched
+    plain = {"a.w": 1, "_metadata": {"": "root", "a": "sub"}}
+    add_prefix_to_state_dict(plain, "m.")
+    assert plain == {"m.a.w": 1, "m._metadata": {"": "root", "a": "sub"}}  # TorchRec 1.8.0's result, key included
+    moved = copy_to_device(model, torch.device("cpu"), torch.device("meta"))
+    assert all(p.device.type == "meta" for p in moved.parameters()) and all(p.device.type == "cpu" for p in model.parameters())
+    shared = copy_to_device(model, torch.device("meta"), torch.device("cpu"))  # nothing on meta: tensors shared
+    assert shared is not model and shared[0].weight.data_ptr() == model[0].weight.data_ptr()
