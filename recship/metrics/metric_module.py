@@ -47,6 +47,7 @@ from recship.metrics.model_utils import parse_task_model_outputs
 from recship.metrics.mse import MSEMetric
 from recship.metrics.multi_label_precision import MultiLabelPrecisionMetric
 from recship.metrics.multiclass_recall import MulticlassRecallMetric
+from recship.metrics.ndcg import NDCGMetric
 from recship.metrics.ne import NEMetric
 from recship.metrics.ne_positive import NEPositiveMetric
 from recship.metrics.ne_with_recalibration import RecalibratedNEMetric
@@ -55,9 +56,11 @@ from recship.metrics.num_missing_labels import NumMissingLabelsMetric
 from recship.metrics.num_positive_samples import NumPositiveSamplesMetric
 from recship.metrics.output import OutputMetric
 from recship.metrics.precision import PrecisionMetric
+from recship.metrics.precision_session import PrecisionSessionMetric
 from recship.metrics.rauc import RAUCMetric
 from recship.metrics.rec_metric import RecMetric, RecMetricException, RecMetricList
 from recship.metrics.recall import RecallMetric
+from recship.metrics.recall_session import RecallSessionMetric
 from recship.metrics.scalar import ScalarMetric
 from recship.metrics.segmented_ne import SegmentedNEMetric
 from recship.metrics.serving_calibration import ServingCalibrationMetric
@@ -91,7 +94,10 @@ REC_METRICS_MAPPING: Dict[RecMetricEnumBase, Type[RecMetric]] = {
     RecMetricEnum.MULTICLASS_RECALL: MulticlassRecallMetric,
     RecMetricEnum.WEIGHTED_AVG: WeightedAvgMetric,
     RecMetricEnum.TOWER_QPS: TowerQPSMetric,
+    RecMetricEnum.RECALL_SESSION_LEVEL: RecallSessionMetric,
+    RecMetricEnum.PRECISION_SESSION_LEVEL: PrecisionSessionMetric,
     RecMetricEnum.ACCURACY: AccuracyMetric,
+    RecMetricEnum.NDCG: NDCGMetric,
     RecMetricEnum.XAUC: XAUCMetric,
     RecMetricEnum.SCALAR: ScalarMetric,
     RecMetricEnum.TENSOR_WEIGHTED_AVG: TensorWeightedAvgMetric,

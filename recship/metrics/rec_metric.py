@@ -11,6 +11,7 @@ a batch is dropped whole once the samples after it fill the window.
 """
 
 import abc
+import functools
 import itertools
 import math
 from collections import defaultdict, deque
@@ -45,6 +46,22 @@ class MetricComputationReport:
 
 class RecMetricException(Exception):
     pass
+
+
+def pt2_compile_callable(f: Callable) -> Callable:
+    """Decorates a metric method: when the object's ``enable_pt2_compile`` is true the method runs through
+    ``torch.compile`` (compiled once per object), else as it is."""
+
+    @functools.wraps(f)
+    def maybe_compiled(ref: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(ref, "enable_pt2_compile", False):
+            name = f"_{f.__name__}_pt2_compiled"
+            if not hasattr(ref, name):
+                setattr(ref, name, torch.compile(f))
+            return getattr(ref, name)(ref, *args, **kwargs)
+        return f(ref, *args, **kwargs)
+
+    return maybe_compiled
 
 
 class WindowBuffer:
@@ -364,6 +381,7 @@ class RecMetric(nn.Module, abc.ABC):
             for task, name, value, prefix, description in self._tasks_iter(compute_scope)
         }
 
+    @pt2_compile_callable
     def compute(self) -> Dict[str, torch.Tensor]:
         """The global values (reduced across ranks), keyed ``"{namespace}-{task}|{prefix}{name}"``; {} on ranks
         other than 0 unless ``compute_on_all_ranks``."""
@@ -505,6 +523,7 @@ class RecMetric(nn.Module, abc.ABC):
             else:
                 self._update_unfused(predictions, labels, weights, **kwargs)
 
+    @pt2_compile_callable
     def update(
         self, *, predictions: RecModelOutput, labels: RecModelOutput, weights: Optional[RecModelOutput], **kwargs: Any
     ) -> None:

@@ -9,6 +9,7 @@ from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.ne import _compute_cross_entropy_norm
 from recship.metrics.ne import compute_cross_entropy as compute_cross_entropy
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import pt2_compile_callable as pt2_compile_callable  # TorchRec's module has it
 from recship.metrics.sums import SumsComputation
 
 
