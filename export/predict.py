@@ -25,12 +25,12 @@ from torch import nn
 _PROPAGATE_DEVICE = False
 
 
-def set_propogate_device(propogate_device: bool) -> None:
+def set_propogate_device(val: bool) -> None:
     """TorchRec's switch (its spelling) for inference-sharded modules to keep each shard's output on its device.
     recship's sharded collections always merge outputs on the first device: the value is kept and read back by
     ``get_propogate_device``, and changes nothing else."""
     global _PROPAGATE_DEVICE
-    _PROPAGATE_DEVICE = bool(propogate_device)
+    _PROPAGATE_DEVICE = bool(val)
 
 
 def get_propogate_device() -> bool:
