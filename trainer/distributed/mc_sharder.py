@@ -207,12 +207,19 @@ class ShardedManagedCollisionCollection(nn.Module):
 
     @staticmethod
     def _pre_load_state_dict_hook(module: "ShardedManagedCollisionCollection", state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
-        """A ShardedTensor loads its local shard; a plain tensor must already be this rank's size."""
-        for table in module._managed_collision_modules:
+        """A ShardedTensor loads its local shard; a plain tensor must already be this rank's size (a whole unsharded
+        state cannot be split by rows: its slots are not grouped by input block)."""
+        for table, mc in module._managed_collision_modules.items():
             for name in module._row_buffers(table):
                 key = f"{prefix}_managed_collision_modules.{table}.{name}"
                 value = state_dict.get(key)
-                if value is None or isinstance(value, torch.Tensor) and not hasattr(value, "local_shards"):
+                if value is None:
+                    continue
+                if not hasattr(value, "local_shards"):
+                    local = getattr(mc, name)
+                    if value.shape != local.shape:
+                        raise ValueError(f"{key}: a tensor of shape {list(value.shape)} for this rank's {list(local.shape)} rows: "
+                                         "load the sharded state this collection saved (an unsharded one cannot be re-split)")
                     continue
                 shards = value.local_shards()
                 if len(shards) != 1:

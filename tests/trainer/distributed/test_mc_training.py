@@ -95,6 +95,20 @@ def _train(rank: int, world_size: int, how: str) -> Dict[str, object]:
     out: Dict[str, object] = {k: gather_whole(v) for k, v in state.items()}
     out["remapped"] = dmp.module.remapped
     out["keys"] = list(state)
+    # the sharded state loads back (each rank its own shard), and a whole unsharded buffer is refused
+    mcc = dmp.module.mc._managed_collision_collection
+    probe, _ = _batch(STEPS, rank * LOCAL_BATCH, LOCAL_BATCH)
+    mcc.eval()
+    before = mcc(probe).values()
+    dmp.load_state_dict(state)
+    out["reloaded_same"] = torch.equal(mcc(probe).values(), before)
+    whole = dict(state)
+    whole["mc._managed_collision_collection._managed_collision_modules.t0._mch_sorted_raw_ids"] = torch.zeros(12, dtype=torch.int64)
+    try:
+        dmp.load_state_dict(whole)
+        out["refused"] = ""
+    except ValueError as e:
+        out["refused"] = str(e)
     return out
 
 
@@ -163,6 +177,7 @@ def _check(results, want) -> None:
         for step in range(STEPS):
             assert torch.equal(got["remapped"][step], want["remapped"][r][step]), f"rank {r} step {step}"
         assert "mc._embedding_module.embedding_bags.t0.weight" in got["keys"] and prefix + "t0._mch_sorted_raw_ids" in got["keys"]
+        assert got["reloaded_same"] and "cannot be re-split" in got["refused"]
     got = results[0]
     for t in ("t0", "t1"):
         torch.testing.assert_close(got[f"mc._embedding_module.embedding_bags.{t}.weight"], want[t], atol=1e-6, rtol=0, msg=t)
