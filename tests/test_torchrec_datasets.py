@@ -140,3 +140,95 @@ def test_random_batches_follow_the_documented_draws():
     assert fixed.sparse_features.lengths().tolist() == [2, 2, 2, 2]  # min defaults to ids_per_feature when given
     with pytest.raises(ValueError, match="key 'a' needs hash size >= 1"):
         D.RandomRecDataset(keys=["a"], batch_size=2, ids_per_feature=1, min_ids_per_feature=3)
+
+
+def _criteo_days(tmp_path, days=3, seed=0):
+    """Tiny Criteo TSV day files, converted to npy; returns the rows as parsed by hand."""
+    g = random.Random(seed)
+    parsed = []
+    for d in range(days):
+        lines = [[str(g.randint(0, 1))] + [str(g.randint(0, 50)) if g.random() > 0.2 else "" for _ in range(13)]
+                 + [format(g.choice([1, 2, 0xABC, g.getrandbits(20)]), "x") if g.random() > 0.2 else "" for _ in range(26)]
+                 for _ in range(7 + d)]
+        (tmp_path / f"day_{d}.tsv").write_text("".join("\t".join(line) + "\n" for line in lines))
+        D.BinaryCriteoUtils.tsv_to_npys(*(str(tmp_path / f"day_{d}{suffix}") for suffix in
+                                          (".tsv", "_dense.npy", "_sparse.npy", "_labels.npy")))
+        parsed.append(lines)
+    return parsed
+
+
+def test_binary_criteo_npys(tmp_path):
+    import numpy as np
+
+    lines = _criteo_days(tmp_path)[1]
+    counts = np.array([[int(v or "0") for v in line[1:14]] for line in lines])
+    dense = np.load(tmp_path / "day_1_dense.npy")
+    np.testing.assert_array_equal(dense, np.log(counts - counts.min() + 2, dtype=np.float32))
+    np.testing.assert_array_equal(np.load(tmp_path / "day_1_sparse.npy"), [[int(v or "0", 16) for v in line[14:]] for line in lines])
+    assert np.load(tmp_path / "day_1_labels.npy").ravel().tolist() == [int(line[0]) for line in lines]
+    U = D.BinaryCriteoUtils
+    assert U.get_shape_from_npy(str(tmp_path / "day_2_sparse.npy")) == (9, 26)
+    full = np.load(tmp_path / "day_2_sparse.npy")
+    for mmap in (False, True):
+        np.testing.assert_array_equal(U.load_npy_range(str(tmp_path / "day_2_sparse.npy"), 3, 4, mmap_mode=mmap), full[3:7])
+    with pytest.raises(ValueError, match="exceeds number of available rows"):
+        U.load_npy_range(str(tmp_path / "day_2_sparse.npy"), 5, 5)
+    # rows 2..23 (22) over 4 ranks: 6, 6, 5, 5 rows, the files holding 7, 8 and 9
+    shares = [U.get_file_row_ranges_and_remainder([7, 8, 9], r, 4, start_row=2) for r in range(4)]
+    assert shares[0] == ({0: (2, 6), 1: (0, 0)}, 2) and shares[3] == ({2: (4, 8)}, 2)
+
+
+def test_sparse_to_contiguous_and_shuffle(tmp_path):
+    import numpy as np
+
+    _criteo_days(tmp_path)
+    U = D.BinaryCriteoUtils
+    files = [str(tmp_path / f"day_{d}_sparse.npy") for d in range(3)]
+    (tmp_path / "contig").mkdir()
+    U.sparse_to_contiguous(files, str(tmp_path / "contig"), frequency_threshold=2)
+    before = np.concatenate([np.load(f) for f in files])
+    after = np.concatenate([np.load(tmp_path / "contig" / f"day_{d}_sparse_contig_freq.npy") for d in range(3)])
+    for col in range(26):  # by hand: first appearance order, rare ids 1
+        seen, counts, expected = {}, {}, []
+        for x in before[:, col].tolist():
+            counts[x] = counts.get(x, 0) + 1
+        for x in before[:, col].tolist():
+            if counts[x] < 2:
+                expected.append(1)
+            else:
+                expected.append(seen.setdefault(x, 2 + len(seen)))
+        assert after[:, col].tolist() == expected
+    (tmp_path / "shuf").mkdir()
+    U.shuffle(str(tmp_path), str(tmp_path), str(tmp_path / "shuf"), {0: 7, 1: 8}, days=3, random_seed=5)
+    rows = lambda d, where: np.concatenate([np.load(where / f"day_{d}_{p}.npy").astype(np.float32) for p in ("dense", "sparse", "labels")], 1)  # noqa: E731
+    original = np.concatenate([rows(0, tmp_path), rows(1, tmp_path)])
+    shuffled = np.concatenate([rows(0, tmp_path / "shuf"), rows(1, tmp_path / "shuf")])
+    expected = original.copy()
+    np.random.RandomState(5).shuffle(expected)
+    np.testing.assert_array_equal(shuffled, expected)
+    np.testing.assert_array_equal(rows(2, tmp_path / "shuf"), rows(2, tmp_path))
+
+
+@pytest.mark.parametrize("world_size,batch_size,drop_last", [(2, 4, False), (3, 4, True), (3, 11, False), (1, 24, False)])
+def test_in_memory_binary_criteo_batches_cover_the_rows_once(tmp_path, world_size, batch_size, drop_last):
+    import numpy as np
+
+    _criteo_days(tmp_path)
+    paths = {p: [str(tmp_path / f"day_{d}_{p}.npy") for d in range(3)] for p in ("dense", "sparse", "labels")}
+    dense = np.concatenate([np.load(f) for f in paths["dense"]])
+    sparse = np.concatenate([np.load(f) for f in paths["sparse"]]) % 7
+    seen = []
+    for rank in range(world_size):
+        pipe = D.InMemoryBinaryCriteoIterDataPipe("train", paths["dense"], paths["sparse"], paths["labels"], batch_size,
+                                                  rank, world_size, drop_last=drop_last, hashes=[7] * 26)
+        batches = list(pipe)
+        assert len(batches) == len(pipe)
+        for b in batches:
+            kjt = b.sparse_features
+            assert kjt.keys() == D.DEFAULT_CAT_NAMES and kjt.lengths().tolist() == [1] * (26 * kjt.stride())
+            for row, values in zip(b.dense_features.numpy(), kjt.values().view(26, -1).T.numpy()):
+                i = int(np.where((dense == row).all(1))[0][0])
+                np.testing.assert_array_equal(values, sparse[i])
+                seen.append(i)
+    kept = 24 - 24 % (world_size * batch_size) if drop_last else 24
+    assert sorted(seen) == list(range(kept))
