@@ -232,3 +232,33 @@ def test_in_memory_binary_criteo_batches_cover_the_rows_once(tmp_path, world_siz
                 seen.append(i)
     kept = 24 - 24 % (world_size * batch_size) if drop_last else 24
     assert sorted(seen) == list(range(kept))
+
+
+def test_preprocessing_scripts_chain(tmp_path):
+    import numpy as np
+
+    from recship.datasets.scripts import contiguous_preproc_criteo, npy_preproc_criteo, shuffle_preproc_criteo
+
+    g = random.Random(1)
+    raw, npy, contig, shuffled = (tmp_path / n for n in ("raw", "npy", "contig", "shuffled"))
+    for d in (raw, npy, contig, shuffled):
+        d.mkdir()
+    for day in range(24):
+        (raw / f"day_{day}").write_text("".join(
+            "\t".join([str(g.randint(0, 1))] + [str(g.randint(0, 9)) for _ in range(13)] + [format(g.randint(1, 5), "x") for _ in range(26)]) + "\n"
+            for _ in range(2)))
+    assert npy_preproc_criteo.main(["--input_dir", str(raw), "--output_dir", str(npy)]) == 0
+    assert contiguous_preproc_criteo.main(["--input_dir", str(npy), "--output_dir", str(contig), "--frequency_threshold", "3"]) == 0
+    for day in range(24):  # the shuffle reads day_<d>_sparse.npy
+        (contig / f"day_{day}_sparse_contig_freq.npy").rename(contig / f"day_{day}_sparse.npy")
+    assert shuffle_preproc_criteo.main(["--input_dir_labels_and_dense", str(npy), "--input_dir_sparse", str(contig),
+                                        "--output_dir_shuffled", str(shuffled), "--random_seed", "2"]) == 0
+    def rows(where, sparse_dir, days):
+        return np.concatenate([np.concatenate([np.load(where / f"day_{d}_dense.npy"), np.load(sparse_dir / f"day_{d}_sparse.npy"),
+                                               np.load(where / f"day_{d}_labels.npy")], 1).astype(np.float32) for d in days])
+    expected = rows(npy, contig, range(23))
+    np.random.RandomState(2).shuffle(expected)
+    np.testing.assert_array_equal(rows(shuffled, shuffled, range(23)), expected)
+    assert int(np.load(contig / "day_0_sparse.npy").min()) >= 1
+    with pytest.raises(ValueError, match="holds none of"):
+        npy_preproc_criteo.main(["--input_dir", str(tmp_path / "contig"), "--output_dir", str(npy), "--dataset_name", "criteo_kaggle"])
