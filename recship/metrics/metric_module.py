@@ -281,6 +281,11 @@ class RecMetricModule(nn.Module):
         self, metric: RecMetric, process_group: Optional[dist.ProcessGroup]
     ) -> Dict[str, Dict[str, Union[torch.Tensor, List[torch.Tensor]]]]:
         out: Dict[str, Dict[str, Any]] = defaultdict(dict)
+        distributed = dist.is_available() and dist.is_initialized()
+
+        def gather(value: torch.Tensor) -> List[torch.Tensor]:  # one process without a process group: itself
+            return gather_all_tensors(value, process_group) if distributed else [value]
+
         for task, computation in zip(metric._tasks, metric._metrics_computations):
             for name, reduce_fx in computation._reductions.items():
                 value = getattr(computation, name)
@@ -288,9 +293,9 @@ class RecMetricModule(nn.Module):
                     if not value:
                         out[task.name][name] = []
                         continue
-                    gathered: Any = gather_all_tensors(torch.cat(value, dim=-1), process_group)
+                    gathered: Any = gather(torch.cat(value, dim=-1))
                 else:
-                    gathered = torch.stack(gather_all_tensors(value, process_group))
+                    gathered = torch.stack(gather(value))
                 out[task.name][name] = reduce_fx(gathered) if reduce_fx is not None else gathered
         return out
 
@@ -298,7 +303,8 @@ class RecMetricModule(nn.Module):
         self, pg: Optional[dist.ProcessGroup] = None
     ) -> Dict[str, Dict[str, Dict[str, Union[torch.Tensor, List[torch.Tensor]]]]]:
         """Every metric's states reduced across the ranks of ``pg`` (default: the world), on every rank:
-        ``{namespace: {task: {state: value}}}`` (the throughput counters under ``throughput``); a collective."""
+        ``{namespace: {task: {state: value}}}`` (the throughput counters under ``throughput``); a collective
+        (without a process group, the local states reduced as a world of one)."""
         states: Dict[str, Any] = {}
         for metric in self.rec_metrics.rec_metrics:
             states[metric._namespace.value] = self._get_metric_states(metric, pg)

@@ -219,7 +219,7 @@ class RecMetricComputation(SyncedStates, abc.ABC):
     def compute(self) -> List[MetricComputationReport]:
         if self._computed is not None:
             return self._computed
-        synced_here = not self._is_synced and self._distributed()
+        synced_here = self._to_sync and not self._is_synced and self._distributed()
         if synced_here:
             self.sync()
         try:

@@ -73,6 +73,7 @@ class SyncedStates(nn.Module):
         self._reductions: Dict[str, Optional[Callable[[Any], Any]]] = {}
         self._device = torch.device("cpu")
         self._is_synced = False
+        self._to_sync = True  # False: compute() uses the states as they are (already gathered elsewhere)
         self._cache: Optional[Dict[str, State]] = None
         self._update_count = 0
         self._computed: Any = None
