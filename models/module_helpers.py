@@ -11,7 +11,7 @@ per-feature JaggedTensors, and the id helpers of the embedding kernels.
 import copy
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ def extract_module_or_tensor_callable(
         module = module_or_callable()  # type: ignore[call-arg]
     except TypeError as e:
         if "required positional argument" in str(e):
-            return module_or_callable  # a function of the tensor
+            return cast(TensorFn, module_or_callable)  # a function of the tensor
         raise
     if not isinstance(module, nn.Module):
         raise ValueError(f"a callable that takes no input must return a torch.nn.Module, got {type(module)}")
@@ -48,7 +48,7 @@ def check_module_output_dimension(module: Union[Iterable[nn.Module], nn.Module],
     ``out_features``."""
     if isinstance(module, (list, nn.ModuleList)):
         return all(check_module_output_dimension(m, in_features, out_features) for m in module)
-    return get_module_output_dimension(module, in_features) == out_features
+    return get_module_output_dimension(cast(nn.Module, module), in_features) == out_features
 
 
 def init_mlp_weights_xavier_uniform(m: nn.Module) -> None:

@@ -78,8 +78,9 @@ def _jagged_parts(nested: Any, key: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(values, lengths) of a torch nested jagged tensor ([B, j] one key's ids)."""
     if not (isinstance(nested, torch.Tensor) and nested.is_nested):
         raise TypeError(f"maybe_td_to_kjt: key {key!r} holds a {type(nested).__name__}, not a nested jagged tensor")
-    lengths = nested.lengths() if nested.lengths() is not None else torch.diff(nested.offsets())
-    return nested.values(), lengths
+    njt: Any = nested  # a NestedTensor: lengths() / offsets() are its own
+    lengths = njt.lengths() if njt.lengths() is not None else torch.diff(njt.offsets())
+    return njt.values(), lengths
 
 
 def maybe_td_to_kjt(features: Any, keys: Optional[List[str]] = None) -> KeyedJaggedTensor:

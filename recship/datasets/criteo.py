@@ -8,7 +8,7 @@ for training is ``recship.trainer.data.CriteoTSV`` (what ``recship train --data 
 import logging
 import os
 import shutil
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Literal, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -277,7 +277,7 @@ class InMemoryBinaryCriteoIterDataPipe(IterableDataset):
             self._shuffle_and_load_data_for_rank()
             self.world_size, self.rank = 1, 0
         else:
-            mode = "r" if mmap_mode else None
+            mode: Optional[Literal["r"]] = "r" if mmap_mode else None
             self.dense_arrs: List[np.ndarray] = [np.load(f, mmap_mode=mode) for f in dense_paths]
             self.sparse_arrs: List[np.ndarray] = [np.load(f, mmap_mode=mode) for f in sparse_paths]
             self.labels_arrs: List[np.ndarray] = [np.load(f, mmap_mode=mode) for f in labels_paths]

@@ -10,7 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Sequence, Tuple, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, List, Sequence, Tuple, TypeVar, cast
 
 import torch
 from torch.utils.data import IterDataPipe, functional_datapipe, get_worker_info
@@ -157,7 +157,7 @@ class ReadLinesFromCSV(IterDataPipe):
 
     def __iter__(self) -> Iterator[List[str]]:
         for _, data in self.datapipe:
-            reader = csv.reader(data, **self.kw)
+            reader = csv.reader(cast(Iterable[str], data), **self.kw)
             if self.skip_first_line:
                 next(reader, None)
             yield from reader

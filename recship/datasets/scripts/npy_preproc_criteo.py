@@ -33,9 +33,9 @@ def main(argv: List[str]) -> int:
         path = os.path.join(args.input_dir, name)
         if not os.path.exists(path):
             continue
-        outputs = [os.path.join(args.output_dir, f"{out}_{part}.npy") for part in ("dense", "sparse", "labels")]
-        BinaryCriteoUtils.tsv_to_npys(path, *outputs, args.dataset_name)
-        print(f"{path} -> {', '.join(outputs)}")
+        dense, sparse, labels = (os.path.join(args.output_dir, f"{out}_{part}.npy") for part in ("dense", "sparse", "labels"))
+        BinaryCriteoUtils.tsv_to_npys(path, dense, sparse, labels, args.dataset_name)
+        print(f"{path} -> {dense}, {sparse}, {labels}")
         done += 1
     if not done:
         raise ValueError(f"{args.input_dir} holds none of {[name for name, _ in pairs]}")
