@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from recship.fx import symbolic_trace
 from recship.models.layers import EmbeddingTower, EmbeddingTowerCollection, tower_input_params
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
@@ -77,6 +78,8 @@ def test_collection_concatenates_each_towers_output():
     expected = torch.cat([first, second, third], 1)
     assert got.shape == (3, 3 + 8 + 1)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    bags = EmbeddingTowerCollection([towers.towers[0], towers.towers[1]])  # RowSums loops over rows: not traceable
+    assert torch.equal(symbolic_trace(bags)(kjt, wkjt), got[:, :11])  # as an exported model's towers are traced
 
 
 def test_a_tower_without_its_input_is_refused():
