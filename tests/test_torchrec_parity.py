@@ -117,18 +117,31 @@ def counted(api: Dict[str, Dict[str, Any]]) -> List[Tuple[str, str, Dict[str, An
     """(module, name, entry) once per TorchRec object, at the path users import it from: a module's own names, and a
     package's re-exports (``torchrec.distributed.DistributedModelParallel``). A name a plain module merely imports is
     an implementation detail of that module (PEP 8) and is counted where it is defined; one defined in a module outside
-    the survey is counted once, under the first surveyed module (in sorted order) that imports it."""
+    the survey is counted once, under the surveyed module nearest to where it is defined (the longest shared dotted prefix;
+    ties: the first in sorted order)."""
     packages = {m for m in api if any(other.startswith(m + ".") for other in api)}
-    out, seen = [], set()
+    out, importers = [], {}
     for module in sorted(api):
         for name, entry in sorted(api[module].items()):
             home = entry.get("defined_in", module)
             if module in packages or home == module:
                 out.append((module, name, entry))
-            elif not (home in api and name in api[home]) and (home, name) not in seen:
-                seen.add((home, name))
-                out.append((module, name, entry))
+            elif not (home in api and name in api[home]):
+                importers.setdefault((home, name), []).append((module, entry))
+    for (home, name), found in sorted(importers.items()):
+        module, entry = min(found, key=lambda f: (-_shared_prefix(f[0], home), f[0]))
+        out.append((module, name, entry))
     return out
+
+
+def _shared_prefix(a: str, b: str) -> int:
+    """How many leading dotted components ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def survey() -> Tuple[int, Dict[str, str]]:
