@@ -44,7 +44,7 @@ class AccuracyMetricComputation(SumsComputation):
         self._threshold = threshold
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_accuracy_states(labels, predictions, weights, self._threshold)
 

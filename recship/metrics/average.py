@@ -1,7 +1,7 @@
 """The weighted averages of the labels and of the predictions. Keys ``average-{task}|lifetime_label_average``,
 ``|lifetime_prediction_average``, ``|window_label_average``, ``|window_prediction_average``."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -30,7 +30,7 @@ class AverageMetricComputation(SumsComputation):
     _SUMS = (LABEL_SUM, PREDICTION_SUM, WEIGHTED_NUM_SAMPLES)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_average_states(labels, predictions, weights)
 

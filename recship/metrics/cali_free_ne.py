@@ -64,13 +64,15 @@ class CaliFreeNEMetricComputation(SumsComputation):
         self.eta = 1e-12
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_cali_free_ne_states(labels, predictions, weights, self.eta)
 
     def _compute(self) -> List[MetricComputationReport]:
-        def cali_free_ne(*sums: torch.Tensor) -> torch.Tensor:
-            return compute_cali_free_ne(*sums, self.eta, self._allow_missing_label_with_zero_weight)
+        def cali_free_ne(
+            ce: torch.Tensor, n: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor, predicted: torch.Tensor
+        ) -> torch.Tensor:
+            return compute_cali_free_ne(ce, n, pos, neg, predicted, self.eta, self._allow_missing_label_with_zero_weight)
 
         return self._reports(MetricName.CALI_FREE_NE, cali_free_ne, *self._SUMS)
 

@@ -1,7 +1,7 @@
 """Calibration: sum(w * prediction) / sum(w * label), 0 where no weighted positives. 1 is calibrated.
 Keys ``calibration-{task}|lifetime_calibration`` and ``|window_calibration``."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -30,7 +30,7 @@ class CalibrationMetricComputation(SumsComputation):
     _SUMS = (CALIBRATION_NUM, CALIBRATION_DENOM)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_calibration_states(labels, predictions, weights)
 

@@ -28,7 +28,7 @@ class RecalibratedCalibrationMetricComputation(CalibrationMetricComputation):
         super().__init__(*args, **kwargs)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         coef = self._recalibration_coefficient * torch.ones_like(predictions)
         return get_calibration_states(labels, _recalibrate(predictions, coef), weights)

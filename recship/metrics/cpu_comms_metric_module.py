@@ -23,17 +23,17 @@ class CPUCommsRecMetricModule(RecMetricModule):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rec_metrics = self._clone_rec_metrics()
-        for metric in self.rec_metrics.rec_metrics:
-            for computation in metric._metrics_computations:
+        for metric in self.rec_metrics.metrics:
+            for computation in metric.computations:
                 computation._to_sync = False
 
     def load_local_metric_state_snapshot(self, state_snapshot: MetricStateSnapshot) -> None:
         """Load this rank's states (and throughput counter) from a snapshot, before the gather."""
-        for metric in self.rec_metrics.rec_metrics:
+        for metric in self.rec_metrics.metrics:
             mode = metric._compute_mode
             if mode in (RecComputeMode.FUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_AND_STATES_COMPUTATION):
-                self._load_metric_states(mode.name, metric._metrics_computations[0], state_snapshot.metric_states)
-            for task, computation in zip(metric._tasks, metric._metrics_computations):
+                self._load_metric_states(mode.name, metric.computations[0], state_snapshot.metric_states)
+            for task, computation in zip(metric._tasks, metric.computations):
                 self._load_metric_states(task.name, computation, state_snapshot.metric_states)
         if state_snapshot.throughput_metric is not None:
             self.throughput_metric = state_snapshot.throughput_metric
@@ -52,9 +52,9 @@ class CPUCommsRecMetricModule(RecMetricModule):
         # TorchRec rebuilds each metric from its constructor's common arguments, which drops the metric's own
         # options (include_logloss, number_of_classes, ...); a deep copy keeps them. Process groups are shared.
         clones = []
-        for metric in self.rec_metrics.rec_metrics:
+        for metric in self.rec_metrics.metrics:
             assert isinstance(metric, RecMetric)
-            memo = {id(c.process_group): c.process_group for c in metric._metrics_computations if c.process_group is not None}
+            memo = {id(c.process_group): c.process_group for c in metric.computations if c.process_group is not None}
             clone = copy.deepcopy(metric, memo)
             clone.reset()
             clones.append(clone)

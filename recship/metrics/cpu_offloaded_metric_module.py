@@ -170,7 +170,7 @@ class CPUOffloadedRecMetricModule(RecMetricModule):
     def unsync(self) -> None:
         pass  # the local states are never replaced
 
-    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
         """The gathered states of the last compute (``sync()`` first for the current ones)."""
         return self.comms_module.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
 

@@ -1,7 +1,7 @@
 """CTR: the weighted rate of positive labels, sum(w * label) / sum(w) (0 with no weight). Keys
 ``ctr-{task}|lifetime_ctr`` and ``|window_ctr``."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -25,7 +25,7 @@ class CTRMetricComputation(SumsComputation):
     _SUMS = (CTR_NUM, CTR_DENOM)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_ctr_states(labels, predictions, weights)
 

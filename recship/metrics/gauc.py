@@ -59,7 +59,7 @@ def compute_window_auc(auc: torch.Tensor, num_samples: torch.Tensor) -> Dict[str
 class GAUCMetricComputation(SumsComputation):
     _SUMS = ("auc_sum", "num_samples")
 
-    def update(
+    def update(  # type: ignore[override]
         self,
         *,
         predictions: Optional[torch.Tensor],

@@ -1,7 +1,7 @@
 """Mean absolute error, weighted: sum(w * |y - prediction|) / sum(w) (0 with no weight). Keys
 ``mae-{task}|lifetime_mae`` and ``|window_mae``."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -29,7 +29,7 @@ class MAEMetricComputation(SumsComputation):
     _SUMS = (ERROR_SUM, WEIGHTED_NUM_SAMPLES)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_mae_states(labels, predictions, weights)
 

@@ -149,6 +149,12 @@ class RecMetricModule(nn.Module):
             largest over the ranks when a process group is initialized).
     """
 
+    rec_tasks: List[RecTaskInfo]
+    rec_metrics: RecMetricList
+    throughput_metric: Optional[ThroughputMetric]
+    state_metrics: Dict[str, StateMetric]
+    _compute_interval_steps: torch.Tensor
+
     def __init__(
         self,
         batch_size: int,
@@ -286,7 +292,7 @@ class RecMetricModule(nn.Module):
         def gather(value: torch.Tensor) -> List[torch.Tensor]:  # one process without a process group: itself
             return gather_all_tensors(value, process_group) if distributed else [value]
 
-        for task, computation in zip(metric._tasks, metric._metrics_computations):
+        for task, computation in zip(metric._tasks, metric.computations):
             for name, reduce_fx in computation._reductions.items():
                 value = getattr(computation, name)
                 if isinstance(value, list):
@@ -306,7 +312,7 @@ class RecMetricModule(nn.Module):
         ``{namespace: {task: {state: value}}}`` (the throughput counters under ``throughput``); a collective
         (without a process group, the local states reduced as a world of one)."""
         states: Dict[str, Any] = {}
-        for metric in self.rec_metrics.rec_metrics:
+        for metric in self.rec_metrics.metrics:
             states[metric._namespace.value] = self._get_metric_states(metric, pg)
         if self.throughput_metric is not None:
             throughput = self.throughput_metric
@@ -319,15 +325,15 @@ class RecMetricModule(nn.Module):
         self, source: Dict[str, Dict[str, Dict[str, Union[torch.Tensor, List[torch.Tensor]]]]]
     ) -> None:
         """Load what ``get_pre_compute_states`` returned (no collective)."""
-        for metric in self.rec_metrics.rec_metrics:
-            states = source[metric._namespace.value]
-            for task, computation in zip(metric._tasks, metric._metrics_computations):
-                for name, value in states[task.name].items():
+        for metric in self.rec_metrics.metrics:
+            per_task = source[metric._namespace.value]
+            for task, computation in zip(metric._tasks, metric.computations):
+                for name, value in per_task[task.name].items():
                     setattr(computation, name, value)
         if self.throughput_metric is not None:
-            states = source[self.throughput_metric._namespace.value][self.throughput_metric._metric_name.value]
+            counters: Dict[str, Any] = source[self.throughput_metric._namespace.value][self.throughput_metric._metric_name.value]
             for name, buf in self.throughput_metric.named_buffers():
-                buf.copy_(states[name])
+                buf.copy_(counters[name])
 
     def shutdown(self) -> None:
         logger.info("RecMetricModule: shutdown")

@@ -26,12 +26,12 @@ class MetricStateSnapshot:
         cls, rec_metrics: RecMetricList, throughput_metric: Optional[ThroughputMetric] = None
     ) -> "MetricStateSnapshot":
         states: Dict[str, Any] = {}
-        for metric in rec_metrics.rec_metrics:
+        for metric in rec_metrics.metrics:
             mode = metric._compute_mode
             if mode in (RecComputeMode.FUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_AND_STATES_COMPUTATION):
-                _load_into_reduced_states(mode.name, metric._metrics_computations[0], states)
+                _load_into_reduced_states(mode.name, metric.computations[0], states)
             else:
-                for task, computation in zip(metric._tasks, metric._metrics_computations):
+                for task, computation in zip(metric._tasks, metric.computations):
                     _load_into_reduced_states(task.name, computation, states)
         return cls(states, copy.deepcopy(throughput_metric) if throughput_metric else None)
 

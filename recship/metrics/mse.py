@@ -2,7 +2,7 @@
 all weighted. Keys ``mse-{task}|lifetime_mse``, ``|lifetime_rmse``, ``|window_mse``, ``|window_rmse`` (and
 ``|lifetime_r_squared``, ``|window_r_squared``)."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
@@ -48,7 +48,7 @@ def get_mse_states(labels: torch.Tensor, predictions: torch.Tensor, weights: tor
 class MSEMetricComputation(SumsComputation):
     """Args: include_r_squared (bool): also report R^2 (its label sums are then persistent)."""
 
-    _SUMS = (ERROR_SUM, WEIGHTED_NUM_SAMPLES, LABEL_SUM, LABEL_SQUARED_SUM)
+    _SUMS: Tuple[str, ...] = (ERROR_SUM, WEIGHTED_NUM_SAMPLES, LABEL_SUM, LABEL_SQUARED_SUM)
 
     def __init__(self, *args: Any, include_r_squared: bool = False, **kwargs: Any) -> None:
         self._include_r_squared = include_r_squared
@@ -58,7 +58,7 @@ class MSEMetricComputation(SumsComputation):
         return name in (ERROR_SUM, WEIGHTED_NUM_SAMPLES) or self._include_r_squared
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_mse_states(labels, predictions, weights)
 

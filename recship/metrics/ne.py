@@ -85,7 +85,7 @@ class NEMetricComputation(SumsComputation):
         self._get_ne_states = self._maybe_compile(get_ne_states)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return self._get_ne_states(labels, predictions, weights, self.eta)
 

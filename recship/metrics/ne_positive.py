@@ -53,7 +53,7 @@ class NEPositiveMetricComputation(SumsComputation):
         self.eta = 1e-12
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_ne_positive_states(labels, predictions, weights, self.eta)
 

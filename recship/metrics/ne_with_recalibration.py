@@ -33,7 +33,7 @@ class RecalibratedNEMetricComputation(NEMetricComputation):
         )
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         coef = self._recalibration_coefficient * torch.ones_like(predictions)
         return get_ne_states(labels, _recalibrate(predictions, coef), weights, self.eta)

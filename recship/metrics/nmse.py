@@ -41,7 +41,7 @@ class NMSEMetricComputation(MSEMetricComputation):
         return name == CONST_PRED_ERROR_SUM or super()._is_persistent(name)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_norm_mse_states(labels, predictions, weights)
 

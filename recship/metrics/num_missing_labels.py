@@ -1,7 +1,7 @@
 """The weight of the samples whose label is NaN (missing). Keys ``num_missing_labels-{task}|lifetime_num_missing_labels`` and ``|window_num_missing_labels``; weights None
 counts every sample as 1."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -27,7 +27,7 @@ class NumMissingLabelsMetricComputation(SumsComputation):
     _NEEDS = ("predictions",)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_num_missing_labels_states(labels, predictions, weights)
 

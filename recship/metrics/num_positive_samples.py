@@ -1,7 +1,7 @@
 """The weighted number of positive labels, sum(w * label) (NaN labels count 0). Keys ``num_positive_samples-{task}|lifetime_num_positive_samples`` and ``|window_num_positive_samples``; weights None
 counts every sample as 1."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -27,7 +27,7 @@ class NumPositiveSamplesMetricComputation(SumsComputation):
     _NEEDS = ("predictions",)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_num_positive_sample_states(labels, predictions, weights)
 

@@ -17,7 +17,7 @@ import math
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Type, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Type, Union  # noqa: F401
 
 import torch
 import torch.distributed as dist
@@ -25,12 +25,11 @@ import torch.nn as nn
 
 from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
 from recship.metrics.metrics_namespace import MetricNameBase, MetricNamespaceBase, MetricPrefix, compose_metric_key
-from recship.metrics.synced_states import SyncedStates
+from recship.metrics.synced_states import MAX_BUFFER_COUNT, SyncedStates, WindowBuffer
 
 RecModelOutput = Union[torch.Tensor, Dict[str, torch.Tensor]]
 ComputeIterType = Iterator[Tuple[RecTaskInfo, MetricNameBase, torch.Tensor, str, Optional[str]]]
 
-MAX_BUFFER_COUNT = 1000
 _FUSED_MODES = (RecComputeMode.FUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_AND_STATES_COMPUTATION)
 
 
@@ -62,37 +61,6 @@ def pt2_compile_callable(f: Callable) -> Callable:
         return f(ref, *args, **kwargs)
 
     return maybe_compiled
-
-
-class WindowBuffer:
-    """The per-batch contributions to one window state, newest last: ``aggregate_state`` adds a batch's
-    ``curr_state`` (of ``size`` samples) to ``window_state`` in place and subtracts the oldest batches while the
-    window holds more than ``max_size`` samples or ``max_buffer_count`` batches."""
-
-    def __init__(self, max_size: int, max_buffer_count: int) -> None:
-        self._max_size = max_size
-        self._max_buffer_count = max_buffer_count
-        self._buffers: Deque[torch.Tensor] = deque(maxlen=max_buffer_count)
-        self._used_sizes: Deque[int] = deque(maxlen=max_buffer_count)
-        self._window_used_size = 0
-
-    def _drop_oldest(self, window_state: torch.Tensor) -> None:
-        window_state -= self._buffers.popleft()
-        self._window_used_size -= self._used_sizes.popleft()
-
-    def aggregate_state(self, window_state: torch.Tensor, curr_state: torch.Tensor, size: int) -> None:
-        if len(self._buffers) == self._max_buffer_count:
-            self._drop_oldest(window_state)
-        self._buffers.append(curr_state.clone())
-        self._used_sizes.append(size)
-        window_state += curr_state
-        self._window_used_size += size
-        while self._window_used_size > self._max_size:
-            self._drop_oldest(window_state)
-
-    @property
-    def buffers(self) -> Deque[torch.Tensor]:
-        return self._buffers
 
 
 class RecMetricComputation(SyncedStates, abc.ABC):
@@ -351,13 +319,18 @@ class RecMetric(nn.Module, abc.ABC):
     def _get_task_kwargs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Dict[str, Any]:
         return {}
 
+    @property
+    def computations(self) -> List[RecMetricComputation]:
+        """The computations: one per task, or one for all tasks in the fused modes."""
+        return list(self._metrics_computations)  # type: ignore[arg-type]
+
     def _get_task_required_inputs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Set[str]:
         return set()
 
     # -- compute --------------------------------------------------------------------------------------------------
 
     def _fused_tasks_iter(self, compute_scope: str) -> ComputeIterType:
-        computation = self._metrics_computations[0]
+        computation = self.computations[0]
         computation.pre_compute()
         valid = computation.has_valid_update if self._should_validate_update else itertools.repeat(1)
         for report in getattr(computation, compute_scope + "compute")():
@@ -366,7 +339,7 @@ class RecMetric(nn.Module, abc.ABC):
                 yield task, report.name, value, compute_scope + report.metric_prefix.value, report.description
 
     def _unfused_tasks_iter(self, compute_scope: str) -> ComputeIterType:
-        for task, computation in zip(self._tasks, self._metrics_computations):
+        for task, computation in zip(self._tasks, self.computations):
             computation.pre_compute()
             for report in getattr(computation, compute_scope + "compute")():
                 value = report.value
@@ -466,7 +439,7 @@ class RecMetric(nn.Module, abc.ABC):
             predictions = predictions.view(n, -1, predictions.size()[-1])
         labels = labels.view(n, -1)
         weights = self._create_default_weights(predictions) if weights is None else weights.view(n, -1)
-        computation = self._metrics_computations[0]
+        computation = self.computations[0]
         if self._should_validate_update:
             has_valid_weights = self._check_nonempty_weights(weights)
             if not torch.any(has_valid_weights):
@@ -485,7 +458,7 @@ class RecMetric(nn.Module, abc.ABC):
                 "tensor"
             )
         required_inputs = kwargs.get("required_inputs")
-        for task, computation in zip(self._tasks, self._metrics_computations):
+        for task, computation in zip(self._tasks, self.computations):
             if task.name not in predictions:
                 continue
             if torch.numel(predictions[task.name]) == 0:
@@ -542,16 +515,16 @@ class RecMetric(nn.Module, abc.ABC):
     # -- state ----------------------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        for computation in self._metrics_computations:
+        for computation in self.computations:
             computation.sync()
 
     def unsync(self) -> None:
-        for computation in self._metrics_computations:
+        for computation in self.computations:
             if computation._is_synced:
                 computation.unsync()
 
     def reset(self) -> None:
-        for computation in self._metrics_computations:
+        for computation in self.computations:
             computation.reset()
 
     def get_memory_usage(self) -> Dict[torch.Tensor, int]:
@@ -572,7 +545,7 @@ class RecMetric(nn.Module, abc.ABC):
                 pending.extend(item.__dict__.values())
         return sizes
 
-    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:
+    def state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Dict[str, Any]:  # type: ignore[override]
         """The persistent states, as ``_metrics_computations.{i}.{state}`` (pending fused updates applied)."""
         self._check_fused_update(force=True)
         return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
@@ -595,6 +568,10 @@ class RecMetricList(nn.Module):
     def __len__(self) -> int:
         return len(self.rec_metrics)
 
+    @property
+    def metrics(self) -> List[RecMetric]:
+        return list(self.rec_metrics)  # type: ignore[arg-type]
+
     def __getitem__(self, idx: int) -> nn.Module:
         return self.rec_metrics[idx]
 
@@ -604,29 +581,29 @@ class RecMetricList(nn.Module):
     def update(
         self, *, predictions: RecModelOutput, labels: RecModelOutput, weights: Optional[RecModelOutput], **kwargs: Any
     ) -> None:
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             metric.update(predictions=predictions, labels=labels, weights=weights, **kwargs)
 
     def compute(self) -> Dict[str, torch.Tensor]:
         out: Dict[str, torch.Tensor] = {}
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             out.update(metric.compute())
         return out
 
     def local_compute(self) -> Dict[str, torch.Tensor]:
         out: Dict[str, torch.Tensor] = {}
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             out.update(metric.local_compute())
         return out
 
     def sync(self) -> None:
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             metric.sync()
 
     def unsync(self) -> None:
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             metric.unsync()
 
     def reset(self) -> None:
-        for metric in self.rec_metrics:
+        for metric in self.metrics:
             metric.reset()

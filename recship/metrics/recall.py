@@ -52,7 +52,7 @@ class RecallMetricComputation(SumsComputation):
         self._threshold = threshold
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_recall_states(labels, predictions, weights, self._threshold)
 

@@ -80,6 +80,7 @@ class _SessionComputation(RecMetricComputation):
         raise NotImplementedError
 
     def _top(self, values: torch.Tensor, session: torch.Tensor) -> torch.Tensor:
+        assert self.top_threshold is not None  # the metric refuses tasks without one
         return (ranking_within_session(values, session) < self.top_threshold).to(torch.int32)
 
     def update(

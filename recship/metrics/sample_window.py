@@ -110,8 +110,8 @@ class SampleWindowComputation(RecMetricComputation):
             keys = getattr(self, GROUPING_KEYS)
             keys[0] = torch.cat([keys[0][start_index:], grouping_keys.squeeze()], dim=0)
 
-    def _window(self) -> List[List[torch.Tensor]]:
-        return [getattr(self, name) for name in (PREDICTIONS, LABELS, WEIGHTS)]
+    def _window(self) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
+        return getattr(self, PREDICTIONS), getattr(self, LABELS), getattr(self, WEIGHTS)
 
     def _sync_dist(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         # one tensor per rank, in sample order, so that the reduction concatenates rank after rank

@@ -256,9 +256,10 @@ class SegmentedNEMetricComputation(RecMetricComputation):
                 lifetime, window = [s[0] for s in lifetime], [s[0] for s in window]
 
             def ne(sums: List[torch.Tensor]) -> torch.Tensor:
+                ce, n, pos, neg = sums
                 if fused:
-                    return compute_ne_fused(*sums, config.num_groups, self._n_tasks, self.eta)
-                return compute_ne(*sums, config.num_groups, self.eta)
+                    return compute_ne_fused(ce, n, pos, neg, config.num_groups, self._n_tasks, self.eta)
+                return compute_ne(ce, n, pos, neg, config.num_groups, self.eta)
 
             values = [(MetricName.SEGMENTED_NE, ne(lifetime), ne(window))]
             if self._include_logloss:

@@ -25,7 +25,7 @@ class ServingCalibrationMetricComputation(SumsComputation):
         )
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         assert weights is not None
         getattr(self, NUM_EXAMPLES).add_(torch.count_nonzero(weights, dim=-1))

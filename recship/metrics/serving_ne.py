@@ -28,14 +28,17 @@ class ServingNEMetricComputation(SumsComputation):
         return labels.shape[-1]
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         assert weights is not None
         getattr(self, NUM_EXAMPLES).add_(torch.count_nonzero(weights, dim=-1))
         return get_ne_states(labels, predictions, weights, self.eta)
 
     def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.NE, lambda *sums: compute_ne(*sums, self.eta), *self._SUMS) + [
+        def ne(ce: torch.Tensor, n: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+            return compute_ne(ce, n, pos, neg, self.eta)
+
+        return self._reports(MetricName.NE, ne, *self._SUMS) + [
             MetricComputationReport(MetricName.TOTAL_EXAMPLES, MetricPrefix.DEFAULT, getattr(self, NUM_EXAMPLES).detach())
         ]
 

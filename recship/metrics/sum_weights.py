@@ -1,7 +1,7 @@
 """The sum of the weights. Keys ``sum_weights-{task}|lifetime_sum_weights`` and ``|window_sum_weights``; weights None
 counts every sample as 1."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -27,7 +27,7 @@ class SumWeightsMetricComputation(SumsComputation):
     _NEEDS = ("predictions",)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_weighted_sum_states(labels, predictions, weights)
 

@@ -33,7 +33,7 @@ class SumsComputation(RecMetricComputation):
         return True
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 

@@ -11,13 +11,16 @@ concatenates along dim 0; a callable gets the stacked tensor (tensor states) or 
 tensors (list states); None leaves the stacked tensor / list as gathered.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Union
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 State = Union[torch.Tensor, List[torch.Tensor]]
+
+MAX_BUFFER_COUNT = 1000  # a window keeps at most this many batches
 
 
 def dim_zero_cat(x: Union[torch.Tensor, List[torch.Tensor]]) -> torch.Tensor:
@@ -82,6 +85,9 @@ class SyncedStates(nn.Module):
     def device(self) -> torch.device:
         return self._device
 
+    def __getattr__(self, name: str) -> Any:  # states are plain attributes of any registered name
+        return super().__getattr__(name)
+
     def add_state(
         self,
         name: str,
@@ -98,7 +104,7 @@ class SyncedStates(nn.Module):
             dist_reduce_fx = _REDUCTIONS[dist_reduce_fx]
         elif dist_reduce_fx is not None and not callable(dist_reduce_fx):
             raise TypeError(f"state {name!r}: dist_reduce_fx must be a string, a callable or None")
-        value = default.detach().clone() if isinstance(default, torch.Tensor) else []
+        value: State = default.detach().clone() if isinstance(default, torch.Tensor) else []
         setattr(self, name, value)
         self._defaults[name] = default.detach().clone() if isinstance(default, torch.Tensor) else []
         self._persistent[name] = persistent
@@ -218,3 +224,34 @@ class SyncedStates(nn.Module):
             elif strict and self._persistent[name]:
                 missing_keys.append(key)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+
+class WindowBuffer:
+    """The per-batch contributions to one window state, newest last: ``aggregate_state`` adds a batch's
+    ``curr_state`` (of ``size`` samples) to ``window_state`` in place and subtracts the oldest batches while the
+    window holds more than ``max_size`` samples or ``max_buffer_count`` batches."""
+
+    def __init__(self, max_size: int, max_buffer_count: int) -> None:
+        self._max_size = max_size
+        self._max_buffer_count = max_buffer_count
+        self._buffers: Deque[torch.Tensor] = deque(maxlen=max_buffer_count)
+        self._used_sizes: Deque[int] = deque(maxlen=max_buffer_count)
+        self._window_used_size = 0
+
+    def _drop_oldest(self, window_state: torch.Tensor) -> None:
+        window_state -= self._buffers.popleft()
+        self._window_used_size -= self._used_sizes.popleft()
+
+    def aggregate_state(self, window_state: torch.Tensor, curr_state: torch.Tensor, size: int) -> None:
+        if len(self._buffers) == self._max_buffer_count:
+            self._drop_oldest(window_state)
+        self._buffers.append(curr_state.clone())
+        self._used_sizes.append(size)
+        window_state += curr_state
+        self._window_used_size += size
+        while self._window_used_size > self._max_size:
+            self._drop_oldest(window_state)
+
+    @property
+    def buffers(self) -> Deque[torch.Tensor]:
+        return self._buffers

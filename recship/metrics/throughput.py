@@ -39,6 +39,12 @@ class ThroughputMetric(nn.Module):
 
     _namespace: MetricNamespace = MetricNamespace.THROUGHPUT
     _metric_name: MetricName = MetricName.THROUGHPUT
+    total_examples: torch.Tensor
+    warmup_examples: torch.Tensor
+    time_lapse_after_warmup: torch.Tensor
+    attempt_examples: torch.Tensor
+    attempt_warmup_examples: torch.Tensor
+    attempt_time_lapse_after_warmup: torch.Tensor
 
     def __init__(
         self,

@@ -149,7 +149,7 @@ class TowerQPSMetric(RecMetric):
             if self._compute_mode in (RecComputeMode.FUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_AND_STATES_COMPUTATION):
                 self._update_fused_qps(labels, weights)
                 return
-            for task, computation in zip(self._tasks, self._metrics_computations):
+            for task, computation in zip(self._tasks, self.computations):
                 if task.name not in labels:
                     continue
                 task_labels = labels[task.name].view(1, -1)  # type: ignore[index]
@@ -166,7 +166,7 @@ class TowerQPSMetric(RecMetric):
         if not isinstance(labels, torch.Tensor):
             labels = torch.stack([labels[task.name] for task in self._tasks])
         labels = labels.view(-1, self._batch_size)
-        computation = self._metrics_computations[0]
+        computation = self.computations[0]
         if not self._should_validate_update:
             computation.update(predictions=None, labels=labels, weights=None)
             return

@@ -49,7 +49,7 @@ class UnweightedNEMetricComputation(SumsComputation):
         self.eta = 1e-12
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_unweighted_ne_states(labels, predictions, weights, self.eta)
 

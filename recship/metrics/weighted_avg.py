@@ -5,7 +5,7 @@ As in TorchRec, the window counts each update as ``labels.shape[0]`` samples (th
 computation, not the batch size), so the window holds the last ``window_size / n_tasks`` updates.
 """
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -25,7 +25,7 @@ class WeightedAvgMetricComputation(SumsComputation):
         return labels.shape[0]
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         assert weights is not None
         return {"weighted_sum": (predictions * weights).sum(dim=-1), "weighted_num_samples": weights.sum(dim=-1)}

@@ -1,7 +1,7 @@
 """The weighted sum of the predictions, sum(w * prediction) (NaN predictions count 0). Keys ``weighted_sum_predictions-{task}|lifetime_weighted_sum_predictions`` and ``|window_weighted_sum_predictions``; weights None
 counts every sample as 1."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -27,7 +27,7 @@ class WeightedSumPredictionsMetricComputation(SumsComputation):
     _NEEDS = ("predictions",)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_weighted_sum_prediction_states(labels, predictions, weights)
 

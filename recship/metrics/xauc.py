@@ -2,7 +2,7 @@
 agreeing with ties; each pair weighs w_i * w_j. Keys ``xauc-{task}|lifetime_xauc`` and ``|window_xauc``.
 Pairs are formed inside a batch only, so the value depends on the batching (as in TorchRec); O(B^2) per batch."""
 
-from typing import Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Type
 
 import torch
 
@@ -43,7 +43,7 @@ class XAUCMetricComputation(SumsComputation):
     _SUMS = (ERROR_SUM, WEIGHTED_NUM_PAIRS)
 
     def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor]
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return get_xauc_states(labels, predictions, weights)
 
