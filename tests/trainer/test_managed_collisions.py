@@ -321,3 +321,31 @@ def test_mistakes_are_value_errors() -> None:
     other = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=10, feature_names=["f0", "f1"])]
     with pytest.raises(ValueError, match="same embedding configs"):
         ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(other), model._managed_collision_collection)
+
+
+def test_reset_parameters_and_meta_device_give_a_new_module() -> None:
+    """materialize() of a model built on the meta device (to_empty, then reset_parameters) and a reset of a trained
+    module both give a new module's state, which then trains as a new module does."""
+    from recship.trainer.embedding_modules import materialize
+
+    data = batches(9, 6)
+    fresh = mc_ebc("dlfu")
+    for kjt in data[:3]:
+        fresh(kjt)
+    trained = mc_ebc("dlfu")
+    for kjt in batches(10, 4):
+        trained(kjt)
+    for m in trained._managed_collision_collection._managed_collision_modules.values():
+        m.reset_parameters()
+    meta_mcc = ManagedCollisionCollection(
+        {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=torch.device("meta"), eviction_policy=DistanceLFU_EvictionPolicy(),
+                                           eviction_interval=INTERVAL[t.name], input_hash_size=100) for t in TABLES}, TABLES)
+    on_meta = ManagedCollisionEmbeddingBagCollection(EmbeddingBagCollection(TABLES, device="meta"), meta_mcc, return_remapped_features=True)
+    materialize(on_meta, "cpu")
+    for model in (trained, on_meta):
+        for kjt in data[:3]:
+            _, remapped = model(kjt)
+        prefix = "_managed_collision_collection._managed_collision_modules."
+        for key, value in fresh.state_dict().items():
+            if key.startswith(prefix):
+                assert torch.equal(model.state_dict()[key], value), key

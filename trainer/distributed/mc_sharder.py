@@ -26,7 +26,7 @@ Where recship differs from TorchRec: evicted rows keep their trained weights and
 (TorchRec's sharded collections re-initialise them; its unsharded ones keep them, as recship does both ways).
 """
 
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,7 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._table_to_offset: Dict[str, int] = {}
         self._plan: Dict[str, ParameterSharding] = {}
         modules: Dict[str, ManagedCollisionModule] = {}
-        for table, mc in module._managed_collision_modules.items():
+        for table, mc in module._mc_modules().items():
             if table not in plan:
                 raise ValueError(f"the sharding plan has no entry for table {table!r}")
             start, rows, segments = _row_shard(table, plan[table], env.rank, env.world_size)
@@ -148,7 +148,7 @@ class ShardedManagedCollisionCollection(nn.Module):
             spans.append(bounds)
         flat_start = [sum(n_values[:s]) for s in range(world)]
         remapped = torch.zeros(sum(n_values), dtype=torch.int64)
-        for table, mc in self._managed_collision_modules.items():
+        for table, mc in self._mc_modules().items():
             ids, where = [], []
             for f in self._table_to_features[table]:
                 for s in range(world):
@@ -175,13 +175,16 @@ class ShardedManagedCollisionCollection(nn.Module):
     def evict(self) -> Dict[str, Optional[torch.Tensor]]:
         """Table -> this shard's rows (local indices) whose slot changed hands since the last call."""
         out: Dict[str, Optional[torch.Tensor]] = {}
-        for table, mc in self._managed_collision_modules.items():
+        for table, mc in self._mc_modules().items():
             rows = mc.evict()
             out[table] = None if rows is None else rows - self._table_to_offset[table]
         return out
 
     def open_slots(self) -> Dict[str, torch.Tensor]:
-        return {table: mc.open_slots() for table, mc in self._managed_collision_modules.items()}
+        return {table: mc.open_slots() for table, mc in self._mc_modules().items()}
+
+    def _mc_modules(self) -> Dict[str, ManagedCollisionModule]:
+        return {table: cast(ManagedCollisionModule, m) for table, m in self._managed_collision_modules.items()}
 
     # -- state -------------------------------------------------------------
 
@@ -279,12 +282,14 @@ class _ManagedCollisionSharder(ModuleSharder[Any]):
         return module
 
 
-def shard_managed_collision_collection(module: BaseManagedCollisionEmbeddingCollection, params: Dict[str, Any], env: ShardingEnv,
+def shard_managed_collision_collection(module: nn.Module, params: Dict[str, Any], env: ShardingEnv,
                                        device: Optional[torch.device] = None,
                                        mc_sharder: Optional[ManagedCollisionCollectionSharder] = None) -> None:
     """Replaces ``module``'s ManagedCollisionCollection by its row-wise sharded form under ``params`` (the plan of
     ``module``'s embedding collection, already sharded); what DistributedModelParallel calls. On a world of one
     rank the collection stays as it is."""
+    if not isinstance(module, BaseManagedCollisionEmbeddingCollection):
+        raise TypeError(f"shard_managed_collision_collection takes a managed-collision embedding collection, got {type(module).__name__}")
     mcc = module._managed_collision_collection
     if not isinstance(mcc, ManagedCollisionCollection):
         raise ValueError("this managed-collision collection is sharded already")

@@ -19,13 +19,13 @@ State-dict keys are TorchRec's: ``_embedding_module.embedding_bags.<table>.weigh
 As in TorchRec 1.8.0 unsharded, a row whose slot changes hands keeps its weights (``evict`` is a no-op).
 """
 
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions.eviction import DistanceLFU_EvictionPolicy
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection, MCHManagedCollisionModule
@@ -73,6 +73,7 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
         self._return_remapped_features = return_remapped_features
         self._allow_in_place_embed_weight_update = allow_in_place_embed_weight_update
         self._embedding_module: Union[EmbeddingBagCollection, EmbeddingCollection] = embedding_module
+        configs: Sequence[BaseEmbeddingConfig]
         if isinstance(embedding_module, EmbeddingBagCollection):
             configs, kind = embedding_module.embedding_bag_configs(), "EmbeddingBagCollection"
         elif isinstance(embedding_module, EmbeddingCollection):
@@ -141,7 +142,7 @@ class ManagedCollisionEmbeddingBagCollection(BaseManagedCollisionEmbeddingCollec
 
 
 def _sort_zch_modules(
-    configs: List[Union[EmbeddingConfig, EmbeddingBagConfig]],
+    configs: Sequence[BaseEmbeddingConfig],
     input_hash_size: int,
     device: torch.device,
     eviction_interval: int,
@@ -251,7 +252,9 @@ class McEmbeddingBagCollectionAdapter(nn.Module):
         return self.mc_embedding_bag_collection._embedding_module.parameters(recurse=recurse)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
-        return self.mc_embedding_bag_collection._embedding_module.embedding_bag_configs()  # type: ignore[union-attr]
+        ebc = self.mc_embedding_bag_collection._embedding_module
+        assert isinstance(ebc, EmbeddingBagCollection)
+        return ebc.embedding_bag_configs()
 
 
 def managed_collision_plan_path(module: nn.Module, path: str) -> Optional[str]:

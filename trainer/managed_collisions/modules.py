@@ -26,7 +26,7 @@ Numbers (remapped ids, buffers after each step, evictions) equal TorchRec 1.8.0'
 
 import abc
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ class ManagedCollisionModule(nn.Module):
         read_only_suffix: suffix of the read-only features (TorchRec's hash-ZCH modules).
         enable_per_feature_lookups: kept for TorchRec's hash-ZCH modules.
     """
+
+    _output_segments_tensor: torch.Tensor
+    _current_iter_tensor: torch.Tensor
 
     def __init__(
         self,
@@ -190,8 +193,8 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
 
     _mch_sorted_raw_ids: torch.Tensor
     _mch_remapped_ids_mapping: torch.Tensor
-    _mch_metadata: Dict[str, torch.Tensor]
-    _history_metadata: Dict[str, torch.Tensor]
+    _mch_slots: torch.Tensor
+    _delimiter: torch.Tensor
 
     def __init__(
         self,
@@ -219,7 +222,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         super().__init__(device=device, output_segments=output_segments)
         if mch_size is not None or mch_hash_func is not None:
             logger.warning("MCHManagedCollisionModule: mch_size and mch_hash_func are deprecated (as in TorchRec) and ignored")
-        self._init_output_segments_tensor: torch.Tensor = self._output_segments_tensor
+        self._output_segments = list(output_segments)
         self._name = name
         self._input_history_buffer_size: int = -1
         self._input_hash_size = input_hash_size
@@ -231,16 +234,46 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self._current_iter: int = -1
         self._buckets = buckets
         self._init_buffers()
-        self._mch_metadata = {}
-        self._history_metadata = {}
         for info in eviction_policy.metadata_info:
             if info.is_mch_metadata:
-                buffer = "_mch_" + info.metadata_name
-                self.register_buffer(buffer, torch.zeros(zch_size, dtype=torch.int64, device=device))
-                self._mch_metadata[info.metadata_name] = getattr(self, buffer)
+                self.register_buffer("_mch_" + info.metadata_name, torch.zeros(zch_size, dtype=torch.int64, device=device))
         self._current_history_buffer_offset: int = 0
         self._evicted: bool = False
         self._last_eviction_iter: int = -1
+
+    # Looked up by name on every use, not held: ``to()`` / ``to_empty()`` replace buffers with new tensors.
+    @property
+    def _mch_metadata(self) -> Dict[str, torch.Tensor]:
+        """Metadata name -> its [zch_size] int64 buffer, one value per slot (in the state_dict as ``_mch_<name>``)."""
+        return {i.metadata_name: getattr(self, "_mch_" + i.metadata_name) for i in self._eviction_policy.metadata_info if i.is_mch_metadata}
+
+    @property
+    def _history_metadata(self) -> Dict[str, torch.Tensor]:
+        """Metadata name -> its buffer of one value per id recorded since the last eviction (empty before the first batch)."""
+        return {i.metadata_name: getattr(self, "_history_" + i.metadata_name) for i in self._eviction_policy.metadata_info
+                if i.is_history_metadata and self._input_history_buffer_size != -1}
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Empties every slot and restarts the iteration count: the state of a new module, written into the current
+        buffers (what ``materialize`` calls after ``to_empty`` for a module built on the meta device)."""
+        self._device = self._mch_sorted_raw_ids.device  # where to_empty put the buffers
+        self._evicted_emb_indices = torch.empty((1,), device=self._device)
+        padded = self._output_segments + [-1] * (_MAX_SEGMENTS - len(self._output_segments))
+        self._output_segments_tensor.copy_(torch.tensor(padded, dtype=torch.int64))
+        self._current_iter_tensor.zero_()
+        self._mch_sorted_raw_ids.fill_(_INT64_MAX)
+        self._mch_slots.fill_(self._zch_size - 1)
+        self._delimiter.fill_(_INT64_MAX)
+        offset = self._output_global_offset
+        self._mch_remapped_ids_mapping.copy_(torch.arange(offset, offset + self._zch_size, dtype=torch.int64))
+        for buffer in self._mch_metadata.values():
+            buffer.zero_()
+        self._current_iter = -1
+        self._input_history_buffer_size = -1
+        self._current_history_buffer_offset = 0
+        self._evicted = False
+        self._last_eviction_iter = -1
 
     def _init_buffers(self) -> None:
         device, offset = self.device, self._output_global_offset
@@ -256,14 +289,12 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         """Sized on the first batch: 1.25 x its ids x eviction_interval (ids beyond are not recorded)."""
         seen = sum(f.values().numel() for f in features.values())
         self._input_history_buffer_size = int(seen * self._eviction_interval * 1.25)
-        self._history_accumulator: torch.Tensor = torch.empty(self._input_history_buffer_size, dtype=torch.int64, device=self.device)
+        device = self._mch_sorted_raw_ids.device
+        self._history_accumulator: torch.Tensor = torch.empty(self._input_history_buffer_size, dtype=torch.int64, device=device)
         for info in self._eviction_policy.metadata_info:
             if info.is_history_metadata:
-                buffer = "_history_" + info.metadata_name
-                self.register_buffer(
-                    buffer, torch.zeros(self._input_history_buffer_size, dtype=torch.int64, device=self.device), persistent=False
-                )
-                self._history_metadata[info.metadata_name] = getattr(self, buffer)
+                self.register_buffer("_history_" + info.metadata_name,
+                                     torch.zeros(self._input_history_buffer_size, dtype=torch.int64, device=device), persistent=False)
 
     def preprocess(self, features: Dict[str, JaggedTensor]) -> Dict[str, JaggedTensor]:
         if self._input_hash_func is None:
@@ -398,7 +429,6 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
                 f"MCHManagedCollisionModule: rows [{start}, {end}) are not a union of the loaded output segments "
                 f"{[s for s in self._output_segments_tensor.tolist() if s >= 0]}"
             )
-        self._output_segments_tensor = self._init_output_segments_tensor
         self._sort_mch_buffers()
 
     def rebuild_with_output_id_range(
@@ -506,8 +536,11 @@ class ManagedCollisionCollection(nn.Module):
     def embedding_configs(self) -> Sequence[BaseEmbeddingConfig]:
         return self._embedding_configs
 
+    def _mc_modules(self) -> Dict[str, ManagedCollisionModule]:
+        return {table: cast(ManagedCollisionModule, m) for table, m in self._managed_collision_modules.items()}
+
     def table_to_number_buckets(self) -> Dict[str, int]:
-        return {table: m.buckets() for table, m in self._managed_collision_modules.items()}
+        return {table: m.buckets() for table, m in self._mc_modules().items()}
 
     def forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
         """features: KJT holding every table's features (others are ignored) -> KJT of the tables'
@@ -515,21 +548,21 @@ class ManagedCollisionCollection(nn.Module):
         features = _features_in_order(features, self._feature_names)
         splits = features.split(self._table_feature_splits)
         remapped: List[Dict[str, JaggedTensor]] = []
-        for i, (table, mc_module) in enumerate(self._managed_collision_modules.items()):
+        for i, (table, mc_module) in enumerate(self._mc_modules().items()):
             remapped.append(mc_module(_table_input(splits[i], table), mutate_miss_lengths=mutate_miss_lengths))
         return _remapped_kjt(features, remapped)
 
     def evict(self) -> Dict[str, Optional[torch.Tensor]]:
         """Table -> rows whose slot changed hands since the last call (None: none)."""
-        return {table: m.evict() for table, m in self._managed_collision_modules.items()}
+        return {table: m.evict() for table, m in self._mc_modules().items()}
 
     def open_slots(self) -> Dict[str, torch.Tensor]:
-        return {table: m.open_slots() for table, m in self._managed_collision_modules.items()}
+        return {table: m.open_slots() for table, m in self._mc_modules().items()}
 
 
 def resized_collection(collection: ManagedCollisionCollection, embedding_configs: Sequence[BaseEmbeddingConfig]) -> ManagedCollisionCollection:
     """A new collection whose modules are ``collection``'s rebuilt, empty, for the row counts of ``embedding_configs``
     (same tables, policies and intervals): what a smaller copy of a model (recship's model-contract probe) holds."""
-    modules = {t.name: collection._managed_collision_modules[t.name].rebuild_with_output_id_range((0, t.num_embeddings), [0, t.num_embeddings])
-               for t in embedding_configs}
-    return ManagedCollisionCollection(modules, embedding_configs)  # type: ignore[arg-type]
+    own = collection._mc_modules()
+    modules = {t.name: own[t.name].rebuild_with_output_id_range((0, t.num_embeddings), [0, t.num_embeddings]) for t in embedding_configs}
+    return ManagedCollisionCollection(modules, embedding_configs)
