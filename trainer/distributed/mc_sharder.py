@@ -89,6 +89,8 @@ class ShardedManagedCollisionCollection(nn.Module):
         self._env = env
         self._pg = env.pg
         self._device = torch.device(device or "cpu")
+        # NCCL moves only CUDA tensors; gloo only CPU ones
+        self._comm_device = self._device if dist.get_backend(self._pg) == "nccl" else torch.device("cpu")
         self._embedding_configs = module.embedding_configs()
         self._feature_names = list(module._feature_names)
         self._table_to_features = dict(module._table_to_features)
@@ -129,40 +131,41 @@ class ShardedManagedCollisionCollection(nn.Module):
         world, rank = self._env.world_size, self._env.rank
         lengths = features.lengths().to(torch.int64)
         values = features.values().to(torch.int64)
-        counts = torch.tensor([lengths.numel(), values.numel()], dtype=torch.int64)
+        comm = self._comm_device
+        counts = torch.tensor([lengths.numel(), values.numel()], dtype=torch.int64, device=comm)
         all_counts = [torch.empty_like(counts) for _ in range(world)]
         dist.all_gather(all_counts, counts, group=self._pg)
         n_lengths = [int(c[0]) for c in all_counts]
         n_values = [int(c[1]) for c in all_counts]
-        all_lengths = self._all_gather(lengths.cpu(), n_lengths)
-        all_values = self._all_gather(values.cpu(), n_values)
+        all_lengths = self._all_gather(lengths.to(comm), n_lengths)
+        all_values = self._all_gather(values.to(comm), n_values)
         keys = features.keys()
         # per source rank: the [start, end) of each key's ids in its values
         spans: List[Dict[str, Tuple[int, int]]] = []
         for s in range(world):
-            per_key = all_lengths[s].view(len(keys), -1).sum(1).tolist() if keys else []
+            per_key = all_lengths[s].view(len(keys), -1).sum(1).tolist() if n_lengths[s] else [0] * len(keys)
             bounds, start = {}, 0
             for k, n in zip(keys, per_key):
                 bounds[k] = (start, start + int(n))
                 start += int(n)
             spans.append(bounds)
         flat_start = [sum(n_values[:s]) for s in range(world)]
-        remapped = torch.zeros(sum(n_values), dtype=torch.int64)
+        remapped = torch.zeros(sum(n_values), dtype=torch.int64, device=comm)
         for table, mc in self._mc_modules().items():
             ids, where = [], []
             for f in self._table_to_features[table]:
                 for s in range(world):
                     a, b = spans[s][f]
                     ids.append(all_values[s][a:b])
-                    where.append(torch.arange(flat_start[s] + a, flat_start[s] + b))
+                    where.append(torch.arange(flat_start[s] + a, flat_start[s] + b, device=comm))
             table_ids, table_where = torch.cat(ids), torch.cat(where)
             mine = input_block_ranks(table_ids, mc.input_size(), mc.buckets(), world) == rank
             local_ids = table_ids[mine].to(self._device)
             jt = JaggedTensor(values=local_ids, lengths=torch.tensor([local_ids.numel()], device=self._device))
             out = mc({table: jt}, mutate_miss_lengths=mutate_miss_lengths)[table].values()
-            remapped[table_where[mine]] = out.cpu()
+            remapped[table_where[mine]] = out.to(comm)
         dist.all_reduce(remapped, group=self._pg)  # each id was remapped by one rank, zeros elsewhere
-        own = remapped[flat_start[rank]: flat_start[rank] + n_values[rank]].to(features.values().device)
+        own = remapped[flat_start[rank]: flat_start[rank] + n_values[rank]].to(features.values().device, features.values().dtype)
         return KeyedJaggedTensor(
             keys=keys,
             values=own,
