@@ -1,7 +1,7 @@
 """The weighted averages of the labels and of the predictions. Keys ``average-{task}|lifetime_label_average``,
 ``|lifetime_prediction_average``, ``|window_label_average``, ``|window_prediction_average``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -5,7 +5,7 @@ of the labels against the mean prediction m = sum(w q) / sum(w) (unclamped):
 
 Keys ``cali_free_ne-{task}|lifetime_cali_free_ne`` and ``|window_cali_free_ne``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

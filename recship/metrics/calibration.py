@@ -1,7 +1,7 @@
 """Calibration: sum(w * prediction) / sum(w * label), 0 where no weighted positives. 1 is calibrated.
 Keys ``calibration-{task}|lifetime_calibration`` and ``|window_calibration``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -1,7 +1,7 @@
 """CTR: the weighted rate of positive labels, sum(w * label) / sum(w) (0 with no weight). Keys
 ``ctr-{task}|lifetime_ctr`` and ``|window_ctr``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Type
 
 import torch
 
-from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
 from recship.metrics.sums import SumsComputation
 

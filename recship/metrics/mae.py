@@ -1,7 +1,7 @@
 """Mean absolute error, weighted: sum(w * |y - prediction|) / sum(w) (0 with no weight). Keys
 ``mae-{task}|lifetime_mae`` and ``|window_mae``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -2,7 +2,7 @@
 all weighted. Keys ``mse-{task}|lifetime_mse``, ``|lifetime_rmse``, ``|window_mse``, ``|window_rmse`` (and
 ``|lifetime_r_squared``, ``|window_r_squared``)."""
 
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Tuple, Type
 
 import torch
 

@@ -8,7 +8,7 @@ below at eta (eta = 1e-12). Keys ``ne-{task}|lifetime_ne``, ``ne-{task}|window_n
 ``|window_logloss``: cross entropy per unit weight, with ``include_logloss``).
 """
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -1,7 +1,7 @@
 """NE of the positives: the cross entropy of the positive samples only, sum(-w * y * log2(q)), normalised by the
 base rate's entropy as in NE. Keys ``ne_positive-{task}|lifetime_ne_positive`` and ``|window_ne_positive``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -2,7 +2,7 @@
 becomes p / (p + (1 - p) / c) first. Keys ``recalibrated_ne-{task}|lifetime_ne`` and ``|window_ne`` (and the
 log loss with ``include_logloss``, which TorchRec 1.8.0 drops here: its constructor loses the flag)."""
 
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Type
 
 import torch
 

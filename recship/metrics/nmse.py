@@ -1,7 +1,7 @@
 """Normalised MSE and RMSE: the model's MSE (RMSE) divided by that of always predicting 1 (0 where that is 0).
 Keys ``nmse-{task}|lifetime_nmse``, ``|lifetime_nrmse``, ``|window_nmse``, ``|window_nrmse``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List
 
 import torch
 

@@ -14,7 +14,6 @@ from recship.metrics.recall_session import (
     _ratio_or_nan,
     _SessionComputation,
     _SessionMetric,
-    _validate_model_outputs,
     ranking_within_session,
 )
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException

@@ -1,7 +1,7 @@
 """Calibration over serving traffic, with the count of examples of non-zero weight. Keys
 ``serving_calibration-{task}|lifetime_calibration``, ``|window_calibration`` and ``|total_examples``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -1,7 +1,7 @@
 """NE over serving traffic, with the count of examples of non-zero weight. Keys ``serving_ne-{task}|lifetime_ne``,
 ``|window_ne`` and ``|total_examples`` (an int64 count, no window)."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

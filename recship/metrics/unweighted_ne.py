@@ -1,7 +1,7 @@
 """NE with every weight taken as 1 (the weights given are ignored). Keys
 ``unweighted_ne-{task}|lifetime_unweighted_ne`` and ``|window_unweighted_ne``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

@@ -5,7 +5,7 @@ As in TorchRec, the window counts each update as ``labels.shape[0]`` samples (th
 computation, not the batch size), so the window holds the last ``window_size / n_tasks`` updates.
 """
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 

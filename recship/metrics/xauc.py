@@ -2,7 +2,7 @@
 agreeing with ties; each pair weighs w_i * w_j. Keys ``xauc-{task}|lifetime_xauc`` and ``|window_xauc``.
 Pairs are formed inside a batch only, so the value depends on the batching (as in TorchRec); O(B^2) per batch."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Type
 
 import torch
 
