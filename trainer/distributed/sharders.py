@@ -133,8 +133,8 @@ class EmbeddingCollectionSharder(BaseEmbeddingSharder[EmbeddingCollection]):
             raise ValueError(f"the plan of an EmbeddingCollection lacks its tables {missing} or names tables it lacks {unknown}")
         for name in names:
             check_training_kernel(name, params[name])
-        if all(params[n].sharding_type == ShardingType.DATA_PARALLEL for n in names):
-            return module if device is None or device.type == "meta" else module.to(device)
+        if all(params[n].sharding_type == ShardingType.DATA_PARALLEL for n in names):  # on meta: DMP materialises it
+            return module if device is None or device.type == "meta" or module.device.type == "meta" else module.to(device)
         return ShardedEmbeddingCollection(module, params, env, self.optimizer_config(module), device,
                                           use_index_dedup=self.use_index_dedup, module_fqn=module_fqn)
 
