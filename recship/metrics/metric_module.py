@@ -423,9 +423,9 @@ def generate_metric_module(
     batch_size_stages: Optional[List[BatchSizeStage]] = None,
     module_kwargs: Optional[Dict[str, Any]] = None,
 ) -> RecMetricModule:
-    """``metric_class`` (RecMetricModule or a subclass) built from ``metrics_config`` and moved to ``device``."""
-    if metrics_config.use_cpu_offloaded_rec_metric_module:
-        raise ValueError("use_cpu_offloaded_rec_metric_module: recship has no CPU-offloaded metric module")
+    """``metric_class`` (RecMetricModule or a subclass) built from ``metrics_config`` and moved to ``device``;
+    ``module_kwargs`` go to its constructor (``CPUOffloadedRecMetricModule`` takes ``model_out_device`` there).
+    ``metrics_config.use_cpu_offloaded_rec_metric_module`` is for the caller choosing ``metric_class``."""
     rec_metrics = _generate_rec_metrics(metrics_config, world_size, my_rank, batch_size, process_group, batch_size_stages)
     validate_batch_size_stages(batch_size_stages)
     throughput_metric = None

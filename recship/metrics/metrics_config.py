@@ -162,7 +162,8 @@ class MetricsConfig:
             update reports 0.
         enable_pt2_compile (bool): compile the state functions with ``torch.compile``.
         should_clone_update_inputs (bool): clone the inputs of ``update()`` first.
-        use_cpu_offloaded_rec_metric_module (Optional[bool]): TorchRec's offloaded module; recship refuses True.
+        use_cpu_offloaded_rec_metric_module (Optional[bool]): a flag for the trainer choosing the module class
+            (``CPUOffloadedRecMetricModule``); ``generate_metric_module`` itself does not read it.
     """
 
     rec_tasks: List[RecTaskInfo] = field(default_factory=list)
