@@ -22,6 +22,7 @@ As in TorchRec 1.8.0 unsharded, a row whose slot changes hands keeps its weights
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -90,12 +91,23 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
     ) -> Tuple[Union[KeyedTensor, Dict[str, JaggedTensor]], Optional[KeyedJaggedTensor]]:
         """features: KJT of raw ids -> (the collection's output on the remapped ids, the remapped KJT
         when ``return_remapped_features`` else None)."""
+        self._check_sharded_together()
         features = self._managed_collision_collection(features, mutate_miss_lengths=mutate_miss_lengths)
         embedding_res = self._embedding_module(features)
         evict(self._managed_collision_collection.evict(), self._embedding_module)
         if not self._return_remapped_features:
             return embedding_res, None
         return embedding_res, features
+
+    def _check_sharded_together(self) -> None:
+        """Training a sharded embedding collection behind an unsharded managed-collision collection on several ranks
+        would profile each rank's ids into its own diverging state: refused (eval only remaps, so it may)."""
+        if not self.training or isinstance(self._embedding_module, (EmbeddingBagCollection, EmbeddingCollection)):
+            return
+        if type(self._managed_collision_collection) is ManagedCollisionCollection and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ValueError(f"this {type(self).__name__}'s embedding collection is sharded but its ManagedCollisionCollection "
+                             "is not: shard both with ManagedCollisionEmbeddingBagCollectionSharder / "
+                             "ManagedCollisionEmbeddingCollectionSharder (DistributedModelParallel does for an EmbeddingBagCollection)")
 
     def lookup_remapped_lengths_mask(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[F * B] bool: non-empty bags after remapping (runs the remapping, profiling in training)."""

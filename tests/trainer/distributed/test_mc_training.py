@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from gloo_ranks import gather_whole, run_ranks
-from recship.distributed import ShardingPlan, construct_module_sharding_plan, row_wise
+from recship.distributed import ShardingEnv, ShardingPlan, construct_module_sharding_plan, row_wise
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.distributed.mc_sharder import (ManagedCollisionEmbeddingBagCollectionSharder, input_block_ranks)
@@ -109,6 +109,15 @@ def _train(rank: int, world_size: int, how: str) -> Dict[str, object]:
         out["refused"] = ""
     except ValueError as e:
         out["refused"] = str(e)
+    # tables sharded without their managed-collision collection: refused at forward, not trained with diverging remaps
+    half = Model()
+    half.mc._embedding_module = ebc_sharder.shard(half.mc._embedding_module, plan.get_plan_for_module("mc") or
+                                                  plan.get_plan_for_module("mc._embedding_module"), ShardingEnv.from_process_group(None), CPU)
+    try:
+        half.mc(probe)
+        out["half"] = ""
+    except ValueError as e:
+        out["half"] = str(e)
     return out
 
 
@@ -178,6 +187,7 @@ def _check(results, want) -> None:
             assert torch.equal(got["remapped"][step], want["remapped"][r][step]), f"rank {r} step {step}"
         assert "mc._embedding_module.embedding_bags.t0.weight" in got["keys"] and prefix + "t0._mch_sorted_raw_ids" in got["keys"]
         assert got["reloaded_same"] and "cannot be re-split" in got["refused"]
+        assert "its ManagedCollisionCollection is not" in got["half"]
     got = results[0]
     for t in ("t0", "t1"):
         torch.testing.assert_close(got[f"mc._embedding_module.embedding_bags.{t}.weight"], want[t], atol=1e-6, rtol=0, msg=t)
