@@ -195,6 +195,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
     _mch_remapped_ids_mapping: torch.Tensor
     _mch_slots: torch.Tensor
     _delimiter: torch.Tensor
+    _evicted_emb_indices: torch.Tensor
 
     def __init__(
         self,
@@ -283,7 +284,7 @@ class MCHManagedCollisionModule(ManagedCollisionModule):
         self.register_buffer(
             "_mch_remapped_ids_mapping", torch.arange(offset, offset + self._zch_size, dtype=torch.int64, device=device)
         )
-        self._evicted_emb_indices: torch.Tensor = torch.empty((1,), device=device)
+        self._evicted_emb_indices = torch.empty((1,), device=device)
 
     def _init_history_buffers(self, features: Dict[str, JaggedTensor]) -> None:
         """Sized on the first batch: 1.25 x its ids x eviction_interval (ids beyond are not recorded)."""
