@@ -132,4 +132,6 @@ class PredictModule(nn.Module):
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "",  # type: ignore[override]
                    keep_vars: bool = False) -> Dict[str, Any]:
+        if destination is None:
+            return self._module.state_dict(prefix=prefix, keep_vars=keep_vars)
         return self._module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)

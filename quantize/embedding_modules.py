@@ -21,8 +21,9 @@ quantized state_dict splits scale and bias out of the rows (``weight`` / ``weigh
 ``weight_qbias``) or includes the TBEs' buffers; by default it holds ``<table>.weight`` only.
 """
 
-from typing import Callable, List, Type
+from typing import Callable, Dict, List, Optional, Tuple, Type
 
+import torch
 from torch import nn
 
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
@@ -32,6 +33,8 @@ from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbedding
 from recship.quantize.modules import QuantEmbeddingBagCollection as EmbeddingBagCollection
 from recship.quantize.modules import QuantEmbeddingCollection as EmbeddingCollection
 from recship.quantize.quantizer import QuantConfig
+from recship.quantize.rowwise import quantize_rows, row_bytes
+from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection as OriginalEmbeddingBagCollection
@@ -66,6 +69,71 @@ def quant_prep_customize_row_alignment(module: nn.Module, module_types: List[Typ
     if isinstance(row_alignment, bool) or not isinstance(row_alignment, int) or row_alignment < 1:
         raise ValueError(f"row_alignment must be a positive int, got {row_alignment!r}")
     for_each_module_of_type_do(module, module_types, lambda m: setattr(m, ROW_ALIGNMENT_ATTR, row_alignment))
+
+
+def quantize_state_dict(module: nn.Module, table_name_to_quantized_weights: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]],
+                        table_name_to_data_type: Dict[str, DataType],
+                        table_name_to_num_embeddings_post_pruning: Optional[Dict[str, int]] = None) -> torch.device:
+    """Quantizes every ``<...>.<table>.weight`` of ``module``'s state_dict (a float collection's) into
+    ``table_name_to_quantized_weights[table]`` = (packed rows [rows, data bytes] uint8, scale/bias [rows, 4] uint8 or
+    None), what the quantized constructors' ``table_name_to_quantized_weights`` takes; returns the weights' device.
+    INT8/INT4/INT2 rows are min/max row-wise (fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf bytes), FP16/FP32 the
+    values, FP8 fbgemm's hfp8; a table in ``table_name_to_num_embeddings_post_pruning`` keeps its first rows. Rows on
+    ``meta`` give empty meta tensors of the right shapes. ValueError for a key that is not a table weight."""
+    device = torch.device("cpu")
+    pruned = table_name_to_num_embeddings_post_pruning or {}
+    for key, tensor in module.state_dict().items():
+        parts = key.split(".")
+        if parts[-1] != "weight" or len(parts) < 2:
+            raise ValueError(f"quantize_state_dict: {key!r} is not a table's weight (<...>.<table>.weight)")
+        table = parts[-2]
+        data_type = table_name_to_data_type[table]
+        rows = pruned.get(table, tensor.shape[0])
+        device = tensor.device
+        if tensor.is_meta:
+            width = row_bytes(data_type, tensor.shape[1]) - (4 if data_type in (DataType.INT8, DataType.INT4, DataType.INT2) else 0)
+            scale_bias = (torch.empty((rows, 4), device="meta", dtype=torch.uint8)
+                          if data_type in (DataType.INT8, DataType.INT4, DataType.INT2) else None)
+            table_name_to_quantized_weights[table] = (torch.empty((rows, width), device="meta", dtype=torch.uint8), scale_bias)
+            continue
+        if tensor.dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"quantize_state_dict: table {table!r} is {tensor.dtype}; float32 or float16 rows are quantized")
+        quantized = quantize_rows(tensor[:rows], data_type)
+        table_name_to_quantized_weights[table] = (quantized.data, quantized.scale_bias)
+    return device
+
+
+def populate_fx_names(quant_ebc: nn.Module) -> None:
+    """TorchRec's fx names (``_fx_path``) on the TBEs of a (sharded) QuantEmbeddingBagCollection: "emb_module.<its
+    tables>" for each TBE of a collection, "embedding_lookup.sharding_<k>.group_<g>.tbe" for each TBE of shard k.
+    recship's Tracer finds the TBEs by their module paths; the names are for code that reads them."""
+    if isinstance(quant_ebc, QuantEmbeddingBagCollection):
+        for tbe, tables in zip(quant_ebc.tbes, quant_ebc._kernel_tables()):
+            setattr(tbe, "_fx_path", "emb_module." + ",".join(tables))
+    elif isinstance(quant_ebc, ShardedQuantEmbeddingBagCollection):
+        for k, shard in enumerate(quant_ebc.shards):
+            setattr(shard, "_fx_path", f"embedding_lookup.sharding_{k}")
+            for g, tbe in enumerate(getattr(shard, "tbes")):
+                setattr(tbe, "_fx_path", f"embedding_lookup.sharding_{k}.group_{g}.tbe")
+
+
+def recursive_populate_fx_names(module: nn.Module) -> None:
+    """``populate_fx_names`` on every (sharded) QuantEmbeddingBagCollection in ``module``."""
+    if isinstance(module, (QuantEmbeddingBagCollection, ShardedQuantEmbeddingBagCollection)):
+        populate_fx_names(module)
+        return
+    for child in module.children():
+        recursive_populate_fx_names(child)
+
+
+def meta_to_cpu_placement(module: nn.Module) -> None:
+    """TorchRec rebuilds quantized collections left on ``meta`` on the CPU. recship's never are (a collection on
+    meta quantizes to zero rows on the CPU, to be loaded), so this checks that: ValueError names one whose rows are."""
+    for path, m in module.named_modules():
+        if isinstance(m, (QuantEmbeddingBagCollection, QuantEmbeddingCollection)):
+            on_meta = [name for name, (data, _) in m.table_weights().items() if data.is_meta]
+            if on_meta:
+                raise ValueError(f"{path or 'the module'}: tables {on_meta} are on meta")
 
 
 def quant_prep_enable_cache_features_order(module: nn.Module, module_types: List[Type[nn.Module]]) -> None:
@@ -103,4 +171,5 @@ __all__ = ["BaseEmbeddingConfig", "DEFAULT_ROW_ALIGNMENT", "DataType", "Embeddin
            "PoolingType", "QuantConfig", "QuantEmbeddingBagCollection", "QuantEmbeddingCollection",
            "QuantFeatureProcessedEmbeddingBagCollection", "for_each_module_of_type_do", "quant_prep_customize_row_alignment",
            "quant_prep_enable_cache_features_order", "quant_prep_enable_quant_state_dict_split_scale_bias",
-           "quant_prep_enable_quant_state_dict_split_scale_bias_for_types", "quant_prep_enable_register_tbes"]
+           "quant_prep_enable_quant_state_dict_split_scale_bias_for_types", "quant_prep_enable_register_tbes", "quantize_state_dict",
+           "ShardedQuantEmbeddingBagCollection", "meta_to_cpu_placement", "populate_fx_names", "recursive_populate_fx_names"]

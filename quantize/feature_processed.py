@@ -48,18 +48,14 @@ class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
         row_alignment: int = TORCHREC_ROW_ALIGNMENT,
         feature_processor: Optional[FeatureProcessorsCollection] = None,
         cache_features_order: bool = False,
+        *,
+        id_policy: Optional[Dict[str, str]] = None,
     ) -> None:
         if feature_processor is None:
             raise ValueError("QuantFeatureProcessedEmbeddingBagCollection needs a feature_processor "
                              "(without one, use QuantEmbeddingBagCollection)")
-        if output_dtype != torch.float:
-            raise ValueError(f"output_dtype {output_dtype}: recship's quantized collections answer float32")
-        super().__init__(tables, {t.name: t.data_type for t in tables}, is_weighted=is_weighted, device=device,
-                         row_alignment=row_alignment)
-        if table_name_to_quantized_weights is not None:
-            assign_table_weights(self, table_name_to_quantized_weights)
-        if register_tbes or quant_state_dict_split_scale_bias:
-            self.set_state_dict_layout(split_scale_bias=quant_state_dict_split_scale_bias, register_tbes=register_tbes)
+        super().__init__(tables, is_weighted, device, output_dtype, table_name_to_quantized_weights, register_tbes,
+                         quant_state_dict_split_scale_bias, row_alignment, cache_features_order, id_policy=id_policy)
         self.feature_processor = feature_processor
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -98,28 +94,9 @@ class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
         device = next(iter(quantized.table_weights().values()))[0].device
         out = cls(quantized.embedding_bag_configs(), ebc.is_weighted(), device=device, row_alignment=quantized.row_alignment, feature_processor=processors,
                   register_tbes=bool(getattr(module, REGISTER_TBES_ATTR, False)),
-                  quant_state_dict_split_scale_bias=bool(getattr(ebc, SPLIT_SCALE_BIAS_ATTR, False)))
-        out.id_policy = dict(quantized.id_policy)
+                  quant_state_dict_split_scale_bias=bool(getattr(ebc, SPLIT_SCALE_BIAS_ATTR, False)), id_policy=quantized.id_policy)
         copy_rows(quantized, out)
         return out
-
-
-def assign_table_weights(module: QuantEmbeddingBagCollection,
-                         weights: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
-    """Copies table -> (packed rows [rows, data bytes] uint8, scale/bias [rows, 4] uint8 or None) into ``module``'s
-    stored rows (their row-alignment padding untouched); ValueError names a table whose shapes do not fit."""
-    stored = module.table_weights()
-    unknown = sorted(set(weights) - set(stored))
-    if unknown:
-        raise ValueError(f"quantized weights for tables {unknown}, which the collection lacks; it has {sorted(stored)}")
-    for name, (data, scale_bias) in weights.items():
-        dest, dest_sb = stored[name]
-        if data.dim() != 2 or data.shape[0] != dest.shape[0] or data.shape[1] > dest.shape[1] or (scale_bias is None) != (dest_sb is None):
-            raise ValueError(f"table {name!r}: quantized rows {tuple(data.shape)} (scale/bias {scale_bias is not None}) do not fit "
-                             f"its stored rows {tuple(dest.shape)} (scale/bias {dest_sb is not None})")
-        dest[:, : data.shape[1]].copy_(data.view(torch.uint8))
-        if scale_bias is not None and dest_sb is not None:
-            dest_sb.copy_(scale_bias)
 
 
 def copy_rows(source: QuantEmbeddingBagCollection, target: QuantEmbeddingBagCollection) -> None:
@@ -148,4 +125,4 @@ class FeatureProcessedLookup(nn.Module):
         return self.lookup(self.feature_processor(features))
 
 
-__all__ = ["FeatureProcessedLookup", "QuantFeatureProcessedEmbeddingBagCollection", "assign_table_weights", "copy_rows"]
+__all__ = ["FeatureProcessedLookup", "QuantFeatureProcessedEmbeddingBagCollection", "copy_rows"]

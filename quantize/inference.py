@@ -162,7 +162,7 @@ def quantize_inference_model(
             fp_modules.append((path, m))
     for path, fp in fp_modules:
         setattr(fp, REGISTER_TBES_ATTR, True)
-        fp.qconfig = _qconfig(fp_weight_dtype, output_dtype, per_table_weight_dtype)
+        setattr(fp, "qconfig", _qconfig(fp_weight_dtype, output_dtype, per_table_weight_dtype))
         quantized = QuantFeatureProcessedEmbeddingBagCollection.from_float(fp)
         if not path:
             return quantized

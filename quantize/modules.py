@@ -25,16 +25,30 @@ from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingC
 from recship.trainer.types import DataType, PoolingType
 
 
+# TorchRec pads quantized rows to 16 bytes on every device (its DEFAULT_ROW_ALIGNMENT); from_float and the constructors
+# do the same by default, so a tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
+TORCHREC_ROW_ALIGNMENT = 16
+
+StoredRows = Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
 class QuantEmbeddingBagCollection(QuantTables):
     """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
 
+    TorchRec's constructor (``torchrec.quant.embedding_modules.EmbeddingBagCollection``):
+
     Args:
-        tables: the float module's table configs.
-        weight_types: table name -> DataType of its stored rows.
+        tables: the table configs; each table is stored in its ``data_type`` (INT8, INT4, INT2, FP8, FP16, FP32).
         is_weighted: use the KJT's weights as per-id scores.
         device: "cpu" or a CUDA device.
-        row_alignment: bytes each row is padded to; default 1 on CPU, 16 on CUDA.
-        id_policy: feature -> "reject" (default) or "modulo".
+        output_dtype: torch.float only (the outputs are float32).
+        table_name_to_quantized_weights: table -> (packed rows [rows, data bytes] uint8, scale/bias [rows, 4] uint8
+            or None), as TorchRec's ``quantize_state_dict`` gives them; None: rows zero, to be loaded.
+        register_tbes, quant_state_dict_split_scale_bias: the state_dict layout (``set_state_dict_layout``).
+        row_alignment: bytes each row is padded to (TorchRec's 16); None: 1 on CPU, 16 on CUDA.
+        cache_features_order: accepted; recship looks features up by name, so it changes nothing.
+        weight_types: (recship) table -> DataType, instead of the configs' ``data_type``.
+        id_policy: (recship) feature -> "reject" (default) or "modulo".
     """
 
     _names: List[str]
@@ -44,19 +58,28 @@ class QuantEmbeddingBagCollection(QuantTables):
     def __init__(
         self,
         tables: List[EmbeddingBagConfig],
-        weight_types: Dict[str, DataType],
-        is_weighted: bool = False,
-        device: Union[str, torch.device] = "cpu",
-        row_alignment: Optional[int] = None,
+        is_weighted: bool,
+        device: Union[str, torch.device],
+        output_dtype: torch.dtype = torch.float,
+        table_name_to_quantized_weights: Optional[StoredRows] = None,
+        register_tbes: bool = False,
+        quant_state_dict_split_scale_bias: bool = False,
+        row_alignment: Optional[int] = TORCHREC_ROW_ALIGNMENT,
+        cache_features_order: bool = False,
+        *,
+        weight_types: Optional[Dict[str, DataType]] = None,
         id_policy: Optional[Dict[str, str]] = None,
     ) -> None:
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
+        _check_output_dtype(output_dtype)
         modes = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
         groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
-        self._build(tables, [g for g in groups if g[1]], weight_types, torch.device(device), row_alignment, id_policy, "embedding_bags")
+        types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
+        self._build(tables, [g for g in groups if g[1]], types, torch.device(device), row_alignment, id_policy, "embedding_bags")
         self._is_weighted = is_weighted
+        self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
         # output columns: the groups' outputs reordered into table order
         self._names = [f for t in tables for f in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -114,8 +137,9 @@ class QuantEmbeddingBagCollection(QuantTables):
 class QuantEmbeddingCollection(QuantTables):
     """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] float32 rows} out.
 
-    Tables of equal dim share one TBE (fbgemm's unpooled mode needs one width).
-    Arguments as for QuantEmbeddingBagCollection (no weights: rows are not pooled).
+    Tables of equal dim share one TBE (fbgemm's unpooled mode needs one width). TorchRec's constructor; arguments
+    as for QuantEmbeddingBagCollection (no weights: rows are not pooled), and ``need_indices``: each output
+    JaggedTensor carries its ids as ``weights()``, as TorchRec's.
     """
 
     _names: List[str]
@@ -123,18 +147,32 @@ class QuantEmbeddingCollection(QuantTables):
     def __init__(
         self,
         tables: List[EmbeddingConfig],
-        weight_types: Dict[str, DataType],
-        device: Union[str, torch.device] = "cpu",
-        row_alignment: Optional[int] = None,
+        device: Union[str, torch.device],
+        need_indices: bool = False,
+        output_dtype: torch.dtype = torch.float,
+        table_name_to_quantized_weights: Optional[StoredRows] = None,
+        register_tbes: bool = False,
+        quant_state_dict_split_scale_bias: bool = False,
+        row_alignment: Optional[int] = TORCHREC_ROW_ALIGNMENT,
+        cache_features_order: bool = False,
+        *,
+        weight_types: Optional[Dict[str, DataType]] = None,
         id_policy: Optional[Dict[str, str]] = None,
     ) -> None:
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
+        _check_output_dtype(output_dtype)
         dims = sorted({t.embedding_dim for t in tables})
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
-        self._build(tables, groups, weight_types, torch.device(device), row_alignment, id_policy, "embeddings")
+        types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
+        self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings")
         self._names = [f for t in tables for f in t.feature_names]
+        self._need_indices = need_indices
+        self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
+
+    def need_indices(self) -> bool:
+        return self._need_indices
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         per_feature = features.to_dict()
@@ -145,7 +183,8 @@ class QuantEmbeddingCollection(QuantTables):
             rows = torch.split(tbe(prepared[0], prepared[1], None), prepared[3])
             for i, name in enumerate(self._group_features[g]):
                 jt = per_feature[name]
-                found[name] = JaggedTensor(values=rows[i], weights=None, lengths=jt.lengths(), offsets=jt.offsets())
+                found[name] = JaggedTensor(values=rows[i], weights=jt.values() if self._need_indices else None, lengths=jt.lengths(),
+                                           offsets=jt.offsets())
             g += 1
         out: Dict[str, JaggedTensor] = {}
         for name in self._names:
@@ -172,6 +211,11 @@ class QuantEmbeddingCollection(QuantTables):
         """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
         see ``QuantEmbeddingBagCollection.from_float``."""
         return quantize_from_float(cls, module)
+
+
+def _check_output_dtype(output_dtype: torch.dtype) -> None:
+    if output_dtype != torch.float:
+        raise ValueError(f"output_dtype {output_dtype}: recship's quantized collections answer float32")
 
 
 def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:
@@ -224,7 +268,7 @@ def _quantize_bags(ebc: EmbeddingBagCollection, config: QuantConfig, weights: Op
         placed = None if layout is None else layout(tables, types, ebc.is_weighted(), config)
         if placed is not None:
             return placed
-        return _whole(QuantEmbeddingBagCollection(tables, types, is_weighted=ebc.is_weighted(), device=config.device,
+        return _whole(QuantEmbeddingBagCollection(tables, ebc.is_weighted(), config.device, weight_types=types,
                                                   row_alignment=config.alignment, id_policy=config.id_policy))
 
     return _quantize(tables, source.__getitem__, build, config, on_table)
@@ -268,7 +312,8 @@ def quantize_embedding_collection(
         ec.embedding_configs(),
         weights.__getitem__,
         lambda types: _whole(QuantEmbeddingCollection(
-            ec.embedding_configs(), types, device=config.device, row_alignment=config.alignment, id_policy=config.id_policy
+            ec.embedding_configs(), config.device, need_indices=ec.need_indices(), weight_types=types, row_alignment=config.alignment,
+            id_policy=config.id_policy
         )),
         config,
     )
@@ -371,10 +416,6 @@ ROW_ALIGNMENT_ATTR = "__register_row_alignment_in_named_modules"
 # TorchRec's set_pruning_data: table -> rows kept (the first ones) after pruning
 PRUNING_ATTR = "__emb_name_to_num_rows_post_pruning"
 
-# TorchRec pads quantized rows to 16 bytes on every device; from_float does the same, so a
-# tutorial's buffers and state_dicts have TorchRec's shapes (the CPU kernel reads either)
-TORCHREC_ROW_ALIGNMENT = 16
-
 
 @overload
 def quantize_from_float(cls: Type[QuantEmbeddingBagCollection], module: nn.Module) -> QuantEmbeddingBagCollection: ...
@@ -421,7 +462,10 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
     )
     module = _pruned(module, getattr(module, PRUNING_ATTR, None) or {})
     if device.type == "meta":
-        return _state_dict_layout(_empty_twin(cls, module, config), module)
+        twin = _empty_twin(module, config)
+        if isinstance(twin, QuantEmbeddingBagCollection):
+            return _state_dict_layout(twin, module)
+        return _state_dict_layout(twin, module)
     if isinstance(module, EmbeddingBagCollection):  # exactly when pooled (checked above)
         return _state_dict_layout(quantize_embedding_bag_collection(module, config)[0], module)
     return _state_dict_layout(quantize_embedding_collection(module, config)[0], module)
@@ -454,7 +498,7 @@ def _pruned(module: FloatCollection, rows: Dict[str, int]) -> FloatCollection:
     return twin
 
 
-def _empty_twin(cls: Type[QuantModule], module: FloatCollection, config: QuantConfig) -> QuantModule:
+def _empty_twin(module: FloatCollection, config: QuantConfig) -> Union[QuantEmbeddingBagCollection, QuantEmbeddingCollection]:
     """The quantized twin of a collection on ``meta`` (TorchRec's ``DLRMPredictFactory`` builds one to load a
     checkpoint into): its tables in the configured types, rows zero, on the CPU; TorchRec keeps them on meta."""
     tables = list(_configs(module))
@@ -465,9 +509,10 @@ def _empty_twin(cls: Type[QuantModule], module: FloatCollection, config: QuantCo
             raise ValueError(f"table {t.name!r} is on meta: its type cannot be chosen from its weights ({chosen!r})")
         types[t.name] = chosen
     if isinstance(module, EmbeddingBagCollection):
-        return QuantEmbeddingBagCollection(module.embedding_bag_configs(), types, is_weighted=module.is_weighted(),
+        return QuantEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), "cpu", weight_types=types,
                                            row_alignment=config.alignment, id_policy=config.id_policy)
-    return QuantEmbeddingCollection(module.embedding_configs(), types, row_alignment=config.alignment, id_policy=config.id_policy)
+    return QuantEmbeddingCollection(module.embedding_configs(), "cpu", need_indices=module.need_indices(), weight_types=types,
+                                    row_alignment=config.alignment, id_policy=config.id_policy)
 
 
 def _state_dict_layout(quantized: Q, module: nn.Module) -> Q:

@@ -293,7 +293,7 @@ def shard_quantized(
         if not configs:
             modules.append(None)
             continue
-        module = QuantEmbeddingBagCollection(configs, types, is_weighted=is_weighted, device=device, row_alignment=row_alignment)
+        module = QuantEmbeddingBagCollection(configs, is_weighted, device, weight_types=types, row_alignment=row_alignment)
         stored = module.table_weights()
         for s in placed:
             rows, cols = slice(s.row_offset, s.row_offset + s.rows), slice(s.col_offset, s.col_offset + s.cols)

@@ -71,7 +71,7 @@ class BaseQuantEmbeddingSharder(ModuleSharder[Q], Generic[Q]):
         return ["quant"]
 
     def _check_shardable(self, module: nn.Module) -> None:
-        tables = [t.name for t in module.tables()] if hasattr(module, "tables") else []
+        tables = [t.name for t in module.tables()] if isinstance(module, QuantTables) else []
         left = [t for t in tables if self._shardable_params and t not in self._shardable_params]
         if left:
             raise ValueError(f"{type(self).__name__}: shardable_params leaves tables {left} out; recship shards every table "
@@ -202,8 +202,11 @@ def _plan(model: nn.Module, world_size: int, compute_device: str, sharders: List
             continue
         assert isinstance(m, QuantTables)  # the sharders' module types are recship's quantized collections
         tables = m.tables()
-        kinds = {t.name: ShardingType(constraints[t.name].sharding_types[0]) for t in tables
-                 if t.name in constraints and constraints[t.name].sharding_types}
+        kinds: Dict[str, ShardingType] = {}
+        for t in tables:
+            allowed = constraints[t.name].sharding_types if t.name in constraints else None
+            if allowed:
+                kinds[t.name] = ShardingType(allowed[0])
         if isinstance(m, QuantEmbeddingCollection):
             placed = {t.name: [InferenceShard(t.name, 0, 0, 0, t.num_embeddings, 0, t.embedding_dim)] for t in tables}
         else:

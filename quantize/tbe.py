@@ -307,6 +307,33 @@ class QuantTables(nn.Module):
         for tbe, keys in zip(self._kernels(), self._tbe_state_keys):
             _set_persistence(tbe, keys, register_tbes)
 
+    def _fill(self, weights: Optional[Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]], register_tbes: bool,
+              split_scale_bias: bool) -> None:
+        """The constructors' TorchRec arguments: the given stored rows copied in, then the state_dict layout."""
+        if weights is not None:
+            self.assign_table_weights(weights)
+        if register_tbes or split_scale_bias:
+            self.set_state_dict_layout(split_scale_bias=split_scale_bias, register_tbes=register_tbes)
+
+    def assign_table_weights(self, weights: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
+        """Copies table -> (packed rows [rows, data bytes] uint8, scale/bias [rows, 4] uint8 or None), as TorchRec's
+        ``quantize_state_dict`` gives them, into the stored rows (their row-alignment padding untouched);
+        ValueError names a table the collection lacks or whose shapes do not fit."""
+        stored = self.table_weights()
+        unknown = sorted(set(weights) - set(stored))
+        if unknown:
+            raise ValueError(f"quantized weights for tables {unknown}, which the collection lacks; it has {sorted(stored)}")
+        for name, (data, scale_bias) in weights.items():
+            dest, dest_sb = stored[name]
+            if (data.dim() != 2 or data.shape[0] != dest.shape[0] or data.view(torch.uint8).shape[1] > dest.shape[1]
+                    or (scale_bias is None) != (dest_sb is None)):
+                raise ValueError(f"table {name!r}: quantized rows {tuple(data.shape)} (scale/bias {scale_bias is not None}) do not "
+                                 f"fit its stored rows {tuple(dest.shape)} (scale/bias {dest_sb is not None})")
+            packed = data.view(torch.uint8)
+            dest[:, : packed.shape[1]].copy_(packed)
+            if scale_bias is not None and dest_sb is not None:
+                dest_sb.copy_(scale_bias)
+
     def _packed_rows_as_bytes(self, state_dict: Dict[str, Any], prefix: str, *_: Any) -> None:
         """Reads TorchRec's INT4 / INT2 rows as the bytes they are (load_state_dict pre-hook).
 
@@ -341,6 +368,10 @@ class QuantTables(nn.Module):
             for name, (data, scale_bias) in zip(tables, tbe.split_embedding_weights()):
                 out[name] = (data, scale_bias)
         return out
+
+    def _kernel_tables(self) -> List[List[str]]:
+        """The table names of each TBE, in ``self.tbes`` order."""
+        return _unique_in_order(self._group_tables)
 
     def weight_types(self) -> Dict[str, DataType]:
         return dict(self._weight_types)

@@ -238,28 +238,19 @@ class ModelInput:
                           label=torch.cat(labels)), local
 
     def to(self, device: torch.device, non_blocking: bool = False, data_copy_stream: Optional[torch.Stream] = None) -> "ModelInput":
-        """This batch on ``device``; ``data_copy_stream``: copied within that stream into tensors allocated first."""
+        """This batch on ``device``; ``data_copy_stream``: copied within that stream."""
         if data_copy_stream is None:
             return ModelInput(float_features=self.float_features.to(device=device, non_blocking=non_blocking),
                               idlist_features=self.idlist_features.to(device=device, non_blocking=non_blocking),
                               idscore_features=(None if self.idscore_features is None
                                                 else self.idscore_features.to(device=device, non_blocking=non_blocking)),
                               label=self.label.to(device=device, non_blocking=non_blocking))
+        # copied within the copy stream, after the work queued so far on the current one (TorchRec allocates the
+        # targets first on the current stream; here the copies allocate them in the copy stream)
         module = torch.get_device_module(device)
-        current = module.current_stream(device)
-        out = ModelInput(float_features=torch.empty_like(self.float_features, device=device),
-                         idlist_features=KeyedJaggedTensor.empty_like(self.idlist_features, device=device),
-                         idscore_features=(None if self.idscore_features is None
-                                           else KeyedJaggedTensor.empty_like(self.idscore_features, device=device)),
-                         label=torch.empty_like(self.label, device=device))
         with module.stream(data_copy_stream):
-            data_copy_stream.wait_stream(current)
-            out.float_features.copy_(self.float_features, non_blocking=non_blocking)
-            out.label.copy_(self.label, non_blocking=non_blocking)
-            out.idlist_features.copy_(self.idlist_features, non_blocking=non_blocking)
-            if out.idscore_features is not None and self.idscore_features is not None:
-                out.idscore_features.copy_(self.idscore_features, non_blocking=non_blocking)
-        return out
+            data_copy_stream.wait_stream(module.current_stream(device))
+            return self.to(device, non_blocking=non_blocking)
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.float_features.record_stream(stream)
@@ -296,8 +287,8 @@ def _variable_batch_features(tables: Tables, average: int, world_size: int, dedu
             total = sum(lengths.tolist())
             values = torch.randint(0, n, (total,), dtype=indices_dtype)
             weights = torch.rand(total) if weighted else None
-            inverse = torch.randint(0, stride, (dedup * average,), dtype=indices_dtype)
-            per_feature[key] = (lengths, values, weights, stride, inverse)
+            inverse_ids = torch.randint(0, stride, (dedup * average,), dtype=indices_dtype)
+            per_feature[key] = (lengths, values, weights, stride, inverse_ids)
         drawn.append(per_feature)
         cat_weights = torch.cat([cast(torch.Tensor, p[2]) for p in per_feature.values()]) if weighted else None
         values = torch.cat([p[1] for p in per_feature.values()])
@@ -310,22 +301,23 @@ def _variable_batch_features(tables: Tables, average: int, world_size: int, dedu
                               inverse_indices=(keys, torch.stack([p[4] for p in per_feature.values()]))))
     order = [(r, key) for key in keys for r in range(world_size)]  # key-major, ranks inside
     strides = [[sum(drawn[r][key][3] for r in range(world_size))] for key in keys]
-    inverse_list = []
+    inverse_list: List[torch.Tensor] = []
     for key in keys:
         shift, parts = 0, []
         for r in range(world_size):
             parts.append(drawn[r][key][4] + shift)
             shift += drawn[r][key][3]
         inverse_list.append(torch.cat(parts))
+    weights_all: Optional[torch.Tensor]
     spk: Optional[List[List[int]]] = strides
     inverse: Optional[Tuple[List[str], torch.Tensor]] = (keys, torch.stack(inverse_list))
     if constant:  # every rank's examples expanded through its inverse indices
         lengths_parts, value_parts, weight_parts = [], [], []
         for r, key in order:
-            lengths, values, weights, _, inv = drawn[r][key]
+            lengths, values, weights, _, inv_r = drawn[r][key]
             offsets = torch.cat([torch.zeros(1, dtype=lengths.dtype), lengths.cumsum(0)])
-            lengths_parts.append(torch.index_select(lengths, 0, inv))
-            for i in inv.tolist():
+            lengths_parts.append(torch.index_select(lengths, 0, inv_r))
+            for i in inv_r.tolist():
                 value_parts.append(values[offsets[i]: offsets[i + 1]])
                 if weights is not None:
                     weight_parts.append(weights[offsets[i]: offsets[i + 1]])
@@ -556,6 +548,8 @@ class TestSparseNN(TestSparseNNBase, CopyableMixin):
     ``zch_kwargs`` (managed-collision tables) is not supported here: ValueError.
     """
 
+    dummy_ones: torch.Tensor  # buffer [1]
+
     def __init__(self, tables: Union[List[EmbeddingBagConfig], List[EmbeddingConfig]], num_float_features: int = 10,
                  weighted_tables: Optional[List[EmbeddingBagConfig]] = None, embedding_groups: Optional[Dict[str, List[str]]] = None,
                  dense_device: Optional[torch.device] = None, sparse_device: Optional[torch.device] = None,
@@ -643,8 +637,8 @@ class TestTowerSparseNN(TestSparseNNBase):
                                       interaction_module=TestTowerInteraction(tables=[tables[0]]))
         self.sparse_arch = TestEBCSparseArch([tables[1]], [weighted[0]], sparse_device)
         self.sparse_arch_feature_names: List[str] = tables[1].feature_names + weighted[0].feature_names
-        width = (8 + self.tower_0.interaction.linear.out_features + self.tower_1.interaction.linear.out_features
-                 + tables[1].embedding_dim * len(tables[1].feature_names) + weighted[0].embedding_dim * len(weighted[0].feature_names))
+        # the dense arch's 8, each tower's interaction width (its tables' pooled widths), the sparse arch's tables
+        width = 8 + _tables_dim_sum([tables[2], tables[3]]) + _tables_dim_sum([tables[0]]) + _tables_dim_sum([tables[1], weighted[0]])
         self.over = nn.Linear(in_features=width, out_features=16, device=dense_device)
 
     def forward(self, input: ModelInput) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
@@ -676,7 +670,7 @@ class TestTowerCollectionSparseNN(TestSparseNNBase):
         tower_2 = EmbeddingTower(embedding_module=EmbeddingBagCollection(tables=[weighted[0]], is_weighted=True),
                                  interaction_module=TestTowerInteraction(tables=[weighted[0]]))
         self.tower_arch = EmbeddingTowerCollection(towers=[tower_0, tower_1, tower_2])
-        width = 8 + sum(t.interaction.linear.out_features for t in (tower_0, tower_1, tower_2))
+        width = 8 + _tables_dim_sum([tables[0], tables[2]]) + _tables_dim_sum([tables[1]]) + _tables_dim_sum([weighted[0]])
         self.over = nn.Linear(in_features=width, out_features=16, device=dense_device)
 
     def forward(self, input: ModelInput) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:

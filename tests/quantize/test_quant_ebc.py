@@ -97,7 +97,7 @@ def test_tutorial_int8_rows_are_64_plus_4_bytes_on_cpu_and_80_with_gpu_alignment
     for name, (data, scale_bias) in qebc.table_weights().items():
         assert data.dtype == torch.uint8 and data.shape[1] + scale_bias.shape[1] == 64 + 4
     assert report.row_alignment == 1
-    aligned = QuantEmbeddingBagCollection(tables, {t.name: DataType.INT8 for t in tables}, row_alignment=16)
+    aligned = QuantEmbeddingBagCollection(tables, False, "cpu", weight_types={t.name: DataType.INT8 for t in tables}, row_alignment=16)
     assert aligned.weight_bytes() >= 2 * 4096 * 80  # the tutorial's 80-byte rows (16-byte GPU alignment)
     assert QuantConfig(device="cuda").alignment == 16
 
@@ -145,7 +145,7 @@ def test_script_fx_and_state_dict_round_trip():
     assert torch.equal(traced(kjt).values(), want)
     # fbgemm's weights_host is not in the TBE's state_dict (the trap); the module's buffers carry it
     assert "weights_host" not in qebc.tbes[0].state_dict()
-    fresh = QuantEmbeddingBagCollection(ebc.embedding_bag_configs(), qebc.weight_types(), is_weighted=True)
+    fresh = QuantEmbeddingBagCollection(ebc.embedding_bag_configs(), True, "cpu", weight_types=qebc.weight_types(), row_alignment=None)
     assert not torch.equal(fresh(kjt).values(), want)
     fresh.load_state_dict(qebc.state_dict())
     assert torch.equal(fresh(kjt).values(), want)

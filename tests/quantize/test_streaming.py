@@ -78,7 +78,7 @@ def test_quantize_into_fills_a_collections_storage():
     weights = _weights(tables, seed=1)
     config = QuantConfig(dtype="int8", row_alignment=16)
     choices = choose_types(tables, weights.__getitem__, config)
-    module = QuantEmbeddingBagCollection(tables, {n: c.data_type for n, c in choices.items()}, row_alignment=16)
+    module = QuantEmbeddingBagCollection(tables, False, "cpu", weight_types={n: c.data_type for n, c in choices.items()}, row_alignment=16)
     views = module.table_weights()
     for i, t in enumerate(tables):
         quantize_into(i, t, weights[t.name], choices[t.name], [BlockView(slice(None), slice(None), *views[t.name])], config)
