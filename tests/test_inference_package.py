@@ -138,3 +138,32 @@ def test_sharded_state_dicts_gather_and_move_on_two_ranks():
     assert any(k.endswith("ebc.embedding_bags.t0.weight") for k in first["sharded"])
     for key, value in first["whole"].items():
         assert torch.equal(first["dst"][key], value), key  # rank 0 holds the gathered tables
+
+
+def test_a_dlrm_predict_modules_model_exports_and_answers_as_its_predict_forward(trec, tmp_path):
+    """The predict module decodes a batch for its model; recship's server decodes requests itself, so the model inside
+    (TorchRec's DLRM: recship's model contract) is what ``recship export`` writes, and the artifact answers what
+    ``predict_forward`` does (fp32 tables)."""
+    import numpy as np
+
+    from model_requests import in_process
+    from recship.export import ExportConfig, export_model
+    from recship.export.artifact import open_artifact
+    from recship.inference import EmbeddingBagCollection, EmbeddingBagConfig
+
+    keys = ["cat_0", "cat_1"]
+    torch.manual_seed(3)
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=20, feature_names=[f]) for f in keys]
+    module = trec["DLRMPredictModule"](EmbeddingBagCollection(tables), 3, [8, 4], [4, 1], keys)
+    export_model(module.predict_module, ExportConfig(out=str(tmp_path / "a"), dtype="fp32", progress=False, validation_batches=1,
+                                                     validation_batch_size=8, format="torchscript"))
+    artifact, _ = open_artifact(tmp_path / "a")
+    g = np.random.default_rng(0)
+    sparse = {f: [g.integers(0, 20, size=g.integers(0, 4)).tolist() for _ in range(5)] for f in keys}
+    dense = g.random((5, 3), dtype=np.float32)
+    got = in_process(artifact, sparse, dense, names=keys)["output"]
+    batch = {"float_features": torch.from_numpy(dense),
+             "id_list_features.lengths": torch.tensor([len(r) for f in keys for r in sparse[f]]),
+             "id_list_features.values": torch.tensor([i for f in keys for r in sparse[f] for i in r], dtype=torch.int64)}
+    want = module(batch)["default"]
+    np.testing.assert_allclose(torch.sigmoid(torch.from_numpy(got)).reshape(-1).numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
