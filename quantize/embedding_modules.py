@@ -41,6 +41,8 @@ from recship.trainer.embedding_modules import EmbeddingBagCollection as Original
 from recship.trainer.embedding_modules import EmbeddingCollection as OriginalEmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection as OriginalFeatureProcessedEmbeddingBagCollection
 from recship.trainer.feature_processors import FeatureProcessorsCollection
+from recship.trainer.managed_collisions import ManagedCollisionEmbeddingBagCollection as OriginalManagedCollisionEmbeddingBagCollection
+from recship.trainer.managed_collisions import ManagedCollisionEmbeddingCollection as OriginalManagedCollisionEmbeddingCollection
 from recship.trainer.types import DataType, PoolingType
 
 # TorchRec's module attributes that its quant_prep_* functions set on float collections before from_float
@@ -168,6 +170,7 @@ __all__ = ["BaseEmbeddingConfig", "DEFAULT_ROW_ALIGNMENT", "DataType", "Embeddin
            "MODULE_ATTR_REGISTER_TBES_BOOL", "MODULE_ATTR_REMOVE_STBE_PADDING_BOOL", "MODULE_ATTR_ROW_ALIGNMENT_INT",
            "MODULE_ATTR_USE_BATCHING_HINTED_OUTPUT", "MODULE_ATTR_USE_UNFLATTENED_LENGTHS_FOR_BATCHING",
            "OriginalEmbeddingBagCollection", "OriginalEmbeddingCollection", "OriginalFeatureProcessedEmbeddingBagCollection",
+           "OriginalManagedCollisionEmbeddingBagCollection", "OriginalManagedCollisionEmbeddingCollection",
            "PoolingType", "QuantConfig", "QuantEmbeddingBagCollection", "QuantEmbeddingCollection",
            "QuantFeatureProcessedEmbeddingBagCollection", "for_each_module_of_type_do", "quant_prep_customize_row_alignment",
            "quant_prep_enable_cache_features_order", "quant_prep_enable_quant_state_dict_split_scale_bias",
