@@ -283,3 +283,26 @@ def test_a_meta_model_quantizes_to_zero_rows_that_load(trec):
     kjt = _kjt()
     for g, w in zip(quantized(kjt), loaded(kjt)):
         assert torch.equal(g, w)
+
+
+def test_the_dlrm_predict_factory_builds_a_scripted_sharded_module(trec):
+    import types
+
+    from recship.inference import EmbeddingBagCollection as FloatEBC, sample_batch
+
+    sample = trec["create_training_batch"](types.SimpleNamespace(batch_size=4, num_embedding_features=30))
+    keys = sample.sparse_features.keys()
+    config = trec["DLRMModelConfig"](dense_arch_layer_sizes=[8, 4], dense_in_features=13, embedding_dim=4, id_list_features_keys=keys,
+                                     num_embeddings_per_feature=[30] * len(keys), num_embeddings=None, over_arch_layer_sizes=[4, 1],
+                                     sample_input=sample)
+    torch.manual_seed(0)
+    scripted = trec["DLRMPredictFactory"](config).create_predict_module(world_size=2, device="cpu")
+    assert isinstance(scripted, torch.jit.ScriptModule)
+    torch.manual_seed(0)  # the same steps, eager: the same dense weights, the tables' rows zero until loaded
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=4, num_embeddings=30, feature_names=[f]) for f in keys]
+    eager = trec["DLRMPredictModule"](FloatEBC(tables, device=torch.device("meta")), 13, [8, 4], [4, 1], keys,
+                                      dense_device=torch.device("cpu"))
+    eager, _ = trec["shard_quant_model"](trec["quantize_inference_model"](eager), world_size=2, compute_device="cpu")
+    batch = sample_batch(sample, "cpu")
+    got, want = scripted(batch)["default"], eager(batch)["default"]
+    assert got.shape == (4,) and torch.equal(got, want)
