@@ -306,3 +306,24 @@ def test_the_dlrm_predict_factory_builds_a_scripted_sharded_module(trec):
     batch = sample_batch(sample, "cpu")
     got, want = scripted(batch)["default"], eager(batch)["default"]
     assert got.shape == (4,) and torch.equal(got, want)
+
+
+class _Pooled(nn.Module):
+    def __init__(self, fp: nn.Module) -> None:
+        super().__init__()
+        self.fp = fp
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.fp(kjt).values()
+
+
+def test_the_quantized_fp_ebc_traces_and_scripts_whole_and_sharded(trec):
+    from recship.fx import Tracer
+
+    kjt = _kjt()
+    quantized = trec["quantize_inference_model"](Model())
+    sharded, _ = trec["shard_quant_model"](trec["quantize_inference_model"](Model()), world_size=2, compute_device="cpu")
+    for fp in (quantized.sub.fp, sharded.sub.fp):
+        module = _Pooled(fp)
+        scripted = torch.jit.script(torch.fx.GraphModule(module, Tracer().trace(module)))
+        assert torch.equal(scripted(kjt), module(kjt))
