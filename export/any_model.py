@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 from torch import nn
 
-from recship.export.artifact import ModelFields, ModelInfo, Sharding, SparseFeature
+from recship.export.artifact import MAX_ID_BOUND, ModelFields, ModelInfo, Sharding, SparseFeature
 from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
 from recship.quantize.flat import flatten_collections
 from recship.quantize.sharded import InferenceShard, Shard
@@ -103,6 +103,33 @@ class _Recorded(nn.Module):
         pooled = self.per_batch[self.index][self.call]
         self.call += 1
         return KeyedTensor(keys=self.keys, length_per_key=self.dims, values=torch.cat([pooled[k] for k in self.keys], dim=1), key_dim=1)
+
+
+def raw_id_bounds(model: nn.Module, spec: Dict[str, Any]) -> Dict[str, int]:
+    """feature -> the exclusive upper bound of the raw ids a request may send, for each feature whose collection
+    sits behind a managed-collision module (``describe_model``'s ``spec``): the manifest's id_bound.
+
+    TorchRec's managed-collision modules take raw ids in [0, input_hash_size) (``input_size()``); with an
+    ``input_hash_func`` (which maps any id into that range) or an ``input_hash_size`` of 0 (TorchRec's hash-ZCH
+    modules' "no bound"), any non-negative id: MAX_ID_BOUND, every int64 id but INT64_MAX (the empty-slot mark
+    of the sorted-ids modules, and their default input_hash_size). A range smaller than the table's rows gives
+    the rows: the remapping takes those ids as it takes any other. ValueError for a negative input_hash_size."""
+    from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
+
+    bounds: Dict[str, int] = {}
+    for feature, path, table, _, _ in spec["features"]:
+        parent, _, leaf = path.rpartition(".")
+        owner = model.get_submodule(parent) if path else None
+        if not (isinstance(owner, BaseManagedCollisionEmbeddingCollection) and leaf == "_embedding_module"):
+            continue
+        module = owner._managed_collision_collection._mc_modules()[table.name]
+        size = module.input_size()
+        if size < 0:
+            raise ValueError(f"the managed-collision module of table {table.name!r} has input_hash_size {size}: it must be >= 0")
+        if size == 0 or getattr(module, "_input_hash_func", None) is not None:
+            size = MAX_ID_BOUND
+        bounds[feature] = max(min(size, MAX_ID_BOUND), table.num_embeddings)
+    return bounds
 
 
 def _swap(model: nn.Module, paths: List[str], module: nn.Module) -> None:
@@ -280,6 +307,14 @@ def export_any_model(
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")
+    try:
+        bounds = raw_id_bounds(model, spec)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    remapped = sorted(f for f in bounds if config.id_policy.get(f, "reject") != "reject")
+    if remapped:  # a front folding raw ids into the rows would hand the remapping other ids than the client's
+        raise ExportError(f"features {remapped} are remapped by managed-collision modules: their raw ids take the id policy "
+                          "'reject' (ids outside the module's input range are refused), not 'modulo'")
     held = {(path, t.name) for _, path, t, _, _ in spec["features"]}
     unknown = sorted(set(config.table_dtypes) - {t for _, t in held} - {f"{path}.{t}" for path, t in held})
     if unknown:
@@ -364,7 +399,7 @@ def export_any_model(
     for f, path, t, pooling, weighted in spec["features"]:
         key = f"{path}.{t.name}" if path else t.name
         features.append(SparseFeature(f, qualified(path, t.name), pooling, t.embedding_dim, t.num_embeddings, types[key],
-                                      config.id_policy.get(f, "reject"), weighted))
+                                      config.id_policy.get(f, "reject"), weighted, bounds.get(f)))
     shards: List[Shard] = [dataclasses.replace(s, table=qualified(path, table))
                            for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
     tables = [dataclasses.replace(t, table=qualified(*t.table.rpartition(".")[::2])) for t in report.tables]

@@ -45,6 +45,9 @@ FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: stil
 # What a C++ process must dlopen (from fbgemm_gpu's folder, RTLD_NOW | RTLD_GLOBAL) before torch::jit::load:
 # TorchScript resolves every fbgemm op of every method of the scripted TBE, and these libraries register them.
 OP_LIBRARIES = ["fbgemm_gpu_tbe_common.so", "fbgemm_gpu_tbe_cache.so", "fbgemm_gpu_tbe_inference.so", "fbgemm_gpu_py.so"]
+# The largest id_bound: every int64 id but INT64_MAX (TorchRec's default input_hash_size; its managed-collision
+# modules mark an empty slot with INT64_MAX, so that raw id is no valid one)
+MAX_ID_BOUND = 2**63 - 1
 _DTYPES = {"float32": torch.float32, "int32": torch.int32, "int64": torch.int64}
 
 
@@ -76,12 +79,21 @@ class SparseFeature:
     dim: int
     rows: int
     weight_type: str  # INT8, INT4, INT2, FP8, FP16, FP32
-    id_policy: str  # "reject": ids outside [0, rows) are refused; "modulo": id % rows
+    id_policy: str  # "reject": ids outside [0, id_bound) are refused; "modulo": id % rows
     weighted: bool  # whether its ids carry per-id weights
+    # requests' ids lie in [0, id_bound) where the model remaps them before its lookup (a managed-collision module:
+    # its raw-id range); None: in [0, rows). rows <= id_bound <= MAX_ID_BOUND, id_policy "reject" only
+    id_bound: Optional[int] = None
+
+    @property
+    def bound(self) -> int:
+        """The exclusive upper bound of the ids a request may send (``reject`` features): id_bound, else rows."""
+        return self.rows if self.id_bound is None else self.id_bound
 
     def to_dict(self) -> Dict[str, Any]:
         return {"name": self.name, "table": self.table, "pooling": self.pooling, "dim": self.dim, "rows": self.rows,
-                "weight_type": self.weight_type, "id_policy": self.id_policy, "weighted": self.weighted}
+                "weight_type": self.weight_type, "id_policy": self.id_policy, "weighted": self.weighted,
+                **({"id_bound": self.id_bound} if self.id_bound is not None else {})}
 
 
 @dataclass
@@ -269,7 +281,7 @@ class Manifest:
             # a feature without "weighted" (artifacts before it was written per feature) takes the manifest's
             sparse_features=[
                 SparseFeature(f["name"], f["table"], f["pooling"], f["dim"], f["rows"], f["weight_type"], f["id_policy"],
-                              f.get("weighted", m["weighted"]))
+                              f.get("weighted", m["weighted"]), f.get("id_bound"))
                 for f in m["sparse_features"]
             ],
             outputs={k: OutputSpec(list(v["shape"][1:]), v["dtype"]) for k, v in m["outputs"].items()},
@@ -452,6 +464,11 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
             fail(f"{where}id_policy must be 'reject' or 'modulo'")
         if "weighted" in f:
             need(f, "weighted", bool, where)
+        if "id_bound" in f:
+            if not f["rows"] <= need(f, "id_bound", int, where) <= MAX_ID_BOUND:
+                fail(f"{where}id_bound must lie in [rows, 2**63 - 1] = [{f['rows']}, {MAX_ID_BOUND}], got {f['id_bound']}")
+            if f["id_policy"] != "reject":
+                fail(f"{where}id_bound needs id_policy 'reject', got {f['id_policy']!r}")
         if f["name"] in names:
             fail(f"sparse feature {f['name']!r} appears twice")
         names.add(f["name"])
@@ -625,7 +642,7 @@ def write_sample(path: Union[str, Path], batch_size: int, inputs: Dict[str, torc
 def read_sample(path: Union[str, Path], manifest: Manifest) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
     """(inputs, expected outputs) of the artifact's sample request, verified: every file's size is the one
     its shape needs, its inputs are a valid request of the model (lengths >= 0 summing to the values, ids
-    inside a ``reject`` feature's table, finite dense and weights) and its outputs are finite. ArtifactError
+    inside a ``reject`` feature's [0, bound), finite dense and weights) and its outputs are finite. ArtifactError
     names the file; the C++ loader checks the same, in the same order, with the same words."""
     out: List[Dict[str, torch.Tensor]] = [{}, {}]
     inputs_first: List[str] = [name for name in ("dense", "lengths", "values", "weights") if name in manifest.sample.inputs]
@@ -676,9 +693,9 @@ def _check_sample_request(path: Path, manifest: Manifest, inputs: Dict[str, torc
         ids = values[start: start + count]
         start += count
         if f.id_policy == "reject":
-            outside = ((ids < 0) | (ids >= f.rows)).nonzero()
+            outside = ((ids < 0) | (ids >= f.bound)).nonzero()
             if outside.numel():
-                raise bad("values", out_of_range_message(f.name, int(ids[int(outside[0])]), f.rows))
+                raise bad("values", out_of_range_message(f.name, int(ids[int(outside[0])]), f.bound))
     if not bool(torch.isfinite(inputs["dense"]).all()):
         raise bad("dense", "dense values must be finite (no NaN or infinity)")
     if "weights" in inputs:

@@ -32,7 +32,8 @@ class IdOutOfRange(InvalidRequest):
 
 @dataclass
 class ModelSpec:
-    """What validation needs from a manifest."""
+    """What validation needs from a manifest. ``bounds``: feature -> the exclusive upper bound of its ids where
+    that is not its rows (the manifest's id_bound: a managed-collision module remaps them inside the model)."""
 
     features: List[str]
     rows: Dict[str, int]
@@ -40,13 +41,19 @@ class ModelSpec:
     weighted: Dict[str, bool]  # feature -> takes a weight (score) per id
     num_dense: int
     max_batch_size: int
+    bounds: Dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._index = {name: i for i, name in enumerate(self.features)}
         self._rows = np.array([self.rows[f] for f in self.features], dtype=np.int64)
+        self._bounds = np.array([self.bound(f) for f in self.features], dtype=np.int64)
         self._modulo = np.array([self.modulo[f] for f in self.features], dtype=bool)
         self._weighted = np.array([self.weighted[f] for f in self.features], dtype=bool)
         self.any_weighted = bool(self._weighted.any())
+
+    def bound(self, feature: str) -> int:
+        """A ``reject`` feature's ids lie in [0, bound)."""
+        return self.bounds.get(feature, self.rows[feature])
 
     @staticmethod
     def from_manifest(manifest: Manifest, max_batch_size: int) -> "ModelSpec":
@@ -59,6 +66,7 @@ class ModelSpec:
             weighted={f.name: f.weighted for f in feats},
             num_dense=manifest.num_dense,
             max_batch_size=max_batch_size,
+            bounds={f.name: f.id_bound for f in feats if f.id_bound is not None},
         )
 
 
@@ -244,15 +252,14 @@ def _in_model_order(sp: SparseArrays, spec: ModelSpec) -> SparseArrays:
 
 def _check_ids(ids: np.ndarray, id_counts: np.ndarray, spec: ModelSpec):
     """(ids with modulo features hashed, all in range?)."""
-    if spec._modulo.any():
-        per_id_rows = np.repeat(spec._rows, id_counts)
-        hashed = np.mod(ids, per_id_rows)
+    if spec._modulo.any():  # a modulo feature has no id_bound (check_manifest): its bound is its rows
+        hashed = np.mod(ids, np.repeat(spec._rows, id_counts))
         ids = np.where(np.repeat(spec._modulo, id_counts), hashed, ids)
-        return ids, bool(((ids >= 0) & (ids < per_id_rows)).all())
+        return ids, bool(((ids >= 0) & (ids < np.repeat(spec._bounds, id_counts))).all())
     lo, hi = int(ids.min()), int(ids.max())
-    if lo >= 0 and hi < int(spec._rows.min()):  # every id fits the smallest table: no per-id rows needed
+    if lo >= 0 and hi < int(spec._bounds.min()):  # every id fits the smallest bound: no per-id bounds needed
         return ids, True
-    return ids, lo >= 0 and bool((ids < np.repeat(spec._rows, id_counts)).all())
+    return ids, lo >= 0 and bool((ids < np.repeat(spec._bounds, id_counts)).all())
 
 
 def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None:
@@ -265,10 +272,10 @@ def _raise_first_sparse_error(sp: SparseArrays, spec: ModelSpec, b: int) -> None
             raise InvalidRequest(f"sparse feature {name!r}: negative length {int(lens.min())}")
         if int(lens.sum(dtype=np.int64)) != ids.shape[0]:
             raise InvalidRequest(f"sparse feature {name!r}: sum(lengths) = {int(lens.sum(dtype=np.int64))} but {ids.shape[0]} ids")
-        rows = spec.rows[name]
-        bad = None if spec.modulo[name] else first_out_of_range(torch.from_numpy(_writable_alias(ids)), rows)
+        bound = spec.bound(name)
+        bad = None if spec.modulo[name] else first_out_of_range(torch.from_numpy(_writable_alias(ids)), bound)
         if bad is not None:
-            raise IdOutOfRange(out_of_range_message(name, bad, rows))
+            raise IdOutOfRange(out_of_range_message(name, bad, bound))
         if spec.weighted[name]:
             if w.shape[0] != ids.shape[0]:
                 raise InvalidRequest(f"sparse feature {name!r}: {w.shape[0]} weights for {ids.shape[0]} ids")

@@ -85,7 +85,7 @@ def binary() -> Path:
 
 class ManifestSchema:
     """protos/recship/artifact/v1/manifest.schema.json, with the subset of JSON Schema it uses checked
-    (type, const, enum, pattern, minimum, minItems, required, properties, additionalProperties,
+    (type, const, enum, pattern, minimum, maximum, minItems, required, properties, additionalProperties,
     items, prefixItems, local $ref) and its required fields listed against a real manifest."""
 
     PATH = ROOT / "protos" / "recship" / "artifact" / "v1" / "manifest.schema.json"
@@ -123,6 +123,8 @@ class ManifestSchema:
             out.append(f"{at}: does not match {node['pattern']}")
         if "minimum" in node and isinstance(value, (int, float)) and value < node["minimum"]:
             out.append(f"{at}: must be >= {node['minimum']}")
+        if "maximum" in node and isinstance(value, (int, float)) and value > node["maximum"]:
+            out.append(f"{at}: must be <= {node['maximum']}")
         if isinstance(value, dict):
             out += [f"{at}: {key} is missing" for key in node.get("required", []) if key not in value]
             props, extra = node.get("properties", {}), node.get("additionalProperties", True)

@@ -54,6 +54,15 @@ void check_values(const json& m, const std::string& file) {
     if (!positive(f["rows"]) || !positive(f["dim"])) fail(where + "rows and dim must be positive");
     const std::string& policy = f["id_policy"].get_ref<const std::string&>();
     if (policy != "reject" && policy != "modulo") fail(where + "id_policy must be 'reject' or 'modulo'");
+    if (f.contains("id_bound")) {  // rows <= id_bound <= kMaxIdBound, for a "reject" feature only
+      const json& bound = f["id_bound"];
+      const bool in_range = bound.is_number_unsigned() && f["rows"].is_number_unsigned() &&
+                            bound.get<uint64_t>() >= f["rows"].get<uint64_t>() && bound.get<uint64_t>() <= kMaxIdBound;
+      if (!in_range)
+        fail(where + "id_bound must lie in [rows, 2**63 - 1] = [" + f["rows"].dump() + ", " + std::to_string(kMaxIdBound) + "], got " +
+             bound.dump());
+      if (policy != "reject") fail(where + "id_bound needs id_policy 'reject', got " + tables::py_repr(policy));
+    }
     const std::string& name = f["name"].get_ref<const std::string&>();
     if (!names.insert(name).second) fail("sparse feature " + tables::py_repr(name) + " appears twice");
     any_weighted = any_weighted || f.value("weighted", weighted);
@@ -252,6 +261,7 @@ void check_manifest(const json& m, const std::string& file) {
     for (const char* key : {"name", "table", "pooling", "weight_type", "id_policy"}) need(features[i], key, Kind::String, where);
     for (const char* key : {"dim", "rows"}) need(features[i], key, Kind::Integer, where);
     if (features[i].contains("weighted")) need(features[i], "weighted", Kind::Boolean, where);
+    if (features[i].contains("id_bound")) need(features[i], "id_bound", Kind::Integer, where);
   }
   for (const auto& [name, out] : need(m, "outputs", Kind::Object, "").items()) {
     const std::string where = "outputs[" + tables::py_repr(name) + "].";

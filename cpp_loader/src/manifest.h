@@ -14,6 +14,8 @@ namespace recship {
 
 extern const std::string kFormat;    // "recship.artifact/2": the tables in tables.bin (export/tables.py)
 extern const std::string kFormatV1;  // "recship.artifact/1": the tables inside model.pt / model.pt2: still loaded
+// The largest id_bound a feature may have: every int64 id but INT64_MAX (export/artifact.py MAX_ID_BOUND).
+constexpr uint64_t kMaxIdBound = 9223372036854775807ULL;
 
 // Throws ArtifactError "<file>: <what>" naming the first field that breaks the contract: the required fields of
 // protos/recship/artifact/v1/manifest.schema.json with their JSON types (tests/cpp_loader checks this against the

@@ -219,6 +219,7 @@ struct Model::Impl {
   std::vector<std::string> aoti_outputs;                             // its flat outputs' names, in order
   std::vector<std::string> features;
   std::map<std::string, int64_t> rows;
+  std::map<std::string, int64_t> bound;  // a "reject" feature's ids lie in [0, bound): id_bound, else rows
   std::map<std::string, bool> modulo;
   bool weighted = false;                      // any feature takes weights: the model gets a weights tensor
   std::map<std::string, bool> feature_weighted;  // which features take them (ids of the others get weight 1)
@@ -289,6 +290,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
     std::string name = f["name"];
     m.features.push_back(name);
     m.rows[name] = f["rows"].get<int64_t>();
+    m.bound[name] = f.value("id_bound", m.rows[name]);  // id_bound: a managed-collision module remaps the ids in the model
     m.modulo[name] = f["id_policy"].get<std::string>() == "modulo";
   }
   m.weighted = m.manifest["weighted"].get<bool>();
@@ -469,7 +471,7 @@ Sample Model::Impl::read_sample() const {
                              " holds " + std::to_string(out.values.size()) + " ids");
   int64_t start = 0;
   for (size_t f = 0; f < features.size(); ++f) {
-    const int64_t limit = rows.at(features[f]);
+    const int64_t limit = bound.at(features[f]);
     if (!modulo.at(features[f]))
       for (int64_t k = start; k < start + counts[f]; ++k)
         if (out.values[k] < 0 || out.values[k] >= limit)
@@ -592,8 +594,8 @@ Prepared Model::Impl::prepare(const Request& r, int64_t limit) const {
     }
     if (sum != static_cast<int64_t>(f.ids.size()))
       throw InvalidRequest(where + "sum(lengths) = " + std::to_string(sum) + " but " + std::to_string(f.ids.size()) + " ids");
-    const int64_t limit = rows.at(name);
     const bool hash = modulo.at(name);
+    const int64_t limit = hash ? rows.at(name) : bound.at(name);  // a modulo feature has no id_bound (check_manifest)
     for (int64_t id : f.ids) {
       if (hash) {
         *vp++ = ((id % limit) + limit) % limit;

@@ -6,8 +6,8 @@ process. The artifact applies the checkpoint's remapping: it equals a plain-PyTo
 raw id with a dict built from the checkpoint's ``_mch_sorted_raw_ids`` / ``_mch_remapped_ids_mapping`` (a raw id
 without a slot: the last row), and is far from the same reference looking the raw ids up directly.
 
-The served model takes raw ids inside each table's rows: the fronts check ids against the manifest's rows before
-the model sees them (tests/export/mc_model.py sets input_hash_size to the rows)."""
+The served model takes raw ids in each module's input range, the manifest's id_bound (tests/export/mc_model.py sets
+input_hash_size to the rows); tests/export/test_mc_raw_ids.py serves raw ids far above the rows."""
 
 import json
 import subprocess
@@ -71,6 +71,7 @@ def test_the_artifact_remaps_ids_as_the_checkpoint_does(exported):
     taken = slots != 2**63 - 1
     assert ((slots[taken] < 20) == (rows[taken] < 20)).all()
     model, manifest = open_artifact(out)
+    assert {f.name: f.id_bound for f in manifest.sparse_features} == {"user": 40, "item": 32}  # each module's input_hash_size
     sparse, dense, _ = random_request(ModelInputs.of(manifest), 64, 11, ids=(0, 4))
     got = in_process(model, sparse, dense)["output"]
     want = _float_reference(checkpoint, sparse, dense, remap=True)
