@@ -440,10 +440,9 @@ def test_bert4rec_on_cpu_refuses_what_fbgemm_cannot_run(ran):
     assert "weight_decay=1e-05 is not applied by fbgemm's CPU kernels" in refused["weight_decay"]
 
 
-@pytest.mark.xfail(strict=True, reason="recship fuses apply_optimizer_in_backward(RowWiseAdagrad, {'lr': ...}) with the "
-                   "class's eps default, 1e-10; TorchRec 1.8.0 passes only the given kwargs, so fbgemm's 1e-8 (checked)")
 def test_in_backward_row_wise_adagrad_keeps_fbgemms_eps(ran):
-    """TorchRec 1.8.0 (CPU, 1 rank, the golden example's call): its TBE's optimizer_args.eps is 1e-08."""
+    """TorchRec 1.8.0 (CPU, 1 rank, the golden example's call): its TBE's optimizer_args.eps is 1e-08 (fbgemm's
+    default: TorchRec passes on only the arguments given, and so does recship)."""
     assert ran[0]["golden"]["eps"] == ran[0]["two_tower"]["eps"] == {1e-8}
 
 

@@ -118,8 +118,9 @@ _IMPLEMENTATION_ONLY = {"foreach", "fused", "differentiable", "capturable"}
 def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) -> FusedOptimizerConfig:
     """The fused optimizer that performs ``optimizer_class(params, **kwargs)``'s update.
 
-    Unset arguments take the torch class's defaults (torch.optim.Adagrad's eps is 1e-10).
-    An argument fbgemm's kernel has no equivalent for, set to anything but its default,
+    As in TorchRec, only the arguments given are passed on: an unset one takes fbgemm's default (eps 1e-8, where
+    torch.optim.Adagrad's own is 1e-10; lr 0.01, betas (0.9, 0.999) and weight_decay 0 are the same in both).
+    An argument fbgemm's kernel has no equivalent for, set to anything but the torch class's default,
     raises ValueError naming it.
     """
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, TableOptimizer):
@@ -138,13 +139,15 @@ def fused_config_from_torch(optimizer_class: type, kwargs: Mapping[str, Any]) ->
     if unknown:
         raise ValueError(f"{optimizer_class.__name__} has no arguments {unknown}")
     args = {**defaults, **kwargs}
-    settings: Dict[str, Any] = {"optimizer": optim, "learning_rate": float(args["lr"])}
-    if "eps" in args:
-        settings["eps"] = float(args["eps"])
-    if "weight_decay" in args:
-        settings["weight_decay"] = float(args["weight_decay"])
-    if "betas" in args:
-        settings["beta1"], settings["beta2"] = (float(b) for b in args["betas"])
+    settings: Dict[str, Any] = {"optimizer": optim}
+    if "lr" in kwargs:
+        settings["learning_rate"] = float(kwargs["lr"])
+    if "eps" in kwargs:
+        settings["eps"] = float(kwargs["eps"])
+    if "weight_decay" in kwargs:
+        settings["weight_decay"] = float(kwargs["weight_decay"])
+    if "betas" in kwargs:
+        settings["beta1"], settings["beta2"] = (float(b) for b in kwargs["betas"])
     for name, value in args.items():
         if name in ("lr", "eps", "weight_decay", "betas") or name in _IMPLEMENTATION_ONLY:
             continue

@@ -58,8 +58,8 @@ class DistributedModelParallel(nn.Module):
             again before the data-parallel wrap, as TorchRec; False leaves them on meta. Sharded tables are
             always materialised.
         data_parallel_wrapper: wraps the dense part (``DataParallelWrapper.wrap(dmp, env, device)``); default:
-            DistributedDataParallel over the group when there is more than one rank and a dense parameter,
-            with the sharded tables ignored (``DefaultDataParallelWrapper`` takes TorchRec's DDP settings).
+            TorchRec's ``DefaultDataParallelWrapper()``: DistributedDataParallel (static_graph=True, as TorchRec)
+            over the group when there is more than one rank and a dense parameter, the sharded tables ignored.
         optimizer: settings of the fused embedding optimizer (not with ``sharders``).
     """
 
@@ -143,7 +143,7 @@ class DistributedModelParallel(nn.Module):
         self._sharded = [m for _, m in sharded]
         self.fused_optimizer = CombinedOptimizer([(path, m.fused_optimizer) for path, m in sharded])
         self._env, self._device, self.init_parameters = env, device, init_parameters
-        self._data_parallel_wrapper = data_parallel_wrapper or _RecshipDataParallelWrapper()
+        self._data_parallel_wrapper = data_parallel_wrapper or DefaultDataParallelWrapper()
         self._dmp_wrapped_module: nn.Module = module
         self._ddp_wrapped = False
         if init_parameters:  # as TorchRec: now, whether or not the data-parallel wrap waits
@@ -230,13 +230,6 @@ def _ddp(dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device
     wrapped = DistributedDataParallel(module, process_group=env.pg, device_ids=device_ids, **ddp_kwargs)
     dmp._dmp_wrapped_module = wrapped
     return wrapped
-
-
-class _RecshipDataParallelWrapper(DataParallelWrapper):
-    """DMP's default: torch's DDP defaults (static_graph=False; TorchRec's default wrapper sets True)."""
-
-    def wrap(self, dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device) -> None:
-        _ddp(dmp, env, device)
 
 
 class DefaultDataParallelWrapper(DataParallelWrapper):

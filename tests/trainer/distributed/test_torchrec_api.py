@@ -153,8 +153,10 @@ def test_settings_fbgemm_cannot_honour_are_refused_not_ignored(pg):
         shard(module, pg)
 
 
-def test_torch_defaults_fill_unset_arguments():
-    assert fused_config_from_torch(torch.optim.Adagrad, {}) == FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, 0.01, eps=1e-10)
+def test_unset_arguments_take_fbgemms_defaults_as_in_torchrec():
+    """TorchRec passes on only the arguments given: fbgemm's eps (1e-8) where torch.optim.Adagrad's is 1e-10."""
+    assert fused_config_from_torch(torch.optim.Adagrad, {}) == FusedOptimizerConfig(EmbOptimType.EXACT_ADAGRAD, 0.01, eps=1e-8)
+    assert fused_config_from_torch(torch.optim.Adagrad, {"eps": 1e-10}).eps == 1e-10
     adam = fused_config_from_torch(torch.optim.Adam, {"lr": 0.1, "betas": (0.8, 0.9)})
     assert (adam.optimizer, adam.learning_rate, adam.beta1, adam.beta2, adam.eps) == (EmbOptimType.ADAM, 0.1, 0.8, 0.9, 1e-8)
     assert fused_config({"optimizer": "exact_sgd", "learning_rate": 0.3}).optimizer == EmbOptimType.EXACT_SGD
