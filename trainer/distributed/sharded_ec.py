@@ -141,7 +141,8 @@ class SequenceEmbeddingsLookup(nn.Module):
 
     def __init__(self, groups: List[List[LookupUnit]], tbes: List[Any], device: torch.device) -> None:
         super().__init__()
-        object.__setattr__(self, "_tbes", tbes)
+        self._tbes: List[Any]
+        object.__setattr__(self, "_tbes", tbes)  # not submodules (see the class docstring)
         self._group_sizes = [len(g) for g in groups]
         self._device = device
 
@@ -253,7 +254,7 @@ class ShardedEmbeddingCollection(ShardedModule, ShardedEmbeddingTables):
         self._setup(module.embedding_configs(), plan, optimizer, env.pg, device)
         # Width groups, each unit of one (table, shard) next to the others: fbgemm's CPU kernel without pooling
         # reads wrong rows when a TBE's feature_table_map goes back to an earlier table ([0, 1, 0]).
-        self._units_by_rank = [_grouped(units) for units in self._units_by_rank]
+        self._units_by_rank: List[List[LookupUnit]] = [_grouped(units) for units in self._units_by_rank]
         mine = self._units_by_rank[self._rank]
         groups: List[List[LookupUnit]] = []
         for u in mine:

@@ -191,7 +191,7 @@ class ShardedEmbeddingTables(nn.Module):
         self._plan = {t.name: plan[t.name] for t in self._configs}
         self._rows = {f: t.num_embeddings for t in self._configs for f in t.feature_names}
         self._units = _lookup_units(self._configs, self._plan)
-        self._units_by_rank = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
+        self._units_by_rank: List[List[LookupUnit]] = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
         self._local_shards: List[Tuple[str, int, int, int]] = []  # (table, shard, rows, cols), TBE by TBE
         self._tbes: List[Any] = []  # not submodules: their weights are the registered views
 
