@@ -147,7 +147,7 @@ def grid_shard(host_indexes: List[int]) -> ParameterShardingGenerator:
 
 def _tables(module: nn.Module) -> Dict[str, Any]:
     """Each table's weight (what a generator reads its shape from): an EmbeddingBagCollection's
-    ``embedding_bags`` or an EmbeddingCollection's ``embeddings`` (which recship trains data-parallel only)."""
+    ``embedding_bags`` or an EmbeddingCollection's ``embeddings``."""
     module = getattr(module, "_embedding_bag_collection", module)  # a FeatureProcessedEmbeddingBagCollection's tables
     bags = getattr(module, "embedding_bags", None)
     if not isinstance(bags, nn.ModuleDict):
