@@ -10,6 +10,7 @@ from torch import nn
 
 from recship.export.config import ExportError
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
+from recship.sparse.ids import check_id_dtype
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.types import DataType
 
@@ -74,6 +75,7 @@ def pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: EmbeddingBagConfig,
     """The float reference of one feature's pooled lookup: ``weight`` [rows, dim] of table ``t``,
     ``jt`` the feature's JaggedTensor (B bags) -> [B, dim] float32, pooled as ``t`` says
     (``weighted``: scaled by the JaggedTensor's per-id weights first)."""
+    check_id_dtype(jt.values(), "feature lookup")
     ids = jt.values().to(torch.int64)
     mode = "mean" if t.pooling.value == "MEAN" and not weighted else "sum"
     out = nn.functional.embedding_bag(
@@ -93,6 +95,7 @@ def quantized_pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: Embedding
     sharding and kernels."""
     from recship.quantize.rowwise import dequantize_rows, quantize_rows
 
+    check_id_dtype(jt.values(), "feature lookup")
     ids = jt.values().to(torch.int64)
     unique, inverse = torch.unique(ids, return_inverse=True)
     rows = weight[unique].float()

@@ -263,10 +263,14 @@ class LowRankMixtureCrossNet(nn.Module):
 
 
 def _flatten_cat(embeddings: List[torch.Tensor]) -> torch.Tensor:
-    """Each [B, *] tensor flattened to [B, n_i], concatenated: [B, sum n_i]."""
-    if not embeddings:
+    """Each [B, *] tensor flattened to [B, n_i], concatenated: [B, sum n_i]. A leaf of fx traces (its emptiness check
+    reads the list), which TorchScript compiles."""
+    if len(embeddings) == 0:
         raise ValueError("DeepFM / FactorizationMachine need at least one embedding tensor, got []")
     return torch.cat([e.flatten(1) for e in embeddings], dim=1)
+
+
+torch.fx.wrap("_flatten_cat")
 
 
 class DeepFM(nn.Module):

@@ -35,7 +35,7 @@ from torch import nn
 
 from recship.quantize.tbe import LookupLayout
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.sparse.ids import first_out_of_range, out_of_range_message
+from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
 
 class FlatTBE(nn.Module):
     """One fbgemm inference TBE: its storage as buffers and a direct call of the lookup op.
@@ -139,6 +139,7 @@ class IdCheck(nn.Module):
         self.register_buffer("modulo_per_feature", torch.tensor(modulo, dtype=torch.bool, device=device))
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, batch: int) -> torch.Tensor:
+        check_id_dtype(values, "quantized embedding lookup")
         n = values.shape[0]
         if not self.asserts and not self.any_modulo:
             if n == 0:

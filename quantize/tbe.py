@@ -31,7 +31,7 @@ from torch import nn
 from recship.names import ID_POLICIES
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import KeyedJaggedTensor
-from recship.sparse.ids import first_out_of_range, out_of_range_message
+from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.types import DataType
 
@@ -52,6 +52,7 @@ def check_ids(
     One min and one max per feature (no per-id temporaries); ids are copied only when a
     modulo feature has ids to hash.
     """
+    check_id_dtype(ids, "quantized embedding lookup")  # before the cast: a float id must not truncate to a row
     ids = ids.to(torch.int64)
     if ids.numel() == 0:
         return ids

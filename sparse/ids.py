@@ -11,8 +11,21 @@ from typing import Optional
 import torch
 
 
+def check_id_dtype(ids: torch.Tensor, what: str) -> None:
+    """ValueError unless ``ids`` is a 1-D integer tensor. A KeyedJaggedTensor takes values of any dtype (float
+    sequence features, as TorchRec's), so each embedding lookup checks its ids here: a float id 2.7 must never become
+    row 2."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(what + ": ids must be an integer tensor (int64 or int32) to look up embedding rows, got "
+                         + str(ids.dtype))
+    if ids.dim() != 1:
+        raise ValueError(what + ": ids must be 1-D [N] to look up embedding rows, got " + str(ids.dim()) + " dimensions")
+
+
 def first_out_of_range(ids: torch.Tensor, rows: int) -> Optional[int]:
-    """An id of ``ids`` outside [0, rows) (the smallest if one is negative, else the largest), or None."""
+    """An id of ``ids`` outside [0, rows) (the smallest if one is negative, else the largest), or None. ValueError for
+    non-integer ids (``check_id_dtype``)."""
+    check_id_dtype(ids, "first_out_of_range")
     if ids.numel() == 0:
         return None
     lo, hi = torch.aminmax(ids)

@@ -3,7 +3,8 @@
 The layout and method names follow TorchRec's tutorials. A KJT with F keys and
 batch size B holds, feature-major (all examples of key 0, then key 1, ...):
 
-    values  [N]          ids (int64 or int32)
+    values  [N]          ids (int64 or int32), or any other dtype (float sequence features): the
+                         container takes any; the embedding collections refuse non-integer ids
     lengths [F * B]      ids per (key, example), same integer dtype as offsets
     offsets [F * B + 1]  0 followed by the running sum of lengths
     weights [N] float    optional, one score per id (id-score-list features)
@@ -60,7 +61,8 @@ def _check_jagged(
         raise ValueError(f"{owner}: values must have at least one dimension")
     if lengths.dim() != 1:
         raise ValueError(f"{owner}: lengths must be 1-D, got shape {lengths.shape}")
-    if offsets.dim() != 1 or offsets.numel() != lengths.numel() + 1:
+    no_rows = lengths.numel() == 0 and offsets.numel() == 0  # JaggedTensor.empty()'s offsets are [], as TorchRec's
+    if offsets.dim() != 1 or (offsets.numel() != lengths.numel() + 1 and not no_rows):
         raise ValueError(
             f"{owner}: offsets must be 1-D with len(lengths) + 1 = "
             f"{lengths.numel() + 1} entries, got shape {offsets.shape}"
@@ -82,13 +84,21 @@ def _check_jagged(
             smallest = int(lengths.min())
             if smallest < 0:
                 raise ValueError(f"{owner}: lengths must be >= 0, found {smallest}")
-        if int(offsets[0]) != 0:
+        if not no_rows and int(offsets[0]) != 0:
             raise ValueError(f"{owner}: offsets must start at 0, got {int(offsets[0])}")
-        total = int(offsets[-1])
+        total = 0 if no_rows else int(offsets[-1])
         if total != values.shape[0]:
             raise ValueError(
                 f"{owner}: sum(lengths) = {total} but values has {values.shape[0]} entries"
             )
+
+
+def _optional_mask(t: Optional[torch.Tensor], mask: torch.Tensor) -> Optional[torch.Tensor]:
+    """t[mask], or None without t (an fx leaf: a traced ``from_dense_lengths`` decides when it runs)."""
+    return None if t is None else t[mask]
+
+
+torch.fx.wrap("_optional_mask")
 
 
 def _is_proxy(t: torch.Tensor) -> bool:
@@ -99,18 +109,17 @@ def _is_proxy(t: torch.Tensor) -> bool:
 
 
 def _nested_lists(values: torch.Tensor, lengths: List[int]) -> str:
-    """'[[1, 2], [], [3]]' for 1-D values split by lengths (for __str__)."""
+    """'[[1, 2], [], [3]]' for values split by lengths (for __str__, TorchRec's text: each element as Python prints
+    it, so float values read '1.0'; [N, D] values give a list per element). ValueError for more than 2 dimensions."""
+    if values.dim() > 2:
+        raise ValueError(f"__str__ prints values of 1 or 2 dimensions, got shape {list(values.shape)}")
     rows: List[str] = []
     start = 0
     for n in lengths:
         row = values[start : start + n].tolist()
-        rows.append("[" + ", ".join(_fmt(x) for x in row) + "]")
+        rows.append("[" + ", ".join(str(x) for x in row) + "]")
         start += n
     return "[" + ", ".join(rows) + "]"
-
-
-def _fmt(x: object) -> str:
-    return f"{x:.4g}" if isinstance(x, float) else str(x)
 
 
 # ---------------------------------------------------------------------------
@@ -213,23 +222,21 @@ class JaggedTensor:
         weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> "JaggedTensor":
-        """A JaggedTensor with no rows; dtypes left as None take torch's default.
-
-        Unlike TorchRec's, its offsets are [0], not []: offsets always have
-        len(lengths) + 1 entries.
-        """
+        """A JaggedTensor with no rows; dtypes left as None take torch's default. Its lengths and offsets are both
+        empty ([0] entries, ``lengths_dtype``), as TorchRec's: the one JaggedTensor whose offsets are not
+        len(lengths) + 1 long."""
         return JaggedTensor(
             values=torch.empty(0, dtype=values_dtype, device=device),
             weights=torch.empty(0, dtype=weights_dtype, device=device) if is_weighted else None,
             lengths=torch.empty(0, dtype=lengths_dtype, device=device),
-            offsets=None,
+            offsets=torch.empty(0, dtype=lengths_dtype, device=device),
         )
 
     @staticmethod
     def from_dense_lengths(values: torch.Tensor, lengths: torch.Tensor, weights: Optional[torch.Tensor] = None) -> "JaggedTensor":
         """Row b's first ``lengths[b]`` entries of dense ``values`` [B, N] (and of ``weights``, the same shape)."""
         mask = torch.arange(values.size(1), device=values.device).expand(values.size(0), -1) < lengths.unsqueeze(-1)
-        return JaggedTensor(values=values[mask], weights=None if weights is None else weights[mask], lengths=lengths, offsets=None)
+        return JaggedTensor(values=values[mask], weights=_optional_mask(weights, mask), lengths=lengths, offsets=None)
 
     def values(self) -> torch.Tensor:
         return self._values
@@ -318,13 +325,14 @@ class JaggedTensor:
 
     @torch.jit.unused
     def __str__(self) -> str:
+        """TorchRec's text: ``JaggedTensor({`` then a line of the rows (``[[1, 2], [], [3]]``), then ``})`` and a
+        newline; with weights a ``"values"`` and a ``"weights"`` line."""
         lengths = self._lengths.tolist()
-        if self._values.dim() != 1:
-            return f"JaggedTensor(lengths={lengths}, values={tuple(self._values.shape)})"
-        body = _nested_lists(self._values, lengths)
-        if self._weights is not None:
-            body += ",\n    weights: " + _nested_lists(self._weights, lengths)
-        return "JaggedTensor({\n    " + body + "\n})"
+        values = _nested_lists(self._values, lengths)
+        if self._weights is None:
+            return "JaggedTensor({\n    " + values + "\n})\n"
+        weights = _nested_lists(self._weights, lengths)
+        return 'JaggedTensor({\n    "values": ' + values + ',\n    "weights": ' + weights + "\n})\n"
 
     @torch.jit.unused
     def __repr__(self) -> str:
@@ -352,15 +360,14 @@ def _check_kjt(
     inverse_indices: Optional[Tuple[List[str], torch.Tensor]],
 ) -> None:
     owner = "KeyedJaggedTensor"
-    if values.dim() != 1:
-        raise ValueError(f"{owner}: values must be 1-D, got shape {values.shape}")
-    _check_index_dtype(values, owner + ": values")
+    if values.dim() < 1:
+        raise ValueError(f"{owner}: values must have at least one dimension ([N, ...]), got shape {values.shape}")
     num_keys = len(keys)
     if inverse_indices is not None:
         _check_inverse_indices(inverse_indices, owner)
     if stride_per_key_per_rank is not None:
         _check_variable_stride(keys, lengths, stride_per_key_per_rank, owner)
-        _check_jagged(values, lengths, offsets, weights, owner, False)
+        _check_jagged(values, lengths, offsets, weights, owner, True)
         if length_per_key is not None and len(length_per_key) != num_keys:
             raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
         return
@@ -376,7 +383,7 @@ def _check_kjt(
         raise ValueError(
             f"{owner}: stride {stride} x {num_keys} keys != len(lengths) = {lengths.shape[0]}"
         )
-    _check_jagged(values, lengths, offsets, weights, owner, False)
+    _check_jagged(values, lengths, offsets, weights, owner, True)
     if length_per_key is not None and len(length_per_key) != num_keys:
         raise ValueError(f"{owner}: length_per_key has {len(length_per_key)} entries for {num_keys} keys")
 
@@ -454,8 +461,10 @@ class KeyedJaggedTensor:
         keys (List[str]): F feature names. A name may repeat (``permute`` and
             ``concat`` duplicate features that way, as in TorchRec); looking a
             repeated name up finds its last occurrence.
-        values (Tensor): [N] int64/int32 ids of all keys, key-major.
-        weights (Optional[Tensor]): [N] float, one per id.
+        values (Tensor): [N] ids of all keys, key-major: int64/int32 for an embedding lookup, though the
+            container takes any dtype and [N, ...] shapes (float sequence features, as TorchRec); the embedding
+            collections refuse non-integer ids.
+        weights (Optional[Tensor]): [N] float (or integer), one per value.
         lengths (Optional[Tensor]): [F * B] integer ids per (key, example).
         offsets (Optional[Tensor]): [F * B + 1] integer; give lengths or
             offsets; the other is derived.
@@ -581,7 +590,8 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
-        """One KJT from per-key JaggedTensors of equal batch size (keys in dict order).
+        """One KJT from per-key JaggedTensors (keys in dict order). JaggedTensors of different batch sizes give a
+        variable-batch KJT (``stride_per_key_per_rank`` [[B_k] for each key], as TorchRec's).
 
         Either every JaggedTensor has weights or none has.
         """
@@ -590,17 +600,14 @@ class KeyedJaggedTensor:
             raise ValueError("from_jt_dict: the dict is empty")
         jts = list(jt_dict.values())
         stride = jts[0].lengths().shape[0]
+        strides: List[int] = [jt.lengths().shape[0] for jt in jts]
+        variable = any([b != stride for b in strides])
         weighted = jts[0].weights_or_none() is not None
         values: List[torch.Tensor] = []
         lengths: List[torch.Tensor] = []
         weights: List[torch.Tensor] = []
         length_per_key: List[int] = []
         for key, jt in zip(keys, jts):
-            if jt.lengths().shape[0] != stride:
-                raise ValueError(
-                    f"from_jt_dict: '{key}' has batch size {jt.lengths().shape[0]}, "
-                    f"but '{keys[0]}' has {stride}"
-                )
             if jt.values().dim() != 1:
                 raise ValueError(f"from_jt_dict: '{key}' values must be 1-D")
             w = jt.weights_or_none()
@@ -617,10 +624,10 @@ class KeyedJaggedTensor:
             values=torch.cat(values),
             weights=torch.cat(weights) if weighted else None,
             lengths=torch.cat(lengths),
-            stride=stride,
+            stride=None if variable else stride,
             length_per_key=length_per_key,
             offsets=None,
-            stride_per_key_per_rank=None,
+            stride_per_key_per_rank=[[b] for b in strides] if variable else None,
             inverse_indices=None,
         )
 
@@ -632,10 +639,9 @@ class KeyedJaggedTensor:
         weights_dtype: Optional[torch.dtype] = None,
         lengths_dtype: torch.dtype = torch.int32,
     ) -> "KeyedJaggedTensor":
-        """A KJT with no keys and batch size 0. Values default to int64: a KJT holds ids, and refuses float values
-        (TorchRec's default is torch's float dtype)."""
+        """A KJT with no keys and batch size 0; dtypes left as None take torch's default (float values, as
+        TorchRec's)."""
         keys: List[str] = []
-        values_dtype = values_dtype if values_dtype is not None else torch.int64
         return KeyedJaggedTensor(
             stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=keys,
@@ -811,6 +817,11 @@ class KeyedJaggedTensor:
             variable = self._variable_stride_per_key
             if len(self._keys) == 0:
                 cached = torch.jit.annotate(List[int], [])
+            elif self._values.is_meta:
+                # meta tensors hold no lengths: an even split of the values (the rest to key 0), as TorchRec, so a
+                # module built on meta propagates shapes
+                cached = [self._values.shape[0] // len(self._keys)] * len(self._keys)
+                cached[0] += self._values.shape[0] % len(self._keys)
             elif variable is not None:
                 sums = [chunk.sum().view(1) for chunk in torch.split(self._lengths, variable)]
                 cached = torch.jit.annotate(List[int], torch.cat(sums).tolist())
@@ -1139,18 +1150,20 @@ class KeyedJaggedTensor:
     @torch.jit.unused
     def __str__(self) -> str:
         if len(self._keys) == 0:
-            return "KeyedJaggedTensor()"
+            return "KeyedJaggedTensor()\n"
         lengths = [per_key.tolist() for per_key in self._per_key_lengths()]
         lpk = self.length_per_key()
         values = torch.split(self._values, lpk)
         weights = torch.split(self._weights, lpk) if self._weights is not None else None
         lines = []
         for i, key in enumerate(self._keys):
-            line = f'    "{key}": ' + _nested_lists(values[i], lengths[i])
-            if weights is not None:
-                line += " weights " + _nested_lists(weights[i], lengths[i])
+            if weights is None:
+                line = f'    "{key}": ' + _nested_lists(values[i], lengths[i])
+            else:
+                line = (f'    "{key}": {{\n        "values": ' + _nested_lists(values[i], lengths[i])
+                        + ',\n        "weights": ' + _nested_lists(weights[i], lengths[i]) + "\n    }")
             lines.append(line)
-        return "KeyedJaggedTensor({\n" + ",\n".join(lines) + "\n})"
+        return "KeyedJaggedTensor({\n" + ",\n".join(lines) + "\n})\n"
 
     @torch.jit.unused
     def __repr__(self) -> str:

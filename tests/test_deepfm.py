@@ -40,6 +40,22 @@ def test_factorization_machine_is_the_sum_over_pairs():
     assert list(FactorizationMachine().state_dict()) == []
 
 
+@pytest.mark.parametrize("module", ["fm", "deepfm"])
+def test_fx_traced_and_scripted_as_eager(module):
+    """fx-traceable then TorchScriptable, as TorchRec's: the traced graph calls the flatten-and-concatenate step as a
+    leaf, so it does not depend on the list it is traced with; an empty list is refused by all three."""
+    torch.manual_seed(0)
+    m = FactorizationMachine() if module == "fm" else DeepFM(nn.Linear(6 + 5 + 12, 2))
+    gm = torch.fx.symbolic_trace(m)
+    scripted = torch.jit.script(gm)
+    embs = _embeddings(2)
+    for f in (gm, scripted):
+        torch.testing.assert_close(f(embs), m(embs), rtol=0, atol=0)
+    for f in (m, gm, scripted):
+        with pytest.raises(Exception, match="at least one embedding tensor"):
+            f([])
+
+
 def test_deepfm_applies_its_module_to_the_flattened_embeddings():
     torch.manual_seed(0)
     embs = _embeddings(1)

@@ -209,7 +209,10 @@ def test_sparse_to_contiguous_and_shuffle(tmp_path):
     np.testing.assert_array_equal(rows(2, tmp_path / "shuf"), rows(2, tmp_path))
 
 
-@pytest.mark.parametrize("world_size,batch_size,drop_last", [(2, 4, False), (3, 4, True), (3, 11, False), (1, 24, False)])
+# (5, 1): 24 rows leave 4 for the last round of 5 ranks, too few for one each: that round is split, so ranks get
+# batches of 2 rows (more than batch_size), as TorchRec's
+@pytest.mark.parametrize("world_size,batch_size,drop_last",
+                         [(2, 4, False), (3, 4, True), (3, 11, False), (1, 24, False), (5, 1, False)])
 def test_in_memory_binary_criteo_batches_cover_the_rows_once(tmp_path, world_size, batch_size, drop_last):
     import numpy as np
 
@@ -262,3 +265,15 @@ def test_preprocessing_scripts_chain(tmp_path):
     assert int(np.load(contig / "day_0_sparse.npy").min()) >= 1
     with pytest.raises(ValueError, match="holds none of"):
         npy_preproc_criteo.main(["--input_dir", str(tmp_path / "contig"), "--output_dir", str(npy), "--dataset_name", "criteo_kaggle"])
+
+
+def test_random_dataset_len_is_num_batches():
+    """As TorchRec's: len() is num_batches, and iterating it twice (itertools.chain) gives that many twice."""
+    import itertools
+
+    ds = D.RandomRecDataset(keys=["a", "b"], batch_size=4, hash_size=10, num_batches=3, num_generated_batches=-1,
+                            manual_seed=0)
+    assert len(ds) == 3
+    assert sum(1 for _ in itertools.chain(ds, ds)) == 6
+    with pytest.raises(TypeError, match="endless"):
+        len(D.RandomRecDataset(keys=["a"], batch_size=2, hash_size=10))

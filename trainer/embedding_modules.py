@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.sparse.ids import first_out_of_range, out_of_range_message
+from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
@@ -27,8 +27,9 @@ from recship.trainer.embedding_configs import (
 from recship.trainer.types import PoolingType
 
 
-def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type) -> None:
-    if len(tables) == 0:
+def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_empty: bool = False) -> None:
+    """``allow_empty``: an EmbeddingBagCollection of no tables is legal (TorchRec's; it pools to [B, 0])."""
+    if len(tables) == 0 and not allow_empty:
         raise ValueError("an embedding collection needs at least one table")
     names = set()
     features: Dict[str, str] = {}
@@ -65,6 +66,8 @@ def check_features(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]
 
 
 def _check_present(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
+    """Every needed feature present and the values integer ids (a KJT itself takes any dtype)."""
+    check_id_dtype(features.values(), "input KeyedJaggedTensor")
     keys = features.keys()
     missing = [f for f in rows_per_feature if f not in keys]
     if missing:
@@ -235,7 +238,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: Optional[Union[str, torch.device]] = None,
     ) -> None:
         super().__init__()
-        _check_tables(tables, EmbeddingBagConfig)
+        _check_tables(tables, EmbeddingBagConfig, allow_empty=True)
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         self.embedding_bags = nn.ModuleDict()
@@ -316,10 +319,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 pooled = _expand(pooled, self._embedding_names, inverse_indices)
             elif features.variable_stride_per_key():
                 _check_one_batch(pooled, self._embedding_names)
+        if len(pooled) == 0:  # no tables: [B, 0]
+            values = torch.empty(features.stride(), 0, device=features.device())
+        else:
+            values = torch.cat(pooled, dim=1)
         return KeyedTensor(
             keys=self._embedding_names,
             length_per_key=self._lengths_per_embedding,
-            values=torch.cat(pooled, dim=1),
+            values=values,
             key_dim=1,
         )
 

@@ -335,9 +335,14 @@ class InMemoryBinaryCriteoIterDataPipe(IterableDataset):
             dense, sparse, labels = dense[order], sparse[order], labels[order]
         b = len(dense)
         full = b == self.batch_size
+        # The last round may hand a rank more rows than batch_size (too few rows left for one each: it is split).
+        lengths, offsets = self.lengths, self.offsets
+        if b > self.batch_size:
+            lengths = torch.ones(CAT_FEATURE_COUNT * b, dtype=torch.int32)
+            offsets = torch.arange(0, CAT_FEATURE_COUNT * b + 1, dtype=torch.int32)
         kjt = KeyedJaggedTensor(
             keys=self.keys, values=torch.from_numpy(sparse.transpose(1, 0).reshape(-1)),
-            lengths=self.lengths[:CAT_FEATURE_COUNT * b], offsets=self.offsets[:CAT_FEATURE_COUNT * b + 1], stride=b,
+            lengths=lengths[:CAT_FEATURE_COUNT * b], offsets=offsets[:CAT_FEATURE_COUNT * b + 1], stride=b,
             length_per_key=self.length_per_key if full else CAT_FEATURE_COUNT * [b],
             offset_per_key=self.offset_per_key if full else [b * i for i in range(CAT_FEATURE_COUNT + 1)],
             index_per_key=self.index_per_key)

@@ -85,5 +85,11 @@ class RandomRecDataset(IterableDataset):
             yield self._batches[produced % len(self._batches)] if self._batches else self._draw()
             produced += 1
 
+    def __len__(self) -> int:
+        """``num_batches``, as TorchRec's; an endless dataset (num_batches None) has no length (TypeError)."""
+        if self.num_batches is None:
+            raise TypeError("RandomRecDataset: num_batches is None, so the dataset is endless and has no len()")
+        return self.num_batches
+
 
 __all__ = ["Batch", "KeyedJaggedTensor", "RandomRecDataset"]

@@ -131,7 +131,6 @@ def test_missing_feature_is_named():
 @pytest.mark.parametrize(
     "tables, message",
     [
-        ([], "at least one table"),
         (
             [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5), EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5)],
             "duplicate table name",

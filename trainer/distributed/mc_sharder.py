@@ -34,6 +34,7 @@ from torch import nn
 
 from recship.names import ShardingType
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
+from recship.sparse.ids import check_id_dtype
 from recship.trainer.distributed import sharded_state
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
@@ -129,6 +130,7 @@ class ShardedManagedCollisionCollection(nn.Module):
     def forward(self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True) -> KeyedJaggedTensor:
         features = _features_in_order(features, self._feature_names)
         world, rank = self._env.world_size, self._env.rank
+        check_id_dtype(features.values(), "sharded managed-collision input")  # before the cast: no float id truncates
         lengths = features.lengths().to(torch.int64)
         values = features.values().to(torch.int64)
         comm = self._comm_device
