@@ -740,20 +740,9 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
-        """A KJT with no keys, ``kjt``'s batch size, dtypes and device (weights if it has them), as TorchRec's."""
-        w = kjt.weights_or_none()
-        return KeyedJaggedTensor(
-            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
-            keys=[],
-            values=torch.empty(0, dtype=kjt.values().dtype, device=kjt.device()),
-            weights=None if w is None else torch.empty(0, dtype=w.dtype, device=kjt.device()),
-            lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device()),
-            stride=kjt.stride(),
-            offsets=None,
-            length_per_key=None,
-            stride_per_key_per_rank=None,
-            inverse_indices=None,
-        )
+        """A KJT with no keys, ``kjt``'s batch size, dtypes and device (weights if it has them), as TorchRec's. One
+        call in an fx graph (which TorchScript then compiles)."""
+        return _kjt_empty_like(kjt)
 
     def device(self) -> torch.device:
         return self._values.device
@@ -1175,6 +1164,26 @@ class KeyedJaggedTensor:
         if self._stride_per_key_per_rank is not None or self._inverse_indices is not None:
             args = args + (self._stride_per_key_per_rank, None, self._inverse_indices)
         return tracer.create_node("call_function", KeyedJaggedTensor, args=tracer.create_arg(args), kwargs={})
+
+
+def _kjt_empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """KeyedJaggedTensor.empty_like's body: an fx leaf, since it reads the weights' presence."""
+    w = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
+        keys=[],
+        values=torch.empty(0, dtype=kjt.values().dtype, device=kjt.device()),
+        weights=None if w is None else torch.empty(0, dtype=w.dtype, device=kjt.device()),
+        lengths=torch.empty(0, dtype=kjt.lengths().dtype, device=kjt.device()),
+        stride=kjt.stride(),
+        offsets=None,
+        length_per_key=None,
+        stride_per_key_per_rank=None,
+        inverse_indices=None,
+    )
+
+
+torch.fx.wrap("_kjt_empty_like")
 
 
 def _inverse_indices_to(

@@ -144,3 +144,24 @@ def test_text_as_torchrec_prints_it():
     assert str(kjt) == ('KeyedJaggedTensor({\n    "a": {\n        "values": [[1], []],\n        "weights": [[1.0], []]\n'
                         '    },\n    "b": {\n        "values": [[2, 3], []],\n        "weights": [[0.5, 2.0], []]\n    }\n})\n')
     assert str(KeyedJaggedTensor.empty()) == "KeyedJaggedTensor()\n"
+
+
+class _EmptyLikeSizes(torch.nn.Module):
+    def forward(self, kjt: KeyedJaggedTensor) -> List[int]:
+        e = KeyedJaggedTensor.empty_like(kjt)
+        return [e.stride(), e.values().numel(), e.lengths().numel(), e.weights().numel()]
+
+
+def test_empty_like_traces_and_scripts():
+    """fx records empty_like as one call (it reads whether there are weights), so the graph scripts and answers as
+    eager does."""
+    kjt, _ = _float_kjt(0, ["a", "b"], batch=3)
+    weighted = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+                                 weights=torch.rand(kjt.values().numel(), dtype=torch.float64))
+    gm = torch.fx.symbolic_trace(_EmptyLikeSizes())
+    scripted = torch.jit.script(gm)
+    assert _EmptyLikeSizes()(weighted) == gm(weighted) == scripted(weighted) == [3, 0, 0, 0]
+    e = KeyedJaggedTensor.empty_like(weighted)
+    assert e.keys() == [] and (e.values().dtype, e.lengths().dtype, e.weights().dtype) == (
+        torch.float32, torch.int32, torch.float64)
+    assert KeyedJaggedTensor.empty_like(kjt).weights_or_none() is None
