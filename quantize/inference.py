@@ -198,8 +198,26 @@ def assign_weights_to_tbe(model: nn.Module, table_to_weight: Dict[str, Tuple[tor
 
     for m in model.modules():
         if isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen):
-            missing = [spec[0] for spec in m.embedding_specs if spec[0] not in table_to_weight]
+            found = [_block_weights(spec[0], current[0], table_to_weight)
+                     for spec, current in zip(m.embedding_specs, m.split_embedding_weights())]
+            missing = [spec[0] for spec, w in zip(m.embedding_specs, found) if w is None]
             if missing:
                 raise ValueError(f"assign_weights_to_tbe: no weights for tables {missing}")
-            m.assign_embedding_weights([table_to_weight[spec[0]] for spec in m.embedding_specs])
+            m.assign_embedding_weights(found)
+
+
+def _block_weights(name: str, current: torch.Tensor, table_to_weight: Dict[str, Any]) -> Any:
+    """The weights for the TBE table ``name``: its own entry, or, for a sharded model's block ``<table>@<k>`` that holds
+    its whole table (table-wise sharding; TorchRec names such a TBE table by the table), the table's. A block holding
+    part of a table (row- or column-wise) is a ValueError: its rows are a slice the whole table's weights do not give."""
+    if name in table_to_weight:
+        return table_to_weight[name]
+    table, sep, index = name.rpartition("@")
+    if not (sep and index.isdigit() and table in table_to_weight):
+        return None
+    weights = table_to_weight[table]
+    if tuple(weights[0].shape) != tuple(current.shape):
+        raise ValueError(f"assign_weights_to_tbe: {name!r} is a block of table {table!r} ({tuple(current.shape)} bytes "
+                         f"of its {tuple(weights[0].shape)}): only a table-wise block takes its table's weights")
+    return weights
 

@@ -177,6 +177,14 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
             self._unit_col_offset.append(co)
             self._unit_cols.append(cn)
 
+    __jit_unused_properties__ = ["tbes"]
+
+    @property
+    def tbes(self) -> List[nn.Module]:
+        """The fbgemm inference TBEs of its device modules, device by device (TorchRec's ``tbes``, which model
+        post-processing such as ``get_table_to_weights_from_tbe`` walks); their tables are the blocks ``<table>@<k>``."""
+        return [tbe for module in self.shards for tbe in module.tbes]
+
     def lookup_layout(self) -> LookupLayout:
         """Its device modules as the flat lookup runs them: each holds one SUM TBE whose features are its units."""
         groups = []

@@ -27,15 +27,13 @@ from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbedding
 from recship.quantize.sharded import (InferenceShard, ShardedQuantEmbeddingBagCollection, local_devices, plan_inference_shards,
                                      shard_collection, shard_modules)
 from recship.quantize.tbe import QuantTables
-from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
+from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
+                                               FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
+                                               ModuleSharder, ShardingEnv)
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.planner.types import ParameterConstraints, ParameterSharding, ShardingPlan, ShardMetadata
 
-# TorchRec's fused_params keys (torchrec.distributed.fused_params), as its inference sharders read them
-FUSED_PARAM_REGISTER_TBE_BOOL = "__register_tbes_in_named_modules"
-FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS = "__register_quant_state_dict_split_scale_bias"
-FUSED_PARAM_BOUNDS_CHECK_MODE = "__register_tbe_bounds_check_mode"
-FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP = "__register_lengths_to_offsets_lookup"
+# TorchRec's fused_params keys (torchrec.distributed.fused_params) that its inference sharders read
 FUSED_PARAMS = (FUSED_PARAM_REGISTER_TBE_BOOL, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_BOUNDS_CHECK_MODE,
                 FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP)
 INFERENCE_SHARDING_TYPES = [ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value]

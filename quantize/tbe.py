@@ -222,6 +222,7 @@ class QuantTables(nn.Module):
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
         self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
+        self._device = torch.device(device)
         id_policy = dict(id_policy or {})
         all_features = [f for t in tables for f in t.feature_names]
         for f, policy in id_policy.items():
@@ -276,6 +277,11 @@ class QuantTables(nn.Module):
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
+
+    @property
+    def device(self) -> torch.device:
+        """The device the tables were built on (TorchRec's ``device``; a collection quantized from ``meta`` is on the CPU)."""
+        return self._device
 
     def _prepare(
         self, g: int, features: KeyedJaggedTensor, weighted: bool

@@ -22,12 +22,15 @@ from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagC
 from recship.trainer.distributed.mc_sharder import (ManagedCollisionCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
                                                     ManagedCollisionEmbeddingCollectionSharder, ShardedManagedCollisionCollection)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
+from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
+                                               FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
+                                               get_propogate_device, set_propogate_device)
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule, KeyedOptimizer,
                                         KeyedOptimizerWrapper, OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
 from recship.trainer.clipping import GradientClipping, GradientClippingOptimizer
 from recship.trainer.model_parallel import (DataParallelWrapper, DefaultDataParallelWrapper, DistributedModelParallel,
-                                           in_backward_optimizer_filter)
+                                           in_backward_optimizer_filter, init_parameters)
 from recship.trainer.model_parallel import shard_modules as _shard_for_training
 from recship.trainer.planner import EmbeddingComputeKernel, EmbeddingShardingPlanner, ParameterConstraints, ParameterSharding
 from recship.trainer.planner import ShardingPlan, ShardingType, ShardMetadata, Topology
@@ -133,6 +136,8 @@ __all__ = [
     "rank_device", "CacheParams", "CacheStatistics", "ComputeDevice", "ComputeKernel", "KeyValueParams", "ParameterStorage",
     "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
     "CommType", "QCommsConfig", "get_qcomm_codecs", "get_qcomm_codecs_registry",
+    "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
+    "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "set_propogate_device",
 ]
 
 
@@ -143,6 +148,12 @@ _INFERENCE_SHARDERS = ("QuantEmbeddingBagCollectionSharder", "QuantEmbeddingColl
 
 
 def __getattr__(name: str) -> object:
+    if name == "BoundsCheckMode":  # fbgemm's enum, which TorchRec re-exports in torchrec.distributed.types (loaded when asked
+        # for: fbgemm takes seconds to import). recship's lookups always check ids as FATAL does; its training sharders
+        # refuse a bounds-check setting, its inference sharders take FUSED_PARAM_BOUNDS_CHECK_MODE and check all the same
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+        return BoundsCheckMode
     if name in _INFERENCE_SHARDERS:
         from recship.quantize import sharders
 

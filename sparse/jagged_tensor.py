@@ -314,6 +314,16 @@ class JaggedTensor:
         out.index_put_([row[keep], pos[keep]], self._values[keep])
         return out
 
+    def to_padded_dense_weights(
+        self, desired_length: Optional[int] = None, padding_value: float = 0.0
+    ) -> Optional[torch.Tensor]:
+        """[B, L] weights padded (or truncated) as ``to_padded_dense`` pads the values; None without weights."""
+        w = self._weights
+        if w is None:
+            return None
+        padded = JaggedTensor(values=w, weights=None, lengths=self._lengths, offsets=self._offsets)
+        return padded.to_padded_dense(desired_length, padding_value)
+
     def to(self, device: torch.device, non_blocking: bool = False) -> "JaggedTensor":
         w = self._weights
         return JaggedTensor(

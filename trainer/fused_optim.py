@@ -201,6 +201,15 @@ class KeyedOptimizer(torch.optim.Optimizer):
         self.params = dict(params)
         self.state = state  # type: ignore[assignment]
         self.param_groups = param_groups
+        param_ids = {id(p) for p in self.params.values()}
+        strays = [key for key in state if id(key) not in param_ids]
+        if strays:  # TorchRec's words, so code matching them keeps working
+            raise ValueError(f"All state keys must be params. The following keys are not: {strays}.")
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torch.optim.Optimizer pickles only defaults, state and param_groups; a keyed optimizer needs all of itself
+        # (its params, a wrapper's wrapped optimizer), as TorchRec's
+        return self.__dict__
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         raise NotImplementedError(f"{type(self).__name__} has a fixed set of parameters")
@@ -226,7 +235,7 @@ class KeyedOptimizer(torch.optim.Optimizer):
         parameters by name, after ``save_param_groups(True)``). Sharded state stays ShardedTensors,
         so ``torch.distributed.checkpoint`` saves it and reshards it on load."""
         key_of = {id(p): k for k, p in self.params.items()}
-        out: Dict[str, Any] = {"state": {key_of[id(p)]: dict(s) for p, s in self.state.items() if id(p) in key_of}}
+        out: Dict[str, Any] = {"state": {key_of[id(p)]: _state_content(s) for p, s in self.state.items() if id(p) in key_of}}
         if self.defaults.get("_save_param_groups", False):
             out["param_groups"] = [
                 {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(key_of[id(p)] for p in g["params"])}
@@ -254,6 +263,21 @@ class KeyedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"optimizer state_dict has no param group of {name!r}")
                 group.update({k: v for k, v in given[name].items() if k != "params"})
         self.post_load_state_dict()
+
+
+def _state_content(state: Mapping[str, Any]) -> Dict[str, Any]:
+    """A parameter's state for ``state_dict()``: nested dicts copied, and an object with a ``state_dict()`` method (an
+    optimizer module kept in the state, say) replaced by its ``state_dict()``, as TorchRec's. ``load_state_dict`` gives
+    such an object its part back through its ``load_state_dict``."""
+    out: Dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out[key] = _state_content(value)
+        elif callable(getattr(value, "state_dict", None)):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
 
 
 class FusedOptimizer(KeyedOptimizer, abc.ABC):

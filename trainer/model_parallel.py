@@ -47,7 +47,8 @@ class DistributedModelParallel(nn.Module):
     Args:
         module: any model; every EmbeddingBagCollection inside it is sharded.
             Build it on "meta" to allocate only the shards each rank owns.
-        env: the ShardingEnv (default: the initialised default process group).
+        env: the ShardingEnv (default: the initialised default process group). Without a process group,
+            ``ShardingEnv.from_local(1, 0)`` takes a model with nothing to shard (a quantized one, say), as TorchRec.
         device: this rank's device (default cpu).
         plan: a ShardingPlan; planned with EmbeddingShardingPlanner (on rank 0,
             broadcast) when None.
@@ -85,8 +86,14 @@ class DistributedModelParallel(nn.Module):
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("DistributedModelParallel needs torch.distributed.init_process_group first (or env=)")
             env = ShardingEnv.from_process_group(None)
-        if env.pg is None and not dist.is_initialized():
-            raise ValueError("DistributedModelParallel trains over a process group: ShardingEnv.from_local is for inference")
+        local = env.pg is None and not dist.is_initialized()
+        if local and env.world_size != 1:
+            raise ValueError(f"DistributedModelParallel over {env.world_size} ranks needs a process group: "
+                             "ShardingEnv.from_local(world_size > 1) is for inference sharding")
+        if local and any(type(m) in (EmbeddingBagCollection, EmbeddingCollection) for m in module.modules()):
+            raise ValueError("DistributedModelParallel without a process group (ShardingEnv.from_local(1, 0)) takes "
+                             "only a model with nothing to shard; to shard embedding tables on one rank, "
+                             "init_process_group('gloo', rank=0, world_size=1) first")
         device = torch.device(device or "cpu")
         if optimizer is not None and sharders is not None:
             raise ValueError("give the fused optimizer either as optimizer= or in the sharders' fused_params, not both")
@@ -100,7 +107,8 @@ class DistributedModelParallel(nn.Module):
         if plan is None:
             local = _local_world_size(env.world_size)
             topology = Topology(world_size=env.world_size, compute_device=device.type, local_world_size=local)
-            plan = EmbeddingShardingPlanner(topology).collective_plan(module, sharders, env.pg)
+            planner = EmbeddingShardingPlanner(topology)
+            plan = planner.plan(module, sharders) if local else planner.collective_plan(module, sharders, env.pg)
         self.plan = plan
         ec_sharder = next((s for s in sharders if s.module_type is EmbeddingCollection), None)
         sharded: List[Tuple[str, ShardedEmbeddingTables]] = []
@@ -138,8 +146,6 @@ class DistributedModelParallel(nn.Module):
             else:
                 parent, _, name = path.rpartition(".")
                 setattr(module.get_submodule(parent) if parent else module, name, replacement)
-        if not sharded and not any(type(m) is EmbeddingCollection for m in module.modules()):
-            raise ValueError("DistributedModelParallel found no EmbeddingBagCollection or EmbeddingCollection in the model")
         self._sharded = [m for _, m in sharded]
         self.fused_optimizer = CombinedOptimizer([(path, m.fused_optimizer) for path, m in sharded])
         self._env, self._device, self.init_parameters = env, device, init_parameters
@@ -223,7 +229,9 @@ def _ddp(dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device
     DDP must neither all-reduce nor broadcast from rank 0 what differs per rank: the fused tables and the
     TBE's per-rank metadata buffers."""
     module = dmp._dmp_wrapped_module
-    if isinstance(module, DistributedDataParallel) or env.world_size <= 1 or not any(True for _ in dmp._dense_params(module)):
+    if isinstance(module, DistributedDataParallel) or env.world_size <= 1:
+        return None
+    if all(getattr(p, FUSED_PARAMETER_MARK, False) for p in module.parameters()):
         return None
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, _per_rank_state(module) + list(ignore))
     device_ids = None if device.type == "cpu" else [device]
@@ -287,12 +295,15 @@ def in_backward_optimizer_filter(
     """Filters ``model.named_parameters()`` for a torch optimizer.
 
     With include=False (the default) it yields the parameters a torch optimizer
-    should update (dense layers, data-parallel tables) and drops those whose
-    optimizer is fused into backward (the sharded tables); include=True yields
-    only the fused ones.
+    should update (dense layers, data-parallel tables) and drops those updated in
+    backward: the sharded tables (their optimizer fused into the TBE) and any parameter
+    torch's ``_apply_optimizer_in_backward`` gave an optimizer (it carries
+    ``_in_backward_optimizers``, the attribute TorchRec's filter reads); include=True
+    yields only those.
     """
     for name, p in named_parameters:
-        if getattr(p, FUSED_PARAMETER_MARK, False) == include:
+        in_backward = getattr(p, FUSED_PARAMETER_MARK, False) or hasattr(p, "_in_backward_optimizers")
+        if in_backward == include:
             yield name, p
 
 
@@ -315,6 +326,26 @@ def _materialize_dense(module: nn.Module, device: torch.device, sharded: Sequenc
         own = list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False))
         if any(t.is_meta for t in own):
             sub.to_empty(device=device, recurse=False)
+            reset = getattr(sub, "reset_parameters", None)
+            if callable(reset):
+                reset()
+
+
+def init_parameters(module: nn.Module, device: torch.device) -> None:
+    """TorchRec's ``torchrec.distributed.utils.init_parameters``: when a parameter of ``module`` is not on ``device``,
+    moves the whole module there (allocating it, uninitialised, if a parameter is on meta) and then calls
+    ``reset_parameters()`` on every submodule that has one, so all of it is freshly initialised. A module whose
+    parameters are all on ``device`` already is left as it is."""
+    device = torch.device(device)
+    params = list(module.parameters())
+    if all(p.device == device for p in params):
+        return
+    with torch.no_grad():
+        if any(p.is_meta for p in params):
+            module.to_empty(device=device)
+        else:
+            module.to(device)
+        for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
                 reset()

@@ -61,6 +61,8 @@ class SemisyncOptimizer(KeyedOptimizer):
         if not isinstance(num_local_steps, int) or num_local_steps < 1:
             raise ValueError(f"num_local_steps must be an int >= 1, got {num_local_steps!r}")
         listed = list(global_params)
+        if not listed:  # TorchRec fails on it with an IndexError
+            raise ValueError("SemisyncOptimizer needs at least one global parameter (global_params is empty)")
         if listed and isinstance(listed[0], dict):
             self._worker_model_params: List[torch.Tensor] = [p for group in listed for p in group["params"]]
         else:

@@ -24,10 +24,12 @@ The rate reaches every param group of the wrapped optimizer, and so the kernels 
 wrapper applies it to them right away (a fused optimizer takes a new rate on ``step()`` or ``zero_grad()``), so the
 next backward's fused update uses it even in a loop that calls ``zero_grad`` after ``step``.
 
-What differs from TorchRec: the warmup counter [iteration, stage] is kept by the wrapper, not in the wrapped
-optimizer's ``state`` (recship's keyed optimizers share their state dict with the torch optimizer they wrap, which
-would not know the extra parameter); ``state_dict()`` carries it under TorchRec's key (``state["__warmup"]
-["warmup"]``, a [2] int64 tensor) and ``load_state_dict`` restores it and the rate.
+The warmup counter [iteration, stage] (a [2] int64 tensor) is the state of TorchRec's placeholder parameter
+``params[param_name]``: ``state[placeholder]["warmup"]`` and ``state_dict()["state"][param_name]["warmup"]``, so it
+is checkpointed with the optimizer, and ``load_state_dict`` resumes the schedule at the saved iteration (and sets
+its rate). What differs from TorchRec: the wrapper's ``state`` is a view, the wrapped optimizer's state plus that
+entry, and the counter is never written into the wrapped optimizer's own state dict (recship's keyed optimizers
+share it with the torch optimizer they wrap, whose own ``state_dict()`` would not know the extra parameter).
 """
 
 import math
@@ -161,16 +163,30 @@ class WarmupOptimizer(OptimizerWrapper):
             raise TypeError(f"WarmupOptimizer wraps a (keyed) optimizer, got {type(optimizer).__name__}")
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
+        self._optimizer = optimizer
+        self._warmup_param = torch.nn.Parameter()  # TorchRec's placeholder: it names the warmup counter among the params
+        self._iter, self._stage_id = 0, 0
         super().__init__(optimizer)
         self._stages = _checked_stages(list(stages))
         self._lr = lr
         self._lr_param = lr_param
         self._param_name = param_name
-        # TorchRec's placeholder parameter: it names the warmup counter among the parameters
-        self._warmup_param = torch.nn.Parameter()
         self.params[param_name] = self._warmup_param
-        self._iter, self._stage_id = 0, 0
         self._set_lr()
+
+    @property  # type: ignore[override]
+    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
+        """The wrapped optimizer's state and, under the placeholder parameter, {"warmup": tensor([iteration, stage])}
+        (TorchRec's layout: the counter after the wrapped parameters' states)."""
+        out = dict(self._optimizer.state)
+        out[self._warmup_param] = {"warmup": torch.tensor([self._iter, self._stage_id], dtype=torch.long)}
+        return out
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # KeyedOptimizer.__init__ assigns the wrapped optimizer's state, which the view above reads already
+        if value is not self._optimizer.state:
+            raise AttributeError("WarmupOptimizer.state is a view of the wrapped optimizer's state; set that instead")
 
     @property
     def warmup_state(self) -> Tuple[int, int]:
@@ -206,7 +222,7 @@ class WarmupOptimizer(OptimizerWrapper):
     def state_dict(self) -> Dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` with the counter under ``state[param_name]["warmup"]``."""
         out = dict(self._optimizer.state_dict())
-        out["state"] = {**out.get("state", {}), self._param_name: {"warmup": torch.tensor([self._iter, self._stage_id])}}
+        out["state"] = {**out.get("state", {}), self._param_name: self.state[self._warmup_param]}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]

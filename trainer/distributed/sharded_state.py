@@ -182,6 +182,8 @@ def copy_state(dst: Dict[str, Any], src: Dict[str, Any], path: str) -> None:
         new = src[key]
         if isinstance(current, dict):
             copy_state(current, new, f"{path}.{key}")
+        elif not isinstance(current, torch.Tensor) and callable(getattr(current, "load_state_dict", None)):
+            current.load_state_dict(new)  # an object in the state that saves itself (its state_dict() was saved)
         elif isinstance(current, ShardedTensor):
             if not isinstance(new, ShardedTensor) or list(new.size()) != list(current.size()):
                 got = list(new.size()) if isinstance(new, (torch.Tensor, ShardedTensor)) else type(new).__name__

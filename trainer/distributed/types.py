@@ -23,6 +23,29 @@ from torch import nn
 W = TypeVar("W")
 M = TypeVar("M", bound=nn.Module)
 
+# TorchRec's fused_params keys (torchrec.distributed.fused_params) that configure sharding rather than the optimizer.
+# recship's inference sharders (recship.quantize.sharders) take them; its training sharders refuse them by name.
+FUSED_PARAM_REGISTER_TBE_BOOL = "__register_tbes_in_named_modules"  # the TBEs' buffers join state_dict
+FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS = "__register_quant_state_dict_split_scale_bias"  # rows, scale, bias apart
+# fbgemm's BoundsCheckMode for the TBEs: recship checks every id against its table first (fbgemm's FATAL), whatever the mode
+FUSED_PARAM_BOUNDS_CHECK_MODE = "__register_tbe_bounds_check_mode"
+# TorchRec converts lengths to offsets before the quantized lookup (a speed choice); recship's results are the same either way
+FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP = "__register_lengths_to_offsets_lookup"
+
+
+def set_propogate_device(val: bool) -> None:
+    """TorchRec's switch (``torchrec.distributed.global_settings``, its spelling) for its inference sharding to place
+    lookups and outputs on the device passed (the CPU when none) instead of assuming CUDA. recship's inference sharding
+    always does so, so True is accepted and False is a ValueError."""
+    if not val:
+        raise ValueError("set_propogate_device(False): recship's inference sharding always uses the device it is given "
+                         "(the CPU when none); it has no CUDA-by-default mode to switch to")
+
+
+def get_propogate_device() -> bool:
+    """Always True in recship (see ``set_propogate_device``)."""
+    return True
+
 
 @dataclass
 class ShardingEnv:
