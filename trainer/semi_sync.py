@@ -143,7 +143,7 @@ class SemisyncOptimizer(KeyedOptimizer):
                 if key in entry:
                     counters.setdefault(key, entry[key])
         for opt, prefix in ((self._optimizer, SEMI_SYNC_LOCAL_STATE_KEY), (self._global_optimizer, SEMI_SYNC_GLOBAL_STATE_KEY)):
-            part: Dict[str, Any] = {"state": {name: {k[len(prefix):]: v for k, v in new_state[name].items() if k.startswith(prefix)}
+            part: Dict[str, Any] = {"state": {name: self._extract_prefixed_state(new_state[name], prefix)
                                               for name in opt.params if name in new_state}}
             if "param_groups" in state_dict:
                 names = set(opt.params)
@@ -158,6 +158,12 @@ class SemisyncOptimizer(KeyedOptimizer):
         if SEMISYNC_LOCAL_STEP_COUNTER_KEY in counters:
             self._local_step_counter.copy_(torch.as_tensor(counters[SEMISYNC_LOCAL_STEP_COUNTER_KEY]))
         self.post_load_state_dict()
+
+    @staticmethod
+    def _extract_prefixed_state(param_state: Mapping[str, Any], prefix: str) -> Dict[str, Any]:
+        """The entries of one parameter's combined state whose key starts with ``prefix``, the prefix removed
+        (TorchRec's helper: ``semi_sync_local_`` gives the local optimizer's state, ``semi_sync_global_`` the global's)."""
+        return {key[len(prefix):]: value for key, value in param_state.items() if key.startswith(prefix)}
 
     def post_load_state_dict(self) -> None:
         for opt in (self._optimizer, self._global_optimizer):
