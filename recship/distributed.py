@@ -25,6 +25,7 @@ from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSh
 from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
                                                FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
                                                get_propogate_device, set_propogate_device)
+from recship.names import DataType  # TorchRec's torchrec.distributed.types re-exports it
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule, KeyedOptimizer,
                                         KeyedOptimizerWrapper, OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
@@ -137,7 +138,7 @@ __all__ = [
     "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
     "CommType", "QCommsConfig", "get_qcomm_codecs", "get_qcomm_codecs_registry",
     "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
-    "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "set_propogate_device",
+    "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
 ]
 
 
@@ -148,12 +149,13 @@ _INFERENCE_SHARDERS = ("QuantEmbeddingBagCollectionSharder", "QuantEmbeddingColl
 
 
 def __getattr__(name: str) -> object:
-    if name == "BoundsCheckMode":  # fbgemm's enum, which TorchRec re-exports in torchrec.distributed.types (loaded when asked
-        # for: fbgemm takes seconds to import). recship's lookups always check ids as FATAL does; its training sharders
-        # refuse a bounds-check setting, its inference sharders take FUSED_PARAM_BOUNDS_CHECK_MODE and check all the same
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+    if name in ("BoundsCheckMode", "CacheAlgorithm"):  # fbgemm's enums, which TorchRec re-exports in
+        # torchrec.distributed.types (loaded when asked for: fbgemm takes seconds to import). recship's lookups always
+        # check ids as FATAL does: its training sharders refuse a bounds-check setting, its inference sharders take
+        # FUSED_PARAM_BOUNDS_CHECK_MODE and check all the same. CacheAlgorithm goes in a CacheParams, which recship refuses.
+        from fbgemm_gpu import split_table_batched_embeddings_ops_common as common
 
-        return BoundsCheckMode
+        return getattr(common, name)
     if name in _INFERENCE_SHARDERS:
         from recship.quantize import sharders
 

@@ -205,7 +205,15 @@ def test_fused_params_keys_and_bounds_check_mode():
 
     import recship.distributed as rd
 
-    assert rd.BoundsCheckMode is Fbgemm
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+
+    import recship
+
+    assert rd.BoundsCheckMode is Fbgemm and rd.CacheAlgorithm is CacheAlgorithm and rd.DataType is recship.DataType
+    assert rd.get_propogate_device() is True
+    rd.set_propogate_device(True)
+    with pytest.raises(ValueError, match="always uses the device"):
+        rd.set_propogate_device(False)
     assert rd.FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP == "__register_lengths_to_offsets_lookup"
     assert rd.FUSED_PARAM_BOUNDS_CHECK_MODE == "__register_tbe_bounds_check_mode"
     with pytest.raises(ValueError, match="__register_tbe_bounds_check_mode"):  # training sharders refuse them by name
