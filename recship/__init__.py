@@ -40,7 +40,18 @@ _EXPORTS = {
     "QuantConfig": "recship.quantize.quantizer",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, globals())
+_names_getattr, __dir__ = lazy_names(__name__, _EXPORTS, globals())
+# TorchRec's subpackages that recship keeps in one module (the README's import map), for code that reaches them as
+# attributes after `import recship as torchrec` (`torchrec.optim.RowWiseAdagrad`)
+_MODULE_ALIASES = {"optim": "recship.distributed"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MODULE_ALIASES:
+        import importlib
+
+        return importlib.import_module(_MODULE_ALIASES[name])
+    return _names_getattr(name)
 
 # torch.ops.fbgemm.* works after `import recship` as after `import torchrec` (fbgemm_gpu loads on first use)
 _install_fbgemm_ops()

@@ -102,3 +102,15 @@ def test_symbolic_trace_takes_concrete_args():
     assert torch.equal(doubled(x, True), x * 2)  # fx checks the specialised value, as torch.fx.symbolic_trace
     plain = fx.symbolic_trace(root=Scaled(), concrete_args={"double": False})
     assert torch.equal(plain(x, False), x + 1)
+
+
+def test_torchrec_optim_is_reached_as_an_attribute_too():
+    """`import torchrec` then `torchrec.optim.X` (TorchRec's tests write it): recship keeps torchrec.optim in
+    recship.distributed (the import map), and the attribute path reaches it."""
+    import recship as torchrec
+    import recship.distributed
+
+    assert torchrec.optim is recship.distributed
+    assert torchrec.optim.RowWiseAdagrad is recship.distributed.RowWiseAdagrad
+    with pytest.raises(AttributeError):
+        torchrec.no_such_name
