@@ -46,6 +46,8 @@ from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleSha
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
                                                    row_wise, table_row_wise, table_wise)
 from recship.trainer.distributed.sharded_module import (CommType, QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry)
+from recship.trainer.distributed.sharded_module import (EC_INDEX_DEDUP, ShardedEmbeddingModule, get_ec_index_dedup, pad_vbe_kjt_lengths,
+                                                       set_ec_index_dedup)
 from recship.trainer.distributed.sharded_module import (CommOp, DeviceToHostTensorAwaitable, EmbeddingEvent, GenericMeta,
                                                        GetItemLazyAwaitable, LazyGetItemMixin, LazyNoWait, ModuleNoCopyMixin,
                                                        NoOpQuantizedCommCodec, NullShardedModuleContext, NullShardingContext,
@@ -137,6 +139,7 @@ __all__ = [
     "rank_device", "CacheParams", "CacheStatistics", "ComputeDevice", "ComputeKernel", "KeyValueParams", "ParameterStorage",
     "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
     "CommType", "QCommsConfig", "get_qcomm_codecs", "get_qcomm_codecs_registry",
+    "EC_INDEX_DEDUP", "ShardedEmbeddingModule", "get_ec_index_dedup", "pad_vbe_kjt_lengths", "set_ec_index_dedup",
     "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
 ]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.distributed.sharded_module import ShardedModule
+from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units,
                                                        _make_tbe, _PooledAllToAll)
 from recship.trainer.distributed.types import NoWait
@@ -210,7 +210,7 @@ class EmbeddingBagCollectionAwaitable(NoWait[KeyedTensor]):
     """
 
 
-class ShardedEmbeddingBagCollection(ShardedModule, ShardedEmbeddingTables):
+class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTables):
     """The shard of an EmbeddingBagCollection that this rank owns, plus the collectives.
 
     Its three stages are the modules ``_input_dists[0]``, ``_lookups[0]`` (holding the

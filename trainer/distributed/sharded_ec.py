@@ -27,7 +27,7 @@ from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer.distributed.sharded_ebc import SparseFeaturesAllToAll
-from recship.trainer.distributed.sharded_module import ShardedModule
+from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import LookupUnit, ShardedEmbeddingTables, _PooledAllToAll, optimizer_for
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingConfig
@@ -201,7 +201,7 @@ class SequenceEmbeddingsAllToAll(nn.Module):
         return out
 
 
-class ShardedEmbeddingCollection(ShardedModule, ShardedEmbeddingTables):
+class ShardedEmbeddingCollection(ShardedEmbeddingModule, ShardedEmbeddingTables):
     """The shards of an EmbeddingCollection this rank owns, plus the collectives (TorchRec's constructor).
 
     Forward takes the unsharded module's KeyedJaggedTensor (this rank's examples) and returns an

@@ -283,3 +283,41 @@ def get_qcomm_codecs_registry(qcomms_config: QCommsConfig, comm_ops: Optional[Li
     refused (recship sends fp32), rather than silently sent uncompressed."""
     _check_fp32(qcomms_config)
     return None
+
+
+class ShardedEmbeddingModule(ShardedModule):
+    """TorchRec's base of the model-parallel embedding modules (recship's ShardedEmbeddingBagCollection and
+    ShardedEmbeddingCollection derive from it): inputs and outputs are data-parallel, the tables sharded."""
+
+
+# -- torchrec.distributed.embedding's index dedup switch --------------------------------------------------------------
+
+EC_INDEX_DEDUP: bool = False
+
+
+def set_ec_index_dedup(val: bool) -> None:
+    """TorchRec's (deprecated) global switch to dedup an EmbeddingCollection's ids before the all-to-all. The numbers
+    are the same either way; recship sends every id, and records the value for ``get_ec_index_dedup``."""
+    global EC_INDEX_DEDUP
+    EC_INDEX_DEDUP = bool(val)
+
+
+def get_ec_index_dedup() -> bool:
+    return EC_INDEX_DEDUP
+
+
+def pad_vbe_kjt_lengths(features: Any) -> Any:
+    """A variable-batch KeyedJaggedTensor with every key's lengths padded by zeros to the largest batch (its stride),
+    so that it is an ordinary KJT of batch ``max(stride_per_key())``; the values and weights are unchanged."""
+    from recship.sparse import KeyedJaggedTensor
+
+    strides = features.stride_per_key()
+    stride = max(strides) if strides else 0
+    lengths = features.lengths()
+    padded = torch.zeros(stride * len(features.keys()), dtype=lengths.dtype, device=lengths.device)
+    start = 0
+    for i, n in enumerate(strides):
+        padded[i * stride:i * stride + n] = lengths[start:start + n]
+        start += n
+    return KeyedJaggedTensor(keys=features.keys(), values=features.values(), weights=features.weights_or_none(),
+                             lengths=padded, stride=stride)

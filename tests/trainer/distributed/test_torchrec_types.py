@@ -114,3 +114,36 @@ def test_torchrec_optim_is_reached_as_an_attribute_too():
     assert torchrec.optim.RowWiseAdagrad is recship.distributed.RowWiseAdagrad
     with pytest.raises(AttributeError):
         torchrec.no_such_name
+
+
+def test_pad_vbe_kjt_lengths_pads_each_key_to_the_largest_batch():
+    from recship.distributed import ShardedEmbeddingCollection, ShardedEmbeddingModule, pad_vbe_kjt_lengths
+    from recship.sparse import KeyedJaggedTensor
+
+    assert issubclass(ShardedEmbeddingCollection, ShardedEmbeddingModule)
+    g = torch.Generator().manual_seed(0)
+    strides = [2, 4, 1]
+    lengths = torch.randint(0, 4, (sum(strides),), generator=g)
+    values = torch.randint(0, 50, (int(lengths.sum()),), generator=g)
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=values, lengths=lengths,
+                            stride_per_key_per_rank=[[s] for s in strides])
+    padded = pad_vbe_kjt_lengths(kjt)
+    want, start = [], 0
+    for n in strides:  # plain reference: each key's lengths then zeros up to the largest batch
+        want += lengths[start:start + n].tolist() + [0] * (max(strides) - n)
+        start += n
+    assert padded.stride() == 4 and padded.lengths().tolist() == want
+    assert torch.equal(padded.values(), values)
+    for key in "abc":  # the same ids per key
+        assert torch.equal(padded[key].values(), kjt[key].values())
+
+
+def test_ec_index_dedup_switch_is_recorded():
+    from recship.distributed import get_ec_index_dedup, set_ec_index_dedup
+
+    assert get_ec_index_dedup() is False
+    set_ec_index_dedup(True)
+    try:
+        assert get_ec_index_dedup() is True
+    finally:
+        set_ec_index_dedup(False)
