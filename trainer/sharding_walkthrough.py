@@ -51,7 +51,7 @@ def _rank_errors(rank: int) -> dict:
     for st in TRAINING_SHARDING_TYPES:
         torch.manual_seed(0)
         ebc = tutorial_ebc()
-        sharded = ShardedEmbeddingBagCollection(ebc, plan_for(st).get_plan_for_module(""), FusedOptimizerConfig())
+        sharded = ShardedEmbeddingBagCollection(ebc, plan_for(st).get_plan_for_module(""), fused_params=FusedOptimizerConfig())
         full = _batch(seed=1, examples=2 * WORLD_SIZE)
         local = [KeyedJaggedTensor.from_jt_dict({k: _slice(jt, r) for k, jt in full.to_dict().items()}) for r in range(WORLD_SIZE)]
         want = ebc(full).values()[2 * rank : 2 * rank + 2]

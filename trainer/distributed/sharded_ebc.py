@@ -25,7 +25,7 @@ the world size in the same way, so N ranks with local batch B train exactly like
 one process with batch N * B and a mean loss.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -33,9 +33,9 @@ from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
-from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units,
+from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units, optimizer_for,
                                                        _make_tbe, _PooledAllToAll)
-from recship.trainer.distributed.types import NoWait
+from recship.trainer.distributed.types import NoWait, ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
 from recship.trainer.fused_optim import FusedOptimizerConfig
@@ -222,24 +222,41 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
     ``load_state_dict`` takes that, or the unsharded collection's full tensors, and writes
     the shards in place (see ``recship.trainer.distributed.sharded_state``).
 
-    Args:
+    Args (TorchRec's constructor):
         module: the unsharded EmbeddingBagCollection (on "meta" or a real device);
             real weights are copied into this rank's shards, meta ones initialised.
-        plan: table name -> ParameterSharding, identical on every rank.
-        optimizer: the fused optimizer of every sharded table.
-        pg: the process group (default: the world).
-        device: where this rank's shards live.
+        table_name_to_parameter_sharding: table name -> ParameterSharding, identical on every rank.
+        env: the ShardingEnv (its process group; None: the default group).
+        fused_params: the fused optimizer of every sharded table: TorchRec's dict (see
+            EmbeddingBagCollectionSharder) or a FusedOptimizerConfig; ``apply_optimizer_in_backward`` on the module's
+            tables takes precedence over the dict.
+        device: where this rank's shards live (default cpu).
+        qcomm_codecs_registry: TorchRec's quantized communication: refused (recship sends fp32).
+        module_fqn: the module's path in the model (kept for messages).
+        sharded_module_order_overwrite: TorchRec's reordering of sharded modules: None only.
     """
 
     def __init__(
         self,
         module: EmbeddingBagCollection,
-        plan: Dict[str, ParameterSharding],
-        optimizer: FusedOptimizerConfig,
-        pg: Optional[dist.ProcessGroup] = None,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: Optional[ShardingEnv] = None,
+        fused_params: Union[None, Dict[str, Any], FusedOptimizerConfig] = None,
         device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
+        module_fqn: Optional[str] = None,
+        sharded_module_order_overwrite: Optional[Any] = None,
     ) -> None:
-        super().__init__()
+        super().__init__(qcomm_codecs_registry)
+        if not isinstance(module, EmbeddingBagCollection):
+            raise TypeError(f"ShardedEmbeddingBagCollection shards an EmbeddingBagCollection, got {type(module).__name__}")
+        if sharded_module_order_overwrite is not None:
+            raise ValueError("sharded_module_order_overwrite: recship runs each sharded module's collectives in its "
+                             "forward, in model order; leave it None")
+        self._module_fqn = module_fqn
+        pg = env.pg if env is not None else None
+        plan = table_name_to_parameter_sharding
+        optimizer = fused_params if isinstance(fused_params, FusedOptimizerConfig) else optimizer_for(module, fused_params)
         self._setup(module.embedding_bag_configs(), plan, optimizer, pg, device)
         self._is_weighted = module.is_weighted()
         args = (self._units_by_rank, self._rank, pg, self._comm_device)

@@ -71,13 +71,15 @@ class EmbeddingBagCollectionSharder(BaseEmbeddingSharder[EmbeddingBagCollection]
         params: Dict[str, ParameterSharding],
         env: ShardingEnv,
         device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
     ) -> ShardedEmbeddingBagCollection:
-        """The ShardedEmbeddingBagCollection for this rank of ``env`` (which needs a process group)."""
+        """The ShardedEmbeddingBagCollection for this rank of ``env`` (which needs a process group); ``module_fqn``
+        is the module's path in the model (kept for messages)."""
         if not isinstance(module, EmbeddingBagCollection):
             raise TypeError(f"EmbeddingBagCollectionSharder shards EmbeddingBagCollection, got {type(module).__name__}")
         for name, ps in params.items():
             check_training_kernel(name, ps)
-        return ShardedEmbeddingBagCollection(module, params, self.optimizer_config(module), pg=env.pg, device=device)
+        return ShardedEmbeddingBagCollection(module, params, env, self.optimizer_config(module), device, module_fqn=module_fqn)
 
     def __repr__(self) -> str:
         return f"EmbeddingBagCollectionSharder(fused_params={self.fused_params})"

@@ -22,7 +22,7 @@ def _nccl_forward_worker(rank, world_size):
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
         plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints=constraints).plan(ebc).get_plan_for_module("")
-        sharded = ShardedEmbeddingBagCollection(ebc, plan, FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
         global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         got = sharded(local[rank].to(device)).values().cpu()
@@ -44,7 +44,7 @@ def _adam_worker(rank, world_size):
     ebc = EmbeddingBagCollection(tables)
     plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints={"t": ParameterConstraints([ShardingType.TABLE_WISE])}).plan(ebc)
     sharded = ShardedEmbeddingBagCollection(
-        ebc, plan.get_plan_for_module(""), FusedOptimizerConfig(EmbOptimType.ADAM, learning_rate=0.01, eps=1e-8), device=device
+        ebc, plan.get_plan_for_module(""), fused_params=FusedOptimizerConfig(EmbOptimType.ADAM, learning_rate=0.01, eps=1e-8), device=device
     )
     ref = torch.nn.Parameter(ebc.embedding_bags["t"].weight.detach().clone())
     opt = torch.optim.Adam([ref], lr=0.01, eps=1e-8, betas=(0.9, 0.999))
