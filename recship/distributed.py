@@ -43,6 +43,8 @@ from recship.trainer.planner.components import (DynamicProgrammingProposer, Embe
                                                Enumerator, Partitioner, PipelineType, Proposer, ShardEstimator, ShardingPlanner,
                                                SortBy)
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ModuleShardingPlan
+from recship.trainer.planner.sharding_plan import (calculate_shard_sizes_and_offsets, get_module_to_default_sharders,
+                                                   get_sharding_constructor_from_type, placement, placement_helper)
 from recship.trainer.planner.sharding_plan import (apply_to_all, column_wise, construct_module_sharding_plan, data_parallel, grid_shard,
                                                    row_wise, table_row_wise, table_wise)
 from recship.trainer.distributed.sharded_module import (CommType, QCommsConfig, get_qcomm_codecs, get_qcomm_codecs_registry)
@@ -139,6 +141,8 @@ __all__ = [
     "rank_device", "CacheParams", "CacheStatistics", "ComputeDevice", "ComputeKernel", "KeyValueParams", "ParameterStorage",
     "ShardingBucketMetadata", "ShardingStrategy", "StorageUsageType",
     "CommType", "QCommsConfig", "get_qcomm_codecs", "get_qcomm_codecs_registry",
+    "calculate_shard_sizes_and_offsets", "get_module_to_default_sharders", "get_sharding_constructor_from_type",
+    "placement", "placement_helper",
     "EC_INDEX_DEDUP", "ShardedEmbeddingModule", "get_ec_index_dedup", "pad_vbe_kjt_lengths", "set_ec_index_dedup",
     "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",

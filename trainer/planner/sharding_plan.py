@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from recship.names import EmbeddingComputeKernel, ShardingType
-from recship.trainer.planner.planner import column_blocks, host_ranks, row_blocks
+from recship.trainer.planner.planner import column_block_count, column_blocks, host_ranks, row_blocks
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardMetadata, _member
 
 ParameterShardingGenerator = Callable[..., ParameterSharding]
@@ -190,3 +190,63 @@ def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Dict[s
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     return EmbeddingModuleShardingPlan(
         {name: per_param_sharding[name](tables[name], local_size, world_size, device_type, sharder) for name in tables})
+
+
+def get_sharding_constructor_from_type(sharding_type: ShardingType) -> Callable[..., ParameterShardingGenerator]:
+    """The helper that builds ``sharding_type``'s generator (``table_wise``, ``row_wise``, ...)."""
+    helpers: Dict[ShardingType, Callable[..., ParameterShardingGenerator]] = {
+        ShardingType.TABLE_WISE: table_wise, ShardingType.ROW_WISE: row_wise, ShardingType.COLUMN_WISE: column_wise,
+        ShardingType.TABLE_ROW_WISE: table_row_wise, ShardingType.GRID_SHARD: grid_shard,
+        ShardingType.DATA_PARALLEL: data_parallel}
+    kind = _member(ShardingType, sharding_type, "sharding type") if not isinstance(sharding_type, ShardingType) else sharding_type
+    if kind not in helpers:
+        raise ValueError(f"no sharding helper for {kind.value!r}: recship has {[k.value for k in helpers]}")
+    return helpers[kind]
+
+
+def get_module_to_default_sharders() -> Dict[type, Any]:
+    """Module type -> its default sharder (``get_default_sharders()`` keyed by ``module_type``)."""
+    from recship.trainer.distributed.sharders import get_default_sharders
+
+    return {sharder.module_type: sharder for sharder in get_default_sharders()}
+
+
+def placement(compute_device: str, rank: int, local_size: int) -> str:
+    """A shard's placement string: ``rank:<r>/cpu``, or ``rank:<r>/cuda:<r % local_size>``."""
+    device = compute_device if compute_device not in ("cuda", "mtia") else f"{compute_device}:{rank % local_size}"
+    return f"rank:{rank}/{device}"
+
+
+def placement_helper(device_type: str, index: int = 0, rank: int = 0) -> str:
+    """TorchRec's placement of an inference shard: ``rank:0/cpu`` on the CPU, else ``rank:<rank>/<type>:<index>``."""
+    return f"rank:0/{device_type}" if device_type == "cpu" else f"rank:{rank}/{device_type}:{index}"
+
+
+def calculate_shard_sizes_and_offsets(tensor: torch.Tensor, world_size: int, local_world_size: int, sharding_type: str,
+                                      col_wise_shard_dim: Optional[int] = None,
+                                      device_memory_sizes: Optional[List[int]] = None,
+                                      num_buckets: Optional[int] = None) -> Tuple[List[List[int]], List[List[int]]]:
+    """The [rows, columns] sizes and [row, column] offsets of ``tensor``'s shards under ``sharding_type``, in the
+    geometry recship's planner and helpers use (module docstring): what their plans hold.
+
+    Where TorchRec's geometry differs: a row split leaves out ranks whose block would be empty (TorchRec lists them
+    with 0 rows), and column blocks follow ``column_block_count`` / ``column_blocks`` (``col_wise_shard_dim`` is the
+    smallest block width). Uneven rows by ``device_memory_sizes`` and ZCH buckets (``num_buckets``) are refused.
+    """
+    rows, columns = int(tensor.shape[0]), int(tensor.shape[1])
+    kind = _member(ShardingType, sharding_type, "sharding type")
+    if device_memory_sizes is not None or num_buckets is not None:
+        raise ValueError("calculate_shard_sizes_and_offsets: recship splits rows evenly (ceil), without per-device "
+                         "memory sizes or ZCH buckets; leave device_memory_sizes and num_buckets None")
+    if kind == ShardingType.DATA_PARALLEL:
+        return [[rows, columns] for _ in range(world_size)], [[0, 0] for _ in range(world_size)]
+    if kind == ShardingType.TABLE_WISE:
+        return [[rows, columns]], [[0, 0]]
+    if kind in (ShardingType.ROW_WISE, ShardingType.TABLE_ROW_WISE):
+        ranks = list(range(world_size if kind == ShardingType.ROW_WISE else local_world_size))
+        blocks = row_blocks(rows, ranks)
+        return [[n, columns] for _, _, n in blocks], [[r0, 0] for _, r0, _ in blocks]
+    if kind == ShardingType.COLUMN_WISE:
+        blocks = column_blocks(columns, column_block_count(columns, world_size, col_wise_shard_dim))
+        return [[rows, w] for _, w in blocks], [[0, c0] for c0, _ in blocks]
+    raise ValueError(f"calculate_shard_sizes_and_offsets: recship does not shard {kind.value!r}")

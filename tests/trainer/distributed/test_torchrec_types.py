@@ -147,3 +147,43 @@ def test_ec_index_dedup_switch_is_recorded():
         assert get_ec_index_dedup() is True
     finally:
         set_ec_index_dedup(False)
+
+
+@pytest.mark.parametrize("rows,dim,world", [(10, 64, 4), (5, 16, 4), (7, 8, 2), (1, 4, 3)])
+def test_calculated_shards_are_the_ones_recships_plans_hold(rows, dim, world):
+    import math
+
+    from recship import EmbeddingBagCollection, EmbeddingBagConfig
+    from recship.distributed import (ShardingType, calculate_shard_sizes_and_offsets, column_wise,
+                                     construct_module_sharding_plan, row_wise)
+
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows,
+                                                            feature_names=["f"])], device=torch.device("meta"))
+    weight = ebc.embedding_bags["t"].weight
+    sizes, offsets = calculate_shard_sizes_and_offsets(weight, world, world, "row_wise")
+    block = math.ceil(rows / world)  # plain arithmetic: ceil blocks, empty ones left out
+    assert sizes == [[min(block, rows - r0), dim] for r0 in range(0, rows, block)]
+    assert offsets == [[r0, 0] for r0 in range(0, rows, block)]
+    blocks = min(world, dim // 4)  # column blocks: as many as ranks, each at least 4 wide
+    for kind, helper in ((ShardingType.ROW_WISE, row_wise()), (ShardingType.COLUMN_WISE, column_wise(list(range(blocks))))):
+        ps = construct_module_sharding_plan(ebc, {"t": helper}, local_size=world, world_size=world, device_type="cpu")["t"]
+        got = calculate_shard_sizes_and_offsets(weight, world, world, kind.value)
+        assert got == ([s.shard_sizes for s in ps.shards], [s.shard_offsets for s in ps.shards])
+    assert calculate_shard_sizes_and_offsets(weight, world, world, "data_parallel") == ([[rows, dim]] * world, [[0, 0]] * world)
+    with pytest.raises(ValueError, match="device_memory_sizes"):
+        calculate_shard_sizes_and_offsets(weight, world, world, "row_wise", device_memory_sizes=[1] * world)
+
+
+def test_placements_and_helpers_by_type():
+    from recship.distributed import (EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, ShardingType,
+                                     get_module_to_default_sharders, get_sharding_constructor_from_type, placement,
+                                     placement_helper, row_wise, table_wise)
+    from recship import EmbeddingBagCollection, EmbeddingCollection
+
+    assert placement("cpu", 3, 2) == "rank:3/cpu" and placement("cuda", 3, 2) == "rank:3/cuda:1"
+    assert placement_helper("cpu", 2, 5) == "rank:0/cpu" and placement_helper("cuda", 2, 5) == "rank:5/cuda:2"
+    assert get_sharding_constructor_from_type(ShardingType.ROW_WISE) is row_wise
+    assert get_sharding_constructor_from_type(ShardingType.TABLE_WISE) is table_wise
+    sharders = get_module_to_default_sharders()
+    assert isinstance(sharders[EmbeddingBagCollection], EmbeddingBagCollectionSharder)
+    assert isinstance(sharders[EmbeddingCollection], EmbeddingCollectionSharder)
