@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from recship.names import TRAINING_SHARDING_TYPES
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig
@@ -51,7 +52,7 @@ def _rank_errors(rank: int) -> dict:
     for st in TRAINING_SHARDING_TYPES:
         torch.manual_seed(0)
         ebc = tutorial_ebc()
-        sharded = ShardedEmbeddingBagCollection(ebc, plan_for(st).get_plan_for_module(""), fused_params=FusedOptimizerConfig())
+        sharded = ShardedEmbeddingBagCollection(ebc, plan_for(st).get_plan_for_module(""), ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig())
         full = _batch(seed=1, examples=2 * WORLD_SIZE)
         local = [KeyedJaggedTensor.from_jt_dict({k: _slice(jt, r) for k, jt in full.to_dict().items()}) for r in range(WORLD_SIZE)]
         want = ebc(full).values()[2 * rank : 2 * rank + 2]

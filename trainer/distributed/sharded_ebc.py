@@ -226,7 +226,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
         module: the unsharded EmbeddingBagCollection (on "meta" or a real device);
             real weights are copied into this rank's shards, meta ones initialised.
         table_name_to_parameter_sharding: table name -> ParameterSharding, identical on every rank.
-        env: the ShardingEnv (its process group; None: the default group).
+        env: the ShardingEnv (its process group; ``ShardingEnv.from_process_group(None)``: the default group).
         fused_params: the fused optimizer of every sharded table: TorchRec's dict (see
             EmbeddingBagCollectionSharder) or a FusedOptimizerConfig; ``apply_optimizer_in_backward`` on the module's
             tables takes precedence over the dict.
@@ -240,7 +240,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
         self,
         module: EmbeddingBagCollection,
         table_name_to_parameter_sharding: Dict[str, ParameterSharding],
-        env: Optional[ShardingEnv] = None,
+        env: ShardingEnv,
         fused_params: Union[None, Dict[str, Any], FusedOptimizerConfig] = None,
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, Any]] = None,
@@ -254,7 +254,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
             raise ValueError("sharded_module_order_overwrite: recship runs each sharded module's collectives in its "
                              "forward, in model order; leave it None")
         self._module_fqn = module_fqn
-        pg = env.pg if env is not None else None
+        pg = env.pg
         plan = table_name_to_parameter_sharding
         optimizer = fused_params if isinstance(fused_params, FusedOptimizerConfig) else optimizer_for(module, fused_params)
         self._setup(module.embedding_bag_configs(), plan, optimizer, pg, device)

@@ -30,6 +30,7 @@ BWD_COMPUTE_MULTIPLIER: float = 2
 WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER: float = 1
 HUNDRED_GB: int = 100 * 1024**3
 DEFAULT_PERF_ESTIMATOR: str = "default_estimator"
+MAX_PROPOSALS: int = int(1e4)  # GridSearchProposer's default
 
 
 def sharder_name(t: Type[Any]) -> str:
@@ -60,6 +61,6 @@ def prod(iterable: Iterable[int]) -> int:
 
 __all__ = ["BATCH_SIZE", "BIGINT_DTYPE", "BWD_COMPUTE_MULTIPLIER", "CROSS_NODE_BANDWIDTH", "DDR_CAP", "DDR_MEM_BW",
            "DEFAULT_PERF_ESTIMATOR", "HBM_CAP", "HBM_MEM_BW", "HBM_TO_DDR_MEM_BW", "HUNDRED_GB", "INTRA_NODE_BANDWIDTH",
-           "KV_CACHING_RATIO", "MAX_SIZE", "MIN_CW_DIM", "NUM_POOLINGS", "POOLING_FACTOR", "SSD_CAP", "SSD_MEM_BW",
+           "KV_CACHING_RATIO", "MAX_PROPOSALS", "MAX_SIZE", "MIN_CW_DIM", "NUM_POOLINGS", "POOLING_FACTOR", "SSD_CAP", "SSD_MEM_BW",
            "UVM_CACHING_RATIO", "WEIGHTED_FEATURE_BWD_COMPUTE_MULTIPLIER", "bytes_to_gb", "bytes_to_mb", "gb_to_bytes",
            "mb_to_bytes", "prod", "sharder_name"]

@@ -6,6 +6,7 @@ import torch
 from gloo_ranks import run_ranks
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 from test_sharded_ebc import FORWARD_CASES, LOCAL_BATCH, global_batch, sample_tables
@@ -22,7 +23,7 @@ def _nccl_forward_worker(rank, world_size):
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         constraints = {t.name: ParameterConstraints(sharding_types=[sharding_type]) for t in tables}
         plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints=constraints).plan(ebc).get_plan_for_module("")
-        sharded = ShardedEmbeddingBagCollection(ebc, plan, fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_SGD), device=device)
         global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         got = sharded(local[rank].to(device)).values().cpu()
@@ -44,7 +45,7 @@ def _adam_worker(rank, world_size):
     ebc = EmbeddingBagCollection(tables)
     plan = EmbeddingShardingPlanner(Topology(world_size, "cuda"), constraints={"t": ParameterConstraints([ShardingType.TABLE_WISE])}).plan(ebc)
     sharded = ShardedEmbeddingBagCollection(
-        ebc, plan.get_plan_for_module(""), fused_params=FusedOptimizerConfig(EmbOptimType.ADAM, learning_rate=0.01, eps=1e-8), device=device
+        ebc, plan.get_plan_for_module(""), ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig(EmbOptimType.ADAM, learning_rate=0.01, eps=1e-8), device=device
     )
     ref = torch.nn.Parameter(ebc.embedding_bags["t"].weight.detach().clone())
     opt = torch.optim.Adam([ref], lr=0.01, eps=1e-8, betas=(0.9, 0.999))

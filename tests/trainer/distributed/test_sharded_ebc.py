@@ -10,6 +10,7 @@ from recship.names import TRAINING_SHARDING_TYPES
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
+from recship.trainer.distributed.types import ShardingEnv
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
@@ -74,7 +75,7 @@ def _forward_worker(rank, world_size, local_world_size):
         tables = sample_tables(pooling)
         ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
         plan = _plan(ebc, world_size, sharding_type, local_world_size)
-        sharded = ShardedEmbeddingBagCollection(ebc, plan, fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_SGD))
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_SGD))
         global_kjt, local = global_batch(tables, world_size, seed=1, weighted=weighted)
         want = ebc(global_kjt).values()[rank * LOCAL_BATCH : (rank + 1) * LOCAL_BATCH]
         got = sharded(local[rank])
@@ -113,7 +114,7 @@ def _optimizer_worker(rank, world_size, local_world_size, only=None):
         tables = sample_tables(PoolingType.MEAN)
         ebc = EmbeddingBagCollection(tables, is_weighted=True)
         plan = _plan(ebc, world_size, sharding_type, local_world_size)
-        sharded = ShardedEmbeddingBagCollection(ebc, plan, fused_params=FusedOptimizerConfig(optim, learning_rate=lr, eps=eps))
+        sharded = ShardedEmbeddingBagCollection(ebc, plan, ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig(optim, learning_rate=lr, eps=eps))
         weights = {t.name: ebc.embedding_bags[t.name].weight.detach().clone() for t in tables}
         col_blocks = {n: sorted({(s.shard_offsets[1], s.shard_sizes[1]) for s in ps.shards}) for n, ps in plan.items()}
         states = {
@@ -193,7 +194,7 @@ def _freed_worker(rank, world_size):
         tables = sample_tables(PoolingType.MEAN)
         ebc = EmbeddingBagCollection(tables, is_weighted=True)
         sharded = ShardedEmbeddingBagCollection(ebc, _plan(ebc, world_size, ShardingType.ROW_WISE, world_size),
-                                                fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1))
+                                                ShardingEnv.from_process_group(None), fused_params=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.1))
         _, local = global_batch(tables, world_size, seed=1, weighted=True)
         sharded(local[rank]).values().sum().backward()
         sharded.fused_optimizer.param_groups[0]["lr"] = 0.05
