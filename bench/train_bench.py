@@ -87,7 +87,7 @@ def _fused_worker(rank, world_size, port, args, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     ebc = EmbeddingBagCollection(_tables(args), device="meta")
     constraints = {f"t{i}": ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE]) for i in range(args.tables)}
-    plan = EmbeddingShardingPlanner(Topology(world_size), constraints=constraints).collective_plan(ebc)
+    plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints).collective_plan(ebc)
     model = DistributedModelParallel(ebc, plan=plan, optimizer=FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD, 0.01))
     batches = _batches(args, args.steps + 2, seed=1 + rank)
     for kjt in batches[:2]:
