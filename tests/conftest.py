@@ -196,6 +196,7 @@ def manifest_schema() -> ManifestSchema:
 TESTS = Path(__file__).resolve().parent
 SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInductor compiles (~20 s each), mypy
     "export/test_any_model.py",  # trains four models
+    "export/test_ec_train_export.py::exported",  # trains the two-tower (its history sharded row-wise) on 2 gloo ranks
     "export/test_aoti.py::test_aoti_artifact_equals_torchscript_bitwise",
     "export/test_aoti.py::test_aoti_model_checks_what_the_compiled_code_would_not",
     "export/test_aoti.py::test_open_artifact_format_choice_and_a_tampered_package",
@@ -233,6 +234,7 @@ DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks,
     "trainer/test_train.py::test_reader_maps_tables_equal_to_dcp_load",
     "tutorials/test_tutorials.py::test_sharding_tutorial_prints_the_tutorials_plans_on_two_ranks",
     "export/test_any_model.py::exported",  # trains the two-tower on 2 gloo ranks
+    "export/test_ec_train_export.py::exported",
     "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
     "trainer/test_multi_task.py::test_two_ranks_gather_each_task_and_resume_on_the_recorded_data",
 }

@@ -126,8 +126,13 @@ class DistributedModelParallel(nn.Module):
                 assert isinstance(replacement, ShardedEmbeddingBagCollection)
                 if mc_owner is not None:
                     shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
-            elif type(sub) is EmbeddingCollection and plan.get_plan_for_module(path) is not None:
+            elif type(sub) is EmbeddingCollection:
                 tables = plan.get_plan_for_module(path)
+                mc_owner = managed_collision_plan_path(module, path)  # a ManagedCollisionEmbeddingCollection's collection:
+                if tables is None and mc_owner is not None:  # its plan may be keyed by the owner's path, as TorchRec's
+                    tables = plan.get_plan_for_module(mc_owner)
+                if tables is None:  # not planned: it trains under DDP as it is
+                    continue
                 if ec_sharder is None:  # replicas train under DDP as they are; a sharded table is refused, not ignored
                     shards = sorted(n for n, ps in tables.items() if ps.sharding_type != ShardingType.DATA_PARALLEL)
                     if shards:
@@ -138,6 +143,8 @@ class DistributedModelParallel(nn.Module):
                 replacement = ec_sharder.shard(sub, tables, env, device)
                 if replacement is sub or not isinstance(replacement, ShardedEmbeddingTables):  # every table data-parallel
                     continue
+                if mc_owner is not None:  # its managed-collision modules remap each rank's ids to that rank's rows
+                    shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
             else:
                 continue
             sharded.append((path, replacement))

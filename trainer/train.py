@@ -36,7 +36,8 @@ from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
 from recship.trainer.config import TrainConfig
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import build_model, check_contract, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.history import History
@@ -63,6 +64,7 @@ class _Trainer:
         model = build_model(entry, args, device="meta")
         contract = describe_model(model)
         tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]
+        sequence_tables = [t for path, m in model.named_modules() if type(m) is EmbeddingCollection for t in m.embedding_configs()]
         self.features = [f[0] for f in contract["features"]]
         self.rows = [f[2].num_embeddings for f in contract["features"]]
         self.num_dense, self.weighted = contract["num_dense"], contract["weighted"]
@@ -72,7 +74,11 @@ class _Trainer:
         if config.sharding is not None:
             st = ShardingType(config.sharding)
             constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in tables}
+            if st != ShardingType.TABLE_ROW_WISE:  # EmbeddingCollections have no table-row-wise (TorchRec's): the planner picks theirs
+                constraints.update({t.name: ParameterConstraints(sharding_types=[st]) for t in sequence_tables})
         optimizer = FusedOptimizerConfig(EmbOptimType(config.optimizer), learning_rate=config.embedding_lr)
+        # TorchRec's default sharders: EmbeddingBagCollections and EmbeddingCollections are planned and sharded alike
+        sharders = [EmbeddingBagCollectionSharder(asdict(optimizer)), EmbeddingCollectionSharder(asdict(optimizer))]
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.use_cuda():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % local)))
@@ -80,9 +86,9 @@ class _Trainer:
             self.device = torch.device("cpu")
         topology = Topology(self.world_size, self.device.type, local_world_size=local if self.world_size % local == 0 else None)
         planner = EmbeddingShardingPlanner(topology, batch_size=config.batch_size, constraints=constraints, optimizer=optimizer)
-        self.plan = planner.collective_plan(model)
+        self.plan = planner.collective_plan(model, sharders)
         torch.manual_seed(config.seed)  # dense init identical on every rank and for every world size
-        self.model = DistributedModelParallel(model, plan=self.plan, optimizer=optimizer, device=self.device)
+        self.model = DistributedModelParallel(model, plan=self.plan, sharders=sharders, device=self.device)
         self.dense_optimizer = torch.optim.Adagrad(self.model.dense_parameters(), lr=config.dense_lr)
         self.step = 0
         self.next_batch = 0
@@ -574,11 +580,14 @@ def _check_shapes(config: TrainConfig, checkpoint: Path, given: Iterable[str]) -
     entry, args = config.entry_point()
     model = build_model(entry, args, device="meta")
     reader = CheckpointReader(checkpoint)
-    saved = {f"{p}/{t.name}": (t.num_embeddings, t.embedding_dim) for p, t in reader.table_configs()}
+    # every table the checkpoint holds sharded or replicated: EmbeddingBagCollections' and EmbeddingCollections'
+    saved = {key: (t["config"]["num_embeddings"], t["config"]["embedding_dim"]) for key, t in reader.meta["tables"].items()}
     built: Dict[str, Tuple[int, int]] = {}
     for path, m in model.named_modules():
         if type(m) is EmbeddingBagCollection:
             built.update({f"{path}/{t.name}": (t.num_embeddings, t.embedding_dim) for t in m.embedding_bag_configs()})
+        elif type(m) is EmbeddingCollection:
+            built.update({f"{path}/{t.name}": (t.num_embeddings, t.embedding_dim) for t in m.embedding_configs()})
     for key, shape in saved.items():
         if built.get(key) != shape:
             what = f"{built[key][0]} x {built[key][1]}" if key in built else "no such table"

@@ -107,7 +107,7 @@ class BaseManagedCollisionEmbeddingCollection(nn.Module):
         if type(self._managed_collision_collection) is ManagedCollisionCollection and dist.is_initialized() and dist.get_world_size() > 1:
             raise ValueError(f"this {type(self).__name__}'s embedding collection is sharded but its ManagedCollisionCollection "
                              "is not: shard both with ManagedCollisionEmbeddingBagCollectionSharder / "
-                             "ManagedCollisionEmbeddingCollectionSharder (DistributedModelParallel does for an EmbeddingBagCollection)")
+                             "ManagedCollisionEmbeddingCollectionSharder (DistributedModelParallel shards both)")
 
     def lookup_remapped_lengths_mask(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """[F * B] bool: non-empty bags after remapping (runs the remapping, profiling in training)."""
