@@ -46,7 +46,8 @@ class TrainConfig:
                             + ", ".join(CPU_OPTIMIZERS) + " run.", choices=OPTIMIZERS)
     embedding_lr: float = option(0.05, "Learning rate of the fused embedding optimizer.")
     dense_lr: float = option(0.05, "Learning rate of the dense layers' Adagrad.")
-    sharding: Optional[str] = option(None, "Shard every table this way, in either case (default: the planner picks per table).",
+    sharding: Optional[str] = option(None, "Shard every table this way, in either case (default: the planner picks per table; "
+                                           "EmbeddingCollection tables have no table_row_wise: the planner picks theirs then).",
                                      choices=SHARDINGS)
     data: str = option("synthetic", "Training data: synthetic, a Criteo TSV file (repeated epoch after epoch), or a data "
                                     "function package.module:function.")

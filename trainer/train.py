@@ -33,7 +33,7 @@ from recship.cpus import usable_cpus
 from recship.names import DLRM_ENTRY
 from recship.oserrors import carried, carry
 from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
-from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint
+from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint, read_metadata
 from recship.trainer.config import TrainConfig
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
@@ -76,9 +76,11 @@ class _Trainer:
             constraints = {t.name: ParameterConstraints(sharding_types=[st]) for t in tables}
             if st != ShardingType.TABLE_ROW_WISE:  # EmbeddingCollections have no table-row-wise (TorchRec's): the planner picks theirs
                 constraints.update({t.name: ParameterConstraints(sharding_types=[st]) for t in sequence_tables})
+        if config.resume:
+            replicated = _replicated_sequence_tables(Path(config.out) / "checkpoints", model)
+            constraints = {**(constraints or {}), **{n: ParameterConstraints(sharding_types=[ShardingType.DATA_PARALLEL]) for n in replicated}}
         optimizer = FusedOptimizerConfig(EmbOptimType(config.optimizer), learning_rate=config.embedding_lr)
-        # TorchRec's default sharders: EmbeddingBagCollections and EmbeddingCollections are planned and sharded alike
-        sharders = [EmbeddingBagCollectionSharder(asdict(optimizer)), EmbeddingCollectionSharder(asdict(optimizer))]
+        sharders = _sharders(optimizer)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         if config.use_cuda():
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank % local)))
@@ -562,6 +564,24 @@ def resumed_config(config: TrainConfig, given: Optional[Iterable[str]] = None) -
                if overridden else "; nothing overridden")
             + ("" if saved.get("train") else " (the checkpoint records its model only: the rest is as given or default)"))
     return resumed, line
+
+
+def _sharders(optimizer: FusedOptimizerConfig) -> List[Any]:
+    """TorchRec's default sharders with the run's fused optimizer: EmbeddingBagCollections and EmbeddingCollections
+    are planned and sharded alike."""
+    return [EmbeddingBagCollectionSharder(asdict(optimizer)), EmbeddingCollectionSharder(asdict(optimizer))]
+
+
+def _replicated_sequence_tables(root: Path, model: nn.Module) -> List[str]:
+    """The EmbeddingCollection tables that the newest checkpoint under ``root`` holds as dense parameters (replicated,
+    as `recship train` trained every EmbeddingCollection before it sharded them): a resumed run keeps them so, since
+    its dense optimizer state holds them."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return []
+    dense = set(read_metadata(path)["dense_keys"])
+    return [t.name for p, m in model.named_modules() if type(m) is EmbeddingCollection for t in m.embedding_configs()
+            if (f"{p}.embeddings.{t.name}.weight" if p else f"embeddings.{t.name}.weight") in dense]
 
 
 def _flag_text(value: Any) -> str:
