@@ -217,6 +217,10 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "test_typing.py",
     "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
     "tutorials",
+    "test_torchrec_examples.py",  # TorchRec's three examples on 2 gloo ranks
+    "export/test_mc_export.py::exported",  # recship train on 2 ranks, then export
+    "trainer/distributed/test_ec_sharding.py",
+    "trainer/distributed/test_ec_checkpoint.py",
 }
 CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or a parameter "cpp" (a front)
     "cpp_loader",
@@ -237,6 +241,15 @@ DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks,
     "export/test_ec_train_export.py::exported",
     "trainer/test_lazy_awaitable.py::test_a_model_indexing_its_sharded_collection_trains_on_every_sharding_type",
     "trainer/test_multi_task.py::test_two_ranks_gather_each_task_and_resume_on_the_recorded_data",
+    "test_torchrec_examples.py",
+    "export/test_mc_export.py::exported",
+    "trainer/distributed/test_mc_training.py",
+    "trainer/distributed/test_mc_ec_dmp.py",
+    "trainer/distributed/test_ec_sharding.py",
+    "trainer/distributed/test_ec_checkpoint.py",
+    "export/test_ec_sharded_export.py",
+    "test_inference_package.py",
+    "test_test_utils.py",
 }
 
 
