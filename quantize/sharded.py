@@ -15,7 +15,7 @@ column-wise model differs from the unsharded one by (at most) quantization error
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -183,7 +183,7 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
     def tbes(self) -> List[nn.Module]:
         """The fbgemm inference TBEs of its device modules, device by device (TorchRec's ``tbes``, which model
         post-processing such as ``get_table_to_weights_from_tbe`` walks); their tables are the blocks ``<table>@<k>``."""
-        return [tbe for module in self.shards for tbe in module.tbes]
+        return [tbe for module in self.shards for tbe in cast(List[nn.Module], module.tbes)]
 
     def lookup_layout(self) -> LookupLayout:
         """Its device modules as the flat lookup runs them: each holds one SUM TBE whose features are its units."""

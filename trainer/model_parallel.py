@@ -86,11 +86,11 @@ class DistributedModelParallel(nn.Module):
             if not (dist.is_available() and dist.is_initialized()):
                 raise ValueError("DistributedModelParallel needs torch.distributed.init_process_group first (or env=)")
             env = ShardingEnv.from_process_group(None)
-        local = env.pg is None and not dist.is_initialized()
-        if local and env.world_size != 1:
+        no_group = env.pg is None and not dist.is_initialized()
+        if no_group and env.world_size != 1:
             raise ValueError(f"DistributedModelParallel over {env.world_size} ranks needs a process group: "
                              "ShardingEnv.from_local(world_size > 1) is for inference sharding")
-        if local and any(type(m) in (EmbeddingBagCollection, EmbeddingCollection) for m in module.modules()):
+        if no_group and any(type(m) in (EmbeddingBagCollection, EmbeddingCollection) for m in module.modules()):
             raise ValueError("DistributedModelParallel without a process group (ShardingEnv.from_local(1, 0)) takes "
                              "only a model with nothing to shard; to shard embedding tables on one rank, "
                              "init_process_group('gloo', rank=0, world_size=1) first")
@@ -108,7 +108,7 @@ class DistributedModelParallel(nn.Module):
             local = _local_world_size(env.world_size)
             topology = Topology(world_size=env.world_size, compute_device=device.type, local_world_size=local)
             planner = EmbeddingShardingPlanner(topology)
-            plan = planner.plan(module, sharders) if local else planner.collective_plan(module, sharders, env.pg)
+            plan = planner.plan(module, sharders) if no_group else planner.collective_plan(module, sharders, env.pg)
         self.plan = plan
         ec_sharder = next((s for s in sharders if s.module_type is EmbeddingCollection), None)
         sharded: List[Tuple[str, ShardedEmbeddingTables]] = []

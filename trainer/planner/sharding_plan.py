@@ -247,6 +247,6 @@ def calculate_shard_sizes_and_offsets(tensor: torch.Tensor, world_size: int, loc
         blocks = row_blocks(rows, ranks)
         return [[n, columns] for _, _, n in blocks], [[r0, 0] for _, r0, _ in blocks]
     if kind == ShardingType.COLUMN_WISE:
-        blocks = column_blocks(columns, column_block_count(columns, world_size, col_wise_shard_dim))
-        return [[rows, w] for _, w in blocks], [[0, c0] for c0, _ in blocks]
+        widths = column_blocks(columns, column_block_count(columns, world_size, col_wise_shard_dim))
+        return [[rows, w] for _, w in widths], [[0, c0] for c0, _ in widths]
     raise ValueError(f"calculate_shard_sizes_and_offsets: recship does not shard {kind.value!r}")
