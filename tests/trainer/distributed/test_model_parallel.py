@@ -115,3 +115,27 @@ def test_meta_module_materialises_only_owned_shards():
     assert results[0][0] == {"t0/0": (6, 8), "t1/0": (5, 8), "t2/0": (3, 4), "t3/0": (3, 4)}
     assert results[1][0] == {"t0/1": (5, 8), "t1/1": (4, 8), "t2/1": (2, 4), "t3/1": (3, 4)}
     assert not any(results[0][1]) and not any(results[1][1])
+
+
+def _plans_made(rank, world_size):
+    """How many times this rank ran the planner while DMP planned (with a process group: only rank 0 plans, and
+    collective_plan broadcasts its plan)."""
+    from recship.trainer.planner import planner as planner_module
+
+    calls = []
+    plan = planner_module.EmbeddingShardingPlanner.plan
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return plan(self, *args, **kwargs)
+
+    planner_module.EmbeddingShardingPlanner.plan = counted
+    try:
+        DistributedModelParallel(EmbeddingBagCollection(tables=_tables(), device=torch.device("meta")))
+    finally:
+        planner_module.EmbeddingShardingPlanner.plan = plan
+    return len(calls)
+
+
+def test_dmp_with_a_process_group_plans_on_rank_0_and_shares_the_plan():
+    assert run_ranks(_plans_made, 2) == [1, 0]
