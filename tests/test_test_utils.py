@@ -4,6 +4,7 @@ TorchRec 1.8.0's batches in a throwaway venv), its local batches tile the global
 archs say (a plain-torch reference from its state_dict), and it trains under DistributedModelParallel on 2 gloo ranks
 as one process does on the global batch."""
 
+from pathlib import Path
 from typing import Dict, List
 
 import pytest
@@ -14,10 +15,7 @@ from gloo_ranks import run_ranks
 from recship.trainer import EmbeddingBagConfig
 from tutorials.notebook import rewrite_imports, import_map
 
-USER_CODE = """
-from torchrec.distributed.test_utils.test_model import (ModelInput, TestSparseNN, TestTowerCollectionSparseNN,
-                                                        TestTowerSparseNN, TestOverArchLarge, TestEBCSharder)
-"""
+USER_CODE = (Path(__file__).parent / "snippets" / "torchrec_test_utils.txt").read_text()  # TorchRec user code
 LR, STEPS = 0.5, 3
 
 
