@@ -218,15 +218,8 @@ class LFU_EvictionPolicy(MCHEvictionPolicy):
         return evicted, selected
 
 
-class LRU_EvictionPolicy(MCHEvictionPolicy):
-    """Least recently used: score ``-(current_iter - last_access_iter + 1) ** decay_exponent``."""
-
-    def __init__(self, decay_exponent: float = 1.0, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
-        super().__init__(
-            metadata_info=[MCHEvictionPolicyMetadataInfo("last_access_iter", is_mch_metadata=True, is_history_metadata=True)],
-            threshold_filtering_func=threshold_filtering_func,
-        )
-        self._decay_exponent = decay_exponent
+class _LastAccessHistory(MCHEvictionPolicy):
+    """The history of the policies that score by last access (LRU, DistanceLFU): each id's last access iteration."""
 
     @property
     def metadata_info(self) -> List[MCHEvictionPolicyMetadataInfo]:
@@ -247,6 +240,17 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):
         return _last_access_per_unique_id(
             current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping, additional_ids, threshold_mask
         )
+
+
+class LRU_EvictionPolicy(_LastAccessHistory):
+    """Least recently used: score ``-(current_iter - last_access_iter + 1) ** decay_exponent``."""
+
+    def __init__(self, decay_exponent: float = 1.0, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
+        super().__init__(
+            metadata_info=[MCHEvictionPolicyMetadataInfo("last_access_iter", is_mch_metadata=True, is_history_metadata=True)],
+            threshold_filtering_func=threshold_filtering_func,
+        )
+        self._decay_exponent = decay_exponent
 
     def update_metadata_and_generate_eviction_scores(
         self,
@@ -272,7 +276,7 @@ class LRU_EvictionPolicy(MCHEvictionPolicy):
         return evicted, selected
 
 
-class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):
+class DistanceLFU_EvictionPolicy(_LastAccessHistory):
     """Counts decayed by distance: score ``counts / (current_iter - last_access_iter + 1) ** decay_exponent``."""
 
     def __init__(self, decay_exponent: float = 1.0, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
@@ -284,26 +288,6 @@ class DistanceLFU_EvictionPolicy(MCHEvictionPolicy):
             threshold_filtering_func=threshold_filtering_func,
         )
         self._decay_exponent = decay_exponent
-
-    @property
-    def metadata_info(self) -> List[MCHEvictionPolicyMetadataInfo]:
-        return self._metadata_info
-
-    def record_history_metadata(self, current_iter: int, incoming_ids: torch.Tensor, history_metadata: Dict[str, torch.Tensor]) -> None:
-        history_metadata["last_access_iter"][:] = current_iter
-
-    def coalesce_history_metadata(
-        self,
-        current_iter: int,
-        history_metadata: Dict[str, torch.Tensor],
-        unique_ids_counts: torch.Tensor,
-        unique_inverse_mapping: torch.Tensor,
-        additional_ids: Optional[torch.Tensor] = None,
-        threshold_mask: Optional[torch.Tensor] = None,
-    ) -> Dict[str, torch.Tensor]:
-        return _last_access_per_unique_id(
-            current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping, additional_ids, threshold_mask
-        )
 
     def update_metadata_and_generate_eviction_scores(
         self,
