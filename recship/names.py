@@ -29,21 +29,33 @@ class DataType(Enum):
     """Storage type of an embedding table's weights.
 
     FP32/FP16/BF16 are float storage (trainable); FP8/INT8/INT4/INT2 are the
-    row-wise quantized formats of fbgemm's inference kernels.
+    row-wise quantized formats of fbgemm's inference kernels. INT64, INT32, UINT8
+    and NFP8 are TorchRec's names for other tensors' dtypes (ids, raw bytes,
+    fp8 e4m3): they convert (``data_type_to_dtype``) but no recship table stores
+    them (``is_table_type``).
     """
 
     FP32 = "FP32"
     FP16 = "FP16"
     BF16 = "BF16"
-    FP8 = "FP8"
+    INT64 = "INT64"
+    INT32 = "INT32"
     INT8 = "INT8"
+    UINT8 = "UINT8"
     INT4 = "INT4"
     INT2 = "INT2"
+    NFP8 = "NFP8"
+    FP8 = "FP8"
 
     @property
     def bits(self) -> int:
         """Bits per stored element (before row-wise scale/bias)."""
         return _BITS[self.value]
+
+    @property
+    def is_table_type(self) -> bool:
+        """True for the types an embedding table can be stored in (float or fbgemm row-wise quantized)."""
+        return self in _TABLE_TYPES
 
     @property
     def is_float(self) -> bool:
@@ -61,8 +73,12 @@ class DataType(Enum):
         return dtype
 
     def to_sparse_type(self):  # -> fbgemm_gpu.split_embedding_configs.SparseType
-        """fbgemm's SparseType for this type (imports fbgemm_gpu on first use)."""
+        """fbgemm's SparseType for this type (imports fbgemm_gpu on first use); ValueError for the types fbgemm has
+        no embedding storage for (INT64, INT32, UINT8)."""
         from fbgemm_gpu.split_embedding_configs import SparseType
+
+        if self in (DataType.INT64, DataType.INT32, DataType.UINT8):
+            raise ValueError(f"DataType {self.name} names no fbgemm embedding storage type")
 
         return SparseType(self.value.lower())
 
@@ -102,7 +118,9 @@ class DataType(Enum):
             raise ValueError(f"unknown data type {name!r}; expected one of {valid}") from None
 
 
-_BITS = {"FP32": 32, "FP16": 16, "BF16": 16, "FP8": 8, "INT8": 8, "INT4": 4, "INT2": 2}
+_BITS = {"FP32": 32, "FP16": 16, "BF16": 16, "INT64": 64, "INT32": 32, "INT8": 8, "UINT8": 8, "INT4": 4, "INT2": 2,
+         "NFP8": 8, "FP8": 8}
+_TABLE_TYPES = (DataType.FP32, DataType.FP16, DataType.BF16, DataType.FP8, DataType.INT8, DataType.INT4, DataType.INT2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,23 +132,38 @@ def _torch_dtypes() -> "dict[DataType, torch.dtype]":
 
 # TorchRec's module-level conversions (torchrec.modules.embedding_configs), as functions of the enums above.
 def data_type_to_dtype(data_type: DataType) -> "torch.dtype":
-    """The torch dtype of ``data_type``, as TorchRec's: FP32/FP16/BF16 their float dtypes, INT8 torch.int8, INT4
-    torch.quint4x2, INT2 torch.quint2x4. FP8 (fbgemm's row-wise HFP8, which TorchRec has not) is a ValueError."""
+    """The torch dtype of ``data_type``, as TorchRec's: FP32/FP16/BF16 their float dtypes, INT64/INT32/INT8/UINT8
+    the integer dtypes, INT4 torch.quint4x2, INT2 torch.quint2x4, NFP8 torch.float8_e4m3fn. FP8 (fbgemm's row-wise
+    HFP8, which TorchRec has not) is a ValueError."""
     import torch
 
     if not isinstance(data_type, DataType):
         raise TypeError(f"data_type_to_dtype takes a DataType, got {data_type!r}")
-    packed = {DataType.INT8: torch.int8, DataType.INT4: torch.quint4x2, DataType.INT2: torch.quint2x4}
-    if data_type in packed:
-        return packed[data_type]
     if data_type is DataType.FP8:
         raise ValueError("DataType FP8 (fbgemm's row-wise 8-bit float) cannot be converted to a torch dtype")
-    return data_type.to_torch_dtype()
+    if data_type.is_float:
+        return data_type.to_torch_dtype()
+    return _other_dtypes()[data_type]
+
+
+@functools.lru_cache(maxsize=None)
+def _other_dtypes() -> "dict[DataType, torch.dtype]":
+    import torch
+
+    return {DataType.INT64: torch.int64, DataType.INT32: torch.int32, DataType.INT8: torch.int8,
+            DataType.UINT8: torch.uint8, DataType.INT4: torch.quint4x2, DataType.INT2: torch.quint2x4,
+            DataType.NFP8: torch.float8_e4m3fn}
 
 
 def dtype_to_data_type(dtype: "torch.dtype") -> DataType:
-    """The DataType of a torch dtype, as TorchRec's: float32/float16/bfloat16, int8/qint8/quint8 -> INT8,
-    quint4x2 -> INT4, quint2x4 -> INT2; ValueError for any other dtype."""
+    """The DataType of a torch dtype, as TorchRec's: float32/float16/bfloat16, int64, int32, int8/qint8/quint8 -> INT8,
+    uint8, quint4x2 -> INT4, quint2x4 -> INT2, float8_e4m3fn -> NFP8; ValueError for any other dtype."""
+    import torch
+
+    others = {torch.int64: DataType.INT64, torch.int32: DataType.INT32, torch.uint8: DataType.UINT8,
+              torch.float8_e4m3fn: DataType.NFP8}
+    if dtype in others:
+        return others[dtype]
     try:
         return DataType.from_quant_dtype(dtype)
     except ValueError:
@@ -138,9 +171,12 @@ def dtype_to_data_type(dtype: "torch.dtype") -> DataType:
 
 
 def data_type_to_sparse_type(data_type: DataType):  # -> fbgemm_gpu.split_embedding_configs.SparseType
-    """fbgemm's SparseType of ``data_type`` (imports fbgemm_gpu)."""
+    """fbgemm's SparseType of ``data_type`` (imports fbgemm_gpu), as TorchRec's: UINT8 is INT8; INT64 and INT32,
+    which name no embedding storage, are a ValueError."""
     if not isinstance(data_type, DataType):
         raise ValueError(f"Invalid DataType {data_type!r}")
+    if data_type is DataType.UINT8:
+        data_type = DataType.INT8
     return data_type.to_sparse_type()
 
 

@@ -63,10 +63,15 @@ def test_import_from_another_directory_is_fast_and_skips_fbgemm(tmp_path):
 
 
 def test_datatype_converts_to_fbgemm_sparse_type():
-    from recship.trainer import DataType
+    from recship.trainer import DataType, EmbeddingBagConfig
 
     for dt in DataType:
-        assert dt.to_sparse_type().name == dt.name
+        if dt.is_table_type:
+            assert dt.to_sparse_type().name == dt.name
+        else:  # TorchRec's names for id / raw-byte / e4m3 dtypes: convertible, never a table's storage
+            with pytest.raises(ValueError, match="not an embedding storage type"):
+                EmbeddingBagConfig(name="t", num_embeddings=4, embedding_dim=4, data_type=dt)
+    assert [dt.name for dt in DataType if not dt.is_table_type] == ["INT64", "INT32", "UINT8", "NFP8"]
     assert DataType.parse("int4") is DataType.INT4
     with pytest.raises(ValueError, match="unknown data type 'int3'"):
         DataType.parse("int3")

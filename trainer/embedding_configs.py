@@ -201,6 +201,10 @@ class BaseEmbeddingConfig:
                 raise ValueError(f"table {self.name!r}: {attr} must be a positive int, got {value!r}")
         if not isinstance(self.data_type, DataType):
             raise TypeError(f"table {self.name!r}: data_type must be a DataType, got {self.data_type!r}")
+        if not self.data_type.is_table_type:
+            stored = ", ".join(d.name for d in DataType if d.is_table_type)
+            raise ValueError(f"table {self.name!r}: data_type {self.data_type.name} is not an embedding storage type; "
+                             f"recship tables are stored as one of {stored}")
         if not self.feature_names:
             self.feature_names = [self.name]
         if len(set(self.feature_names)) != len(self.feature_names):

@@ -46,9 +46,18 @@ def test_enum_conversions():
         recship.data_type_to_dtype(DataType.FP8)
     assert recship.dtype_to_data_type(torch.quint8) is DataType.INT8
     assert recship.dtype_to_data_type(torch.half) is DataType.FP16
-    with pytest.raises(ValueError, match="Invalid data type torch.int64"):
-        recship.dtype_to_data_type(torch.int64)
+    others = {DataType.INT64: torch.int64, DataType.INT32: torch.int32, DataType.UINT8: torch.uint8,
+              DataType.NFP8: torch.float8_e4m3fn}  # TorchRec's id / byte / e4m3 members, both ways
+    for data_type, dtype in others.items():
+        assert recship.data_type_to_dtype(data_type) is dtype
+        assert recship.dtype_to_data_type(dtype) is data_type
+    with pytest.raises(ValueError, match="Invalid data type torch.complex64"):
+        recship.dtype_to_data_type(torch.complex64)
     assert recship.data_type_to_sparse_type(DataType.INT4).name == "INT4"
+    assert recship.data_type_to_sparse_type(DataType.UINT8).name == "INT8"  # as TorchRec's
+    assert recship.data_type_to_sparse_type(DataType.NFP8).name == "NFP8"
+    with pytest.raises(ValueError, match="INT64 names no fbgemm"):
+        recship.data_type_to_sparse_type(DataType.INT64)
     assert [recship.pooling_type_to_str(p) for p in (PoolingType.SUM, PoolingType.MEAN)] == ["sum", "mean"]
     with pytest.raises(ValueError, match="Unsupported pooling type"):
         recship.pooling_type_to_str(PoolingType.NONE)
