@@ -31,6 +31,12 @@ SEMISYNC_GLOBAL_STEP_COUNTER_KEY = "__semisync_global_step_counter__"
 SEMISYNC_LOCAL_STEP_COUNTER_KEY = "__semisync_local_step_counter__"
 
 
+class EmptyGlobalParamsError(ValueError, IndexError):
+    """``SemisyncOptimizer(global_params=[])``: a bad argument (ValueError) that is also the IndexError TorchRec
+    raises there (it reads ``global_params[0]``), so code written against TorchRec catches it too; the same
+    double lineage as ``io.UnsupportedOperation(OSError, ValueError)``."""
+
+
 def _global_step_owner(global_optimizer: Any) -> Any:
     """The object whose ``global_step`` runs: the wrapped torch optimizer (TorchRec's way), else the optimizer itself."""
     for candidate in (getattr(global_optimizer, "_optimizer", None), global_optimizer):
@@ -61,8 +67,8 @@ class SemisyncOptimizer(KeyedOptimizer):
         if not isinstance(num_local_steps, int) or num_local_steps < 1:
             raise ValueError(f"num_local_steps must be an int >= 1, got {num_local_steps!r}")
         listed = list(global_params)
-        if not listed:  # TorchRec fails on it with an IndexError
-            raise ValueError("SemisyncOptimizer needs at least one global parameter (global_params is empty)")
+        if not listed:
+            raise EmptyGlobalParamsError("SemisyncOptimizer needs at least one global parameter (global_params is empty)")
         if listed and isinstance(listed[0], dict):
             self._worker_model_params: List[torch.Tensor] = [p for group in listed for p in group["params"]]
         else:

@@ -58,4 +58,5 @@ class PrecisionSessionMetricComputation(_SessionComputation):
 
 class PrecisionSessionMetric(_SessionMetric):
     _namespace: MetricNamespace = MetricNamespace.PRECISION_SESSION_LEVEL
+    _label = "precision session-level"
     _computation_class: Type[RecMetricComputation] = PrecisionSessionMetricComputation

@@ -133,6 +133,8 @@ class RecallSessionMetricComputation(_SessionComputation):
 class _SessionMetric(RecMetric):
     """Per-task computations only, each task with a ``session_metric_def`` and its ``top_threshold``."""
 
+    _label = "session-level"  # the metric's name in error messages, TorchRec's wording
+
     def __init__(
         self,
         world_size: int,
@@ -146,14 +148,13 @@ class _SessionMetric(RecMetric):
         **kwargs: Any,
     ) -> None:
         if compute_mode in (RecComputeMode.FUSED_TASKS_COMPUTATION, RecComputeMode.FUSED_TASKS_AND_STATES_COMPUTATION):
-            raise RecMetricException(f"Fused computation is not supported for {self._namespace} metrics")
+            raise RecMetricException(f"Fused computation is not supported for {self._label} metrics")
         if fused_update_limit > 0:
-            raise RecMetricException(f"Fused update is not supported for {self._namespace} metrics")
+            raise RecMetricException(f"Fused update is not supported for {self._label} metrics")
         for task in tasks:
-            if task.session_metric_def is None:
-                raise RecMetricException(f"task {task.name!r}: please, specify the session metric definition")
-            if task.session_metric_def.top_threshold is None:
-                raise RecMetricException(f"task {task.name!r}: please, specify the top threshold")
+            _session_metric_def(task)
+            if task.session_metric_def.top_threshold is None:  # type: ignore[union-attr]
+                raise RecMetricException(f"Please, specify the top threshold (task {task.name!r})")
         super().__init__(
             world_size=world_size,
             my_rank=my_rank,
@@ -167,15 +168,23 @@ class _SessionMetric(RecMetric):
         )
 
     def _get_task_kwargs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Dict[str, Any]:
-        assert isinstance(task_config, RecTaskInfo) and task_config.session_metric_def is not None
-        return {"session_metric_def": task_config.session_metric_def}
+        return {"session_metric_def": _session_metric_def(task_config)}
 
     def _get_task_required_inputs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Set[str]:
-        assert isinstance(task_config, RecTaskInfo) and task_config.session_metric_def is not None
-        name = task_config.session_metric_def.session_var_name
+        name = _session_metric_def(task_config).session_var_name
         return {name} if name else set()
+
+
+def _session_metric_def(task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> SessionMetricDef:
+    """The task's session definition; RecMetricException with TorchRec's texts for a task list or a task without one."""
+    if not isinstance(task_config, RecTaskInfo):
+        raise RecMetricException("Session metric can only take one task at a time")
+    if task_config.session_metric_def is None:
+        raise RecMetricException(f"Please, specify the session metric definition (task {task_config.name!r})")
+    return task_config.session_metric_def
 
 
 class RecallSessionMetric(_SessionMetric):
     _namespace: MetricNamespace = MetricNamespace.RECALL_SESSION_LEVEL
+    _label = "recall session-level"
     _computation_class: Type[RecMetricComputation] = RecallSessionMetricComputation

@@ -68,7 +68,8 @@ class ThroughputMetric(nn.Module):
         self._window_seconds = window_seconds
         self._warmup_steps = warmup_steps
         self._batch_size_stages: Optional[List[BatchSizeStage]] = copy.deepcopy(batch_size_stages)
-        self._num_batch = 0
+        if self._batch_size_stages is not None:  # the step count exists only with stages, as TorchRec's
+            self._num_batch: int = 0
         self._register_load_state_dict_pre_hook(self.load_state_dict_hook)
         self.register_state_dict_post_hook(self.state_dict_hook)
         self.register_buffer("total_examples", torch.tensor(0, dtype=torch.long))

@@ -125,7 +125,8 @@ class TowerQPSMetric(RecMetric):
             **kwargs,
         )
         self._batch_size_stages: Optional[List[BatchSizeStage]] = copy.deepcopy(batch_size_stages)
-        self._num_batch = 0
+        if self._batch_size_stages is not None:  # the step count exists only with stages, as TorchRec's
+            self._num_batch: int = 0
         self._register_load_state_dict_pre_hook(self.load_state_dict_hook)
         self.register_state_dict_post_hook(self.state_dict_hook)
 
@@ -164,7 +165,7 @@ class TowerQPSMetric(RecMetric):
 
     def _update_fused_qps(self, labels: RecModelOutput, weights: Optional[RecModelOutput]) -> None:
         if not isinstance(labels, torch.Tensor):
-            labels = torch.stack([labels[task.name] for task in self._tasks])
+            labels = self._stack_tasks(labels, "labels")
         labels = labels.view(-1, self._batch_size)
         computation = self.computations[0]
         if not self._should_validate_update:
@@ -173,11 +174,24 @@ class TowerQPSMetric(RecMetric):
         valid = torch.ones(len(self._tasks), dtype=torch.bool, device=computation.has_valid_update.device)
         if weights is not None:
             if not isinstance(weights, torch.Tensor):
-                weights = torch.stack([weights[task.name] for task in self._tasks])
+                weights = self._stack_tasks(weights, "weights")
             valid = torch.gt(torch.count_nonzero(weights.view(-1, self._batch_size), dim=-1), 0)
         if torch.any(valid):
             computation.update(predictions=None, labels=labels, weights=None)
             computation.has_valid_update.logical_or_(valid)
+
+    def _stack_tasks(self, per_task: Dict[str, torch.Tensor], what: str) -> torch.Tensor:
+        """``{task name: [B]}`` -> ``[num_tasks, B]`` in task order; RecMetricException (TorchRec's text) when a
+        task is missing or the tensors do not stack."""
+        missing = [task.name for task in self._tasks if task.name not in per_task]
+        if missing:
+            raise RecMetricException(
+                f"Failed to convert {what} to tensor for fused computation: no {what} for tasks {missing} "
+                f"(the dict has keys {sorted(per_task)})")
+        try:
+            return torch.stack([per_task[task.name] for task in self._tasks])
+        except RuntimeError as e:
+            raise RecMetricException(f"Failed to convert {what} to tensor for fused computation: {e}") from e
 
     @staticmethod
     def state_dict_hook(

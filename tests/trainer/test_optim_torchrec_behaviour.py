@@ -139,6 +139,8 @@ def test_semisync_refuses_empty_global_params():
     local = KeyedOptimizerWrapper(dict(model.named_parameters()), lambda ps: torch.optim.SGD(ps, lr=0.1))
     with pytest.raises(ValueError, match="at least one global parameter"):
         SemisyncOptimizer([], local, local)
+    with pytest.raises(IndexError, match="at least one global parameter"):  # what TorchRec raises there
+        SemisyncOptimizer(iter([]), local, local)
 
 
 def test_dmp_on_one_local_rank_without_a_process_group():
