@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
+from recship.quantize.managed_collisions import QuantManagedCollisionEmbeddingBagCollection, QuantManagedCollisionEmbeddingCollection
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection as FeatureProcessedEmbeddingBagCollection
 from recship.quantize.modules import PRUNING_ATTR, REGISTER_TBES_ATTR, ROW_ALIGNMENT_ATTR, SPLIT_SCALE_BIAS_ATTR, TORCHREC_ROW_ALIGNMENT
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
@@ -172,6 +173,7 @@ __all__ = ["BaseEmbeddingConfig", "DEFAULT_ROW_ALIGNMENT", "DataType", "Embeddin
            "OriginalEmbeddingBagCollection", "OriginalEmbeddingCollection", "OriginalFeatureProcessedEmbeddingBagCollection",
            "OriginalManagedCollisionEmbeddingBagCollection", "OriginalManagedCollisionEmbeddingCollection",
            "PoolingType", "QuantConfig", "QuantEmbeddingBagCollection", "QuantEmbeddingCollection",
+           "QuantManagedCollisionEmbeddingBagCollection", "QuantManagedCollisionEmbeddingCollection",
            "QuantFeatureProcessedEmbeddingBagCollection", "for_each_module_of_type_do", "quant_prep_customize_row_alignment",
            "quant_prep_enable_cache_features_order", "quant_prep_enable_quant_state_dict_split_scale_bias",
            "quant_prep_enable_quant_state_dict_split_scale_bias_for_types", "quant_prep_enable_register_tbes", "quantize_state_dict",
