@@ -69,6 +69,8 @@ from recship.trainer.comm import (get_group_rank, get_local_rank, get_local_size
 from recship.trainer.distributed.model_utils import (add_prefix_to_state_dict, copy_to_device, filter_state_dict, get_module,
                                                     get_unsharded_module_names, get_unwrapped_module, sharded_model_copy)
 from recship.trainer.train_pipeline import DataLoadingThread, EvalPipelineSparseDist
+from recship.trainer.gradient_accumulation import GradientAccumulationConfig, GradientAccumulationWrapper
+from recship.trainer.planner.types import ObjectPoolShardingPlan, ObjectPoolShardingType
 
 
 def shard_modules(
@@ -146,13 +148,16 @@ __all__ = [
     "EC_INDEX_DEDUP", "ShardedEmbeddingModule", "get_ec_index_dedup", "pad_vbe_kjt_lengths", "set_ec_index_dedup",
     "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
+    "GradientAccumulationConfig", "GradientAccumulationWrapper", "ObjectPoolShardingPlan", "ObjectPoolShardingType",
 ]
 
 
 # TorchRec's inference sharders (torchrec.distributed.quant_embeddingbag / quant_embedding), from recship.quantize.sharders
 # when first asked for, so that importing this module does not load the quantized collections
 _INFERENCE_SHARDERS = ("QuantEmbeddingBagCollectionSharder", "QuantEmbeddingCollectionSharder",
-                       "QuantFeatureProcessedEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollection")
+                       "QuantFeatureProcessedEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollection",
+                       "InferManagedCollisionCollectionSharder", "QuantManagedCollisionEmbeddingCollectionSharder",
+                       "QuantManagedCollisionEmbeddingBagCollectionSharder")
 
 
 def __getattr__(name: str) -> object:

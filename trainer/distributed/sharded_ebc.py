@@ -35,7 +35,7 @@ from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units, optimizer_for,
                                                        _make_tbe, _PooledAllToAll)
-from recship.trainer.distributed.types import NoWait, ShardingEnv
+from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
 from recship.trainer.fused_optim import FusedOptimizerConfig
@@ -202,12 +202,54 @@ class PooledEmbeddingsAllToAll(nn.Module):
         return [part.view(batch, w).to(self._device) for part, w in zip(torch.split(flat, recv), self._widths)]
 
 
-class EmbeddingBagCollectionAwaitable(NoWait[KeyedTensor]):
-    """The output of a sharded EmbeddingBagCollection: its KeyedTensor, already computed.
+class EmbeddingBagCollectionAwaitable(LazyAwaitable[KeyedTensor]):
+    """The output of a sharded EmbeddingBagCollection: a KeyedTensor assembled, when waited for, from the pooled
+    embeddings of its groups of features (TorchRec's constructor).
 
-    recship runs all three stages in forward, so ``wait()`` returns at once; the result
-    can also be used directly (``out.values()``), as TorchRec's LazyAwaitable allows.
+    recship's ShardedEmbeddingBagCollection gives one group, already computed, so ``wait()`` returns at once; the
+    result can also be used directly (``out.values()``, ``out["f"]``), as TorchRec's LazyAwaitable allows.
+
+    Args:
+        awaitables: per group of features, an Awaitable of their pooled embeddings [B, sum of the group's dims].
+        embedding_dims: the dim of every output key, groups in order (the KeyedTensor's ``length_per_key``).
+        embedding_names: the output keys, in the same order.
+        module_fqn, sharding_types: names for TorchRec's profiler annotations (kept, unused).
+        resize_awaitables: awaited after the embeddings (TorchRec frees memory with them).
     """
+
+    def __init__(
+        self,
+        awaitables: List[Awaitable[torch.Tensor]],
+        embedding_dims: List[int],
+        embedding_names: List[str],
+        module_fqn: Optional[str] = None,
+        sharding_types: Optional[List[str]] = None,
+        resize_awaitables: Optional[List[Awaitable[torch.Tensor]]] = None,
+    ) -> None:
+        super().__init__()
+        if len(embedding_dims) != len(embedding_names):
+            raise ValueError(f"one embedding dim per embedding name: got {len(embedding_dims)} dims for "
+                             f"{len(embedding_names)} names {list(embedding_names)}")
+        if sharding_types is not None and len(sharding_types) != len(awaitables):
+            raise ValueError(f"one sharding type per awaitable: got {len(sharding_types)} for {len(awaitables)} awaitables")
+        self._awaitables = list(awaitables)
+        self._embedding_dims = list(embedding_dims)
+        self._embedding_names = list(embedding_names)
+        self._module_fqn = module_fqn
+        self._sharding_types = sharding_types
+        self._resize_awaitables = resize_awaitables
+
+    def _wait_impl(self) -> KeyedTensor:
+        embeddings = [w.wait() for w in self._awaitables]
+        for r in self._resize_awaitables or []:
+            r.wait()
+        if not embeddings:
+            raise ValueError("EmbeddingBagCollectionAwaitable has no awaitable to assemble a KeyedTensor from")
+        values = embeddings[0] if len(embeddings) == 1 else torch.cat(embeddings, dim=1)
+        if values.dim() != 2 or values.shape[1] != sum(self._embedding_dims):
+            raise ValueError(f"the pooled embeddings are {list(values.shape)}; the keys {self._embedding_names} need "
+                             f"[B, {sum(self._embedding_dims)}]")
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._embedding_dims, values=values, key_dim=1)
 
 
 class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTables):
@@ -282,7 +324,8 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
         received, recv_batches = self._input_dists[0](per_feature, batch)
         local_out = self._lookups[0](received, sum(recv_batches))
         parts = self._output_dists[0](local_out, batch, recv_batches)
-        return EmbeddingBagCollectionAwaitable(self._assemble(per_feature, parts))
+        kt = self._assemble(per_feature, parts)
+        return EmbeddingBagCollectionAwaitable([NoWait(kt.values())], kt.length_per_key(), kt.keys(), module_fqn=self._module_fqn)
 
 
     def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:

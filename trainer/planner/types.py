@@ -436,6 +436,46 @@ class EmbeddingModuleShardingPlan(ModuleShardingPlan, Dict[str, ParameterShardin
         return _module_tables(self)
 
 
+@unique
+class ObjectPoolShardingType(Enum):
+    """How an object pool (``recship.models.object_pools``' TensorPool, KeyedJaggedTensorPool) is split over ranks
+    (TorchRec's ``torchrec.distributed.types.ObjectPoolShardingType``): ROW_WISE: contiguous blocks of its ids per
+    rank; REPLICATED_ROW_WISE: row-wise within a node and replicated across nodes."""
+
+    ROW_WISE = "row_wise"
+    REPLICATED_ROW_WISE = "replicated_row_wise"
+
+
+@dataclass
+class ObjectPoolShardingPlan(ModuleShardingPlan):
+    """One object pool's plan (TorchRec's fields and defaults).
+
+    Args:
+        sharding_type: an ObjectPoolShardingType.
+        inference: the plan is for an inference (read-only) pool.
+        memory_capacity_per_rank: bytes each rank can give the pool, one int per rank, for pools split unevenly
+            across ranks; None: even blocks.
+    """
+
+    sharding_type: ObjectPoolShardingType
+    inference: bool = False
+    memory_capacity_per_rank: Optional[List[int]] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sharding_type, ObjectPoolShardingType):
+            raise TypeError(f"ObjectPoolShardingPlan.sharding_type must be an ObjectPoolShardingType, got {self.sharding_type!r}")
+        capacity = self.memory_capacity_per_rank
+        if capacity is not None and (not capacity or any(not isinstance(c, int) or c < 0 for c in capacity)):
+            raise ValueError(f"ObjectPoolShardingPlan.memory_capacity_per_rank must be non-negative ints, one per rank, got {capacity!r}")
+
+    def _serialize(self) -> Dict[str, Any]:
+        """TorchRec's serialized form: the type's member name, ``inference``, and the capacities when set."""
+        out: Dict[str, Any] = {"sharding_type": self.sharding_type.name, "inference": self.inference}
+        if self.memory_capacity_per_rank is not None:
+            out["memory_capacity_per_rank"] = list(self.memory_capacity_per_rank)
+        return out
+
+
 def _module_tables(tables: Dict[str, ParameterSharding]) -> str:
     """TorchRec's layout of one module's plan: a table of shardings, then one of shards."""
     params = [[name, ps.sharding_type.value, ps.compute_kernel.value, str(ps.ranks)] for name, ps in tables.items()]
