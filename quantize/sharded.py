@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeatureProcessedEmbeddingBagCollection
+from recship.quantize.managed_collisions import ManagedCollisionLookup, QuantManagedCollisionEmbeddingBagCollection
 from recship.quantize.modules import QuantEmbeddingBagCollection
 from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_ids
 from recship.quantize.quantizer import BlockView
@@ -333,7 +334,8 @@ def shard_quant_model(
 
     The stored rows are copied as they are, so table- and row-wise shards answer what the
     unsharded module answers (up to float summation order). EmbeddingCollections (unpooled
-    lookups) are not split: they stay whole on the device they were quantized for.
+    lookups) are not split: they stay whole on the device they were quantized for. A managed-collision
+    collection's remapping stays whole in front of its sharded tables (this process sees every id).
 
     Returns (the sharded module, {collection path: {table: its shards}}).
     """
@@ -369,9 +371,8 @@ def shard_quant_model(
             tables = m.embedding_bag_configs()
             kinds = {t.name: ShardingType(sharding.get(t.name, "table_wise") if isinstance(sharding, dict) else sharding or "table_wise")
                      for t in tables}
-            done[id(m)], plans[path] = _shard_one(m, targets, kinds)
-            if isinstance(m, QuantFeatureProcessedEmbeddingBagCollection):  # its processors stay in front
-                done[id(m)] = FeatureProcessedLookup(m.feature_processor, done[id(m)])
+            lookup, plans[path] = _shard_one(m, targets, kinds)
+            done[id(m)] = _in_front(m, lookup, targets[0])
         if not path:
             module = done[id(m)]
         else:
@@ -441,7 +442,7 @@ def shard_modules(
             sharding type and ranks (its ``shards`` when given; the compute kernel is
             always the quantized TBE). A collection the plan does not name stays unsharded,
             as in TorchRec. None: table-wise, tables on the least-loaded device.
-        sharders: None: every QuantEmbeddingBagCollection (and QuantFeatureProcessedEmbeddingBagCollection) is
+        sharders: None: every QuantEmbeddingBagCollection (and its FP / managed-collision kinds) is
             sharded, QuantEmbeddingCollections stay whole; or ModuleSharders (``recship.quantize.sharders``'
             QuantEmbeddingBagCollectionSharder, ...): exactly the collections of their ``module_type`` are sharded,
             each by its sharder.
@@ -483,7 +484,7 @@ def shard_modules(
                 new = sharded(path, child)
                 if new is not None:
                     setattr(parent, name, new)
-            elif not isinstance(child, (ShardedQuantEmbeddingBagCollection, FeatureProcessedLookup)):  # sharded already
+            elif not isinstance(child, (ShardedQuantEmbeddingBagCollection, FeatureProcessedLookup, ManagedCollisionLookup)):  # sharded already
                 replace(child, path)
 
     if isinstance(module, QuantTables):  # TorchRec returns the sharded module itself then
@@ -508,13 +509,20 @@ def local_devices(world_size: int, device: Union[str, torch.device]) -> List[tor
 def shard_collection(path: str, qebc: QuantEmbeddingBagCollection, table_plan: Optional[Dict[str, ParameterSharding]],
                      devices: List[torch.device]) -> nn.Module:
     """``qebc`` (at ``path``) sharded over ``devices``: as ``table_plan`` places its tables, else table-wise on the
-    least-loaded device; a QuantFeatureProcessedEmbeddingBagCollection keeps its feature processors in front."""
+    least-loaded device; an FP-EBC keeps its feature processors in front, a managed-collision one its remapping."""
     tables = qebc.embedding_bag_configs()
     kinds = {t.name: ShardingType.TABLE_WISE for t in tables}
     shards = None if table_plan is None else _shards_from_plan(path, tables, table_plan, len(devices))
-    lookup = _shard_one(qebc, devices, kinds, shards)[0]
+    return _in_front(qebc, _shard_one(qebc, devices, kinds, shards)[0], devices[0])
+
+
+def _in_front(qebc: QuantEmbeddingBagCollection, lookup: ShardedQuantEmbeddingBagCollection, first: torch.device) -> nn.Module:
+    """``lookup`` (``qebc``'s sharded tables) behind what ``qebc`` runs before its tables: an FP-EBC's feature
+    processors, or a managed-collision collection's remapping (whole, on the first device, where the inputs are)."""
     if isinstance(qebc, QuantFeatureProcessedEmbeddingBagCollection):
         return FeatureProcessedLookup(qebc.feature_processor, lookup)
+    if isinstance(qebc, QuantManagedCollisionEmbeddingBagCollection):
+        return ManagedCollisionLookup(qebc._managed_collision_collection.to(first), lookup, qebc._return_remapped_features)
     return lookup
 
 

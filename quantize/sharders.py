@@ -23,6 +23,8 @@ from torch import nn
 
 from recship.names import EmbeddingComputeKernel, ShardingType
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
+from recship.quantize.managed_collisions import (ManagedCollisionLookup, QuantManagedCollisionEmbeddingBagCollection,
+                                                 QuantManagedCollisionEmbeddingCollection)
 from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.sharded import (InferenceShard, ShardedQuantEmbeddingBagCollection, local_devices, plan_inference_shards,
                                      shard_collection, shard_modules)
@@ -30,7 +32,9 @@ from recship.quantize.tbe import QuantTables
 from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
                                                FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
                                                ModuleSharder, ShardingEnv)
+from recship.trainer.distributed.mc_sharder import ManagedCollisionCollectionSharder
 from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.managed_collisions.modules import ManagedCollisionCollection
 from recship.trainer.planner.types import ParameterConstraints, ParameterSharding, ShardingPlan, ShardMetadata
 
 # TorchRec's fused_params keys (torchrec.distributed.fused_params) that its inference sharders read
@@ -140,6 +144,108 @@ class QuantEmbeddingCollectionSharder(BaseQuantEmbeddingSharder[QuantEmbeddingCo
 
 
 
+class InferManagedCollisionCollectionSharder(ManagedCollisionCollectionSharder):
+    """Places a quantized collection's ManagedCollisionCollection for inference (TorchRec's
+    ``torchrec.distributed.mc_modules.InferManagedCollisionCollectionSharder``).
+
+    TorchRec splits it row-wise with its tables, one slice of slots per rank, each rank remapping the ids of its
+    input block. recship's inference sharding is one process driving every device: it sees every id, so the
+    collection stays whole, on the first device, and remaps exactly as the unsharded module does, whatever the
+    tables' sharding (hence every inference sharding type; TorchRec's is row-wise only).
+    """
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return list(INFERENCE_SHARDING_TYPES)
+
+    def shard(self, module: ManagedCollisionCollection, params: Dict[str, Any], env: ShardingEnv,  # type: ignore[override]
+              embedding_shardings: Optional[List[Any]] = None, device: Union[None, str, torch.device] = None) -> nn.Module:
+        """``module`` (whole) on the first of the ``env.world_size`` local devices of ``device``'s type (None: CPU).
+        ``embedding_shardings`` is TorchRec's argument (its tables' shardings); recship's remapping needs none."""
+        if not isinstance(module, ManagedCollisionCollection):
+            raise TypeError(f"InferManagedCollisionCollectionSharder shards a ManagedCollisionCollection, got {type(module).__name__}")
+        target = torch.device(device or "cpu")
+        return module.to(target if target.index is not None else local_devices(int(env.world_size), target)[0])
+
+
+class _QuantManagedCollisionSharder(BaseQuantEmbeddingSharder[Q], Generic[Q]):
+    """What the two quantized managed-collision sharders share: the tables go as ``e_sharder`` places them, the
+    managed-collision collection as ``mc_sharder`` does (whole, in front; see InferManagedCollisionCollectionSharder)."""
+
+    _e_kind: Type[BaseQuantEmbeddingSharder]
+
+    def __init__(self, e_sharder: BaseQuantEmbeddingSharder, mc_sharder: InferManagedCollisionCollectionSharder) -> None:
+        if not isinstance(e_sharder, self._e_kind):
+            raise TypeError(f"{type(self).__name__}: e_sharder must be a {self._e_kind.__name__}, got {type(e_sharder).__name__}")
+        if not isinstance(mc_sharder, InferManagedCollisionCollectionSharder):
+            raise TypeError(f"{type(self).__name__}: mc_sharder must be an InferManagedCollisionCollectionSharder, "
+                            f"got {type(mc_sharder).__name__}")
+        super().__init__(e_sharder.fused_params)
+        self._e_sharder = e_sharder
+        self._mc_sharder = mc_sharder
+
+    @property
+    def fused_params(self) -> Optional[Dict[str, Any]]:
+        return self._e_sharder.fused_params
+
+    def shardable_parameters(self, module: nn.Module) -> Dict[str, nn.Module]:
+        return self._e_sharder.shardable_parameters(module)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        mc = set(self._mc_sharder.sharding_types(compute_device_type))
+        return [t for t in self._e_sharder.sharding_types(compute_device_type) if t in mc]
+
+    def _check(self, module: nn.Module, params: Optional[Dict[str, ParameterSharding]], compute_device_type: str) -> None:
+        if not isinstance(module, self.module_type):
+            raise TypeError(f"{type(self).__name__} shards {self.module_type.__name__}, got {type(module).__name__}")
+        allowed = self.sharding_types(compute_device_type)
+        bad = {t: ShardingType(p.sharding_type).value for t, p in (params or {}).items() if ShardingType(p.sharding_type).value not in allowed}
+        if bad:
+            raise ValueError(f"{type(self).__name__}: tables {bad} are planned with sharding types it does not take {allowed}")
+
+
+class QuantManagedCollisionEmbeddingCollectionSharder(_QuantManagedCollisionSharder[QuantManagedCollisionEmbeddingCollection]):
+    """Places QuantManagedCollisionEmbeddingCollections for inference (TorchRec's sharder of that name): the unpooled
+    tables stay whole on one rank (as QuantEmbeddingCollectionSharder keeps them), the managed-collision collection
+    with them; the module answers what it answered unsharded."""
+
+    _e_kind = QuantEmbeddingCollectionSharder
+
+    @property
+    def module_type(self) -> Type[QuantManagedCollisionEmbeddingCollection]:
+        return QuantManagedCollisionEmbeddingCollection
+
+    def shard(self, module: QuantManagedCollisionEmbeddingCollection, params: Optional[Dict[str, ParameterSharding]],
+              env: ShardingEnv, device: Union[None, str, torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
+        self._check(module, params, torch.device(device or "cpu").type)
+        placed = self._e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
+        assert isinstance(placed, QuantManagedCollisionEmbeddingCollection)  # the EC sharder moves the module as a whole
+        tables_on = next(iter(placed.table_weights().values()))[0].device  # the remapped ids go straight to them
+        placed._managed_collision_collection = self._mc_sharder.shard(module._managed_collision_collection, params or {}, env,
+                                                                      device=tables_on)
+        return placed
+
+
+class QuantManagedCollisionEmbeddingBagCollectionSharder(_QuantManagedCollisionSharder[QuantManagedCollisionEmbeddingBagCollection]):
+    """Shards QuantManagedCollisionEmbeddingBagCollections for inference (TorchRec's sharder of that name): the tables
+    table-, row- or column-wise as QuantEmbeddingBagCollectionSharder shards them, the managed-collision collection
+    whole in front (a ManagedCollisionLookup: KJT of raw ids in, (KeyedTensor, remapped KJT) out)."""
+
+    _e_kind = QuantEmbeddingBagCollectionSharder
+
+    @property
+    def module_type(self) -> Type[QuantManagedCollisionEmbeddingBagCollection]:
+        return QuantManagedCollisionEmbeddingBagCollection
+
+    def shard(self, module: QuantManagedCollisionEmbeddingBagCollection, params: Optional[Dict[str, ParameterSharding]],
+              env: ShardingEnv, device: Union[None, str, torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
+        self._check(module, params, torch.device(device or "cpu").type)
+        placed = self._e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
+        assert isinstance(placed, ManagedCollisionLookup)  # shard_collection puts the remapping in front
+        placed._managed_collision_collection = self._mc_sharder.shard(module._managed_collision_collection, params or {}, env,
+                                                                      device=device)
+        return placed
+
+
 # TorchRec's defaults for inference sharding (torchrec.inference.modules); BoundsCheckMode.NONE is TorchRec's value,
 # read as "no check of its own": recship checks ids before the TBEs whatever it says
 def _default_fused_params() -> Dict[str, Any]:
@@ -223,6 +329,8 @@ def _parameter_sharding(shards: List[InferenceShard], compute_device: str) -> Pa
                       "cpu" if compute_device == "cpu" else f"cuda:{s.device}") for s in shards])
 
 
-__all__ = ["BaseQuantEmbeddingSharder", "QuantEmbeddingBagCollectionSharder", "QuantEmbeddingCollectionSharder",
+__all__ = ["BaseQuantEmbeddingSharder", "InferManagedCollisionCollectionSharder", "QuantEmbeddingBagCollectionSharder",
+           "QuantEmbeddingCollectionSharder", "QuantManagedCollisionEmbeddingBagCollectionSharder",
+           "QuantManagedCollisionEmbeddingCollectionSharder",
            "QuantFeatureProcessedEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollection", "default_sharders",
            "shard_quant_model"]

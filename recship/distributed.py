@@ -19,8 +19,10 @@ from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaita
 from recship.trainer.distributed.sharders import BaseEmbeddingSharder, EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
 from recship.trainer.distributed.sharded_ec import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, ShardedEmbeddingCollection
 from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
-from recship.trainer.distributed.mc_sharder import (ManagedCollisionCollectionSharder, ManagedCollisionEmbeddingBagCollectionSharder,
-                                                    ManagedCollisionEmbeddingCollectionSharder, ShardedManagedCollisionCollection)
+from recship.trainer.distributed.mc_sharder import (BaseShardedManagedCollisionEmbeddingCollection, ManagedCollisionCollectionSharder,
+                                                    ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder,
+                                                    ShardedManagedCollisionCollection, ShardedManagedCollisionEmbeddingBagCollection,
+                                                    ShardedManagedCollisionEmbeddingCollection)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, ModuleSharder, NoWait, ShardingEnv
 from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
                                                FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
@@ -123,7 +125,8 @@ __all__ = [
     "EmbeddingCollectionSharder", "BaseEmbeddingSharder", "EmbeddingCollectionAwaitable", "EmbeddingCollectionContext",
     "ShardedEmbeddingCollection",
     "ManagedCollisionCollectionSharder", "ManagedCollisionEmbeddingBagCollectionSharder", "ManagedCollisionEmbeddingCollectionSharder",
-    "ShardedManagedCollisionCollection",
+    "ShardedManagedCollisionCollection", "BaseShardedManagedCollisionEmbeddingCollection", "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
     "DataParallelWrapper", "DefaultDataParallelWrapper", "DynamicProgrammingProposer", "EmbeddingModuleShardingPlan",
     "EmbeddingOffloadScaleupProposer", "EmbeddingPerfEstimator", "EmbeddingStorageEstimator", "GreedyPerfPartitioner",
     "ModuleShardingPlan", "Partitioner", "PipelineType", "Proposer", "ShardEstimator", "SortBy", "grid_shard", "shard_modules",

@@ -254,6 +254,61 @@ class ManagedCollisionCollectionSharder(ModuleSharder[ManagedCollisionCollection
         return [ShardingType.ROW_WISE.value]
 
 
+class BaseShardedManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddingCollection):
+    """A managed-collision embedding collection sharded for training (TorchRec's
+    ``torchrec.distributed.mc_embedding_modules.BaseShardedManagedCollisionEmbeddingCollection``, the base of its
+    sharded MC-EBC and MC-EC): ``module``'s embedding collection sharded by ``e_sharder`` under
+    ``table_name_to_parameter_sharding`` (row-wise), its ManagedCollisionCollection by ``mc_sharder`` (each rank's
+    modules own its rows), so that forward(kjt) remaps this rank's raw ids (a collective) and looks them up in the
+    sharded tables, returning (the lookup's output, the remapped KJT or None) as the unsharded module does.
+
+    ``module`` itself is left unsharded (its managed-collision collection is shared until sharded here). State-dict
+    keys are the unsharded module's (``_embedding_module.*``, ``_managed_collision_collection.*``), the rows'
+    entries ShardedTensors. What DistributedModelParallel builds is the unsharded module with both parts sharded in
+    place: the same forward and state.
+    """
+
+    def __init__(
+        self,
+        module: BaseManagedCollisionEmbeddingCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        e_sharder: ModuleSharder,
+        mc_sharder: ManagedCollisionCollectionSharder,
+        env: ShardingEnv,
+        device: Optional[torch.device],
+    ) -> None:
+        if not isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            raise TypeError(f"{type(self).__name__} shards a managed-collision embedding collection, got {type(module).__name__}")
+        if not isinstance(module._managed_collision_collection, ManagedCollisionCollection):
+            raise ValueError(f"this {type(module).__name__} is sharded already")
+        wanted = EmbeddingBagCollectionSharder if isinstance(module, ManagedCollisionEmbeddingBagCollection) else EmbeddingCollectionSharder
+        if not isinstance(e_sharder, wanted):
+            raise TypeError(f"{type(module).__name__}'s tables are sharded by a {wanted.__name__}, got {type(e_sharder).__name__}")
+        super().__init__(module._embedding_module, module._managed_collision_collection,  # type: ignore[arg-type]
+                         module._return_remapped_features, module._allow_in_place_embed_weight_update)
+        self._env = env
+        self._device = device
+        self._embedding_module = e_sharder.shard(module._embedding_module, table_name_to_parameter_sharding, env, device)  # type: ignore[assignment]
+        shard_managed_collision_collection(self, table_name_to_parameter_sharding, env, device, mc_sharder)
+        self.train(module.training)
+
+
+class ShardedManagedCollisionEmbeddingBagCollection(BaseShardedManagedCollisionEmbeddingCollection):
+    """A ManagedCollisionEmbeddingBagCollection sharded for training (ManagedCollisionEmbeddingBagCollectionSharder's)."""
+
+    @property
+    def _embedding_bag_collection(self) -> nn.Module:
+        return self._embedding_module
+
+
+class ShardedManagedCollisionEmbeddingCollection(BaseShardedManagedCollisionEmbeddingCollection):
+    """A ManagedCollisionEmbeddingCollection sharded for training (ManagedCollisionEmbeddingCollectionSharder's)."""
+
+    @property
+    def _embedding_collection(self) -> nn.Module:
+        return self._embedding_module
+
+
 class _ManagedCollisionSharder(ModuleSharder[Any]):
     """What the two managed-collision embedding sharders share: the inner collection's sharder, and ours."""
 
@@ -277,14 +332,13 @@ class _ManagedCollisionSharder(ModuleSharder[Any]):
         return self._e_sharder.shardable_parameters(module._embedding_module)  # type: ignore[attr-defined]
 
     def shard(self, module: Any, params: Dict[str, Any], env: ShardingEnv, device: Optional[torch.device] = None) -> nn.Module:
-        """``module`` with its embedding collection and its managed-collision collection sharded (collectives)."""
+        """``module`` with its embedding collection and its managed-collision collection sharded (collectives): a
+        ShardedManagedCollisionEmbeddingBagCollection / ShardedManagedCollisionEmbeddingCollection."""
         if not isinstance(module, self._kind):
             raise TypeError(f"{type(self).__name__} shards {self._kind.__name__}, got {type(module).__name__}")
-        if not isinstance(module._managed_collision_collection, ManagedCollisionCollection):
-            raise ValueError(f"this {self._kind.__name__} is sharded already")
-        module._embedding_module = self._e_sharder.shard(module._embedding_module, params, env, device)  # type: ignore[assignment]
-        shard_managed_collision_collection(module, params, env, device, self._mc_sharder)
-        return module
+        sharded = (ShardedManagedCollisionEmbeddingBagCollection if isinstance(module, ManagedCollisionEmbeddingBagCollection)
+                   else ShardedManagedCollisionEmbeddingCollection)
+        return sharded(module, params, self._e_sharder, self._mc_sharder, env, device)
 
 
 def shard_managed_collision_collection(module: nn.Module, params: Dict[str, Any], env: ShardingEnv,
