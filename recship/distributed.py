@@ -19,6 +19,7 @@ from recship.trainer.distributed.sharded_ebc import EmbeddingBagCollectionAwaita
 from recship.trainer.distributed.sharders import BaseEmbeddingSharder, EmbeddingBagCollectionSharder, EmbeddingCollectionSharder, get_default_sharders
 from recship.trainer.distributed.sharded_ec import EmbeddingCollectionAwaitable, EmbeddingCollectionContext, ShardedEmbeddingCollection
 from recship.trainer.distributed.fp_sharder import FeatureProcessedEmbeddingBagCollectionSharder
+from recship.trainer.distributed.fused_sharder import FusedEmbeddingBagCollectionSharder, ShardedFusedEmbeddingBagCollection
 from recship.trainer.distributed.mc_sharder import (BaseShardedManagedCollisionEmbeddingCollection, ManagedCollisionCollectionSharder,
                                                     ManagedCollisionEmbeddingBagCollectionSharder, ManagedCollisionEmbeddingCollectionSharder,
                                                     ShardedManagedCollisionCollection, ShardedManagedCollisionEmbeddingBagCollection,
@@ -152,6 +153,7 @@ __all__ = [
     "FUSED_PARAM_BOUNDS_CHECK_MODE", "FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP", "FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS",
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
     "GradientAccumulationConfig", "GradientAccumulationWrapper", "ObjectPoolShardingPlan", "ObjectPoolShardingType",
+    "FusedEmbeddingBagCollectionSharder", "ShardedFusedEmbeddingBagCollection",
 ]
 
 

@@ -34,6 +34,7 @@ from recship.trainer.distributed.mc_sharder import managed_collision_plan_path, 
 from recship.trainer.planner.planner import with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, ShardingType, Topology
 
@@ -111,6 +112,7 @@ class DistributedModelParallel(nn.Module):
             plan = planner.plan(module, sharders) if no_group else planner.collective_plan(module, sharders, env.pg)
         self.plan = plan
         ec_sharder = next((s for s in sharders if s.module_type is EmbeddingCollection), None)
+        fused_sharder = next((s for s in sharders if s.module_type is FusedEmbeddingBagCollection), None)
         sharded: List[Tuple[str, ShardedEmbeddingTables]] = []
         for path, sub in list(module.named_modules()):
             if isinstance(sub, EmbeddingBagCollection):
@@ -145,6 +147,12 @@ class DistributedModelParallel(nn.Module):
                     continue
                 if mc_owner is not None:  # its managed-collision modules remap each rank's ids to that rank's rows
                     shard_managed_collision_collection(module.get_submodule(mc_owner), tables, env, device)
+            elif isinstance(sub, FusedEmbeddingBagCollection):  # sharded as an EBC, trained by its own optimizer
+                tables = plan.get_plan_for_module(path)
+                if fused_sharder is None or tables is None:  # left alone, each rank would train its own copy
+                    raise ValueError(f"FusedEmbeddingBagCollection {path or '<root>'!r} needs a FusedEmbeddingBagCollectionSharder "
+                                     "among the sharders and an entry in the plan")
+                replacement = fused_sharder.shard(sub, tables, env, device, module_fqn=path)
             else:
                 continue
             sharded.append((path, replacement))

@@ -37,6 +37,7 @@ from torch import nn
 
 from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.managed_collisions.embedding import managed_collision_plan_path
 from recship.trainer.planner.components import (EmbeddingEnumerator, GreedyPerfPartitioner, PlannerError, PlannerErrorType,
@@ -201,7 +202,7 @@ def _default_topology() -> Topology:
 
 def _configs(m: nn.Module) -> List[Any]:
     """A collection's table configs (EmbeddingBagConfig or EmbeddingConfig)."""
-    if isinstance(m, EmbeddingBagCollection):
+    if isinstance(m, (EmbeddingBagCollection, FusedEmbeddingBagCollection)):
         return list(m.embedding_bag_configs())
     assert isinstance(m, EmbeddingCollection), type(m)
     return list(m.embedding_configs())
@@ -344,7 +345,7 @@ class EmbeddingShardingPlanner(ShardingPlanner):
         if sharders is not None:
             sharders = with_ebc_sharders(sharders)  # an FP-EBC's sharder plans its EmbeddingBagCollection
             ebc_sharders = [s for s in sharders if getattr(s, "module_type", None) is EmbeddingBagCollection]
-            kinds = tuple(k for k in (EmbeddingBagCollection, EmbeddingCollection)
+            kinds = tuple(k for k in (EmbeddingBagCollection, EmbeddingCollection, FusedEmbeddingBagCollection)
                           if any(getattr(s, "module_type", None) is k for s in sharders))
             if self._optimizer is None and ebc_sharders and getattr(ebc_sharders[0], "fused_params", None):
                 optim = ebc_sharders[0].optimizer_config().optimizer
