@@ -14,7 +14,6 @@ generator in TorchRec's order, so the same seed gives TorchRec 1.8.0's batch (an
 also seeds Python's ``random``, as TorchRec does). Mistakes are ValueErrors (TorchRec: asserts).
 """
 
-import copy
 import random
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union, cast
@@ -24,14 +23,16 @@ from torch import nn
 
 from recship.models.layers import EmbeddingTower, EmbeddingTowerCollection, SwishLayerNorm
 from recship.sparse import KeyedJaggedTensor, KeyedTensor, KTRegroupAsDict
+from recship.test_models import (DENSE_LAYER_OUT_SIZE, OVER_ARCH_OUT_SIZE, CopyableMixin, TestDenseArch, TestEBCSparseArchZCH,
+                                 TestMixedEmbeddingSparseArch, TestMixedSequenceOverArch, TestMixedSequenceOverArchLargeActivation,
+                                 TestModelWithPreproc, TestModelWithPreprocCollectionArgs, TestNegSamplingModule,
+                                 TestPositionWeightedPreprocModule, TestPreprocNonWeighted, TestPreprocWeighted, TestSparseNNBase,
+                                 _post_sparsenn_forward, _tables_dim_sum)
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, EmbeddingTableConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection, PositionWeightedModuleCollection
 from recship.trainer.position_weighted import PositionWeightedProcessor
-
-DENSE_LAYER_OUT_SIZE = 8
-OVER_ARCH_OUT_SIZE = 16
 
 Tables = Sequence[BaseEmbeddingConfig]
 
@@ -332,46 +333,6 @@ def _variable_batch_features(tables: Tables, average: int, world_size: int, dedu
                 inverse_indices=inverse), local
 
 
-def _tables_dim_sum(tables: Tables, max_sequence_length: int = 1) -> int:
-    return sum(t.embedding_dim * len(t.feature_names) * max_sequence_length for t in tables)
-
-
-class CopyableMixin(nn.Module):
-    """A module that ``copy(device)`` moves to ``device`` (a deep copy, TorchRec's ``torchrec.distributed.utils``)."""
-
-    def copy(self, device: torch.device) -> nn.Module:
-        return copy.deepcopy(self).to(device)
-
-
-class TestDenseArch(nn.Module):
-    """Float features [B, num_float_features] -> [B, dense_arch_out_size (8)]: hidden Linear layers, then one Linear.
-    Holds TorchRec's ``dummy_param`` [2] and ``dummy_buffer`` [1] (zeros, unused by forward)."""
-
-    def __init__(self, num_float_features: int, device: Optional[torch.device] = None, dense_arch_out_size: Optional[int] = None,
-                 dense_arch_hidden_sizes: Optional[List[int]] = None, **_kwargs: Any) -> None:
-        super().__init__()
-        device = device or torch.device("cpu")
-        out_size = DENSE_LAYER_OUT_SIZE if dense_arch_out_size is None else dense_arch_out_size
-        hidden: List[nn.Module] = []
-        width = num_float_features
-        for size in dense_arch_hidden_sizes or []:
-            if size <= 0:
-                raise ValueError(f"TestDenseArch: layer sizes must be positive, got {dense_arch_hidden_sizes}")
-            hidden.append(nn.Linear(width, size, device=device))
-            width = size
-        self.hidden_layers: Optional[nn.ModuleList] = nn.ModuleList(hidden) if hidden else None
-        self.linear = nn.Linear(in_features=width, out_features=out_size, device=device)
-        self.dummy_param = nn.Parameter(torch.zeros(2, device=device))
-        self.register_buffer("dummy_buffer", torch.zeros(1, device=device))
-
-    def forward(self, dense_input: torch.Tensor) -> torch.Tensor:
-        out = dense_input
-        if self.hidden_layers is not None:
-            for layer in self.hidden_layers:
-                out = layer(out)
-        return self.linear(out)
-
-
 class TestDHNArch(nn.Module):
     """Two Linear layers: [B, in_features] -> [B, over_arch_out_size (16)] -> the same width."""
 
@@ -456,28 +417,6 @@ class TestOverArchLarge(nn.Module):
         return self.overarch(_concat(dense, values))
 
 
-def _pad_kt_values(kt: KeyedTensor, batch_size: Optional[int] = None) -> torch.Tensor:
-    """``kt``'s values [b, D] padded with zero rows to [batch_size, D]."""
-    values = kt.values()
-    if batch_size is None or values.size(0) == batch_size:
-        return values
-    return torch.cat([values, values.new_zeros(batch_size - values.size(0), values.size(1))], dim=0)
-
-
-@torch.fx.wrap
-def _post_sparsenn_forward(ebc: KeyedTensor, fp_ebc: Optional[KeyedTensor], w_ebc: Optional[KeyedTensor],
-                           batch_size: Optional[int] = None) -> KeyedTensor:
-    """The three collections' outputs as one KeyedTensor (each padded to ``batch_size`` rows)."""
-    keys, lengths = list(ebc.keys()), list(ebc.length_per_key())
-    values = [_pad_kt_values(ebc, batch_size)]
-    for kt in (fp_ebc, w_ebc):
-        if kt is not None:
-            keys += kt.keys()
-            lengths += kt.length_per_key()
-            values.append(_pad_kt_values(kt, batch_size))
-    return KeyedTensor(keys=keys, length_per_key=lengths, values=torch.cat(values, dim=1))
-
-
 class TestECSparseArch(nn.Module):
     """An EmbeddingCollection sparse arch: {feature: JaggedTensor of [ids, dim] rows}, as the collection gives it
     (TorchRec hands that dict to a KeyedTensor merge that cannot take it; here the collection's output is returned)."""
@@ -528,24 +467,13 @@ class TestEBCSparseArch(nn.Module):
         return _post_sparsenn_forward(ebc, fp_ebc, w_ebc, batch_size)
 
 
-class TestSparseNNBase(nn.Module):
-    """What the test models share: their dense and sparse devices (default CPU)."""
-
-    def __init__(self, tables: List[BaseEmbeddingConfig], weighted_tables: Optional[List[BaseEmbeddingConfig]] = None,
-                 embedding_groups: Optional[Dict[str, List[str]]] = None, dense_device: Optional[torch.device] = None,
-                 sparse_device: Optional[torch.device] = None) -> None:
-        super().__init__()
-        self.dense_device: torch.device = dense_device or torch.device("cpu")
-        self.sparse_device: torch.device = sparse_device or torch.device("cpu")
-
-
 class TestSparseNN(TestSparseNNBase, CopyableMixin):
     """TorchRec's SparseNN test model: ``dense`` (TestDenseArch), ``sparse`` (TestEBCSparseArch, or TestECSparseArch
     for EmbeddingConfigs), ``over`` (``over_arch_clazz``, default TestOverArch).
 
     forward(ModelInput) -> in training mode (BCE-with-logits loss of pred against the label, pred [B]), in eval mode
     pred [B] = sigmoid(mean of the over arch's output) + 1 (TorchRec's ``dummy_ones`` buffer).
-    ``zch_kwargs`` (managed-collision tables) is not supported here: ValueError.
+    ``zch_kwargs`` (table -> managed-collision config): the sparse arch is a TestEBCSparseArchZCH on the meta device.
     """
 
     dummy_ones: torch.Tensor  # buffer [1]
@@ -559,13 +487,14 @@ class TestSparseNN(TestSparseNNBase, CopyableMixin):
                  zch_kwargs: Optional[Dict[str, Any]] = None, submodule_kwargs: Optional[Dict[str, Any]] = None) -> None:
         super().__init__(tables=cast(List[BaseEmbeddingConfig], tables), weighted_tables=cast(Optional[List[BaseEmbeddingConfig]], weighted_tables),
                          embedding_groups=embedding_groups, dense_device=dense_device, sparse_device=sparse_device)
-        if zch_kwargs is not None:
-            raise ValueError("TestSparseNN(zch_kwargs=...): the managed-collision sparse arch (TestEBCSparseArchZCH) is not in recship.test_utils")
         weighted = list(weighted_tables or [])
         kwargs = submodule_kwargs or {}
         self.dense = TestDenseArch(num_float_features, device=dense_device, **kwargs)
         self.sparse: nn.Module
-        if tables and isinstance(tables[0], EmbeddingConfig):
+        if zch_kwargs is not None:  # on meta, as TorchRec: DistributedModelParallel materializes it
+            self.sparse = TestEBCSparseArchZCH(cast(List[EmbeddingBagConfig], tables), weighted, torch.device("meta"),
+                                               zch_kwargs=zch_kwargs, return_remapped=True)
+        elif tables and isinstance(tables[0], EmbeddingConfig):
             self.sparse = TestECSparseArch(cast(List[EmbeddingConfig], tables), sparse_device, **kwargs)
         else:
             self.sparse = TestEBCSparseArch(cast(List[EmbeddingBagConfig], tables), weighted, sparse_device, max_feature_lengths, **kwargs)
@@ -720,4 +649,8 @@ __all__ = [
     "TestDenseArch", "TestEBCSharder", "TestEBCSparseArch", "TestECSharder", "TestECSparseArch", "TestOverArch",
     "TestOverArchLarge", "TestOverArchRegroupModule", "TestSparseNN", "TestSparseNNBase", "TestTowerCollectionSparseNN",
     "TestTowerInteraction", "TestTowerSparseNN",
+    # recship.test_models
+    "TestEBCSparseArchZCH", "TestMixedEmbeddingSparseArch", "TestMixedSequenceOverArch", "TestMixedSequenceOverArchLargeActivation",
+    "TestModelWithPreproc", "TestModelWithPreprocCollectionArgs", "TestNegSamplingModule", "TestPositionWeightedPreprocModule",
+    "TestPreprocNonWeighted", "TestPreprocWeighted",
 ]
