@@ -392,10 +392,10 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
                 device=device,
                 dtype=t.data_type.to_torch_dtype(),
             )
+            if torch.device(device or "cpu").type != "meta":  # each table right after its nn.Embedding's own draw, as
+                t.init_weight(self.embeddings[t.name].weight)  # TorchRec: a seed gives TorchRec's tables
             self._feature_names.append(list(t.feature_names))
         self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
-        if torch.device(device or "cpu").type != "meta":
-            self.reset_parameters()
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         if torch.jit.is_scripting():
