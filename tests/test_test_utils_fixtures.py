@@ -324,3 +324,16 @@ def test_mixed_model_one_kind_of_table_and_bad_arguments(trec):
         trec["TestMixedEmbeddingSparseArch"]([object()])
     with pytest.raises(ValueError, match="large_activation_dim"):
         trec["TestMixedSequenceOverArchLargeActivation"](tables[:1], [], [], large_activation_dim=0)
+
+
+def test_sequence_tables_draw_in_torchrecs_order(trec):
+    """Table by table: nn.Embedding's normal_ draw, then the config's uniform init (TorchRec's order, which the mixed
+    model's seeded weights rely on)."""
+    tables = [t for t in _mixed_tables(trec) if isinstance(t, trec["EmbeddingConfig"])]
+    torch.manual_seed(3)
+    model = trec["TestMixedEmbeddingSparseArch"](tables)
+    torch.manual_seed(3)
+    for t in tables:
+        drawn = torch.empty(t.num_embeddings, t.embedding_dim).normal_()
+        drawn.uniform_(-(1 / t.num_embeddings) ** 0.5, (1 / t.num_embeddings) ** 0.5)
+        assert torch.equal(model.ec.embeddings[t.name].weight, drawn)
