@@ -35,7 +35,8 @@ from recship.quantize.tbe import QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from recship.trainer.managed_collisions.embedding import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
+from recship.trainer.managed_collisions.embedding import (BaseManagedCollisionEmbeddingCollection, ManagedCollisionEmbeddingBagCollection,
+                                                          ManagedCollisionEmbeddingCollection)
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection
 
 StoredRows = Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
@@ -176,12 +177,12 @@ class QuantManagedCollisionEmbeddingBagCollection(QuantEmbeddingBagCollection):
 QuantManagedCollision = Union[QuantManagedCollisionEmbeddingCollection, QuantManagedCollisionEmbeddingBagCollection]
 
 
-def _quantized_inner(module: nn.Module, float_type: type, quant_type: type) -> QuantTables:
+def _quantized_inner(module: BaseManagedCollisionEmbeddingCollection, float_type: type, quant_type: type) -> QuantTables:
     """``module._embedding_module`` quantized: as it is when ``quantize_dynamic`` already swapped it (a plain
     ``quant_type``), else quantized under ``module``'s qconfig and quant_prep marks (TorchRec reads the register-TBEs
     mark from the managed-collision module, the split and alignment marks from the inner collection)."""
-    inner = module._embedding_module
-    if type(inner) is quant_type:
+    inner: nn.Module = module._embedding_module
+    if isinstance(inner, QuantTables) and type(inner) is quant_type:
         return inner
     if type(inner) is not float_type:
         raise TypeError(f"{type(module).__name__}._embedding_module must be a {float_type.__name__} (or its quantized twin), "
@@ -204,7 +205,7 @@ def _quantized_inner(module: nn.Module, float_type: type, quant_type: type) -> Q
                 delattr(inner, attr)
 
 
-def _layout_flags(module: nn.Module) -> Dict[str, bool]:
+def _layout_flags(module: BaseManagedCollisionEmbeddingCollection) -> Dict[str, bool]:
     """The state_dict layout TorchRec's quant_prep_* marks ask for: register-TBEs on the managed-collision module,
     split scale/bias on its inner collection (or on the module)."""
     inner = module._embedding_module

@@ -158,7 +158,7 @@ class InferManagedCollisionCollectionSharder(ManagedCollisionCollectionSharder):
         return list(INFERENCE_SHARDING_TYPES)
 
     def shard(self, module: ManagedCollisionCollection, params: Dict[str, Any], env: ShardingEnv,  # type: ignore[override]
-              embedding_shardings: Optional[List[Any]] = None, device: Union[None, str, torch.device] = None) -> nn.Module:
+              embedding_shardings: Optional[List[Any]] = None, device: Union[None, str, torch.device] = None) -> ManagedCollisionCollection:
         """``module`` (whole) on the first of the ``env.world_size`` local devices of ``device``'s type (None: CPU).
         ``embedding_shardings`` is TorchRec's argument (its tables' shardings); recship's remapping needs none."""
         if not isinstance(module, ManagedCollisionCollection):
@@ -217,7 +217,9 @@ class QuantManagedCollisionEmbeddingCollectionSharder(_QuantManagedCollisionShar
     def shard(self, module: QuantManagedCollisionEmbeddingCollection, params: Optional[Dict[str, ParameterSharding]],
               env: ShardingEnv, device: Union[None, str, torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
         self._check(module, params, torch.device(device or "cpu").type)
-        placed = self._e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
+        e_sharder = self._e_sharder
+        assert isinstance(e_sharder, QuantEmbeddingCollectionSharder)  # checked by __init__ (_e_kind)
+        placed = e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
         assert isinstance(placed, QuantManagedCollisionEmbeddingCollection)  # the EC sharder moves the module as a whole
         tables_on = next(iter(placed.table_weights().values()))[0].device  # the remapped ids go straight to them
         placed._managed_collision_collection = self._mc_sharder.shard(module._managed_collision_collection, params or {}, env,
@@ -239,7 +241,9 @@ class QuantManagedCollisionEmbeddingBagCollectionSharder(_QuantManagedCollisionS
     def shard(self, module: QuantManagedCollisionEmbeddingBagCollection, params: Optional[Dict[str, ParameterSharding]],
               env: ShardingEnv, device: Union[None, str, torch.device] = None, module_fqn: Optional[str] = None) -> nn.Module:
         self._check(module, params, torch.device(device or "cpu").type)
-        placed = self._e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
+        e_sharder = self._e_sharder
+        assert isinstance(e_sharder, QuantEmbeddingBagCollectionSharder)  # checked by __init__ (_e_kind)
+        placed = e_sharder.shard(module, params, env, device, module_fqn=module_fqn)
         assert isinstance(placed, ManagedCollisionLookup)  # shard_collection puts the remapping in front
         placed._managed_collision_collection = self._mc_sharder.shard(module._managed_collision_collection, params or {}, env,
                                                                       device=device)

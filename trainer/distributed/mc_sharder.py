@@ -288,7 +288,8 @@ class BaseShardedManagedCollisionEmbeddingCollection(BaseManagedCollisionEmbeddi
                          module._return_remapped_features, module._allow_in_place_embed_weight_update)
         self._env = env
         self._device = device
-        self._embedding_module = e_sharder.shard(module._embedding_module, table_name_to_parameter_sharding, env, device)  # type: ignore[assignment]
+        # the sharder's kind matches the collection's (checked above); mypy sees the two as unrelated unions
+        self._embedding_module = e_sharder.shard(module._embedding_module, table_name_to_parameter_sharding, env, device)  # type: ignore[arg-type,assignment]
         shard_managed_collision_collection(self, table_name_to_parameter_sharding, env, device, mc_sharder)
         self.train(module.training)
 
