@@ -1,6 +1,7 @@
 """TorchRec's test models and inputs (``torchrec.distributed.test_utils.test_model`` and ``emb_sharder``), which users'
 own tests import: ``ModelInput`` (a random batch, whole and split per rank), ``TestSparseNN`` and its archs, the tower
-models, and sharders restricted to one sharding type.
+models, and sharders restricted to one sharding type; the pre-processing, managed-collision and mixed pooled/sequence
+fixtures live in ``recship.test_models`` and are re-exported here.
 
     tables = [EmbeddingBagConfig(num_embeddings=100, embedding_dim=8, name="t0", feature_names=["f0"])]
     weighted = [EmbeddingBagConfig(num_embeddings=50, embedding_dim=4, name="w0", feature_names=["wf0"])]
