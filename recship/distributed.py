@@ -73,6 +73,7 @@ from recship.trainer.distributed.model_utils import (add_prefix_to_state_dict, c
                                                     get_unsharded_module_names, get_unwrapped_module, sharded_model_copy)
 from recship.trainer.train_pipeline import DataLoadingThread, EvalPipelineSparseDist
 from recship.trainer.gradient_accumulation import GradientAccumulationConfig, GradientAccumulationWrapper
+from recship.trainer.hybrid_eval import HybridEvalDMP
 from recship.trainer.planner.types import ObjectPoolShardingPlan, ObjectPoolShardingType
 
 
@@ -154,6 +155,7 @@ __all__ = [
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
     "GradientAccumulationConfig", "GradientAccumulationWrapper", "ObjectPoolShardingPlan", "ObjectPoolShardingType",
     "FusedEmbeddingBagCollectionSharder", "ShardedFusedEmbeddingBagCollection",
+    "HybridEvalDMP",
 ]
 
 
