@@ -7,7 +7,7 @@ batches and outputs bit for bit (/tmp scripts, not in the repo)."""
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
 import torch
