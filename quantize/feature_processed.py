@@ -32,7 +32,7 @@ class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
     [rows, 4] uint8 or None), as TorchRec's ``quantize_state_dict`` makes them (None: rows zero, to be loaded);
     ``register_tbes`` / ``quant_state_dict_split_scale_bias`` choose the state_dict layout (see
     ``QuantTables.set_state_dict_layout``). ``feature_processor`` is required (TorchRec asserts; here ValueError).
-    The outputs are float32 (``output_dtype`` must be torch.float); ``cache_features_order`` is accepted and
+    The outputs are in ``output_dtype`` (float32 by default; as QuantEmbeddingBagCollection's); ``cache_features_order`` is accepted and
     changes nothing (recship looks features up by name).
     """
 
@@ -92,7 +92,8 @@ class QuantFeatureProcessedEmbeddingBagCollection(QuantEmbeddingBagCollection):
                 elif hasattr(ebc, attr):
                     delattr(ebc, attr)
         device = next(iter(quantized.table_weights().values()))[0].device
-        out = cls(quantized.embedding_bag_configs(), ebc.is_weighted(), device=device, row_alignment=quantized.row_alignment, feature_processor=processors,
+        out = cls(quantized.embedding_bag_configs(), ebc.is_weighted(), device=device, output_dtype=quantized.output_dtype(),
+                  row_alignment=quantized.row_alignment, feature_processor=processors,
                   register_tbes=bool(getattr(module, REGISTER_TBES_ATTR, False)),
                   quant_state_dict_split_scale_bias=bool(getattr(ebc, SPLIT_SCALE_BIAS_ATTR, False)), id_policy=quantized.id_policy)
         copy_rows(quantized, out)

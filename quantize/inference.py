@@ -7,7 +7,8 @@
 
 Both quantizers go through torch's ``quantize_dynamic`` with a QuantConfig and ``from_float``, as TorchRec's, so the
 stored rows are those of TorchRec 1.8.0's quantized modules (fbgemm's row-wise quantization, rows padded to 16 bytes).
-What differs: the outputs are float32 only (``output_dtype`` other than torch.float is a ValueError), and a
+``output_dtype`` (torch.float, torch.half, torch.bfloat16) is TorchRec's; a model quantized with another than
+torch.float stays in eager use (export, serving and inference sharding take float32 outputs). What differs: a
 collection on ``meta`` quantizes to zero rows on the CPU, to be loaded (TorchRec keeps them on meta).
 """
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
 from recship.quantize.modules import PRUNING_ATTR, REGISTER_TBES_ATTR, QuantEmbeddingBagCollection, QuantEmbeddingCollection
-from recship.quantize.quantizer import QuantConfig
+from recship.quantize.quantizer import QuantConfig, check_output_dtype
 from recship.quantize.tbe import QuantTables
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection
@@ -54,8 +55,7 @@ def _qconfig(weight_dtype: torch.dtype, output_dtype: torch.dtype,
              per_table_weight_dtype: Optional[Dict[str, torch.dtype]]) -> QuantConfig:
     from torch.ao.quantization import PlaceholderObserver
 
-    if output_dtype != torch.float:
-        raise ValueError(f"output_dtype {output_dtype}: recship's quantized collections answer float32")
+    check_output_dtype(output_dtype)
     # min/max rows, as TorchRec's (fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf): not recship's error-minimising
     # INT4/INT2 clipping, so the stored rows are TorchRec's bytes
     return QuantConfig(activation=PlaceholderObserver.with_args(dtype=output_dtype), error_minimizing=False,
@@ -79,7 +79,8 @@ def quantize_embeddings(
             torch.float16, torch.float32.
         inplace: swap inside ``module``; otherwise a deep copy is quantized.
         per_table_weight_dtype: table name -> dtype, overriding ``dtype``.
-        output_dtype: torch.float only (recship's quantized collections answer float32).
+        output_dtype: the quantized collections' output dtype (torch.float, torch.half, torch.bfloat16); export,
+            serving and inference sharding take torch.float.
 
     Unlike ``recship.quantize.quantize_embeddings`` (which quantizes EmbeddingCollections too, and reports the
     error), EmbeddingCollections are left alone unless ``additional_mapping`` maps them, as TorchRec does.
@@ -146,7 +147,7 @@ def quantize_inference_model(
 
     ``quantization_mapping``: type name (``torch.typename``) -> quantized class, instead of
     ``DEFAULT_QUANT_MAPPING``. As TorchRec's, the quantized modules' state_dicts include their TBEs' buffers
-    (``tbes.<i>.*``, TorchRec's ``quant_prep_enable_register_tbes``). ``output_dtype``: torch.float only.
+    (``tbes.<i>.*``, TorchRec's ``quant_prep_enable_register_tbes``). ``output_dtype``: as for ``quantize_embeddings``.
     """
     mapping = DEFAULT_QUANT_MAPPING if quantization_mapping is None else quantization_mapping
     spec_keys: List[Type[nn.Module]] = []

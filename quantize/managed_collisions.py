@@ -64,7 +64,7 @@ def _check_collection(kind: str, tables: Sequence[BaseEmbeddingConfig], mcc: Opt
 
 class QuantManagedCollisionEmbeddingCollection(QuantEmbeddingCollection):
     """Managed collisions, then quantized unpooled lookups: KJT of raw ids in, ({feature: JaggedTensor of [n, dim]
-    float32 rows}, the remapped KJT) out.
+    rows in ``output_dtype``}, the remapped KJT) out.
 
     TorchRec's constructor: the arguments of QuantEmbeddingCollection (``tables`` with their stored ``data_type``,
     ``table_name_to_quantized_weights`` from ``quantize_state_dict`` or None for zero rows to be loaded, ...), and
@@ -112,7 +112,7 @@ class QuantManagedCollisionEmbeddingCollection(QuantEmbeddingCollection):
             raise TypeError(f"{cls.__name__}.from_float takes a ManagedCollisionEmbeddingCollection, got {type(module).__name__}")
         inner = _quantized_inner(module, EmbeddingCollection, QuantEmbeddingCollection)
         assert isinstance(inner, QuantEmbeddingCollection)  # _quantized_inner builds or checks it
-        return cls(inner.embedding_configs(), inner.device, need_indices=inner.need_indices(),
+        return cls(inner.embedding_configs(), inner.device, need_indices=inner.need_indices(), output_dtype=inner.output_dtype(),
                    table_name_to_quantized_weights=inner.table_weights(), row_alignment=inner.row_alignment,
                    managed_collision_collection=module._managed_collision_collection,
                    return_remapped_features=module._return_remapped_features, id_policy=inner.id_policy,
@@ -120,7 +120,7 @@ class QuantManagedCollisionEmbeddingCollection(QuantEmbeddingCollection):
 
 
 class QuantManagedCollisionEmbeddingBagCollection(QuantEmbeddingBagCollection):
-    """Managed collisions, then quantized pooled lookups: KJT of raw ids in, (KeyedTensor [B, sum of dims] float32,
+    """Managed collisions, then quantized pooled lookups: KJT of raw ids in, (KeyedTensor [B, sum of dims] in ``output_dtype``,
     the remapped KJT) out.
 
     TorchRec's constructor: the arguments of QuantEmbeddingBagCollection and ``managed_collision_collection``
@@ -167,7 +167,7 @@ class QuantManagedCollisionEmbeddingBagCollection(QuantEmbeddingBagCollection):
             raise TypeError(f"{cls.__name__}.from_float takes a ManagedCollisionEmbeddingBagCollection, got {type(module).__name__}")
         inner = _quantized_inner(module, EmbeddingBagCollection, QuantEmbeddingBagCollection)
         assert isinstance(inner, QuantEmbeddingBagCollection)  # _quantized_inner builds or checks it
-        return cls(inner.embedding_bag_configs(), inner.is_weighted(), inner.device,
+        return cls(inner.embedding_bag_configs(), inner.is_weighted(), inner.device, output_dtype=inner.output_dtype(),
                    table_name_to_quantized_weights=inner.table_weights(), row_alignment=inner.row_alignment,
                    managed_collision_collection=module._managed_collision_collection,
                    return_remapped_features=module._return_remapped_features, id_policy=inner.id_policy,

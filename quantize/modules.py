@@ -2,8 +2,9 @@
 (``recship.quantize.tbe``), and the functions that build them from float collections.
 
 Same contract as the float EmbeddingBagCollection: KJT in, KeyedTensor out (keys
-in table order, float32 values). ``quantize_embeddings`` swaps every float collection of a
-model for its quantized twin; ``quantize_embedding_bag_collection`` /
+in table order, float32 values; float16 / bfloat16 with TorchRec's ``output_dtype``, for eager use only: the
+flat lookup behind export and serving, and inference sharding, take float32 collections).
+``quantize_embeddings`` swaps every float collection of a model for its quantized twin; ``quantize_embedding_bag_collection`` /
 ``quantize_embedding_collection`` quantize one; ``from_float`` is TorchRec's way to the same.
 Each table is quantized by ``recship.quantize.quantizer`` (types, rows, error report).
 """
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
-                                        choose_types, quantize_into)
+                                        choose_types, quantize_into, require_float32_output)
 from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
@@ -33,7 +34,7 @@ StoredRows = Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 class QuantEmbeddingBagCollection(QuantTables):
-    """Quantized pooled lookups: KJT in, KeyedTensor (float32) out.
+    """Quantized pooled lookups: KJT in, KeyedTensor (``output_dtype``, float32 by default) out.
 
     TorchRec's constructor (``torchrec.quant.embedding_modules.EmbeddingBagCollection``):
 
@@ -41,7 +42,8 @@ class QuantEmbeddingBagCollection(QuantTables):
         tables: the table configs; each table is stored in its ``data_type`` (INT8, INT4, INT2, FP8, FP16, FP32).
         is_weighted: use the KJT's weights as per-id scores.
         device: "cpu" or a CUDA device.
-        output_dtype: torch.float only (the outputs are float32).
+        output_dtype: the outputs' dtype, torch.float, torch.half or torch.bfloat16 (fbgemm pools in float32 and
+            converts, as for TorchRec's); export, serving and inference sharding take torch.float only.
         table_name_to_quantized_weights: table -> (packed rows [rows, data bytes] uint8, scale/bias [rows, 4] uint8
             or None), as TorchRec's ``quantize_state_dict`` gives them; None: rows zero, to be loaded.
         register_tbes, quant_state_dict_split_scale_bias: the state_dict layout (``set_state_dict_layout``).
@@ -73,11 +75,11 @@ class QuantEmbeddingBagCollection(QuantTables):
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-        _check_output_dtype(output_dtype)
         modes = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
         groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
         types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
-        self._build(tables, [g for g in groups if g[1]], types, torch.device(device), row_alignment, id_policy, "embedding_bags")
+        self._build(tables, [g for g in groups if g[1]], types, torch.device(device), row_alignment, id_policy, "embedding_bags",
+                    output_dtype)
         self._is_weighted = is_weighted
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
         # output columns: the groups' outputs reordered into table order
@@ -106,6 +108,7 @@ class QuantEmbeddingBagCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables (no row blocks), each TBE pooling itself."""
+        self._require_float32_output("the flat lookup (export, serving)")
         dims = dict(zip(self._names, self._dims))
         rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
         groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
@@ -135,7 +138,7 @@ class QuantEmbeddingBagCollection(QuantTables):
 
 
 class QuantEmbeddingCollection(QuantTables):
-    """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] float32 rows} out.
+    """Quantized unpooled lookups: KJT in, {feature: JaggedTensor of [N, dim] rows (``output_dtype``)} out.
 
     Tables of equal dim share one TBE (fbgemm's unpooled mode needs one width). TorchRec's constructor; arguments
     as for QuantEmbeddingBagCollection (no weights: rows are not pooled), and ``need_indices``: each output
@@ -162,11 +165,10 @@ class QuantEmbeddingCollection(QuantTables):
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
-        _check_output_dtype(output_dtype)
         dims = sorted({t.embedding_dim for t in tables})
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
         types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
-        self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings")
+        self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings", output_dtype)
         self._names = [f for t in tables for f in t.feature_names]
         self._need_indices = need_indices
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
@@ -193,6 +195,7 @@ class QuantEmbeddingCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables, rows unpooled (``dims``: each feature's row width)."""
+        self._require_float32_output("the flat lookup (export, serving)")
         dims = {f: t.embedding_dim for t in self._tables for f in t.feature_names}
         rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
         groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
@@ -211,11 +214,6 @@ class QuantEmbeddingCollection(QuantTables):
         """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
         see ``QuantEmbeddingBagCollection.from_float``."""
         return quantize_from_float(cls, module)
-
-
-def _check_output_dtype(output_dtype: torch.dtype) -> None:
-    if output_dtype != torch.float:
-        raise ValueError(f"output_dtype {output_dtype}: recship's quantized collections answer float32")
 
 
 def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:
@@ -260,6 +258,8 @@ def _quantize_bags(ebc: EmbeddingBagCollection, config: QuantConfig, weights: Op
                    on_table: Optional[TableHook], layout: Optional[Layout]) -> Tuple[nn.Module, QuantizationReport]:
     """``quantize_embedding_bag_collection``, the rows placed by ``layout`` when it gives a place."""
     tables = ebc.embedding_bag_configs()
+    if layout is not None:
+        require_float32_output(config.output_dtype, "inference sharding at export")
     source: Union[_OneAtATime, Dict[str, torch.Tensor]] = (
         _OneAtATime(weights) if weights is not None else {t.name: _table_weight(ebc.embedding_bags, t.name) for t in tables}
     )
@@ -268,7 +268,7 @@ def _quantize_bags(ebc: EmbeddingBagCollection, config: QuantConfig, weights: Op
         placed = None if layout is None else layout(tables, types, ebc.is_weighted(), config)
         if placed is not None:
             return placed
-        return _whole(QuantEmbeddingBagCollection(tables, ebc.is_weighted(), config.device, weight_types=types,
+        return _whole(QuantEmbeddingBagCollection(tables, ebc.is_weighted(), config.device, config.output_dtype, weight_types=types,
                                                   row_alignment=config.alignment, id_policy=config.id_policy))
 
     return _quantize(tables, source.__getitem__, build, config, on_table)
@@ -312,7 +312,8 @@ def quantize_embedding_collection(
         ec.embedding_configs(),
         weights.__getitem__,
         lambda types: _whole(QuantEmbeddingCollection(
-            ec.embedding_configs(), config.device, need_indices=ec.need_indices(), weight_types=types, row_alignment=config.alignment,
+            ec.embedding_configs(), config.device, need_indices=ec.need_indices(), output_dtype=config.output_dtype, weight_types=types,
+            row_alignment=config.alignment,
             id_policy=config.id_policy
         )),
         config,
@@ -509,9 +510,10 @@ def _empty_twin(module: FloatCollection, config: QuantConfig) -> Union[QuantEmbe
             raise ValueError(f"table {t.name!r} is on meta: its type cannot be chosen from its weights ({chosen!r})")
         types[t.name] = chosen
     if isinstance(module, EmbeddingBagCollection):
-        return QuantEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), "cpu", weight_types=types,
+        return QuantEmbeddingBagCollection(module.embedding_bag_configs(), module.is_weighted(), "cpu", config.output_dtype, weight_types=types,
                                            row_alignment=config.alignment, id_policy=config.id_policy)
-    return QuantEmbeddingCollection(module.embedding_configs(), "cpu", need_indices=module.need_indices(), weight_types=types,
+    return QuantEmbeddingCollection(module.embedding_configs(), "cpu", need_indices=module.need_indices(), output_dtype=config.output_dtype,
+                                    weight_types=types,
                                     row_alignment=config.alignment, id_policy=config.id_policy)
 
 

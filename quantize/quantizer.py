@@ -71,7 +71,8 @@ class QuantConfig:
         activation, weight, per_table_weight_dtype: TorchRec's way to say the same
             (``QuantConfig(activation=PlaceholderObserver.with_args(dtype=torch.float),
             weight=PlaceholderObserver.with_args(dtype=torch.int8))``): observer factories
-            whose dtypes give the output type (float32 only) and ``dtype``, and
+            whose dtypes give the output type (``output_dtype``: float32, float16 or bfloat16;
+            export, serving and inference sharding take float32) and ``dtype``, and
             table -> torch dtype entries for ``table_dtypes`` (``DataType.from_quant_dtype``).
             Pass them by keyword; a type they give must agree with one given directly.
     """
@@ -110,12 +111,7 @@ class QuantConfig:
             parsed = from_weight
         self.dtype = DataType.INT8 if parsed is None else parsed
         if self.activation is not None:
-            out = _observer_dtype(self.activation, "activation")
-            if out != torch.float32:
-                raise ValueError(
-                    f"activation dtype {out}: recship's quantized collections output float32 only; "
-                    "use PlaceholderObserver.with_args(dtype=torch.float)"
-                )
+            check_output_dtype(_observer_dtype(self.activation, "activation"), "activation dtype")
         self.table_dtypes = {t: _parse_type(v, f"table {t!r}") for t, v in self.table_dtypes.items()}
         for t, dtype in (self.per_table_weight_dtype or {}).items():
             dt = _observed_type(dtype, f"per_table_weight_dtype[{t!r}]")
@@ -128,6 +124,12 @@ class QuantConfig:
             raise ValueError(f"chunk_rows must be >= 1, got {self.chunk_rows}")
 
     @property
+    def output_dtype(self) -> torch.dtype:
+        """The quantized collections' output dtype: the activation observer's (TorchRec reads
+        ``qconfig.activation().dtype``), float32 without one."""
+        return torch.float32 if self.activation is None else _observer_dtype(self.activation, "activation")
+
+    @property
     def alignment(self) -> int:
         if self.row_alignment is not None:
             return self.row_alignment
@@ -136,6 +138,25 @@ class QuantConfig:
 
 # what torch's quantize_dynamic reads to tell a namedtuple QConfig (see the comment above)
 QuantConfig._fields = tuple(f.name for f in dataclasses.fields(QuantConfig))
+
+
+# what fbgemm's inference TBE can answer in (its output_dtype), as TorchRec's quantized collections take it
+OUTPUT_DTYPES: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_output_dtype(dtype: torch.dtype, what: str = "output_dtype") -> torch.dtype:
+    """``dtype`` if the quantized collections can output it (float32, float16, bfloat16), else ValueError."""
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"{what} {dtype}: the quantized collections output one of {list(OUTPUT_DTYPES)}")
+    return dtype
+
+
+def require_float32_output(dtype: torch.dtype, what: str) -> None:
+    """ValueError unless ``dtype`` is float32: ``what`` (the flat lookup behind export and serving, inference
+    sharding) answers float32, so a collection built with another output dtype stays in eager use."""
+    if dtype != torch.float32:
+        raise ValueError(f"{what} takes quantized collections that output float32; this one outputs {dtype} "
+                         "(output_dtype / the qconfig's activation dtype); quantize with torch.float for it")
 
 
 def _observer_dtype(factory: Any, what: str) -> torch.dtype:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from recship.names import ID_POLICIES
+from recship.quantize.quantizer import check_output_dtype, require_float32_output
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
@@ -211,17 +212,21 @@ class QuantTables(nn.Module):
         row_alignment: Optional[int],
         id_policy: Optional[Dict[str, str]],
         rows_container: str,
+        output_dtype: torch.dtype = torch.float32,
     ) -> None:
         """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced.
 
         rows_container: the ModuleDict (``embedding_bags`` / ``embeddings``) whose
         ``<table>.weight`` buffers expose each table's stored rows.
+        output_dtype: what the TBEs answer in (float32, float16, bfloat16): fbgemm pools in float32 and
+            converts the result, as TorchRec's collections do with the same ``output_dtype``.
         """
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
         from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
         self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
+        self._output_dtype = check_output_dtype(output_dtype)
         self._device = torch.device(device)
         id_policy = dict(id_policy or {})
         all_features = [f for t in tables for f in t.feature_names]
@@ -260,7 +265,8 @@ class QuantTables(nn.Module):
                 pooling_mode=pooling_mode,
                 device=device,
                 bounds_check_mode=BoundsCheckMode.FATAL,
-                output_dtype=SparseType.FP32,
+                output_dtype={torch.float32: SparseType.FP32, torch.float16: SparseType.FP16,
+                              torch.bfloat16: SparseType.BF16}[self._output_dtype],
                 row_alignment=self.row_alignment,
                 fp8_exponent_bits=FP8_EXPONENT_BITS,
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
@@ -277,6 +283,13 @@ class QuantTables(nn.Module):
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
+
+    def output_dtype(self) -> torch.dtype:
+        """The dtype of the lookups' results (TorchRec's ``output_dtype()``)."""
+        return self._output_dtype
+
+    def _require_float32_output(self, what: str) -> None:
+        require_float32_output(self._output_dtype, what)
 
     @property
     def device(self) -> torch.device:

@@ -43,4 +43,4 @@ def test_quantize_then_shard_through_the_import_map():
     assert t0.sharding_type == "row_wise" and [(s.shard_offsets, s.shard_sizes) for s in t0.shards] == [([0, 0], [20, 8]), ([20, 0], [20, 8])]
     assert t1.sharding_type == "table_wise" and [s.shard_sizes for s in t1.shards] == [[30, 8]]
     with pytest.raises(ValueError, match="output_dtype"):
-        quantize_inference_model(_model_and_kjt()[0], output_dtype=torch.float16)
+        quantize_inference_model(_model_and_kjt()[0], output_dtype=torch.int8)

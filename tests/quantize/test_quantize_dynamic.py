@@ -195,8 +195,8 @@ def test_bad_configs_are_refused_by_name():
         _qconfig(torch.int32)
     with pytest.raises(ValueError, match="BF16 cannot be served"):
         _qconfig(torch.bfloat16)
-    with pytest.raises(ValueError, match="activation dtype torch.float16"):
-        QuantConfig(activation=quant.PlaceholderObserver.with_args(dtype=torch.half), weight=quant.PlaceholderObserver.with_args(dtype=torch.int8))
+    with pytest.raises(ValueError, match="activation dtype torch.int8"):
+        QuantConfig(activation=quant.PlaceholderObserver.with_args(dtype=torch.int8), weight=quant.PlaceholderObserver.with_args(dtype=torch.int8))
     with pytest.raises(ValueError, match="dtype INT4 disagrees with the weight observer's INT8"):
         _qconfig(torch.int8, dtype="int4")
     with pytest.raises(ValueError, match="table 't1': table_dtypes says FP16, per_table_weight_dtype INT8"):
