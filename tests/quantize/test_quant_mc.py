@@ -17,6 +17,7 @@ from torch.ao import quantization as quant
 from recship.distributed import (InferManagedCollisionCollectionSharder, QuantEmbeddingBagCollectionSharder,
                                  QuantEmbeddingCollectionSharder, QuantManagedCollisionEmbeddingCollectionSharder, ShardingEnv,
                                  ShardingPlan, _shard_modules)
+from recship.inference import quantize_embeddings
 from recship.quantize.embedding_modules import (QuantEmbeddingBagCollection, QuantEmbeddingCollection,
                                                 QuantManagedCollisionEmbeddingBagCollection, QuantManagedCollisionEmbeddingCollection)
 from recship.quantize.managed_collisions import ManagedCollisionLookup
@@ -74,12 +75,18 @@ def _reference_remap(mc: nn.Module, kjt: KeyedJaggedTensor) -> Dict[str, torch.T
 
 
 def _rows(q: nn.Module) -> Dict[str, torch.Tensor]:
-    """table -> the float32 values the quantized bytes hold (INT8: codes * fp16 scale + fp16 bias)."""
+    """table -> the float32 values the quantized bytes hold: codes * fp16 scale + fp16 bias, an INT8 code per byte,
+    two INT4 codes per byte (low nibble first)."""
     out = {}
     for t in q.tables():
         data, scale_bias = q.table_weights()[t.name]
         sb = scale_bias.contiguous().view(torch.float16).float()
-        out[t.name] = data[:, : t.embedding_dim].float() * sb[:, 0:1] + sb[:, 1:2]
+        if q.weight_types()[t.name] == DataType.INT4:
+            nibbles = torch.stack([data & 0xF, data >> 4], dim=2).reshape(data.shape[0], -1)
+            codes = nibbles[:, : t.embedding_dim]
+        else:
+            codes = data[:, : t.embedding_dim]
+        out[t.name] = codes.float() * sb[:, 0:1] + sb[:, 1:2]
     return out
 
 
@@ -88,12 +95,19 @@ def _feature_rows(q: nn.Module) -> Dict[str, torch.Tensor]:
     return {f: rows[t.name] for t in q.tables() for f in t.feature_names}
 
 
-@pytest.mark.parametrize("how", ["from_float", "quantize_dynamic"])
+@pytest.mark.parametrize("how", ["from_float", "quantize_dynamic", "inference.quantize_embeddings"])
 def test_bags_equal_the_dequantized_reference(how: str) -> None:
     mc = _trained(bag=True)
+    kind = DataType.INT8
     if how == "from_float":
         mc.qconfig = QCONFIG
         q = QuantManagedCollisionEmbeddingBagCollection.from_float(mc)
+    elif how == "inference.quantize_embeddings":  # TorchRec's helper, its min/max INT4 rows
+        kind = DataType.INT4
+        holder = nn.ModuleDict({"mc": mc})
+        quantize_embeddings(holder, dtype=torch.quint4x2, inplace=True, additional_qconfig_spec_keys=[ManagedCollisionEmbeddingBagCollection],
+                            additional_mapping={ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection})
+        q = holder["mc"]
     else:  # TorchRec's way: the inner collection is swapped first, then the managed-collision module
         holder = nn.ModuleDict({"mc": mc})
         quant.quantize_dynamic(holder, qconfig_spec={EmbeddingBagCollection: QCONFIG, ManagedCollisionEmbeddingBagCollection: QCONFIG},
@@ -101,7 +115,7 @@ def test_bags_equal_the_dequantized_reference(how: str) -> None:
                                         ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection}, inplace=True)
         q = holder["mc"]
     assert type(q) is QuantManagedCollisionEmbeddingBagCollection
-    assert q.weight_types() == {"t0": DataType.INT8, "t1": DataType.INT8}
+    assert q.weight_types() == {"t0": kind, "t1": kind}
     rows = _feature_rows(q)
     for kjt in _kjts(7, 2):
         pooled, remapped = q(kjt)
