@@ -112,8 +112,24 @@ def plan_inference_shards(
 class ShardedQuantEmbeddingBagCollection(nn.Module):
     """Quantized tables spread over devices; KJT in (on the first device), KeyedTensor out there.
 
-    Built by ``shard_quantized`` (rows quantized from float weights at export, or copied
-    from a quantized module by ``shard_quant_model``); see the module docstring.
+    TorchRec's constructor shards a QuantEmbeddingBagCollection as a plan says, its stored rows copied:
+
+        sharded = ShardedQuantEmbeddingBagCollection(qebc, {"t0": ps0, "t1": ps1}, ShardingEnv.from_local(2, 0))
+
+    Args:
+        module: the QuantEmbeddingBagCollection (its output dtype float32).
+        table_name_to_parameter_sharding: table name -> ParameterSharding (table_wise, row_wise or column_wise;
+            its ``shards``, or else its ``ranks``, place the blocks), one entry per table.
+        env: ``ShardingEnv.from_local(world_size, rank)``: one process drives ``world_size`` devices.
+        fused_params: TorchRec's inference keys (``FUSED_PARAM_REGISTER_TBE_BOOL``,
+            ``FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS``: the blocks' state_dict layout;
+            ``FUSED_PARAM_BOUNDS_CHECK_MODE``, ``FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP``: no effect, ids are always
+            checked); any other key is a ValueError.
+        device: the device type the blocks go to: cpu (default; ``world_size`` blocks in host memory) or cuda
+            (cuda:0 .. cuda:<world_size - 1>).
+
+    ``shard_quantized`` builds one with its rows still to fill (export quantizes float weights into them), and
+    ``shard_quant_model`` / the inference sharders build them from quantized modules; see the module docstring.
     """
 
     _features: List[str]
@@ -132,6 +148,52 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
 
     def __init__(
         self,
+        module: QuantEmbeddingBagCollection,
+        table_name_to_parameter_sharding: Dict[str, ParameterSharding],
+        env: "ShardingEnv",
+        fused_params: Optional[Dict[str, Any]] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
+                                                       FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL)
+
+        super().__init__()
+        if not isinstance(module, QuantEmbeddingBagCollection):
+            raise TypeError(f"ShardedQuantEmbeddingBagCollection shards a QuantEmbeddingBagCollection, got {type(module).__name__}")
+        params = dict(fused_params or {})
+        known = (FUSED_PARAM_REGISTER_TBE_BOOL, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_BOUNDS_CHECK_MODE,
+                 FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP)
+        unknown = sorted(set(params) - set(known))
+        if unknown:
+            raise ValueError(f"ShardedQuantEmbeddingBagCollection: fused_params keys {unknown} are not taken; inference "
+                             f"sharding takes {list(known)}")
+        devices = local_devices(int(env.world_size), device or "cpu")
+        tables = module.embedding_bag_configs()
+        shards = _shards_from_plan("", tables, dict(table_name_to_parameter_sharding), len(devices))
+        _shard_one(module, devices, {t.name: ShardingType.TABLE_WISE for t in tables}, shards, into=self)
+        split, register = bool(params.get(FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS)), bool(params.get(FUSED_PARAM_REGISTER_TBE_BOOL))
+        if split or register:
+            for block in self.shards:
+                block.set_state_dict_layout(split_scale_bias=split, register_tbes=register)
+
+    @classmethod
+    def _from_shards(
+        cls,
+        tables: List[EmbeddingBagConfig],
+        shards: Dict[str, List[InferenceShard]],
+        device_modules: List[Optional[QuantEmbeddingBagCollection]],
+        devices: List[torch.device],
+        is_weighted: bool,
+        id_policy: Optional[Dict[str, str]] = None,
+    ) -> "ShardedQuantEmbeddingBagCollection":
+        """One over already-built device modules (what ``shard_quantized`` makes)."""
+        sharded = cls.__new__(cls)
+        nn.Module.__init__(sharded)
+        sharded._build(tables, shards, device_modules, devices, is_weighted, id_policy)
+        return sharded
+
+    def _build(
+        self,
         tables: List[EmbeddingBagConfig],
         shards: Dict[str, List[InferenceShard]],
         device_modules: List[Optional[QuantEmbeddingBagCollection]],
@@ -139,7 +201,6 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         is_weighted: bool,
         id_policy: Optional[Dict[str, str]] = None,
     ) -> None:
-        super().__init__()
         self.shards = nn.ModuleList([m for m in device_modules if m is not None])
         self._device_index = [i for i, m in enumerate(device_modules) if m is not None]
         self._device_names = [str(devices[i]) for i in self._device_index]
@@ -272,8 +333,10 @@ def shard_quantized(
     is_weighted: bool,
     id_policy: Optional[Dict[str, str]] = None,
     row_alignment: Optional[int] = None,
+    into: Optional[ShardedQuantEmbeddingBagCollection] = None,
 ) -> Tuple[ShardedQuantEmbeddingBagCollection, Dict[str, List[BlockView]]]:
-    """The sharded module, its rows still empty, and per table the views of its shards to fill.
+    """The sharded module (``into``, when given, a ShardedQuantEmbeddingBagCollection being constructed), its rows
+    still empty, and per table the views of its shards to fill.
 
     Every table's BlockViews tile its [rows, dim] weight, one per shard, in device order
     (``recship.quantize.quantize_into`` fills them from float weights). Ids are validated
@@ -308,7 +371,10 @@ def shard_quantized(
             rows, cols = slice(s.row_offset, s.row_offset + s.rows), slice(s.col_offset, s.col_offset + s.cols)
             views[s.table].append(BlockView(rows, cols, *stored[s.name]))
         modules.append(module)
-    return ShardedQuantEmbeddingBagCollection(tables, shards, modules, devices, is_weighted, id_policy), views
+    if into is None:
+        return ShardedQuantEmbeddingBagCollection._from_shards(tables, shards, modules, devices, is_weighted, id_policy), views
+    into._build(tables, shards, modules, devices, is_weighted, id_policy)
+    return into, views
 
 
 def shard_quant_model(
@@ -386,8 +452,10 @@ def _shard_one(
     devices: List[torch.device],
     kinds: Dict[str, ShardingType],
     plan: Optional[Dict[str, List[InferenceShard]]] = None,
+    into: Optional[ShardedQuantEmbeddingBagCollection] = None,
 ) -> Tuple[ShardedQuantEmbeddingBagCollection, Dict[str, List[InferenceShard]]]:
-    """(the sharded module, its shards): ``plan`` places the blocks, or else ``kinds`` and the least-loaded device."""
+    """(the sharded module (``into`` when given), its shards): ``plan`` places the blocks, or else ``kinds`` and the
+    least-loaded device."""
     qebc._require_float32_output("inference sharding")  # the shards answer float32 and merge in float32
     tables = qebc.embedding_bag_configs()
     types = qebc.weight_types()
@@ -402,7 +470,7 @@ def _shard_one(
     stored = {name: int(data.numel()) + (0 if sb is None else int(sb.numel())) for name, (data, sb) in source.items()}
     if plan is None:
         plan = plan_inference_shards(tables, len(devices), kinds, bytes_per_table=stored)
-    sharded, views = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), qebc.id_policy)
+    sharded, views = shard_quantized(tables, types, plan, devices, qebc.is_weighted(), qebc.id_policy, into=into)
     for t in tables:
         src_data, src_scale_bias = source[t.name]
         for v in views[t.name]:
