@@ -174,7 +174,7 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         split, register = bool(params.get(FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS)), bool(params.get(FUSED_PARAM_REGISTER_TBE_BOOL))
         if split or register:
             for block in self.shards:
-                block.set_state_dict_layout(split_scale_bias=split, register_tbes=register)
+                cast(QuantEmbeddingBagCollection, block).set_state_dict_layout(split_scale_bias=split, register_tbes=register)
 
     @classmethod
     def _from_shards(
