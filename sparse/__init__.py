@@ -13,6 +13,8 @@ from recship.sparse.regroup import (CacheMixin, DataType, KTRegroupAsDict, Permu
                                     is_fx_tracing, module_init, permute_multi_embedding, regroup_kts)
 from recship.sparse.streamable import Multistreamable, Pipelineable
 
+import recship.sparse.pytree  # noqa: F401,E402  (registers KeyedJaggedTensor as a pytree node)
+
 __all__ = ["CacheMixin", "ComputeJTDictToKJT", "ComputeKJTToJTDict", "DataType", "JaggedTensor", "KTRegroupAsDict",
            "KeyedJaggedTensor", "KeyedTensor", "Multistreamable", "PermuteMultiEmbedding", "Pipelineable",
            "data_type_to_dtype", "flatten_kjt_list", "is_fx_tracing", "is_non_strict_exporting", "is_pt2_compiling",

@@ -28,6 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from recship.sparse.kjt_caches import check_kjt_caches, check_kt_caches
+from recship.sparse.segments import empty_index_or_same, permute_jagged
 
 
 # ---------------------------------------------------------------------------
@@ -160,6 +161,12 @@ class JaggedTensor:
         lengths: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
     ) -> None:
+        if torch.jit.is_scripting():
+            lengths = empty_index_or_same(lengths)
+            offsets = empty_index_or_same(offsets)
+        elif not _is_proxy(values):
+            lengths = empty_index_or_same(lengths)
+            offsets = empty_index_or_same(offsets)
         if lengths is None:
             if offsets is None:
                 raise ValueError("JaggedTensor: give lengths or offsets")
@@ -459,12 +466,38 @@ def _nested_int_list(stride_per_key_per_rank: Any) -> Optional[List[List[int]]]:
     return stride_per_key_per_rank
 
 
+def _sum_by_splits(values: List[int], splits: List[int]) -> List[int]:
+    """[sum of values' first splits[0] entries, of the next splits[1], ...]."""
+    out: List[int] = []
+    start = 0
+    for n in splits:
+        total = 0
+        for v in values[start : start + n]:
+            total += v
+        out.append(total)
+        start += n
+    return out
+
+
 # ---------------------------------------------------------------------------
 # KeyedJaggedTensor
 # ---------------------------------------------------------------------------
 
 
-class KeyedJaggedTensor:
+class _TracedWithTracedKeys(type):
+    """KeyedJaggedTensor's metaclass: during torch.fx tracing, a KJT built from traced keys (a forward argument, or
+    another traced KJT's ``keys()``) is itself a traced value, one ``KeyedJaggedTensor(...)`` call in the graph, as
+    TorchRec's KJT under fx: no Python object can hold keys known only when the graph runs. With concrete keys the
+    KJT is built as usual (over traced tensors, if so), so modules can read its keys while tracing."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        keys = args[0] if len(args) > 0 else kwargs.get("keys")
+        if isinstance(keys, torch.fx.Proxy):
+            return keys.tracer.create_proxy("call_function", cls, args, kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
     """A batch of several sparse features (keys), stored feature-major.
 
     Args:
@@ -520,9 +553,21 @@ class KeyedJaggedTensor:
         jt_dict: Optional[Dict[str, JaggedTensor]] = None,
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> None:
+        if torch.jit.is_scripting():
+            lengths = empty_index_or_same(lengths)
+            offsets = empty_index_or_same(offsets)
+        elif not _is_proxy(values):
+            lengths = empty_index_or_same(lengths)
+            offsets = empty_index_or_same(offsets)
+        # which of lengths / offsets the caller gave, or asked for since (TorchRec's lengths_or_none / offsets_or_none)
+        self._lengths_known = lengths is not None
+        self._offsets_known = offsets is not None
         if lengths is None:
             if offsets is None:
-                raise ValueError("KeyedJaggedTensor: give lengths or offsets")
+                if len(keys) != 0:
+                    raise ValueError("KeyedJaggedTensor: give lengths or offsets")
+                # no keys: the lengths can only be empty (TorchRec's KeyedJaggedTensor([], values))
+                offsets = torch.zeros(1, dtype=torch.int32, device=values.device)
             _check_index_dtype(offsets, "KeyedJaggedTensor: offsets")
             lengths = offsets[1:] - offsets[:-1]
         elif offsets is None:
@@ -674,18 +719,25 @@ class KeyedJaggedTensor:
         return self._values
 
     def lengths(self) -> torch.Tensor:
+        self._lengths_known = True
         return self._lengths
 
     def offsets(self) -> torch.Tensor:
+        self._offsets_known = True
         return self._offsets
 
     def lengths_or_none(self) -> Optional[torch.Tensor]:
-        """Always the lengths: recship derives them at construction (TorchRec may return None)."""
-        return self._lengths
+        """The lengths if given or asked for (``lengths()``) already, else None, as TorchRec's (recship derives
+        them at construction all the same, to validate the batch)."""
+        if self._lengths_known:
+            return self._lengths
+        return None
 
     def offsets_or_none(self) -> Optional[torch.Tensor]:
-        """Always the offsets: recship derives them at construction (TorchRec may return None)."""
-        return self._offsets
+        """The offsets if given or asked for (``offsets()``) already, else None, as TorchRec's."""
+        if self._offsets_known:
+            return self._offsets
+        return None
 
     def weights(self) -> torch.Tensor:
         w = self._weights
@@ -746,7 +798,8 @@ class KeyedJaggedTensor:
     def _refuse_variable_stride(self, what: str) -> None:
         if self._stride_per_key_per_rank is not None:
             raise ValueError(f"KeyedJaggedTensor.{what} is not supported for a variable-batch KJT (stride_per_key_per_rank) "
-                             "in recship; to_dict(), __getitem__, split_by_key() and an EmbeddingBagCollection take it")
+                             "in recship; to_dict(), __getitem__, split_by_key(), permute(), split() and an "
+                             "EmbeddingBagCollection take it")
 
     @staticmethod
     def empty_like(kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
@@ -883,12 +936,20 @@ class KeyedJaggedTensor:
         start = self.offset_per_key()[i]
         end = self.offset_per_key()[i + 1]
         w = self._weights
+        lengths = self._per_key_lengths()[i] if self._variable_stride_per_key is not None else self._key_lengths()[i]
         return JaggedTensor(
             values=self._values[start:end],
             weights=None if w is None else w[start:end],
-            lengths=self._per_key_lengths()[i] if self._variable_stride_per_key is not None else self._key_lengths()[i],
-            offsets=None,
+            lengths=lengths,
+            offsets=self._no_rows_offsets(lengths),
         )
+
+    def _no_rows_offsets(self, key_lengths: torch.Tensor) -> Optional[torch.Tensor]:
+        """A key's offsets for its JaggedTensor: with batch size 0 its (empty) lengths, as ``JaggedTensor.empty()``'s
+        and TorchRec's ``to_dict()``; else None (derived, [B + 1])."""
+        if self._variable_stride_per_key is None and self._stride == 0:
+            return key_lengths
+        return None
 
     def to_dict(self) -> Dict[str, JaggedTensor]:
         """{key: JaggedTensor} in key order; values are views, not copies (the constructor's ``jt_dict`` if given)."""
@@ -906,7 +967,7 @@ class KeyedJaggedTensor:
                 values=values[i],
                 weights=None if weights is None else weights[i],
                 lengths=lengths[i],
-                offsets=None,
+                offsets=self._no_rows_offsets(lengths[i]),
             )
         return out
 
@@ -920,12 +981,17 @@ class KeyedJaggedTensor:
         Keys may be dropped or repeated: permute([0, 0, 1]) gives keys [a, a, b].
         indices_tensor (Optional[Tensor]): [len(indices)] int, the same indices
         already on this KJT's device (saves a copy).
+
+        A variable-batch KJT keeps each key's batch sizes (its ``stride_per_key_per_rank`` rows permuted alike) and
+        its stride; as TorchRec's, the result has no ``inverse_indices``.
         """
-        self._refuse_variable_stride("permute")
         num_keys = len(self._keys)
         for i in indices:
             if i < 0 or i >= num_keys:
                 raise ValueError(f"permute: index {i} out of range for {num_keys} keys")
+        spkpr = self._stride_per_key_per_rank
+        if spkpr is not None:
+            return self._permute_variable_stride(indices, indices_tensor, spkpr)
         lpk = self.length_per_key()
         opk = self.offset_per_key()
         values: List[torch.Tensor] = []
@@ -951,6 +1017,30 @@ class KeyedJaggedTensor:
             inverse_indices=None,
         )
 
+    def _permute_variable_stride(
+        self, indices: List[int], indices_tensor: Optional[torch.Tensor], spkpr: List[List[int]]
+    ) -> "KeyedJaggedTensor":
+        """``permute`` of a variable-batch KJT: each key's run of lengths (``stride_per_key()[k]`` entries) and of
+        values / weights (``length_per_key()[k]``) taken in the order of ``indices``."""
+        lpk = self.length_per_key()
+        order = indices_tensor if indices_tensor is not None else torch.tensor(
+            indices, dtype=torch.int64, device=self._lengths.device
+        )
+        rows = torch.tensor(self.stride_per_key(), dtype=torch.int64, device=self._lengths.device)
+        lengths, values, weights = permute_jagged(self._lengths, self._values, self._weights, rows, order)
+        return KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
+            keys=[self._keys[i] for i in indices],
+            values=values,
+            weights=weights,
+            lengths=lengths,
+            stride=self._stride,
+            length_per_key=[lpk[i] for i in indices],
+            offsets=None,
+            stride_per_key_per_rank=[spkpr[i] for i in indices],
+            inverse_indices=None,
+        )
+
     def flatten_lengths(self) -> "KeyedJaggedTensor":
         """This KJT with lengths as one [F * B] vector, which recship's lengths always are."""
         return KeyedJaggedTensor(
@@ -967,8 +1057,10 @@ class KeyedJaggedTensor:
         )
 
     def split(self, segments: List[int]) -> List["KeyedJaggedTensor"]:
-        """Splits the keys into consecutive groups of the given sizes (sum = number of keys)."""
-        self._refuse_variable_stride("split")
+        """Splits the keys into consecutive groups of the given sizes (sum = number of keys).
+
+        As TorchRec's: a group of all the keys is this KJT itself; each other part keeps the stride and, for a
+        variable-batch KJT, its keys' ``stride_per_key_per_rank`` rows, and has no ``inverse_indices``."""
         total = 0
         for s in segments:
             if s < 0:
@@ -980,25 +1072,31 @@ class KeyedJaggedTensor:
             )
         lpk = self.length_per_key()
         opk = self.offset_per_key()
+        lopk = self.lengths_offset_per_key()
+        spkpr = self._stride_per_key_per_rank
         w = self._weights
         out: List[KeyedJaggedTensor] = []
         start = 0
         for s in segments:
             end = start + s
-            out.append(
-                KeyedJaggedTensor(
-                    stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
-                    keys=self._keys[start:end],
-                    values=self._values[opk[start] : opk[end]],
-                    weights=None if w is None else w[opk[start] : opk[end]],
-                    lengths=self._lengths[start * self._stride : end * self._stride],
-                    stride=self._stride,
-                    length_per_key=lpk[start:end],
-                    offsets=None,
-                    stride_per_key_per_rank=None,
-                    inverse_indices=None,
+            if s == len(self._keys):
+                out.append(self)
+            else:
+                out.append(
+                    KeyedJaggedTensor(
+                        stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+                        jt_dict=None,
+                        keys=self._keys[start:end],
+                        values=self._values[opk[start] : opk[end]],
+                        weights=None if w is None else w[opk[start] : opk[end]],
+                        lengths=self._lengths[lopk[start] : lopk[end]],
+                        stride=self._stride,
+                        length_per_key=lpk[start:end],
+                        offsets=None,
+                        stride_per_key_per_rank=None if spkpr is None else spkpr[start:end],
+                        inverse_indices=None,
+                    )
                 )
-            )
             start = end
         return out
 
@@ -1108,11 +1206,132 @@ class KeyedJaggedTensor:
             inverse_indices=None,
         )
 
+    # -- input distribution (TorchRec's all-to-all protocol) ----------------
+
+    def dist_labels(self) -> List[str]:
+        """Names of the tensors ``dist_tensors()`` returns: lengths, values, then strides (variable batch) and
+        weights where present."""
+        labels = ["lengths", "values"]
+        if self._stride_per_key_per_rank is not None:
+            labels.append("strides")
+        if self._weights is not None:
+            labels.append("weights")
+        return labels
+
+    def dist_splits(self, key_splits: List[int]) -> List[List[int]]:
+        """For consecutive groups of ``key_splits`` keys (one group per destination rank), how many entries of
+        each ``dist_tensors()`` tensor go to each: [examples per group, ids per group] (+ the keys per group with
+        variable batch, + ids per group with weights)."""
+        batch_size_per_split = _sum_by_splits(self.stride_per_key(), key_splits)
+        length_per_split = _sum_by_splits(self.length_per_key(), key_splits)
+        splits = [batch_size_per_split, length_per_split]
+        if self._stride_per_key_per_rank is not None:
+            splits.append(key_splits)
+        if self._weights is not None:
+            splits.append(length_per_split)
+        return splits
+
+    def dist_tensors(self) -> List[torch.Tensor]:
+        """[lengths [F * B], values [N]] (+ [F] batch size of each key with variable batch, + weights [N])."""
+        tensors = [self._lengths, self._values]
+        if self._stride_per_key_per_rank is not None:
+            tensors.append(torch.tensor(self.stride_per_key(), dtype=torch.int64, device=self._values.device))
+        w = self._weights
+        if w is not None:
+            tensors.append(w)
+        return tensors
+
+    @staticmethod
+    def dist_init(
+        keys: List[str],
+        tensors: List[torch.Tensor],
+        variable_stride_per_key: bool,
+        num_workers: int,
+        recat: Optional[torch.Tensor],
+        stride_per_rank: Optional[List[int]],
+        stagger: int = 1,
+    ) -> "KeyedJaggedTensor":
+        """The KJT a rank builds from what ``num_workers`` ranks sent it (each rank's ``dist_tensors()`` for its
+        share of ``keys``, concatenated rank after rank), as TorchRec's.
+
+        ``recat`` ([num_workers * F] int, or per example when ranks sent different batch sizes) reorders the
+        received runs from rank-major to key-major; ``stride_per_rank`` ([num_workers]) is each rank's batch size
+        (fixed batch); with ``variable_stride_per_key`` tensors[2] is [num_workers * F] batch sizes (rank-major)
+        and ``stagger`` > 1 reorders the ranks of each key's ``stride_per_key_per_rank`` row as TorchRec's.
+        """
+        if len(tensors) < 2 or len(tensors) > 4:
+            raise ValueError(f"KeyedJaggedTensor.dist_init: tensors has {len(tensors)} entries; 2 to 4 are "
+                             "[lengths, values, (strides), (weights)]")
+        num_keys = len(keys)
+        lengths = tensors[0]
+        values = tensors[1]
+        has_weights = len(tensors) == (4 if variable_stride_per_key else 3)
+        weights = tensors[-1] if has_weights else None
+        if variable_stride_per_key:
+            if len(tensors) < 3:
+                raise ValueError("KeyedJaggedTensor.dist_init: variable_stride_per_key needs tensors[2], the batch "
+                                 "sizes [num_workers * F]")
+            strides = tensors[2]
+            if strides.numel() != num_workers * num_keys:
+                raise ValueError(f"KeyedJaggedTensor.dist_init: {strides.numel()} batch sizes for {num_workers} "
+                                 f"workers x {num_keys} keys")
+            if recat is not None:
+                lengths, values, weights = permute_jagged(lengths, values, weights, strides, recat)
+            spkpr = torch.jit.annotate(List[List[int]], strides.view(num_workers, num_keys).t().tolist())
+            if num_workers * num_keys == 0:
+                spkpr = [[0] for _ in range(num_keys)]
+            if stagger > 1:
+                if num_workers % stagger != 0:
+                    raise ValueError(f"KeyedJaggedTensor.dist_init: stagger {stagger} does not divide "
+                                     f"num_workers {num_workers}")
+                # ranks as arange(num_workers).view(stagger, -1).T.reshape(-1)
+                per_group = num_workers // stagger
+                ranks: List[int] = []
+                for j in range(per_group):
+                    for i in range(stagger):
+                        ranks.append(i * per_group + j)
+                spkpr = [[row[r] for r in ranks] for row in spkpr]
+            kjt = KeyedJaggedTensor(
+                stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+                jt_dict=None, keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=None,
+                length_per_key=None, stride_per_key_per_rank=spkpr, inverse_indices=None,
+            )
+            return kjt.sync()
+        if stride_per_rank is None:
+            raise ValueError("KeyedJaggedTensor.dist_init: a fixed-batch KJT needs stride_per_rank")
+        if recat is not None and len(stride_per_rank) > 0:
+            stride = stride_per_rank[0]
+            same_batch = True
+            for b in stride_per_rank:
+                if b != stride:
+                    same_batch = False
+            if not same_batch:  # recat orders single lengths entries
+                rows = torch.ones(lengths.shape[0], dtype=torch.int64, device=lengths.device)
+                lengths, values, weights = permute_jagged(lengths, values, weights, rows, recat)
+            elif stride > 0:  # recat orders runs of `stride` lengths (one rank's examples of one key)
+                rows = torch.full([lengths.shape[0] // stride], stride, dtype=torch.int64, device=lengths.device)
+                lengths, values, weights = permute_jagged(lengths, values, weights, rows, recat)
+        total = 0
+        for b in stride_per_rank:
+            total += b
+        kjt = KeyedJaggedTensor(
+            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+            jt_dict=None, keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=total,
+            length_per_key=None, stride_per_key_per_rank=None, inverse_indices=None,
+        )
+        return kjt.sync()
+
     # -- devices -----------------------------------------------------------
+
+    def _with_known(self, kjt: "KeyedJaggedTensor") -> "KeyedJaggedTensor":
+        """kjt (a copy of this KJT) reporting lengths / offsets through ``*_or_none`` as this one does."""
+        kjt._lengths_known = self._lengths_known
+        kjt._offsets_known = self._offsets_known
+        return kjt
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "KeyedJaggedTensor":
         w = self._weights
-        return KeyedJaggedTensor(
+        moved = KeyedJaggedTensor(
             stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=self._keys,
             values=self._values.to(device, non_blocking=non_blocking),
@@ -1124,6 +1343,7 @@ class KeyedJaggedTensor:
             length_per_key=self._length_per_key,
             inverse_indices=_inverse_indices_to(self._inverse_indices, device, non_blocking),
         )
+        return self._with_known(moved)
 
     @torch.jit.unused
     def record_stream(self, stream: torch.Stream) -> None:
@@ -1133,7 +1353,7 @@ class KeyedJaggedTensor:
 
     def pin_memory(self) -> "KeyedJaggedTensor":
         w = self._weights
-        return KeyedJaggedTensor(
+        pinned = KeyedJaggedTensor(
             stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None, jt_dict=None,
             keys=self._keys,
             values=self._values.pin_memory(),
@@ -1145,6 +1365,7 @@ class KeyedJaggedTensor:
             length_per_key=self._length_per_key,
             inverse_indices=self._inverse_indices,
         )
+        return self._with_known(pinned)
 
     @torch.jit.unused
     def __str__(self) -> str:

@@ -325,8 +325,13 @@ def _check(kjt: KeyedJaggedTensor, feats: List[Feature], batch: int) -> None:
     assert kjt.length_per_key() == per_key
     assert kjt.offset_per_key() == [sum(per_key[:i]) for i in range(len(keys) + 1)]
     flat_lengths = [len(r) for _, rows, _ in feats for r in rows]
+    flat_offsets = [sum(flat_lengths[:i]) for i in range(len(flat_lengths) + 1)]
+    # TorchRec's *_or_none: what was given or asked for already, else None; once asked, always the tensor
+    for given, ask in ((kjt.lengths_or_none(), kjt.lengths), (kjt.offsets_or_none(), kjt.offsets)):
+        asked = ask()
+        assert given is None or given is asked
     assert kjt.lengths_or_none().tolist() == flat_lengths
-    assert kjt.offsets_or_none().tolist() == [sum(flat_lengths[:i]) for i in range(len(flat_lengths) + 1)]
+    assert kjt.offsets_or_none().tolist() == flat_offsets
     # A repeated key is found at its last position, as TorchRec's dict-based lookups do.
     last = {k: i for i, k in enumerate(keys)}
     assert kjt.index_per_key() == last
