@@ -23,6 +23,7 @@ TorchScript does not apply a class's default arguments while it is still
 compiling that class.
 """
 
+import inspect
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -508,9 +509,11 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
             container takes any dtype and [N, ...] shapes (float sequence features, as TorchRec); the embedding
             collections refuse non-integer ids.
         weights (Optional[Tensor]): [N] float (or integer), one per value.
-        lengths (Optional[Tensor]): [F * B] integer ids per (key, example).
+        lengths (Optional[Tensor]): [F * B] integer ids per (key, example). An empty tensor of any dtype or
+            shape (``torch.tensor([])``, ``[[], []]``) carries no data and is taken as [0] int32.
         offsets (Optional[Tensor]): [F * B + 1] integer; give lengths or
-            offsets; the other is derived.
+            offsets (either may be left out only without keys); the other is derived, for the checks, though
+            ``lengths_or_none()`` / ``offsets_or_none()`` report only what was given or asked for (TorchRec's).
         stride (Optional[int]): batch size B; derived as len(lengths) // F (with
             variable batch: the inverse indices' B, else the largest key's batch).
         stride_per_key_per_rank (Optional[List[List[int]]]): variable batch (TorchRec's
@@ -525,6 +528,10 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
             [len(names), B] int) row of each feature's (deduplicated) examples that
             example b of the full batch takes; an EmbeddingBagCollection expands its
             output to B rows by them.
+
+    Under torch.fx a KJT built from traced keys is one graph call (see ``_TracedWithTracedKeys``); it is a pytree
+    node (recship.sparse.pytree); ``permute`` / ``split`` take a variable-batch KJT as TorchRec's; ``dist_*`` are
+    TorchRec's input-distribution protocol.
 
     Example (the tutorial's batch of two)::
 
@@ -1395,6 +1402,11 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
         if self._stride_per_key_per_rank is not None or self._inverse_indices is not None:
             args = args + (self._stride_per_key_per_rank, None, self._inverse_indices)
         return tracer.create_node("call_function", KeyedJaggedTensor, args=tracer.create_arg(args), kwargs={})
+
+
+# inspect.signature(KeyedJaggedTensor) would otherwise show the metaclass's (*args, **kwargs)
+KeyedJaggedTensor.__signature__ = inspect.signature(KeyedJaggedTensor.__init__).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(KeyedJaggedTensor.__init__).parameters.values())[1:], return_annotation=inspect.Signature.empty)
 
 
 def _kjt_empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:

@@ -6,6 +6,7 @@ Variable-batch ``permute`` / ``split``, the input-distribution protocol (``dist_
 The same operations were checked bit-equal to TorchRec 1.8.0 on 24 random cases each (outside the repo).
 """
 
+import inspect
 import random
 from typing import Dict, List, Optional, Tuple
 
@@ -189,6 +190,8 @@ def test_a_kjt_built_from_traced_keys_is_one_graph_call():
     for gm in (rebuilt, torch.jit.script(rebuilt)):
         kjt, stride = gm(source)
         assert stride == 2 and torch.equal(kjt.lengths(), lengths)
+    # the metaclass does not hide the constructor's signature
+    assert list(inspect.signature(KeyedJaggedTensor).parameters)[:5] == ["keys", "values", "weights", "lengths", "offsets"]
     # the checks still run when the graph does
     with pytest.raises(Exception, match="sum\\(lengths\\) = 7"):
         built(keys, values, torch.tensor([2, 0, 2, 3]))
