@@ -302,6 +302,10 @@ def export_any_model(
         spec = describe_model(model, None if bare else config.num_dense)
     except ValueError as e:
         raise ExportError(str(e)) from None
+    for feature, tables in spec["shared"].items():
+        raise ExportError(f"feature {feature!r} feeds tables {tables} (a shared feature, outputs feature@table): recship "
+                          "trains and quantizes it, but an artifact takes each request feature into one table; give each "
+                          "table its own feature name")
     names = [f[0] for f in spec["features"]]
     config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
     unknown = sorted(set(config.id_policy) - set(names))
@@ -315,7 +319,7 @@ def export_any_model(
     if remapped:  # a front folding raw ids into the rows would hand the remapping other ids than the client's
         raise ExportError(f"features {remapped} are remapped by managed-collision modules: their raw ids take the id policy "
                           "'reject' (ids outside the module's input range are refused), not 'modulo'")
-    held = {(path, t.name) for _, path, t, _, _ in spec["features"]}
+    held = {(path, t.name) for path, t in spec["tables"]}
     unknown = sorted(set(config.table_dtypes) - {t for _, t in held} - {f"{path}.{t}" for path, t in held})
     if unknown:
         raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")

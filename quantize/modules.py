@@ -22,7 +22,7 @@ from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationRepo
 from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
 from recship.trainer.types import DataType, PoolingType
 
 
@@ -83,9 +83,9 @@ class QuantEmbeddingBagCollection(QuantTables):
         self._is_weighted = is_weighted
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
         # output columns: the groups' outputs reordered into table order
-        self._names = [f for t in tables for f in t.feature_names]
+        self._names = [name for names in get_embedding_names_by_table(tables) for name in names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        group_order = [f for fs in self._group_features for f in fs]
+        group_order = [name for names in self._group_names for name in names]
         self._needs_reorder = group_order != self._names
         self.register_buffer(
             "_column_order", _column_permutation(group_order, self._names, dict(zip(self._names, self._dims))), persistent=False
@@ -108,6 +108,7 @@ class QuantEmbeddingBagCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables (no row blocks), each TBE pooling itself."""
+        _refuse_shared_features(self._tables)
         self._require_float32_output("the flat lookup (export, serving)")
         dims = dict(zip(self._names, self._dims))
         rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
@@ -169,7 +170,7 @@ class QuantEmbeddingCollection(QuantTables):
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
         types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
         self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings", output_dtype)
-        self._names = [f for t in tables for f in t.feature_names]
+        self._names = [name for names in get_embedding_names_by_table(tables) for name in names]
         self._need_indices = need_indices
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
 
@@ -183,8 +184,8 @@ class QuantEmbeddingCollection(QuantTables):
         for tbe in self.tbes:
             prepared = self._prepare(g, features, False)
             rows = torch.split(tbe(prepared[0], prepared[1], None), prepared[3])
-            for i, name in enumerate(self._group_features[g]):
-                jt = per_feature[name]
+            for i, name in enumerate(self._group_names[g]):
+                jt = per_feature[self._group_features[g][i]]
                 found[name] = JaggedTensor(values=rows[i], weights=jt.values() if self._need_indices else None, lengths=jt.lengths(),
                                            offsets=jt.offsets())
             g += 1
@@ -195,6 +196,7 @@ class QuantEmbeddingCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables, rows unpooled (``dims``: each feature's row width)."""
+        _refuse_shared_features(self._tables)
         self._require_float32_output("the flat lookup (export, serving)")
         dims = {f: t.embedding_dim for t in self._tables for f in t.feature_names}
         rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
@@ -214,6 +216,19 @@ class QuantEmbeddingCollection(QuantTables):
         """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
         see ``QuantEmbeddingBagCollection.from_float``."""
         return quantize_from_float(cls, module)
+
+
+def _refuse_shared_features(tables: Sequence[BaseEmbeddingConfig]) -> None:
+    """The flat lookup (export, serving, recship_predict) takes each request feature into one table: ValueError naming
+    a feature several tables look up (TorchRec's shared feature, ``feature@table`` outputs)."""
+    seen: Dict[str, str] = {}
+    for t in tables:
+        for f in t.feature_names:
+            if f in seen:
+                raise ValueError(f"feature {f!r} feeds tables {seen[f]!r} and {t.name!r} (a shared feature): the collections "
+                                 "take it, but export and serving take each request feature into one table; give each "
+                                 "table its own feature name")
+            seen[f] = t.name
 
 
 def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:

@@ -34,6 +34,7 @@ from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
 from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.trainer.embedding_modules import get_embedding_names_by_table
 from recship.trainer.types import DataType
 
 
@@ -198,6 +199,7 @@ def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterato
 class QuantTables(nn.Module):
     """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
 
+    _group_names: List[List[str]]
     _group_features: List[List[str]]
     _group_rows: List[List[int]]
     _group_tables: List[List[str]]
@@ -252,6 +254,8 @@ class QuantTables(nn.Module):
         self._tbe_state_keys: List[List[str]] = []
         self._register_load_state_dict_pre_hook(self._packed_rows_as_bytes)
         self._group_features = []
+        self._group_names = []  # the outputs' names: the features', ``feature@table`` for a shared feature
+        output_names = dict(zip((t.name for t in tables), get_embedding_names_by_table(list(tables))))
         self._group_rows = []
         self._group_tables = []
         self._group_modulo = []
@@ -280,6 +284,7 @@ class QuantTables(nn.Module):
                 rows[t.name].register_buffer("weight", stored)
             self.tbes.append(tbe)
             self._group_features.append([f for t in group for f in t.feature_names])
+            self._group_names.append([name for t in group for name in output_names[t.name]])
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])

@@ -32,7 +32,6 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_empty
     if len(tables) == 0 and not allow_empty:
         raise ValueError("an embedding collection needs at least one table")
     names = set()
-    features: Dict[str, str] = {}
     for t in tables:
         if not isinstance(t, kind):
             raise TypeError(f"expected {kind.__name__}, got {type(t).__name__} for table {t.name!r}")
@@ -44,10 +43,16 @@ def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_empty
                 f"table {t.name!r} has data_type {t.data_type.name}; float modules hold "
                 "FP32/FP16/BF16 weights (quantized tables come from recship.quantize)"
             )
+
+
+def rows_per_feature(tables: Sequence[BaseEmbeddingConfig]) -> Dict[str, int]:
+    """{feature: the rows its ids must stay under}: its table's rows; for a feature several tables look up (a shared
+    feature, TorchRec's ``feature@table`` outputs), the smallest of them, since each of its ids indexes every one."""
+    rows: Dict[str, int] = {}
+    for t in tables:
         for f in t.feature_names:
-            if f in features:
-                raise ValueError(f"feature {f!r} feeds both table {features[f]!r} and {t.name!r}")
-            features[f] = t.name
+            rows[f] = min(rows.get(f, t.num_embeddings), t.num_embeddings)
+    return rows
 
 
 def check_features(features: KeyedJaggedTensor, rows_per_feature: Dict[str, int]) -> None:
@@ -222,13 +227,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         device: where to allocate; "meta" allocates nothing.
 
     forward(features) -> KeyedTensor whose keys are the feature names (table by
-    table, in config order) and whose values are [B, sum of their dims] float32.
+    table, in config order; ``feature@table`` for a feature several tables look up, as
+    TorchRec's) and whose values are [B, sum of their dims] float32.
     """
 
     __jit_unused_properties__ = ["device"]
     _feature_names: List[List[str]]
     _divide_by_length: List[bool]
     _embedding_names: List[str]
+    _lookup_names: List[str]
     _lengths_per_embedding: List[int]
 
     def __init__(
@@ -244,7 +251,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.embedding_bags = nn.ModuleDict()
         self._feature_names = []
         self._divide_by_length = []
-        self._embedding_names = []
+        self._embedding_names = [name for names in get_embedding_names_by_table(tables) for name in names]
+        self._lookup_names = []
         self._lengths_per_embedding = []
         for t in tables:
             mean = t.pooling == PoolingType.MEAN
@@ -262,10 +270,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
             self._feature_names.append(list(t.feature_names))
             self._divide_by_length.append(mean and is_weighted)
-            self._embedding_names.extend(t.feature_names)
+            self._lookup_names.extend(t.feature_names)
             self._lengths_per_embedding.extend([t.embedding_dim] * len(t.feature_names))
         self._any_divide_by_length = any(self._divide_by_length)
-        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        self._rows_per_feature = rows_per_feature(tables)
         if torch.device(device or "cpu").type != "meta":
             self.reset_parameters()
 
@@ -297,7 +305,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         raise ValueError(message)
 
     def _pool(self, features: KeyedJaggedTensor, variable_batch: bool) -> KeyedTensor:
-        inputs = _bag_inputs(features, self._embedding_names, self._is_weighted, self._any_divide_by_length, variable_batch)
+        inputs = _bag_inputs(features, self._lookup_names, self._is_weighted, self._any_divide_by_length, variable_batch)
         ids, offsets, lengths, weights = inputs[0], inputs[1], inputs[2], inputs[3]
         pooled: List[torch.Tensor] = []
         i = 0
@@ -316,9 +324,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if variable_batch:
             inverse_indices = features.inverse_indices_or_none()
             if inverse_indices is not None:
-                pooled = _expand(pooled, self._embedding_names, inverse_indices)
+                pooled = _expand(pooled, self._lookup_names, inverse_indices)
             elif features.variable_stride_per_key():
-                _check_one_batch(pooled, self._embedding_names)
+                _check_one_batch(pooled, self._lookup_names)
         if len(pooled) == 0:  # no tables: [B, 0]
             values = torch.empty(features.stride(), 0, device=features.device())
         else:
@@ -348,7 +356,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
 
 class EmbeddingCollection(EmbeddingCollectionInterface):
-    """Unpooled embedding lookups: KJT in, {feature: JaggedTensor of [N, dim] rows} out.
+    """Unpooled embedding lookups: KJT in, {feature (``feature@table`` if shared): JaggedTensor of [N, dim] rows} out.
 
     Args:
         tables: one EmbeddingConfig per table.
@@ -363,6 +371,7 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
 
     __jit_unused_properties__ = ["device"]
     _feature_names: List[List[str]]
+    _embedding_names_by_table: List[List[str]]
 
     def __init__(
         self,
@@ -395,7 +404,8 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             if torch.device(device or "cpu").type != "meta":  # each table right after its nn.Embedding's own draw, as
                 t.init_weight(self.embeddings[t.name].weight)  # TorchRec: a seed gives TorchRec's tables
             self._feature_names.append(list(t.feature_names))
-        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        self._embedding_names_by_table = get_embedding_names_by_table(tables)
+        self._rows_per_feature = rows_per_feature(tables)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         if torch.jit.is_scripting():
@@ -406,9 +416,10 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         out: Dict[str, JaggedTensor] = {}
         i = 0
         for table in self.embeddings.values():
-            for name in self._feature_names[i]:
-                f = feature_dict[name]
-                out[name] = JaggedTensor(
+            names = self._feature_names[i]
+            for j in range(len(names)):
+                f = feature_dict[names[j]]
+                out[self._embedding_names_by_table[i][j]] = JaggedTensor(
                     values=table(f.values()).float(),
                     weights=f.values() if self._need_indices else None,
                     lengths=f.lengths(),
@@ -446,8 +457,9 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         return dims.pop()
 
     def embedding_names_by_table(self) -> List[List[str]]:
-        """Each table's output names, in table order: its features' names (TorchRec's)."""
-        return [list(names) for names in self._feature_names]
+        """Each table's output names, in table order: its features' names, ``feature@table`` for a feature several
+        tables look up (TorchRec's)."""
+        return [list(names) for names in self._embedding_names_by_table]
 
     def reset_parameters(self) -> None:
         for t in self._embedding_configs:

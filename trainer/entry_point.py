@@ -66,8 +66,11 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
     """The model contract's facts about ``module``; ValueError naming what breaks the contract.
 
     Returns {"features": [(feature, collection path, table config, pooling or "NONE", weighted)],
-    "weighted": whether any feature is, "num_dense": int}: features in the order of their
-    collections (first path in ``named_modules`` order) and tables.
+    "tables": [(collection path, table config)], "shared": {feature: names of the tables it feeds} for features
+    several tables of one collection look up (TorchRec's shared features, listed in "features" once, with the
+    table of fewest rows: their ids must be inside every one), "weighted": whether any feature is,
+    "num_dense": int}: features in the order of their collections (first path in ``named_modules`` order)
+    and tables.
     """
     from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from recship.trainer.feature_processors import feature_processed_features
@@ -88,24 +91,35 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
     if not seen:
         raise ValueError(f"{type(module).__name__} holds no EmbeddingBagCollection or EmbeddingCollection")
     features: List[Tuple[str, str, Any, str, bool]] = []  # (feature, path, table config, pooling, weighted)
+    tables: List[Tuple[str, Any]] = []  # (path, table config): every table
     owner: Dict[str, str] = {}
+    position: Dict[str, int] = {}
+    shared: Dict[str, List[str]] = {}
     processed = feature_processed_features(module)  # weighted by the model itself: requests send no weights
     for path, c in seen.values():
         is_bag = isinstance(c, EmbeddingBagCollection)
         for t in (c.embedding_bag_configs() if is_bag else c.embedding_configs()):
+            tables.append((path, t))
             for f in t.feature_names:
                 weighted = is_bag and c.is_weighted() and f not in processed
-                if f in owner:
+                entry = (f, path, t, t.pooling.value if is_bag else "NONE", weighted)
+                if f in owner and owner[f] != (path or "the model"):
                     raise ValueError(f"feature {f!r} is looked up by two collections ({owner[f]} and {path or 'the model'}): "
                                      "give each collection its own feature name")
+                if f in owner:  # a shared feature (TorchRec's feature@table): listed once, with the table that bounds its ids
+                    shared.setdefault(f, [features[position[f]][2].name]).append(t.name)
+                    if t.num_embeddings < features[position[f]][2].num_embeddings:
+                        features[position[f]] = entry
+                    continue
                 owner[f] = path or "the model"
-                features.append((f, path, t, t.pooling.value if is_bag else "NONE", weighted))
+                position[f] = len(features)
+                features.append(entry)
     if num_dense is None:
         num_dense = getattr(module, "num_dense", None)
     if not isinstance(num_dense, int) or isinstance(num_dense, bool) or num_dense < 0:
         raise ValueError(f"the dense width is unknown: give num_dense (ExportConfig(num_dense=N)) or a num_dense attribute "
                          f"on {type(module).__name__} (0 for a model without dense inputs)")
-    return {"features": features, "weighted": any(f[4] for f in features), "num_dense": num_dense}
+    return {"features": features, "tables": tables, "shared": shared, "weighted": any(f[4] for f in features), "num_dense": num_dense}
 
 
 def user_line(error: BaseException, user_files: Union[None, str, Set[str]]) -> str:
@@ -182,10 +196,10 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     from recship.trainer.managed_collisions.modules import resized_collection
 
     name = type(module).__name__
-    for feature, path, table, _, _ in contract["features"]:
+    for path, table in contract["tables"]:
         if table.embedding_dim % 4:
-            raise ValueError(f"table {table.name!r} (feature {feature!r}): embedding_dim {table.embedding_dim} is not a multiple "
-                             "of 4, which fbgemm's embedding kernels need")
+            raise ValueError(f"table {table.name!r} (features {table.feature_names}): embedding_dim {table.embedding_dim} is "
+                             "not a multiple of 4, which fbgemm's embedding kernels need")
     tiny = copy.deepcopy(module)
     for path, m in list(tiny.named_modules()):
         small: nn.Module

@@ -32,7 +32,8 @@ from torch import nn
 from recship.names import EmbOptimType
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, _check_tables, check_features
+from recship.trainer.embedding_modules import (EmbeddingBagCollection, EmbeddingCollection, _check_tables, check_features,
+                                               get_embedding_names_by_table, rows_per_feature)
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, KeyedOptimizer, RowWiseAdagrad
 from recship.trainer.types import DataType, PoolingType
 
@@ -183,6 +184,7 @@ class _FusedTables(nn.Module):
         for t in tables:
             groups.setdefault((pooling_of(t), t.data_type), []).append(t)
         self._groups: List[List[Any]] = list(groups.values())
+        self._names_by_table = dict(zip((t.name for t in tables), get_embedding_names_by_table(tables)))
         # a plain list, as TorchRec's: the kernels are not submodules (state_dict and parameters are the views below)
         # a weighted MEAN group pools with SUM, its weights divided by the bag length in forward (see the module docstring)
         self._divide: List[bool] = [p == PoolingType.MEAN and weighted for p, _ in groups]
@@ -228,6 +230,10 @@ class _FusedTables(nn.Module):
         if weights is not None and divide:
             weights = weights / torch.repeat_interleave(lengths, lengths).to(weights.dtype)
         return ids, offsets, weights, jts
+
+    def _output_names(self, group: List[Any]) -> List[str]:
+        """The output names of ``group``'s features, table by table (``feature@table`` for a shared feature)."""
+        return [name for t in group for name in self._names_by_table[t.name]]
 
     @property
     def device(self) -> torch.device:
@@ -278,11 +284,11 @@ class FusedEmbeddingBagCollection(_FusedTables):
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
         self._build("embedding_bags", self._embedding_bag_configs, lambda t: t.pooling, self._is_weighted, optimizer_type, optimizer_kwargs, device, location)
-        self._embedding_names = [f for t in tables for f in t.feature_names]
+        self._embedding_names = [name for names in get_embedding_names_by_table(tables) for name in names]
         self._length_per_key = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        self._rows_per_feature = rows_per_feature(tables)
         # the kernels' output columns in config order, when grouping reordered the tables
-        group_order = [f for g in self._groups for t in g for f in t.feature_names]
+        group_order = [name for g in self._groups for name in self._output_names(g)]
         self._reorder = None if group_order == self._embedding_names else [group_order.index(f) for f in self._embedding_names]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -345,7 +351,7 @@ class FusedEmbeddingCollection(_FusedTables):
         self._embedding_dim = dims[0]
         self._need_indices = bool(need_indices)
         self._build("embeddings", self._embedding_configs, lambda t: PoolingType.NONE, False, optimizer_type, optimizer_kwargs, device, location)
-        self._rows_per_feature = {f: t.num_embeddings for t in tables for f in t.feature_names}
+        self._rows_per_feature = rows_per_feature(tables)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """features: [F, B] ids. Returns {feature: JaggedTensor(values [N_f, dim] float32, the feature's lengths)}."""
@@ -354,16 +360,17 @@ class FusedEmbeddingCollection(_FusedTables):
         for group, kernel in zip(self._groups, self._kernels):
             ids, offsets, _, jts = self._ids(features, group, False)
             rows = kernel(indices=ids, offsets=offsets)
-            names = [f for t in group for f in t.feature_names]
+            names = self._output_names(group)
             for name, jt, part in zip(names, jts, torch.split(rows, [int(jt.values().numel()) for jt in jts])):
                 out[name] = JaggedTensor(values=part, lengths=jt.lengths(), weights=jt.values() if self._need_indices else None)
-        return {f: out[f] for t in self._embedding_configs for f in t.feature_names}
+        return {name: out[name] for names in self.embedding_names_by_table() for name in names}
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._embedding_configs
 
     def embedding_names_by_table(self) -> List[List[str]]:
-        return [list(t.feature_names) for t in self._embedding_configs]
+        """Each table's output names (``feature@table`` for a shared feature), as EmbeddingCollection's."""
+        return get_embedding_names_by_table(self._embedding_configs)
 
     def embedding_dim(self) -> int:
         return self._embedding_dim

@@ -135,13 +135,6 @@ def test_missing_feature_is_named():
             [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5), EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5)],
             "duplicate table name",
         ),
-        (
-            [
-                EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f"]),
-                EmbeddingBagConfig(name="b", embedding_dim=4, num_embeddings=5, feature_names=["f"]),
-            ],
-            "feeds both",
-        ),
         ([EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5, data_type=DataType.INT8)], "recship.quantize"),
     ],
 )

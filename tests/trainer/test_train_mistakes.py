@@ -60,7 +60,7 @@ def test_dlrm_shape_flags_are_refused_with_model(tmp_path, capsys, flags, named)
     ("TupleOut", "TupleOut.forward returned tuple: the model contract is a Tensor or a Dict[str, Tensor], batch first"),
     ("WrongDense", "WrongDense.forward failed on a batch of 2 (dense [2, 6]"),
     ("TwoOutputs", "TwoOutputs returns ['buy', 'click']: define eval_output"),
-    ("OddDim", "table 't_user' (feature 'user'): embedding_dim 6 is not a multiple of 4"),
+    ("OddDim", "table 't_user' (features ['user']): embedding_dim 6 is not a multiple of 4"),
     ("ScalarOut", "ScalarOut.forward's output 'output' has shape [] for a batch of 2: outputs are batch-first"),
     ("WideOut", "WideOut trains with binary cross-entropy on one logit per example, but its output has shape [2, 8]"),
 ])

@@ -37,7 +37,7 @@ from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, Lo
                                                        _make_tbe, _PooledAllToAll)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features
+from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features, get_embedding_names_by_table
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.planner import bucketize_rows, merge_blocks
 from recship.trainer.planner.types import ParameterSharding
@@ -334,11 +334,11 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
         for d, units in enumerate(self._units_by_rank):
             col = 0
             for u in units:
-                blocks.setdefault(u.feature, []).append((u.col_offset, parts[d][:, col : col + u.cols]))
+                blocks.setdefault((u.table, u.feature), []).append((u.col_offset, parts[d][:, col : col + u.cols]))
                 col += u.cols
         pooled, keys, dims = [], [], []
-        for t in self._configs:
-            for f in t.feature_names:
+        for t, names in zip(self._configs, get_embedding_names_by_table(self._configs)):
+            for f, name in zip(t.feature_names, names):
                 jt = per_feature[f]
                 if t.name in self.data_parallel:
                     ids = jt.values()
@@ -351,11 +351,11 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
                         include_last_offset=True,  # weights for another (weighted) collection's features
                     )
                 else:
-                    out = merge_blocks(blocks[f])
+                    out = merge_blocks(blocks[(t.name, f)])
                 if t.pooling == PoolingType.MEAN:
                     out = out / jt.lengths().clamp(min=1).unsqueeze(1).to(out.dtype)
                 pooled.append(out)
-                keys.append(f)
+                keys.append(name)
                 dims.append(t.embedding_dim)
         return KeyedTensor(keys=keys, length_per_key=dims, values=torch.cat(pooled, dim=1), key_dim=1)
 

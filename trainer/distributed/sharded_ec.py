@@ -31,7 +31,7 @@ from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import LookupUnit, ShardedEmbeddingTables, _PooledAllToAll, optimizer_for
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.trainer.embedding_configs import EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingCollection, check_features
+from recship.trainer.embedding_modules import EmbeddingCollection, check_features, get_embedding_names_by_table
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.types import ParameterSharding, ShardingType
 
@@ -278,23 +278,23 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule, ShardedEmbeddingTables)
         received, recv_batches = self._input_dists[0](per_feature, batch)
         unit_rows = self._lookups[0](received, sum(recv_batches))
         rows_by_rank = self._output_dists[0](unit_rows, received, recv_batches, my_counts)
-        blocks: Dict[str, List[Tuple[LookupUnit, torch.Tensor]]] = {}
+        blocks: Dict[Tuple[str, str], List[Tuple[LookupUnit, torch.Tensor]]] = {}
         for units, rows in zip(self._units_by_rank, rows_by_rank):
             for u, r in zip(units, rows):
-                blocks.setdefault(u.feature, []).append((u, r))
+                blocks.setdefault((u.table, u.feature), []).append((u, r))
         awaitables: List[Awaitable[torch.Tensor]] = []
         kjts: List[KeyedJaggedTensor] = []
         names: List[List[str]] = []
-        for t in self._configs:
-            for f in t.feature_names:
+        for t, table_names in zip(self._configs, self.embedding_names_by_table()):
+            for f, name in zip(t.feature_names, table_names):
                 jt = per_feature[f]
                 if t.name in self.data_parallel:
                     rows = nn.functional.embedding(jt.values(), self.data_parallel[t.name])
                 else:
-                    rows = _merge(blocks[f], {u: pos for u, (pos, _) in placed.items()}, jt.values().numel())
+                    rows = _merge(blocks[(t.name, f)], {u: pos for u, (pos, _) in placed.items()}, jt.values().numel())
                 awaitables.append(NoWait(rows.float()))
-                kjts.append(KeyedJaggedTensor(keys=[f], values=jt.values(), lengths=jt.lengths(), stride=batch))
-                names.append([f])
+                kjts.append(KeyedJaggedTensor(keys=[name], values=jt.values(), lengths=jt.lengths(), stride=batch))
+                names.append([name])
         return EmbeddingCollectionAwaitable(awaitables, kjts, names, EmbeddingCollectionContext(), self._need_indices,
                                             module_fqn=self._module_fqn, sharding_types=[self._plan[t.name].sharding_type.value
                                                                                          for t in self._configs for _ in t.feature_names])
@@ -309,7 +309,8 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule, ShardedEmbeddingTables)
         return self._need_indices
 
     def embedding_names_by_table(self) -> List[List[str]]:
-        return [list(t.feature_names) for t in self._configs]
+        """Each table's output names (``feature@table`` for a shared feature), as EmbeddingCollection's."""
+        return get_embedding_names_by_table(self._configs)
 
     def __repr__(self) -> str:
         plan = {t: ps.sharding_type.value for t, ps in self._plan.items()}

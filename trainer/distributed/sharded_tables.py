@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.distributed import sharded_state
+from recship.trainer.embedding_modules import rows_per_feature
 from recship.trainer.fused_optim import (CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig, fused_config,
                                         fused_config_from_torch)
 from recship.trainer.planner.types import ParameterSharding, ShardingType
@@ -189,7 +190,7 @@ class ShardedEmbeddingTables(nn.Module):
         if missing:
             raise ValueError(f"the sharding plan has no entry for tables {missing}")
         self._plan = {t.name: plan[t.name] for t in self._configs}
-        self._rows = {f: t.num_embeddings for t in self._configs for f in t.feature_names}
+        self._rows = rows_per_feature(self._configs)
         self._units = _lookup_units(self._configs, self._plan)
         self._units_by_rank: List[List[LookupUnit]] = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
         self._local_shards: List[Tuple[str, int, int, int]] = []  # (table, shard, rows, cols), TBE by TBE
