@@ -44,9 +44,15 @@ def _offsets_from_lengths(lengths: torch.Tensor) -> torch.Tensor:
     )
 
 
+class IndexDtypeError(ValueError, AssertionError):
+    """Lengths, offsets or inverse indices that are not integers: a bad argument (ValueError) that is also the
+    AssertionError TorchRec raises there, so code written against TorchRec catches it too (the double lineage of
+    trainer's ``EmptyGlobalParamsError``). Under TorchScript, like any exception, it is a ``torch.jit.Error``."""
+
+
 def _check_index_dtype(t: torch.Tensor, name: str) -> None:
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got {t.dtype}")
+        raise IndexDtypeError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
 def _check_jagged(

@@ -207,9 +207,13 @@ def test_empty_lengths_given_as_float_or_2d_are_int32():
         assert jt.lengths().numel() == 0 and jt.offsets().numel() == 0 and jt.offsets().dtype == torch.int32
     assert KeyedJaggedTensor(keys=["a"], values=torch.tensor([]), lengths=torch.tensor([]), stride_per_key_per_rank=[[]]).stride() == 0
     assert JaggedTensor(values=torch.tensor([]), lengths=torch.tensor([])).offsets().tolist() == [0]
-    # an empty tensor carries no data; a float tensor that does stays refused
-    with pytest.raises(ValueError, match="integer"):
-        KeyedJaggedTensor(keys=["a"], values=torch.arange(2), lengths=torch.tensor([2.0]))
+    # an empty tensor carries no data; a float tensor that does stays refused, with an error that is a ValueError
+    # and TorchRec's AssertionError
+    for error in (ValueError, AssertionError):
+        with pytest.raises(error, match="lengths must be an integer tensor, got torch.float32"):
+            KeyedJaggedTensor(keys=["a"], values=torch.arange(2), lengths=torch.tensor([2.0]))
+        with pytest.raises(error, match="offsets must be an integer tensor, got torch.float64"):
+            JaggedTensor(values=torch.arange(2), offsets=torch.tensor([0.0, 2.0], dtype=torch.float64))
 
 
 def test_no_keys_needs_no_lengths_but_keys_do():
