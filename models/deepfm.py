@@ -17,12 +17,13 @@ TorchRec's: the model's output is a probability in (0, 1), not a logit.
 The model follows recship's model contract (``forward(dense, features)``), so ``recship export`` exports it as it is.
 """
 
-from typing import Any, List, Tuple, Union
+from typing import List, Tuple, Union
 
 import torch
 from torch import nn
 
 from recship.models.layers import DeepFM, FactorizationMachine
+from recship.models.model_input import ModelInput
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer import EmbeddingBagCollection
 
@@ -145,7 +146,7 @@ class SimpleDeepFMNNWrapper(SimpleDeepFMNN):
     ``binary_cross_entropy_with_logits(prediction.squeeze(), label)`` (TorchRec's, applied to the sigmoid's output);
     in eval, the prediction [B, 1]."""
 
-    def forward(self, model_input: Any) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[override]
+    def forward(self, model_input: ModelInput) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:  # type: ignore[override]
         pred = super().forward(dense_features=model_input.float_features, sparse_features=model_input.idlist_features)
         if self.training:
             loss = nn.functional.binary_cross_entropy_with_logits(pred.squeeze(), model_input.label)
@@ -154,4 +155,4 @@ class SimpleDeepFMNNWrapper(SimpleDeepFMNN):
 
 
 __all__ = ["DeepFM", "DenseArch", "EmbeddingBagCollection", "FMInteractionArch", "FactorizationMachine",
-           "KeyedJaggedTensor", "KeyedTensor", "OverArch", "SimpleDeepFMNN", "SimpleDeepFMNNWrapper", "SparseArch"]
+           "KeyedJaggedTensor", "KeyedTensor", "ModelInput", "OverArch", "SimpleDeepFMNN", "SimpleDeepFMNNWrapper", "SparseArch"]

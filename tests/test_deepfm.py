@@ -12,7 +12,7 @@ from torch import nn
 from model_requests import in_process
 from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
-from recship.models.deepfm import FMInteractionArch, SimpleDeepFMNN
+from recship.models.deepfm import FMInteractionArch, ModelInput, SimpleDeepFMNN, SimpleDeepFMNNWrapper
 from recship.models.layers import DeepFM, FactorizationMachine
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
@@ -110,6 +110,28 @@ def test_simple_deepfm_matches_its_formula_and_torchrec_keys():
         got = m(dense, kjt)
     assert got.shape == (6, 1)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_wrapper_takes_a_model_input_and_trains_on_its_label():
+    """SimpleDeepFMNNWrapper(ModelInput): training, (BCE-with-logits of the prediction against the label, the
+    prediction), as TorchRec's; eval, the prediction; ModelInput's ``dummy`` tensors travel with ``to``."""
+    torch.manual_seed(3)
+    wrapper = SimpleDeepFMNNWrapper(num_dense_features=5, embedding_bag_collection=_ebc(), hidden_layer_size=12,
+                                    deep_fm_dimension=6)
+    kjt, dense = _kjt(4, 6)
+    label = torch.rand(6, generator=torch.Generator().manual_seed(5))
+    batch = ModelInput(float_features=dense, idlist_features=kjt, idscore_features=None, label=label, dummy=[torch.ones(2)])
+    moved = batch.to(torch.device("cpu"), dense_only=True)
+    assert moved.idlist_features is kjt and torch.equal(moved.dummy[0], torch.ones(2))
+    assert batch.size_in_bytes() == dense.numel() * 4 + label.numel() * 4 + kjt.size_in_bytes() + 2 * 4
+    loss, pred = wrapper(batch)
+    plain = SimpleDeepFMNN(5, wrapper.sparse_arch.embedding_bag_collection, 12, 6)
+    plain.load_state_dict(wrapper.state_dict())
+    want = plain(dense, kjt)
+    torch.testing.assert_close(pred, want, rtol=0, atol=0)
+    torch.testing.assert_close(loss, nn.functional.binary_cross_entropy_with_logits(want.squeeze(), label), rtol=0, atol=0)
+    wrapper.eval()
+    torch.testing.assert_close(wrapper(batch), want, rtol=0, atol=0)
 
 
 def test_fm_interaction_without_sparse_features_is_the_dense_input():

@@ -24,7 +24,7 @@ LAYERS = [
     ["recship.quantize"],
     ["recship.export"],
     ["recship.serving"],
-    ["recship.distributed", "recship.datasets", "recship.inference", "recship.test_utils", "recship.demo", "recship.cli", "recship.__main__"],
+    ["recship.distributed", "recship.datasets", "recship.inference", "recship.test_utils", "recship.test_models", "recship.demo", "recship.cli", "recship.__main__"],
 ]
 
 

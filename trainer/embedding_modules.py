@@ -182,7 +182,7 @@ class EmbeddingCollectionInterface(abc.ABC, nn.Module):
     def embedding_names_by_table(self) -> List[List[str]]: ...
 
 
-def get_embedding_names_by_table(tables: Union[List[EmbeddingBagConfig], List[EmbeddingConfig]]) -> List[List[str]]:
+def get_embedding_names_by_table(tables: Sequence[BaseEmbeddingConfig]) -> List[List[str]]:
     """Each table's output names, as TorchRec names them: a feature's name, or ``feature@table`` for a feature that
     several tables look up."""
     count: Dict[str, int] = {}

@@ -270,6 +270,8 @@ class FusedEmbeddingBagCollection(_FusedTables):
         kt.values().sum().backward()  # rows 0, 1, 2 moved by -0.1 each
     """
 
+    embedding_bags: nn.ModuleDict  # set by _build: <table>.weight, views of the kernels' rows
+
     def __init__(
         self,
         tables: List[EmbeddingBagConfig],

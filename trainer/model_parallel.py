@@ -155,6 +155,7 @@ class DistributedModelParallel(nn.Module):
                 replacement = fused_sharder.shard(sub, tables, env, device, module_fqn=path)
             else:
                 continue
+            assert isinstance(replacement, ShardedEmbeddingTables)  # each branch's sharded module
             sharded.append((path, replacement))
             if path == "":
                 module = replacement

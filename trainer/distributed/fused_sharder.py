@@ -40,8 +40,15 @@ def _as_ebc(module: FusedEmbeddingBagCollection) -> EmbeddingBagCollection:
     ShardedEmbeddingBagCollection to copy its shards from."""
     ebc = EmbeddingBagCollection(module.embedding_bag_configs(), is_weighted=module.is_weighted(), device=torch.device("meta"))
     for t in module.embedding_bag_configs():
-        ebc.embedding_bags[t.name].weight = nn.Parameter(module.embedding_bags[t.name].weight.detach(), requires_grad=False)
+        ebc.embedding_bags[t.name].weight = nn.Parameter(_table_weight(module, t.name).detach(), requires_grad=False)
     return ebc
+
+
+def _table_weight(module: FusedEmbeddingBagCollection, table: str) -> nn.Parameter:
+    """The registered weight of ``table``: a parameter viewing the kernel's rows."""
+    weight = module.embedding_bags[table].weight
+    assert isinstance(weight, nn.Parameter)  # registered by FusedEmbeddingBagCollection._build
+    return weight
 
 
 class ShardedFusedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
@@ -115,7 +122,7 @@ class FusedEmbeddingBagCollectionSharder(BaseEmbeddingSharder[FusedEmbeddingBagC
 
     def shardable_parameters(self, module: FusedEmbeddingBagCollection) -> Dict[str, nn.Parameter]:  # type: ignore[override]
         """Table name -> its weight (the view into the module's kernel)."""
-        return {t.name: module.embedding_bags[t.name].weight for t in module.embedding_bag_configs()}
+        return {t.name: _table_weight(module, t.name) for t in module.embedding_bag_configs()}
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return [st.value for st in FUSED_EBC_SHARDING_TYPES]

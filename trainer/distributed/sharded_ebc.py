@@ -330,7 +330,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
 
     def _assemble(self, per_feature, parts: List[torch.Tensor]) -> KeyedTensor:
         """Per feature: concatenate column blocks, sum row blocks, divide for MEAN."""
-        blocks: Dict[str, List[Tuple[int, torch.Tensor]]] = {}
+        blocks: Dict[Tuple[str, str], List[Tuple[int, torch.Tensor]]] = {}  # (table, feature) -> column blocks
         for d, units in enumerate(self._units_by_rank):
             col = 0
             for u in units:
