@@ -36,7 +36,7 @@ from recship.export.model import ExportedModule, PooledEmbeddings, StageError, b
 from recship.quantize.flat import flatten_collections
 from recship.quantize.sharded import InferenceShard, Shard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
 from recship.trainer.entry_point import describe_model
 from recship.trainer.types import DataType
 
@@ -182,8 +182,12 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
             modules[id(m)] = m
     first = {key: ps[0] for key, ps in paths.items()}
     bags = {key: m for key, m in modules.items() if isinstance(m, EmbeddingBagCollection)}
-    layout = {key: ([f for t in m.embedding_bag_configs() for f in t.feature_names],
+    # each collection's outputs (a feature's name; feature@table for a feature several of its tables look up) and widths
+    output_names = {key: get_embedding_names_by_table(m.embedding_bag_configs()) for key, m in bags.items()}
+    layout = {key: ([name for names in output_names[key] for name in names],
                     [t.embedding_dim for t in m.embedding_bag_configs() for _ in t.feature_names]) for key, m in bags.items()}
+    output_of = {first[key]: {t.name: names for t, names in zip(m.embedding_bag_configs(), output_names[key])}
+                 for key, m in bags.items()}
     captured = {key: _Captured(*layout[key]) for key in bags}
 
     def new_batch(stand_in: nn.Module, index: int) -> None:
@@ -201,9 +205,10 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
                blocks: List[Tuple[int, int]]) -> None:
         for batch, floats, quants in zip(calls[path], recorded["float"][path], recorded["quantized"][path]):
             for features, pooled, stored in zip(batch, floats, quants):
-                for f in table.feature_names:
-                    pooled[f] = pooled_lookup(weight, features[f], table, weighted[path])
-                    stored[f] = quantized_pooled_lookup(weight, features[f], table, weighted[path], data_type, error_minimizing, blocks)
+                for f, name in zip(table.feature_names, output_of[path][table.name]):
+                    pooled[name] = pooled_lookup(weight, features[f], table, weighted[path])
+                    stored[name] = quantized_pooled_lookup(weight, features[f], table, weighted[path], data_type, error_minimizing,
+                                                           blocks)
 
     quantized, report = quantize(model, load_table, record)
     done = {key: quantized.get_submodule(ps[0]) if ps[0] else quantized for key, ps in paths.items()}
@@ -302,12 +307,12 @@ def export_any_model(
         spec = describe_model(model, None if bare else config.num_dense)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    for feature, tables in spec["shared"].items():
-        raise ExportError(f"feature {feature!r} feeds tables {tables} (a shared feature, outputs feature@table): recship "
-                          "trains and quantizes it, but an artifact takes each request feature into one table; give each "
-                          "table its own feature name")
     names = [f[0] for f in spec["features"]]
     config = dataclasses.replace(config, id_policy=expand_id_policy(config.id_policy, names))
+    folded = sorted(f for f in spec["shared"] if config.id_policy.get(f, "reject") == "modulo")
+    if folded:  # id % rows differs per table: each table would see another id than the client sent
+        raise ExportError(f"features {folded} feed several tables (shared features): their ids take the id policy "
+                          "'reject' (ids outside the smallest of their tables are refused), not 'modulo'")
     unknown = sorted(set(config.id_policy) - set(names))
     if unknown:
         raise ExportError(f"id policy names features the model does not have: {unknown}")

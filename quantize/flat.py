@@ -264,15 +264,17 @@ class _Shard(nn.Module):
 class FlatPooledLookup(nn.Module):
     """Pooled lookups of quantized (possibly sharded) tables on request tensors.
 
-    forward(lengths [F*B] int (feature-major, features in ``feature_names`` order),
+    forward(lengths [F*B] int (feature-major, the ``request_names`` features in that order),
             values [N] int, weights [N] float32 or None) -> [B, sum of dims] float32
-    on the first shard's device, each feature's ``dim`` columns in ``feature_names`` order.
+    on the first shard's device, each output's ``dim`` columns in ``feature_names`` order (an output's name: its
+    feature's, ``feature@table`` for a feature several tables look up; ``request_names[i]``: output i's feature).
 
     Build with ``FlatPooledLookup.of(module)`` from a QuantEmbeddingBagCollection or a
     ShardedQuantEmbeddingBagCollection.
     """
 
     feature_names: List[str]
+    request_names: List[str]
     dims: List[int]
     mean_columns: torch.Tensor
     mean_per_feature: torch.Tensor
@@ -288,16 +290,18 @@ class FlatPooledLookup(nn.Module):
         weighted: bool,
         shards: List[_Shard],
         result_device: torch.device,
+        request_names: Optional[List[str]] = None,
     ) -> None:
         super().__init__()
         self.feature_names = list(feature_names)
+        self.request_names = list(feature_names if request_names is None else request_names)
         self.dims = list(dims)
         self.num_features = len(feature_names)
         self.total_dim = sum(dims)
         self.weighted = weighted
         self.shards = nn.ModuleList(shards)
         self.result_device = str(result_device)
-        self.ids = IdCheck(feature_names, table_rows, modulo, result_device)
+        self.ids = IdCheck(self.request_names, table_rows, modulo, result_device)
         self.any_mean_after = any(mean_after)
         self.register_buffer(
             "mean_columns", torch.tensor([i for i, d in enumerate(dims) for _ in range(d)], dtype=torch.int64, device=result_device)
@@ -386,7 +390,7 @@ def _of_layout(layout: LookupLayout) -> FlatPooledLookup:
             columns, any(g.bucketed), len(layout.features), result_device,
         ))
     return FlatPooledLookup(layout.features, layout.dims, layout.rows, layout.modulo, layout.mean, layout.weighted, shards,
-                            result_device)
+                            result_device, layout.requests)
 
 
 class FlatEmbeddingBagCollection(nn.Module):
@@ -401,10 +405,11 @@ class FlatEmbeddingBagCollection(nn.Module):
         super().__init__()
         self.lookup = lookup
         self._keys = list(lookup.feature_names)
+        self._requests = list(lookup.request_names)
         self._dims = list(lookup.dims)
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        lengths, values, weights = _request_features(features, self._keys, not self.lookup.ids.asserts)
+        lengths, values, weights = _request_features(features, self._requests, not self.lookup.ids.asserts)
         pooled = self.lookup(lengths, values, weights)
         return KeyedTensor(keys=self._keys, length_per_key=self._dims, values=pooled, key_dim=1)
 
@@ -456,13 +461,16 @@ class FlatEmbeddingCollection(nn.Module):
     """
 
     feature_names: List[str]
+    request_names: List[str]
 
-    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool], shards: List[_Shard]) -> None:
+    def __init__(self, feature_names: List[str], table_rows: List[int], modulo: List[bool], shards: List[_Shard],
+                 request_names: Optional[List[str]] = None) -> None:
         super().__init__()
-        self.feature_names = list(feature_names)
+        self.feature_names = list(feature_names)  # the outputs: feature@table for a shared feature
+        self.request_names = list(feature_names if request_names is None else request_names)  # each output's feature
         self.num_features = len(feature_names)
         self.device_name = shards[0].device_name if shards else "cpu"
-        self.ids = IdCheck(feature_names, table_rows, modulo, torch.device(self.device_name))
+        self.ids = IdCheck(self.request_names, table_rows, modulo, torch.device(self.device_name))
         self.shards = nn.ModuleList([_UnpooledShard(s) for s in shards])
         self._unit_features: List[List[int]] = [s.features.tolist() for s in shards]  # request feature of each unit
 
@@ -479,10 +487,10 @@ class FlatEmbeddingCollection(nn.Module):
             device = torch.device(FlatTBE(g.tbe).device_name)
             shards.append(_Shard(g.tbe, [index[f] for f in g.features], [0] * len(g.features), [1 << 62] * len(g.features), [],
                                  False, len(layout.features), device))
-        return FlatEmbeddingCollection(layout.features, layout.rows, layout.modulo, shards)
+        return FlatEmbeddingCollection(layout.features, layout.rows, layout.modulo, shards, layout.requests)
 
     def forward(self, features: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
-        lengths, values, _ = _request_features(features, self.feature_names, not self.ids.asserts)
+        lengths, values, _ = _request_features(features, self.request_names, not self.ids.asserts)
         batch = lengths.shape[0] // self.num_features
         given = lengths.view(self.num_features, batch)  # the JaggedTensors keep the request's dtype
         device = torch.device(self.device_name)

@@ -19,7 +19,7 @@ from torch import nn
 
 from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
                                         choose_types, quantize_into, require_float32_output)
-from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables
+from recship.quantize.tbe import LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
@@ -108,15 +108,8 @@ class QuantEmbeddingBagCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables (no row blocks), each TBE pooling itself."""
-        _refuse_shared_features(self._tables)
         self._require_float32_output("the flat lookup (export, serving)")
-        dims = dict(zip(self._names, self._dims))
-        rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
-        groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
-                  for tbe, fs in zip(self.tbes, self._group_features)]
-        return LookupLayout(list(self._names), list(self._dims), [rows[f] for f in self._names],
-                            [self.id_policy.get(f, "reject") == "modulo" for f in self._names], [False] * len(self._names),
-                            self._is_weighted, groups, None)
+        return self._layout(self._names, dict(zip(self._names, self._dims)), self._is_weighted)
 
     def embedding_bag_configs(self) -> List[EmbeddingBagConfig]:
         """The tables, each with the type it is stored in (``data_type``: INT8, INT4, ...), as TorchRec's."""
@@ -196,15 +189,10 @@ class QuantEmbeddingCollection(QuantTables):
 
     def lookup_layout(self) -> LookupLayout:
         """Its TBEs as the flat lookup runs them: whole tables, rows unpooled (``dims``: each feature's row width)."""
-        _refuse_shared_features(self._tables)
         self._require_float32_output("the flat lookup (export, serving)")
-        dims = {f: t.embedding_dim for t in self._tables for f in t.feature_names}
-        rows = {f: r for fs, rs in zip(self._group_features, self._group_rows) for f, r in zip(fs, rs)}
-        groups = [LookupGroup(tbe, list(fs), [0] * len(fs), [rows[f] for f in fs], [False] * len(fs), [0] * len(fs), [dims[f] for f in fs])
-                  for tbe, fs in zip(self.tbes, self._group_features)]
-        return LookupLayout(list(self._names), [dims[f] for f in self._names], [rows[f] for f in self._names],
-                            [self.id_policy.get(f, "reject") == "modulo" for f in self._names], [False] * len(self._names),
-                            False, groups, None)
+        names = get_embedding_names_by_table(self._tables)
+        dims = {name: t.embedding_dim for t, table_names in zip(self._tables, names) for name in table_names}
+        return self._layout(self._names, dims, False)
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         """The tables, each with the type it is stored in (``data_type``), as TorchRec's."""
@@ -216,19 +204,6 @@ class QuantEmbeddingCollection(QuantTables):
         """The quantized twin of a float EmbeddingCollection that carries a ``qconfig``;
         see ``QuantEmbeddingBagCollection.from_float``."""
         return quantize_from_float(cls, module)
-
-
-def _refuse_shared_features(tables: Sequence[BaseEmbeddingConfig]) -> None:
-    """The flat lookup (export, serving, recship_predict) takes each request feature into one table: ValueError naming
-    a feature several tables look up (TorchRec's shared feature, ``feature@table`` outputs)."""
-    seen: Dict[str, str] = {}
-    for t in tables:
-        for f in t.feature_names:
-            if f in seen:
-                raise ValueError(f"feature {f!r} feeds tables {seen[f]!r} and {t.name!r} (a shared feature): the collections "
-                                 "take it, but export and serving take each request feature into one table; give each "
-                                 "table its own feature name")
-            seen[f] = t.name
 
 
 def _column_permutation(source: List[str], target: List[str], dims: Dict[str, int]) -> torch.Tensor:

@@ -27,6 +27,7 @@ from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_i
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.trainer.embedding_modules import get_embedding_names_by_table
 from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
 from recship.trainer.planner.types import ParameterSharding, ShardingPlan, ShardingType
 from recship.trainer.types import DataType, PoolingType
@@ -132,7 +133,8 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
     ``shard_quant_model`` / the inference sharders build them from quantized modules; see the module docstring.
     """
 
-    _features: List[str]
+    _features: List[str]  # the outputs: each feature's name, feature@table for a shared feature
+    _requests: List[str]  # the request feature each output reads
     _dims: List[int]
     _unit_feature: List[List[str]]  # per device: the original feature of each unit
     _unit_name: List[List[str]]  # per device: the unit's feature name inside the device module
@@ -205,27 +207,28 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         self._device_index = [i for i, m in enumerate(device_modules) if m is not None]
         self._device_names = [str(devices[i]) for i in self._device_index]
         self._is_weighted = is_weighted
-        self._features = [f for t in tables for f in t.feature_names]
+        output_names = get_embedding_names_by_table(tables)  # a shared feature's outputs: feature@table
+        self._features = [name for names in output_names for name in names]
+        self._requests = [f for t in tables for f in t.feature_names]
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._mean = [t.pooling == PoolingType.MEAN for t in tables for _ in t.feature_names]
         self._rows = [t.num_embeddings for t in tables for _ in t.feature_names]
         self._table_of = [t.name for t in tables for _ in t.feature_names]
         policy = dict(id_policy or {})
-        self._modulo = [policy.get(f, "reject") == "modulo" for f in self._features]
+        self._modulo = [policy.get(f, "reject") == "modulo" for f in self._requests]
         self._unit_feature, self._unit_name = [], []
         self._unit_row_offset, self._unit_rows, self._unit_bucketed = [], [], []
         self._unit_col_offset, self._unit_cols = [], []
-        by_table = {t.name: t for t in tables}
         for d in self._device_index:
             uf, un, ro, rn, bk, co, cn = [], [], [], [], [], [], []
-            for t in tables:
+            for t, names in zip(tables, output_names):
                 bucketed = len({(s.row_offset) for s in shards[t.name]}) > 1
                 for s in shards[t.name]:
                     if s.device != d:
                         continue
-                    for f in by_table[t.name].feature_names:
-                        uf.append(f)
-                        un.append(f"{f}@{s.index}")
+                    for name in names:
+                        uf.append(name)
+                        un.append(f"{name}@{s.index}")
                         ro.append(s.row_offset)
                         rn.append(s.rows)
                         bk.append(bucketed)
@@ -256,7 +259,7 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
             groups.append(LookupGroup(tbe, list(self._unit_feature[k]), list(self._unit_row_offset[k]), list(self._unit_rows[k]),
                                       list(self._unit_bucketed[k]), list(self._unit_col_offset[k]), list(self._unit_cols[k])))
         return LookupLayout(list(self._features), list(self._dims), list(self._rows), list(self._modulo), list(self._mean),
-                            self._is_weighted, groups, torch.device(self._device_names[0]))
+                            self._is_weighted, groups, torch.device(self._device_names[0]), list(self._requests))
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         given = features.to_dict()
@@ -264,8 +267,9 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         # an out-of-range id must fail, not fall into no block
         per_feature: Dict[str, JaggedTensor] = {}
         for i, f in enumerate(self._features):
-            jt = given[f]
-            ids = check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [f], [self._table_of[i]])
+            jt = given[self._requests[i]]
+            ids = check_ids(jt.values(), [jt.values().shape[0]], [self._rows[i]], [self._modulo[i]], [self._requests[i]],
+                            [self._table_of[i]])
             feature_weights = jt.weights() if self._is_weighted else None
             per_feature[f] = JaggedTensor(values=ids, weights=feature_weights, lengths=jt.lengths(), offsets=jt.offsets())
         first = torch.device(self._device_names[0])
@@ -344,7 +348,7 @@ def shard_quantized(
     """
     modules: List[Optional[QuantEmbeddingBagCollection]] = []
     views: Dict[str, List[BlockView]] = {t.name: [] for t in tables}
-    by_table = {t.name: t for t in tables}
+    output_names = dict(zip((t.name for t in tables), get_embedding_names_by_table(tables)))  # units' names
     for d, device in enumerate(devices):
         configs, types, placed = [], {}, []
         for t in tables:
@@ -356,7 +360,7 @@ def shard_quantized(
                         name=s.name,
                         num_embeddings=s.rows,
                         embedding_dim=s.cols,
-                        feature_names=[f"{f}@{s.index}" for f in by_table[t.name].feature_names],
+                        feature_names=[f"{name}@{s.index}" for name in output_names[t.name]],
                         pooling=PoolingType.SUM,  # MEAN is applied after merging blocks
                     )
                 )

@@ -154,8 +154,9 @@ def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tenso
 
 @dataclass
 class LookupGroup:
-    """One TBE of a collection and what it looks up, unit by unit (in its feature order): unit u reads request
-    feature ``features[u]``; when ``bucketed[u]``, only rows [row_offsets[u], row_offsets[u] + rows[u]) of its table
+    """One TBE of a collection and what it looks up, unit by unit (in its feature order): unit u feeds the
+    collection's output ``features[u]`` (a name of ``LookupLayout.features``); when ``bucketed[u]``, only rows
+    [row_offsets[u], row_offsets[u] + rows[u]) of its table
     (a row block, ids rebased); its output columns are [col_offsets[u], col_offsets[u] + cols[u]) of the feature's
     embedding."""
 
@@ -171,10 +172,11 @@ class LookupGroup:
 @dataclass
 class LookupLayout:
     """How a quantized (or inference-sharded) EmbeddingBagCollection answers a request, for the flat lookup
-    (``recship.quantize.flat``) to run the same TBEs on the request tensors: its features in output order with
-    their dims, table rows and id policy (``modulo``), whether their MEAN is divided after merging row blocks
-    (``mean``), whether ids carry weights, its TBEs (``groups``), and where results are merged (None: where the
-    first TBE keeps its rows)."""
+    (``recship.quantize.flat``) to run the same TBEs on the request tensors: its outputs in order (a feature's
+    name, ``feature@table`` for a shared feature) with their dims, table rows and id policy (``modulo``), whether
+    their MEAN is divided after merging row blocks (``mean``), whether ids carry weights, its TBEs (``groups``),
+    where results are merged (None: where the first TBE keeps its rows), and the request feature each output
+    reads (``requests``: the feature itself, or a shared feature's name for each of its tables)."""
 
     features: List[str]
     dims: List[int]
@@ -184,6 +186,7 @@ class LookupLayout:
     weighted: bool
     groups: List[LookupGroup]
     result_device: Optional[torch.device]
+    requests: List[str]
 
 
 @contextlib.contextmanager
@@ -288,6 +291,20 @@ class QuantTables(nn.Module):
             self._group_rows.append([t.num_embeddings for t in group for _ in t.feature_names])
             self._group_tables.append([t.name for t in group for _ in t.feature_names])
             self._group_modulo.append([self.id_policy[f] == "modulo" for t in group for f in t.feature_names])
+
+    def _layout(self, names: List[str], dims: Dict[str, int], weighted: bool) -> LookupLayout:
+        """The flat lookup's view of these TBEs, outputs in ``names`` order (``dims``: their widths): whole tables,
+        no row blocks, each TBE pooling (or gathering) itself."""
+        rows: Dict[str, int] = {}
+        request: Dict[str, str] = {}
+        for outputs, features, table_rows in zip(self._group_names, self._group_features, self._group_rows):
+            for name, feature, n in zip(outputs, features, table_rows):
+                rows[name], request[name] = n, feature
+        groups = [LookupGroup(tbe, list(ns), [0] * len(ns), [rows[n] for n in ns], [False] * len(ns), [0] * len(ns),
+                              [dims[n] for n in ns]) for tbe, ns in zip(self.tbes, self._group_names)]
+        return LookupLayout(list(names), [dims[n] for n in names], [rows[n] for n in names],
+                            [self.id_policy.get(request[n], "reject") == "modulo" for n in names], [False] * len(names),
+                            weighted, groups, None, [request[n] for n in names])
 
     def output_dtype(self) -> torch.dtype:
         """The dtype of the lookups' results (TorchRec's ``output_dtype()``)."""

@@ -5,7 +5,7 @@ one table looks up keeps its name), table by table, as TorchRec's ``get_embeddin
 inside every table the feature feeds. Checked against plain PyTorch (``F.embedding_bag`` / indexing per table) for the
 float, fused and quantized collections, fx and TorchScript, and sharded EmbeddingCollections on 2 gloo ranks
 (sharded EmbeddingBagCollections: tests/trainer/distributed/test_sharded_ebc.py, whose tables share a feature).
-An artifact takes each request feature into one table: export refuses a shared feature by name.
+Export and serving: tests/export/test_shared_feature_export.py.
 """
 
 import copy
@@ -152,16 +152,12 @@ class SharedRanker(nn.Module):
         return self.over(torch.cat([dense, self.ebc(features).values()], dim=1))
 
 
-def test_the_model_contract_lists_a_shared_feature_once_with_its_smallest_table_and_export_refuses_it(tmp_path):
-    from recship.export import ExportConfig, ExportError, export_model
-
+def test_the_model_contract_lists_a_shared_feature_once_with_its_smallest_table():
+    """(export and serving of such a model: tests/export/test_shared_feature_export.py)"""
     spec = describe_model(SharedRanker())
     assert [(f, t.name) for f, _, t, _, _ in spec["features"]] == [("f1", "t2"), ("f2", "t1")]  # t2: 6 rows bound f1's ids
     assert spec["shared"] == {"f1": ["t1", "t2"]}
     assert [t.name for _, t in spec["tables"]] == ["t1", "t2"]
-    with pytest.raises(ExportError, match=r"feature 'f1' feeds tables \['t1', 't2'\] \(a shared feature"):
-        export_model(SharedRanker(), ExportConfig(out=str(tmp_path / "a"), progress=False))
-    assert not (tmp_path / "a").exists()
 
 
 CASES = {"table_wise": ("table_wise", "table_wise"), "row_wise": ("row_wise", "row_wise"),
