@@ -52,7 +52,8 @@ class PredictorServicer(pb_grpc.PredictorServicer):
                 sparse_features=[
                     pb.FeatureSpec(name=f.name, table=f.table, pooling=f.pooling, dim=f.dim, rows=f.rows,
                                    weight_type=f.weight_type,
-                                   id_policy="modulo" if served.spec.modulo[f.name] else "reject")  # config.yaml may override
+                                   id_policy="modulo" if served.spec.modulo[f.name] else "reject",  # config.yaml may override
+                                   id_bound=f.bound)
                     for f in m.sparse_features
                 ],
                 num_dense=m.num_dense,

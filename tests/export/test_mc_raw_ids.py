@@ -167,6 +167,9 @@ def test_both_fronts_and_recship_predict_take_raw_ids_and_refuse_ids_past_the_bo
         server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format="torchscript"))
         try:
             with PredictClient(f"127.0.0.1:{server.port}") as client:
+                meta = client.metadata("mc")  # what a client may send: the raw-id range, not the table's rows
+                assert [(f.name, f.rows, f.id_bound) for f in meta.sparse_features] == [
+                    (f, ROWS[TABLE[f]], BOUND[f]) for f in BOUND], front
                 for (sparse, dense), want in zip(requests, wants):
                     np.testing.assert_array_equal(client.predict("mc", sparse, dense)["output"], want, err_msg=front)
                 for f, id, bound in bad:

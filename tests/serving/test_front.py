@@ -386,6 +386,7 @@ def test_kserve_and_predictor_metadata_through_the_front(cpp, py):
     assert kserve_meta.name == "dlrm" and list(kserve_meta.versions) == ["1"]
     meta = answers[(calls[5][0], str(calls[5][1]))]
     assert [f.name for f in meta.sparse_features] == [f"cat_{i}" for i in range(26)] and [f.rows for f in meta.sparse_features] == ROWS
+    assert [f.id_bound for f in meta.sparse_features] == ROWS  # no managed collisions: ids stay under the rows
     assert meta.num_dense == NUM_DENSE and [o.name for o in meta.outputs] == ["logit", "prob"]
     listing = answers[(calls[7][0], str(calls[7][1]))]
     assert [(m.name, m.serving_version) for m in listing.models] == [("dlrm", 1)]
