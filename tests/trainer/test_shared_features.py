@@ -160,6 +160,17 @@ def test_the_model_contract_lists_a_shared_feature_once_with_its_smallest_table(
     assert [t.name for _, t in spec["tables"]] == ["t1", "t2"]
 
 
+def test_a_managed_collision_collection_refuses_a_shared_feature():
+    """Its remapped KJT carries each feature once: two tables' remappings of one feature would collide."""
+    from recship.trainer.managed_collisions import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+
+    modules = {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=torch.device("cpu"),
+                                                 eviction_policy=LFU_EvictionPolicy(), eviction_interval=1)
+               for t in bag_tables()}
+    with pytest.raises(ValueError, match="feature 'f1' feeds tables 't1' and 't2'"):
+        ManagedCollisionCollection(modules, bag_tables())
+
+
 CASES = {"table_wise": ("table_wise", "table_wise"), "row_wise": ("row_wise", "row_wise"),
          "column_wise": ("column_wise", "table_wise")}
 

@@ -514,6 +514,14 @@ class ManagedCollisionCollection(nn.Module):
         self._managed_collision_modules = nn.ModuleDict(managed_collision_modules)
         self._embedding_configs = embedding_configs
         self.need_preprocess = need_preprocess
+        owner: Dict[str, str] = {}
+        for c in embedding_configs:
+            for f in c.feature_names:
+                if f in owner:  # one remapped KJT carries each feature once: two tables' remappings of it would collide
+                    raise ValueError(f"ManagedCollisionCollection: feature {f!r} feeds tables {owner[f]!r} and {c.name!r}; "
+                                     "each table remaps its own ids, so a managed-collision collection takes each feature "
+                                     "into one table (shared features work in collections without managed collisions)")
+                owner[f] = c.name
         self._feature_to_table: Dict[str, str] = {f: c.name for c in embedding_configs for f in c.feature_names}
         self._table_to_features: Dict[str, List[str]] = {c.name: list(c.feature_names) for c in embedding_configs}
         self._table_feature_splits: List[int] = [len(fs) for fs in self._table_to_features.values()]
