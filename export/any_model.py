@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, 
 import torch
 from torch import nn
 
+from recship.contract import Shard
 from recship.export.artifact import MAX_ID_BOUND, ModelFields, ModelInfo, Sharding, SparseFeature
 from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
 from recship.quantize.flat import flatten_collections
-from recship.quantize.sharded import InferenceShard, Shard
+from recship.quantize.sharded import InferenceShard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
 from recship.trainer.entry_point import describe_model

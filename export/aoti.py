@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from recship.oserrors import write_bytes
-from recship.quantize.flat import IdCheck
 
 PORTABLE_ISA = "x86-64-v3"  # -march: AVX2 + FMA + BMI2
 _ISA_VECTOR_BITS = {"x86-64-v2": 128, "x86-64-v3": 256, "x86-64-v4": 512}
@@ -190,6 +189,8 @@ def _quiet() -> Iterator[None]:
 @contextmanager
 def _export_mode(module: nn.Module) -> Iterator[None]:
     """Flat lookups check ids with tensor asserts (not Python errors) while torch.export traces ``module``."""
+    from recship.quantize.flat import IdCheck  # here: a server imports this module (loading model.pt2) without the quantizer
+
     lookups = [m for m in module.modules() if isinstance(m, IdCheck)]
     saved = [m.asserts for m in lookups]
     for m in lookups:

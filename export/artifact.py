@@ -34,11 +34,11 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from recship.contract import Shard
 from recship.export.blocks import RowBlocks
 from recship.export.tables import (TablesError, TablesSpec, aoti_constants, attach_torchscript, check_pinned, check_spec, map_tables,
                                    pt2_pinned)
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
-from recship.quantize.sharded import Shard
 
 FORMAT = "recship.artifact/2"  # the tables live in tables.bin (export/tables.py)
 FORMAT_V1 = "recship.artifact/1"  # the tables inside model.pt / model.pt2: still loaded

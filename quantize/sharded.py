@@ -14,7 +14,6 @@ float summation order. Column blocks get their own per-row scale/bias, so a
 column-wise model differs from the unsharded one by (at most) quantization error.
 """
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
@@ -26,6 +25,7 @@ from recship.quantize.modules import QuantEmbeddingBagCollection
 from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_ids
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from recship.contract import Shard
 from recship.trainer.embedding_configs import EmbeddingBagConfig
 from recship.trainer.embedding_modules import get_embedding_names_by_table
 from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
@@ -36,22 +36,6 @@ if TYPE_CHECKING:
     from recship.trainer.distributed.types import ShardingEnv
 
 torch.fx.wrap(check_ids)  # a single fx node here too (fx.wrap patches per importing module)
-
-
-@dataclass
-class Shard:
-    """One block of one table: rows [row_offset, +rows), columns [col_offset, +cols), on device index ``device``."""
-
-    table: str
-    index: int
-    device: int
-    row_offset: int
-    rows: int
-    col_offset: int
-    cols: int
-
-    def to_dict(self) -> Dict[str, Any]:
-        return dict(vars(self))
 
 
 class InferenceShard(Shard):

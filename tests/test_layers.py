@@ -17,7 +17,7 @@ FOLDERS = {"recship": "recship", "sparse": "recship.sparse", "trainer": "recship
 # bottom to top: a module may import its own layer and those below
 LAYERS = [
     ["recship", "recship.names", "recship.flags", "recship.lazy", "recship.logs", "recship.plots", "recship.fx", "recship.cpus",
-     "recship.native", "recship.fbgemm", "recship.oserrors"],
+     "recship.native", "recship.fbgemm", "recship.oserrors", "recship.contract"],
     ["recship.sparse"],
     ["recship.trainer", "recship.metrics"],
     ["recship.models"],
