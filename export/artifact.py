@@ -369,13 +369,6 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")  # Python's json reads NaN and Infinity; JSON (and the C++ loader) does not
 
 
-def read_manifest(path: Union[str, Path]) -> Dict[str, Any]:
-    """The artifact's manifest as parsed JSON, its structure checked (``check_manifest``); prefer ``Manifest.read``."""
-    manifest = _parse_manifest(_manifest_bytes(path), path)
-    check_manifest(manifest, path)
-    return manifest
-
-
 def _manifest_bytes(path: Union[str, Path]) -> bytes:
     path = Path(path)
     try:
@@ -412,7 +405,7 @@ def check_manifest(manifest: Any, path: Union[str, Path] = "artifact") -> None:
     """Raises ArtifactError, naming the field, unless the manifest has every field of the contract with its type.
 
     The rules are those of protos/recship/artifact/v1/manifest.schema.json (tests/export/test_manifest.py
-    holds the two together); the C++ loader (cpp_loader/src/model.cpp check_manifest) checks the same, in
+    holds the two together); the C++ loader (cpp_loader/src/manifest.cpp check_manifest) checks the same, in
     the same words: a field that is absent "is missing", one of another JSON type "must be int, got str".
     """
 

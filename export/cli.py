@@ -1,6 +1,7 @@
-"""``recship export``: a training checkpoint -> a quantized TorchScript artifact (or a repository version).
+"""``recship export``: a training checkpoint -> a quantized, self-checked artifact (model.pt and/or model.pt2, tables.bin,
+manifest.json, sample/) or a repository version.
 
-The flags are ExportConfig's fields (recship.export.pipeline): ``--dtype``/``dtype``,
+The flags are ExportConfig's fields (recship.export.config): ``--dtype``/``dtype``,
 ``--table-dtype``/``table_dtypes``, ``--model-name``/``model_name`` (``--name`` for short),
 ``--model-version``/``model_version``. Torch is imported when the export starts,
 so ``--help`` and argument errors answer at once.
@@ -103,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_model(source: str, config: "ExportConfig") -> Dict[str, Any]:
-    """recship.export.pipeline.export_model, imported (with torch) on the first call."""
+    """recship.export.pipeline.export_model (the stages), imported (with torch) on the first call."""
     from recship.export.pipeline import export_model as export
 
     return export(source, config)

@@ -111,12 +111,6 @@ class ExportConfig:
 
             require()
 
-    def quant_config(self) -> QuantConfig:
-        return QuantConfig(
-            dtype=self.dtype, table_dtypes=dict(self.table_dtypes), error_budget=self.error_budget or 0.01,
-            error_minimizing=self.error_minimizing, device=self.device, id_policy=dict(self.id_policy), seed=self.seed,
-        )
-
 
 def expand_id_policy(id_policy: Dict[str, str], features: List[str]) -> Dict[str, str]:
     """``{"*": p}`` gives every feature policy ``p``; named features override it."""

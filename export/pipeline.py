@@ -2,9 +2,13 @@
 
 The artifact directory (the contract the server and the C++ loader read):
 
-    model.pt        TorchScript: forward(dense, lengths, values, weights) -> Dict[str, Tensor]
-    manifest.json   features, tables, types, outputs, plan, versions, op libraries,
-                    quantization report, sha256 of model.pt, the sample's files
+    model.pt        TorchScript: forward(dense, lengths, values, weights) -> Dict[str, Tensor], its tables
+                    left out (placeholders filled from tables.bin at load)
+    model.pt2       the same forward compiled by AOTInductor (``--format aoti`` or ``both``), its tables
+                    likewise in tables.bin
+    tables.bin      every table's rows once, aligned, mapped read-only by every loader (export/tables.py)
+    manifest.json   features, tables (tables.bin's tensors and segments), types, outputs, plan, versions,
+                    op libraries, quantization report, sha256 of every file, the sample's files
     sample/         one request as raw little-endian tensors and the outputs the
                     exported model gave for it (any loader can self-check at start)
 

@@ -125,9 +125,6 @@ class TablesSpec:
             for t in d["tensors"]
         ])
 
-    def total_table_bytes(self) -> int:
-        return sum(t.bytes for t in self.tensors)
-
 
 def check_spec(spec: Any, fail: Any) -> None:
     """Calls ``fail(message)`` (which raises) unless ``spec`` is a well-formed manifest ``tables``: every
@@ -312,8 +309,8 @@ def _reserve(fd: int, path: Path, start: int, nbytes: int, what: str) -> None:
 class TablesWriter:
     """Collects an artifact's table tensors, then writes tables.bin and returns its ``TablesSpec``.
 
-    ``add_torchscript(scripted)`` takes every FlatTBE's rows from a TorchScript module (which
-    shares them with the nn.Module it was scripted from); ``add_aoti(constants)`` the constants
+    ``add_tables(module, torchscript)`` takes every FlatTBE's rows from a TorchScript module (which
+    shares them with the nn.Module it was scripted from) or the nn.Module torch.export takes; ``add_aoti(constants)`` the constants
     a model.pt2 compiled without them needs (a tensor already added is referenced, not added
     twice); ``write(folder)`` writes tables.bin and returns its spec; ``emptied(scripted)`` swaps the TorchScript buffers for empty
     placeholders while model.pt is saved.
@@ -335,9 +332,6 @@ class TablesWriter:
         self._tensors.append((entry, t, parts))
         self._by_storage[self._identity(t)] = entry
         return entry
-
-    def add_torchscript(self, scripted: torch.nn.Module) -> None:
-        self.add_tables(scripted, torchscript=True)
 
     def add_tables(self, module: torch.nn.Module, torchscript: bool) -> None:
         """Every FlatTBE's rows of ``module`` (TorchScript, or the nn.Module torch.export takes), each table a

@@ -196,7 +196,6 @@ class _Shard(nn.Module):
         self.all_in_order = features == list(range(num_features))
         self.same_size = sorted(features) == list(range(num_features))  # every feature once: N ids in, as many out
         self.bucketed = bucketed
-        self.num_units = len(features)
         # the request's tensors are on the result device (the first shard's): the routing lives there too
         self.register_buffer("features", torch.tensor(features, dtype=torch.int64, device=result_device))
         self.register_buffer("row_offsets", torch.tensor(row_offsets, dtype=torch.int64, device=result_device))

@@ -89,7 +89,7 @@ std::string fbgemm_version(const std::string& dir) {
 
 const std::string kPinnedName = "recship/tables.json";  // model.pt's extra file, model.pt2's <root>/extra/ entry
 
-// CPU flags (/proc/cpuinfo) each -march level needs, as recship/export/aoti.py's _ISA_FLAGS.
+// CPU flags (/proc/cpuinfo) each -march level needs, as export/aoti.py's _ISA_FLAGS.
 const std::map<std::string, std::vector<std::string>>& isa_flags() {
   static const std::map<std::string, std::vector<std::string>> flags = {
       {"x86-64-v2", {"sse4_2", "popcnt", "ssse3"}},
