@@ -37,9 +37,9 @@ from recship.export.model import ExportedModule, PooledEmbeddings, StageError, b
 from recship.quantize.flat import flatten_collections
 from recship.quantize.sharded import InferenceShard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
 from recship.trainer.entry_point import describe_model
-from recship.trainer.types import DataType
+from recship.modules.types import DataType
 
 if TYPE_CHECKING:
     from recship.export.config import ExportConfig

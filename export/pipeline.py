@@ -47,7 +47,7 @@ from recship.names import VERSION_NAME
 from recship.oserrors import doing, label, write_bytes
 from recship.quantize.quantizer import QuantizationReport, TableReport
 from recship.quantize.tbe import host_rows_from
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection
 
 if TYPE_CHECKING:
     from recship.export.aoti import AotiPackage
@@ -115,7 +115,7 @@ def _module_from_checkpoint(
     for mpath, _ in every_path:
         _replace(model, mpath, nn.Module())
     try:
-        from recship.trainer.embedding_modules import materialize
+        from recship.modules.embedding_modules import materialize
 
         materialize(model, "cpu")
         missing, unexpected = model.load_state_dict(reader.dense_state_dict(), strict=False)

@@ -11,8 +11,8 @@ from torch import nn
 from recship.export.config import ExportError
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.types import DataType
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.types import DataType
 
 # a validation request: dense [B, num_dense] float32, its KJT, labels [B] (or [B, T] for T tasks) float32 or None
 Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]

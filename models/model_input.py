@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 
 from recship.sparse import KeyedJaggedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.modules.embedding_configs import BaseEmbeddingConfig
 
 Tables = Sequence[BaseEmbeddingConfig]
 

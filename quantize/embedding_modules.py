@@ -37,14 +37,14 @@ from recship.quantize.quantizer import QuantConfig
 from recship.quantize.rowwise import quantize_rows, row_bytes
 from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection as OriginalEmbeddingBagCollection
-from recship.trainer.embedding_modules import EmbeddingCollection as OriginalEmbeddingCollection
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection as OriginalEmbeddingBagCollection
+from recship.modules.embedding_modules import EmbeddingCollection as OriginalEmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection as OriginalFeatureProcessedEmbeddingBagCollection
 from recship.trainer.feature_processors import FeatureProcessorsCollection
 from recship.trainer.managed_collisions import ManagedCollisionEmbeddingBagCollection as OriginalManagedCollisionEmbeddingBagCollection
 from recship.trainer.managed_collisions import ManagedCollisionEmbeddingCollection as OriginalManagedCollisionEmbeddingCollection
-from recship.trainer.types import DataType, PoolingType
+from recship.modules.types import DataType, PoolingType
 
 # TorchRec's module attributes that its quant_prep_* functions set on float collections before from_float
 MODULE_ATTR_QUANT_STATE_DICT_SPLIT_SCALE_BIAS = SPLIT_SCALE_BIAS_ATTR

@@ -20,7 +20,7 @@ from torch import nn
 from recship.quantize.modules import (PRUNING_ATTR, REGISTER_TBES_ATTR, SPLIT_SCALE_BIAS_ATTR, TORCHREC_ROW_ALIGNMENT,
                                       QuantEmbeddingBagCollection, quantize_from_float)
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection, FeatureProcessorsCollection
 
 

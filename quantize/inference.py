@@ -22,7 +22,7 @@ from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBag
 from recship.quantize.modules import PRUNING_ATTR, REGISTER_TBES_ATTR, QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.quantizer import QuantConfig, check_output_dtype
 from recship.quantize.tbe import QuantTables
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection
 
 logger = logging.getLogger(__name__)

@@ -33,8 +33,8 @@ from recship.quantize.modules import (PRUNING_ATTR, REGISTER_TBES_ATTR, SPLIT_SC
                                       quantize_from_float)
 from recship.quantize.tbe import QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions.embedding import (BaseManagedCollisionEmbeddingCollection, ManagedCollisionEmbeddingBagCollection,
                                                           ManagedCollisionEmbeddingCollection)
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection

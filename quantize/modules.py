@@ -21,9 +21,9 @@ from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationRepo
                                         choose_types, quantize_into, require_float32_output)
 from recship.quantize.tbe import LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
-from recship.trainer.types import DataType, PoolingType
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
+from recship.modules.types import DataType, PoolingType
 
 
 # TorchRec pads quantized rows to 16 bytes on every device (its DEFAULT_ROW_ALIGNMENT); from_float and the constructors

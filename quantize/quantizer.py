@@ -28,7 +28,7 @@ import torch
 
 from recship.names import AUTO, INFERENCE_TYPES, DataType
 from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_rows, row_bytes, row_chunks, single_threaded_pool
-from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.modules.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.text import text_table
 
 # auto mode tries these, smallest first (FP8 costs what INT8 costs and is less accurate here)

@@ -27,7 +27,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from recship.trainer.types import DataType
+from recship.modules.types import DataType
 
 # Fractions of a row's range clipped from the bottom and from the top; (0, 0) is min/max.
 _CLIP_GRID = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)

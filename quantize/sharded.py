@@ -26,11 +26,11 @@ from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_i
 from recship.quantize.quantizer import BlockView
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.contract import Shard
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import get_embedding_names_by_table
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_modules import get_embedding_names_by_table
 from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
 from recship.trainer.planner.types import ParameterSharding, ShardingPlan, ShardingType
-from recship.trainer.types import DataType, PoolingType
+from recship.modules.types import DataType, PoolingType
 
 if TYPE_CHECKING:
     from recship.trainer.distributed.types import ShardingEnv

@@ -33,7 +33,7 @@ from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FU
                                                FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
                                                ModuleSharder, ShardingEnv)
 from recship.trainer.distributed.mc_sharder import ManagedCollisionCollectionSharder
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection
 from recship.trainer.planner.types import ParameterConstraints, ParameterSharding, ShardingPlan, ShardMetadata
 

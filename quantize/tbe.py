@@ -33,9 +33,9 @@ from recship.quantize.quantizer import check_output_dtype, require_float32_outpu
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
-from recship.trainer.embedding_configs import BaseEmbeddingConfig
-from recship.trainer.embedding_modules import get_embedding_names_by_table
-from recship.trainer.types import DataType
+from recship.modules.embedding_configs import BaseEmbeddingConfig
+from recship.modules.embedding_modules import get_embedding_names_by_table
+from recship.modules.types import DataType
 
 
 @torch.fx.wrap

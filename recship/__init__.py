@@ -23,12 +23,12 @@ _EXPORTS = {
             "FeatureL2NormBasedEvictionPolicy", "FeatureScoreBasedEvictionPolicy", "FeatureScoreMapping",
             "NoEvictionPolicy", "TimestampBasedEvictionPolicy", "VirtualTableEvictionPolicy",
         ],
-        "recship.trainer.embedding_configs",
+        "recship.modules.embedding_configs",
     ),
     **dict.fromkeys(["data_type_to_dtype", "data_type_to_sparse_type", "dtype_to_data_type", "pooling_type_to_pooling_mode",
                      "pooling_type_to_str"], "recship.names"),
     **dict.fromkeys(["EmbeddingBagCollectionInterface", "EmbeddingCollectionInterface", "get_embedding_names_by_table",
-                     "process_pooled_embeddings", "reorder_inverse_indices"], "recship.trainer.embedding_modules"),
+                     "process_pooled_embeddings", "reorder_inverse_indices"], "recship.modules.embedding_modules"),
     **dict.fromkeys(
         [
             "DataType", "DistributedModelParallel", "EmbOptimType", "EmbeddingBagCollection", "EmbeddingBagConfig",

@@ -40,8 +40,8 @@ from recship.quantize.sharders import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARA
                                        QuantFeatureProcessedEmbeddingBagCollectionSharder, default_sharders, shard_quant_model)
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.distributed.types import ModuleSharder
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection
 from recship.trainer.planner.components import (EmbeddingEnumerator, EmbeddingPerfEstimator, EmbeddingStorageEstimator,
                                                FixedPercentageStorageReservation)

@@ -18,8 +18,8 @@ from torch import nn
 
 from recship.models.layers import SwishLayerNorm
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions import (DistanceLFU_EvictionPolicy, ManagedCollisionCollection,
                                                 ManagedCollisionEmbeddingBagCollection, ManagedCollisionModule,
                                                 MCHManagedCollisionModule)

@@ -11,14 +11,15 @@ from typing import Dict, List, Set
 
 ROOT = Path(__file__).resolve().parents[1]
 # the folders that install as recship's subpackages (pyproject.toml's package-dir), and the package's own folder
-FOLDERS = {"recship": "recship", "sparse": "recship.sparse", "trainer": "recship.trainer", "models": "recship.models",
-           "quantize": "recship.quantize", "export": "recship.export", "serving": "recship.serving"}
+FOLDERS = {"recship": "recship", "sparse": "recship.sparse", "modules": "recship.modules", "trainer": "recship.trainer",
+           "models": "recship.models", "quantize": "recship.quantize", "export": "recship.export", "serving": "recship.serving"}
 
 # bottom to top: a module may import its own layer and those below
 LAYERS = [
     ["recship", "recship.names", "recship.flags", "recship.lazy", "recship.logs", "recship.plots", "recship.fx", "recship.cpus",
      "recship.native", "recship.fbgemm", "recship.oserrors", "recship.contract"],
     ["recship.sparse"],
+    ["recship.modules"],
     ["recship.trainer", "recship.metrics"],
     ["recship.models"],
     ["recship.quantize"],

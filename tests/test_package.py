@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["sparse", "trainer", "quantize", "export", "serving"]
+SUBPACKAGES = ["sparse", "modules", "trainer", "quantize", "export", "serving"]
 
 
 def _python_files():

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["sparse", "trainer", "quantize", "export", "models", "serving"]
+SUBPACKAGES = ["sparse", "modules", "trainer", "quantize", "export", "models", "serving"]
 
 
 def test_mypy_finds_no_errors(tmp_path):

@@ -26,7 +26,7 @@ from recship.export.artifact import Manifest, open_artifact
 from model_requests import dlrm_request, in_process, model_repo, request_file
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "protos", "recship", "sparse", "trainer", "quantize", "export",
+SOURCES = ["pyproject.toml", "setup.py", "README.md", "protos", "recship", "sparse", "modules", "trainer", "quantize", "export",
            "models", "serving", "cpp_loader"]
 
 

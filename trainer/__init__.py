@@ -1,4 +1,5 @@
-"""Training side: embedding tables and their configs, sharding plans, sharded modules, DMP.
+"""Training side: sharding plans, sharded modules, DMP, fused optimizers (the unsharded modules and their configs
+live in ``recship.modules``; their names are re-exported here).
 
 Names load on first use (PEP 562): ``recship train --help`` imports ``recship.trainer.config``
 without torch, and ``from recship.trainer import EmbeddingBagCollection`` still works.
@@ -13,8 +14,8 @@ _NAMES = {
     "ShardedEmbeddingBagCollection": "recship.trainer.distributed",
     **dict.fromkeys(["EmbeddingBagCollectionSharder", "get_default_sharders"], "recship.trainer.distributed.sharders"),
     **dict.fromkeys(["LazyAwaitable", "ModuleSharder", "ShardingEnv"], "recship.trainer.distributed.types"),
-    **dict.fromkeys(["BaseEmbeddingConfig", "EmbeddingBagConfig", "EmbeddingConfig"], "recship.trainer.embedding_configs"),
-    **dict.fromkeys(["EmbeddingBagCollection", "EmbeddingCollection", "materialize"], "recship.trainer.embedding_modules"),
+    **dict.fromkeys(["BaseEmbeddingConfig", "EmbeddingBagConfig", "EmbeddingConfig"], "recship.modules.embedding_configs"),
+    **dict.fromkeys(["EmbeddingBagCollection", "EmbeddingCollection", "materialize"], "recship.modules.embedding_modules"),
     **dict.fromkeys(
         ["CombinedOptimizer", "EmbOptimType", "FusedOptimizerConfig", "KeyedOptimizer", "RowWiseAdagrad"], "recship.trainer.fused_optim"
     ),
@@ -39,10 +40,10 @@ if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
     from recship.trainer.distributed.sharders import get_default_sharders as get_default_sharders
     from recship.trainer.distributed.types import LazyAwaitable as LazyAwaitable, ModuleSharder as ModuleSharder
     from recship.trainer.distributed.types import ShardingEnv as ShardingEnv
-    from recship.trainer.embedding_configs import BaseEmbeddingConfig as BaseEmbeddingConfig
-    from recship.trainer.embedding_configs import EmbeddingBagConfig as EmbeddingBagConfig, EmbeddingConfig as EmbeddingConfig
-    from recship.trainer.embedding_modules import EmbeddingBagCollection as EmbeddingBagCollection
-    from recship.trainer.embedding_modules import EmbeddingCollection as EmbeddingCollection, materialize as materialize
+    from recship.modules.embedding_configs import BaseEmbeddingConfig as BaseEmbeddingConfig
+    from recship.modules.embedding_configs import EmbeddingBagConfig as EmbeddingBagConfig, EmbeddingConfig as EmbeddingConfig
+    from recship.modules.embedding_modules import EmbeddingBagCollection as EmbeddingBagCollection
+    from recship.modules.embedding_modules import EmbeddingCollection as EmbeddingCollection, materialize as materialize
     from recship.trainer.fused_optim import CombinedOptimizer as CombinedOptimizer, EmbOptimType as EmbOptimType
     from recship.trainer.fused_optim import FusedOptimizerConfig as FusedOptimizerConfig, KeyedOptimizer as KeyedOptimizer
     from recship.trainer.fused_optim import RowWiseAdagrad as RowWiseAdagrad
@@ -53,4 +54,4 @@ if TYPE_CHECKING:  # what __getattr__ returns, for type checkers
     from recship.trainer.planner import ParameterConstraints as ParameterConstraints, ParameterSharding as ParameterSharding
     from recship.trainer.planner import ShardingPlan as ShardingPlan, ShardingType as ShardingType
     from recship.trainer.planner import ShardMetadata as ShardMetadata, Topology as Topology
-    from recship.trainer.types import DataType as DataType, PoolingType as PoolingType
+    from recship.modules.types import DataType as DataType, PoolingType as PoolingType

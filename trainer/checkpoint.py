@@ -43,7 +43,7 @@ from recship.oserrors import doing, no_space
 from recship.trainer.checkpoint_reader import (FORMAT, META_FILE, CheckpointError, data_parallel_key, load_tensors, quiet_dcp,
                                                read_metadata)
 from recship.trainer.distributed.sharded_tables import ShardedEmbeddingTables
-from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from recship.trainer.fused_optim import EmbOptimType
 from recship.trainer.planner.types import ShardingPlan
 

@@ -25,7 +25,7 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Typ
 import torch
 import torch.distributed.checkpoint as dcp
 
-from recship.trainer.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.trainer.planner.types import ShardingPlan
 
 FORMAT = "recship.checkpoint/1"
@@ -137,7 +137,7 @@ class CheckpointReader:
     def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
         """(module path, config) of every pooled table; an EmbeddingCollection's sharded tables come with the dense
         state (``dense_state_dict``), whole, as its replicated ones do."""
-        from recship.trainer.types import DataType, PoolingType
+        from recship.modules.types import DataType, PoolingType
 
         out = []
         for key, t in self._pooled_tables():

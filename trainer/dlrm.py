@@ -14,9 +14,9 @@ from torch import nn
 
 from recship.names import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recship.sparse import KeyedJaggedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection
-from recship.trainer.types import PoolingType
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection
+from recship.modules.types import PoolingType
 
 
 

@@ -72,7 +72,7 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
     "num_dense": int}: features in the order of their collections (first path in ``named_modules`` order)
     and tables.
     """
-    from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from recship.trainer.feature_processors import feature_processed_features
 
     params = [p for p in inspect.signature(module.forward).parameters.values()
@@ -191,7 +191,7 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     [B, T]} of the run's data functions (default, and for data without one: [B]).
     """
     from recship.sparse import KeyedJaggedTensor
-    from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
+    from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
     from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
     from recship.trainer.managed_collisions.modules import resized_collection
 

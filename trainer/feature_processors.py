@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection
 
 __all__ = [
     "CopyMixIn", "EmbeddingBagCollection", "FeatureProcessedEmbeddingBagCollection", "FeatureProcessor",

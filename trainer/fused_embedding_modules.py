@@ -31,11 +31,11 @@ from torch import nn
 
 from recship.names import EmbOptimType
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import (EmbeddingBagCollection, EmbeddingCollection, _check_tables, check_features,
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import (EmbeddingBagCollection, EmbeddingCollection, _check_tables, check_features,
                                                get_embedding_names_by_table, rows_per_feature)
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizer, FusedOptimizerConfig, KeyedOptimizer, RowWiseAdagrad
-from recship.trainer.types import DataType, PoolingType
+from recship.modules.types import DataType, PoolingType
 
 _FUSABLE: Dict[type, EmbOptimType] = {
     torch.optim.SGD: EmbOptimType.EXACT_SGD,

@@ -33,7 +33,7 @@ from recship.trainer.distributed.fp_sharder import fp_ebc_plan_path
 from recship.trainer.distributed.mc_sharder import managed_collision_plan_path, per_rank_buffers, shard_managed_collision_collection
 from recship.trainer.planner.planner import with_ebc_sharders
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection
 from recship.trainer.fused_optim import CombinedOptimizer, FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ShardingPlan, ShardingType, Topology

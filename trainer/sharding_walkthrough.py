@@ -17,8 +17,8 @@ from recship.names import TRAINING_SHARDING_TYPES
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
 from recship.trainer.distributed.types import ShardingEnv
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 

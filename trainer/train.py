@@ -37,7 +37,7 @@ from recship.trainer.checkpoint_reader import complete_checkpoints, latest_check
 from recship.trainer.config import TrainConfig
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.entry_point import build_model, check_contract, describe_model
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.history import History

@@ -12,7 +12,7 @@ import torch
 
 from recship.quantize import rowwise
 from recship.quantize.rowwise import QuantizedRows
-from recship.trainer.types import DataType
+from recship.modules.types import DataType
 
 # ---------------------------------------------------------------------------
 # The implementation before the speed-ups, kept as the bitwise reference.

@@ -14,7 +14,7 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagConfig, PoolingType
 from recship.trainer.distributed.types import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL, ShardingEnv
 from recship.trainer.planner.types import EmbeddingComputeKernel, ParameterSharding, ShardingType
-from recship.trainer.types import DataType
+from recship.modules.types import DataType
 
 TABLES = [
     EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=16, feature_names=["f0"], data_type=DataType.INT8),

@@ -17,8 +17,8 @@ import torch
 
 from recship.fx import symbolic_trace
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
-from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions import (DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy,
                                                 ManagedCollisionCollection, ManagedCollisionEmbeddingBagCollection,
                                                 ManagedCollisionEmbeddingCollection, McEmbeddingBagCollectionAdapter,
@@ -326,7 +326,7 @@ def test_mistakes_are_value_errors() -> None:
 def test_reset_parameters_and_meta_device_give_a_new_module() -> None:
     """materialize() of a model built on the meta device (to_empty, then reset_parameters) and a reset of a trained
     module both give a new module's state, which then trains as a new module does."""
-    from recship.trainer.embedding_modules import materialize
+    from recship.modules.embedding_modules import materialize
 
     data = batches(9, 6)
     fresh = mc_ebc("dlfu")

@@ -19,7 +19,7 @@ from torch import nn
 
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection
 
 

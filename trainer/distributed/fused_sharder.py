@@ -26,7 +26,7 @@ from recship.names import EmbeddingComputeKernel, ShardingType
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
 from recship.trainer.distributed.sharders import BaseEmbeddingSharder, check_training_kernel
 from recship.trainer.distributed.types import ShardingEnv
-from recship.trainer.embedding_modules import EmbeddingBagCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection
 from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection, _kernel_config
 from recship.trainer.planner.types import ParameterSharding
 

@@ -36,12 +36,12 @@ from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, LookupUnit, ShardedEmbeddingTables, _lookup_units, optimizer_for,
                                                        _make_tbe, _PooledAllToAll)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
-from recship.trainer.embedding_configs import EmbeddingBagConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, check_features, get_embedding_names_by_table
+from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, check_features, get_embedding_names_by_table
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.planner import bucketize_rows, merge_blocks
 from recship.trainer.planner.types import ParameterSharding
-from recship.trainer.types import PoolingType
+from recship.modules.types import PoolingType
 
 # names other modules import from here (they live in sharded_tables, shared with the sharded EmbeddingCollection)
 __all__ = ["FUSED_PARAMETER_MARK", "LookupUnit", "ShardedEmbeddingBagCollection", "EmbeddingBagCollectionAwaitable",

@@ -30,8 +30,8 @@ from recship.trainer.distributed.sharded_ebc import SparseFeaturesAllToAll
 from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import LookupUnit, ShardedEmbeddingTables, _PooledAllToAll, optimizer_for
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
-from recship.trainer.embedding_configs import EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingCollection, check_features, get_embedding_names_by_table
+from recship.modules.embedding_configs import EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingCollection, check_features, get_embedding_names_by_table
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.types import ParameterSharding, ShardingType
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.distributed import sharded_state
-from recship.trainer.embedding_modules import rows_per_feature
+from recship.modules.embedding_modules import rows_per_feature
 from recship.trainer.fused_optim import (CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig, fused_config,
                                         fused_config_from_torch)
 from recship.trainer.planner.types import ParameterSharding, ShardingType

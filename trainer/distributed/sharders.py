@@ -24,7 +24,7 @@ from recship.trainer.distributed.sharded_ec import EC_SHARDING_TYPES, ShardedEmb
 from recship.trainer.distributed.sharded_tables import optimizer_for
 from recship.trainer.distributed.types import ModuleSharder, ShardingEnv
 from recship.names import EmbeddingComputeKernel, ShardingType
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_optim import FusedOptimizerConfig, fused_config
 from recship.trainer.planner.types import ParameterSharding
 

@@ -13,8 +13,8 @@ HashZchManagedCollisionModule and its eviction modules) is not here: it is built
 """
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions.embedding import (BaseManagedCollisionEmbeddingCollection,
                                                           ManagedCollisionEmbeddingBagCollection,
                                                           ManagedCollisionEmbeddingCollection, McEmbeddingBagCollectionAdapter,

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.managed_collisions.eviction import DistanceLFU_EvictionPolicy
 from recship.trainer.managed_collisions.modules import ManagedCollisionCollection, MCHManagedCollisionModule
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor
-from recship.trainer.embedding_configs import BaseEmbeddingConfig
+from recship.modules.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.managed_collisions.eviction import MCHEvictionPolicy
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recship.trainer.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from recship.trainer.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from recship.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
 from recship.trainer.managed_collisions.embedding import managed_collision_plan_path

@@ -16,7 +16,7 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagConfig
 from recship.trainer.fused_embedding_modules import FusedEmbeddingBagCollection
 from recship.trainer.model_parallel import DistributedModelParallel
-from recship.trainer.types import PoolingType
+from recship.modules.types import PoolingType
 
 LOCAL, STEPS, LR = 3, 3, 0.1
 FEATURES = {"a": ("t0", 11), "b": ("t1", 7)}

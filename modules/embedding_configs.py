@@ -17,7 +17,7 @@ import torch
 
 from recship.names import (data_type_to_dtype, data_type_to_sparse_type, dtype_to_data_type, pooling_type_to_pooling_mode,
                            pooling_type_to_str)
-from recship.trainer.types import DataType, PoolingType
+from recship.modules.types import DataType, PoolingType
 
 
 @dataclass

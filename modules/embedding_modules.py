@@ -19,12 +19,12 @@ from torch import nn
 
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
-from recship.trainer.embedding_configs import (
+from recship.modules.embedding_configs import (
     BaseEmbeddingConfig,
     EmbeddingBagConfig,
     EmbeddingConfig,
 )
-from recship.trainer.types import PoolingType
+from recship.modules.types import PoolingType
 
 
 def _check_tables(tables: Sequence[BaseEmbeddingConfig], kind: type, allow_empty: bool = False) -> None:
