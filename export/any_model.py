@@ -135,8 +135,7 @@ def raw_id_bounds(model: nn.Module, spec: Dict[str, Any]) -> Dict[str, int]:
 
 def _swap(model: nn.Module, paths: List[str], module: nn.Module) -> None:
     for path in paths:
-        parent, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent), name, module)
+        model.set_submodule(path, module)
 
 
 def tables_by_reference(module: nn.Module) -> Tuple[nn.Module, Callable[[str, str], torch.Tensor]]:

@@ -96,7 +96,7 @@ def _module_from_checkpoint(
         model = build_model(entry, args, device="meta")
     except ValueError as e:
         raise ExportError(str(e)) from None
-    every_path = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if type(m) is EmbeddingBagCollection]
+    every_path = [(p, m) for p, m in model.named_modules(remove_duplicate=False) if p and type(m) is EmbeddingBagCollection]
     bags = [(p, m) for p, m in model.named_modules() if type(m) is EmbeddingBagCollection]  # each once, first path
     saved = {(mpath, cfg.name): cfg for mpath, cfg in reader.table_configs()}
     built = {(mpath, t.name): t for mpath, m in bags for t in m.embedding_bag_configs()}
@@ -113,7 +113,7 @@ def _module_from_checkpoint(
     # the dense part (EmbeddingCollections included) is allocated and loaded; the EBC tables stay
     # where the factory put them (meta, given a device argument) and stream from the checkpoint
     for mpath, _ in every_path:
-        _replace(model, mpath, nn.Module())
+        model.set_submodule(mpath, nn.Module())
     try:
         from recship.modules.embedding_modules import materialize
 
@@ -121,7 +121,7 @@ def _module_from_checkpoint(
         missing, unexpected = model.load_state_dict(reader.dense_state_dict(), strict=False)
     finally:
         for mpath, m in every_path:
-            _replace(model, mpath, m)
+            model.set_submodule(mpath, m)
     if missing or unexpected:
         raise ExportError(f"{path} does not match {entry}({args}): missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     train = (reader.config or {}).get("train") or {}
@@ -136,11 +136,6 @@ def _module_from_checkpoint(
     # tables stream one at a time (each dropped before the next is loaded): they may share one buffer
     return (model, dataclasses.replace(config, model=entry, model_args=dict(args), eval_data=eval_data), seed,
             functools.partial(reader.table, reuse=True))
-
-
-def _replace(model: nn.Module, path: str, module: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(model.get_submodule(parent), name, module)
 
 
 # ---------------------------------------------------------------------------

@@ -167,8 +167,7 @@ def quantize_inference_model(
         quantized = QuantFeatureProcessedEmbeddingBagCollection.from_float(fp)
         if not path:
             return quantized
-        parent, _, child = path.rpartition(".")
-        setattr(model.get_submodule(parent), child, quantized)
+        model.set_submodule(path, quantized)
     for m in model.modules():
         if type(m) in extra:
             setattr(m, REGISTER_TBES_ATTR, True)

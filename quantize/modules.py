@@ -394,8 +394,7 @@ def quantize_embeddings(
         if not path:
             module = swapped[id(m)]
             continue
-        parent, _, name = path.rpartition(".")
-        setattr(module.get_submodule(parent), name, swapped[id(m)])
+        module.set_submodule(path, swapped[id(m)])
     return module, QuantizationReport(reports, config.alignment, config.error_minimizing)
 
 

@@ -430,8 +430,7 @@ def shard_quant_model(
         if not path:
             module = done[id(m)]
         else:
-            parent, _, name = path.rpartition(".")
-            setattr(module.get_submodule(parent), name, done[id(m)])
+            module.set_submodule(path, done[id(m)])
     return module, plans
 
 

@@ -160,8 +160,7 @@ class DistributedModelParallel(nn.Module):
             if path == "":
                 module = replacement
             else:
-                parent, _, name = path.rpartition(".")
-                setattr(module.get_submodule(parent) if parent else module, name, replacement)
+                module.set_submodule(path, replacement)
         self._sharded = [m for _, m in sharded]
         self.fused_optimizer = CombinedOptimizer([(path, m.fused_optimizer) for path, m in sharded])
         self._env, self._device, self.init_parameters = env, device, init_parameters

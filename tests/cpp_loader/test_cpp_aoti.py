@@ -5,7 +5,6 @@ aoti) and its refusals; requests validated before the compiled model, which chec
 import json
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from recship.serving import PredictClient
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate
 
 from bad_requests import bad_requests
+from binaries import run_binary
 from model_requests import ModelInputs, hash_ids, in_process, random_request, request_file
 
 pytestmark = pytest.mark.skipif(
@@ -30,10 +30,6 @@ CASES = [("dlrm", 1), ("emb", 2)]  # the DLRM; the weighted EmbeddingBagCollecti
 def compiled(small_artifacts):
     """model -> artifact with model.pt and model.pt2 (tests/conftest.py's small_artifacts, format "both")."""
     return {name: small_artifacts(name, "int8", "cpu", "both", shards) for name, shards in CASES}
-
-
-def _run(binary, *args):
-    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
 
 
 def _requests(manifest, seed):
@@ -68,16 +64,16 @@ def test_cpp_aoti_equals_python_torchscript_bitwise(binary, compiled, tmp_path, 
         request = request_file(tmp_path / f"r{i}.json", sparse, dense, weights)
         want = _torchscript_outputs(scripted, manifest, sparse, dense, weights)
         for fmt in ("aoti", "torchscript"):  # the C++ TorchScript path still runs model.pt of the same artifact
-            result = _run(binary, art, "--request", request, "--format", fmt, "--max-batch-size", 1024)
+            result = run_binary(binary, art, "--request", request, "--format", fmt, "--max-batch-size", 1024)
             assert result.returncode == 0, (fmt, result.stderr)
             got = json.loads(result.stdout)
             assert set(got) == set(want)
             for k in want:
                 np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k], err_msg=f"{fmt} {k}")
     # auto runs model.pt2 here; the sample self-check ran on it, and 8 threads at once each get their own answer
-    sample = _run(binary, art, "--threads", 8)
+    sample = run_binary(binary, art, "--threads", 8)
     assert sample.returncode == 0 and "threads ok: 8 threads got their own answers from aoti (model.pt2)" in sample.stderr, sample.stderr
-    sample = _run(binary, art, "--threads", 2, "--format", "torchscript")
+    sample = run_binary(binary, art, "--threads", 2, "--format", "torchscript")
     assert sample.returncode == 0 and "from torchscript (model.pt)" in sample.stderr, sample.stderr
 
 
@@ -93,8 +89,8 @@ def test_invalid_requests_are_refused_before_the_compiled_model(binary, compiled
     cases.append(({**good, "cat_0": [[1]]}, [[0.5] * manifest.num_dense] * 2, None))
     for sparse, d, weights in cases:
         request = request_file(tmp_path / "bad.json", sparse, d, weights)
-        aoti = _run(binary, art, "--request", request, "--format", "aoti")
-        scripted = _run(binary, art, "--request", request, "--format", "torchscript")
+        aoti = run_binary(binary, art, "--request", request, "--format", "aoti")
+        scripted = run_binary(binary, art, "--request", request, "--format", "torchscript")
         assert aoti.returncode == scripted.returncode == 2, aoti.stderr
         assert aoti.stderr == scripted.stderr and aoti.stderr.startswith("recship_predict: invalid request: ")
         with pytest.raises(InvalidRequest) as server_error:
@@ -103,16 +99,16 @@ def test_invalid_requests_are_refused_before_the_compiled_model(binary, compiled
     assert aoti.stderr.strip() == "recship_predict: invalid request: sparse feature 'cat_1': 2 lengths for batch_size 1"
     out_of_range = [c for c in cases if c[0]["cat_3"] == [[1], [rows[3]]]]
     assert out_of_range  # bad_requests still has the id one past its table
-    result = _run(binary, art, "--request", request_file(tmp_path / "oor.json", *out_of_range[0]), "--format", "aoti")
+    result = run_binary(binary, art, "--request", request_file(tmp_path / "oor.json", *out_of_range[0]), "--format", "aoti")
     assert result.stderr.strip() == f"recship_predict: invalid request: feature 'cat_3': id {rows[3]} is out of range [0, {rows[3]})"
 
 
 def test_format_aoti_is_refused_where_model_pt2_cannot_run(binary, compiled, small_artifact, tmp_path):
-    result = _run(binary, small_artifact, "--format", "aoti")  # exported without model.pt2
+    result = run_binary(binary, small_artifact, "--format", "aoti")  # exported without model.pt2
     assert result.returncode == 1
     assert result.stderr.strip() == f"recship_predict: error: {small_artifact}: the artifact has no model.pt2 (exported with --format torchscript)"
-    assert _run(binary, small_artifact).returncode == 0  # auto: model.pt, silently
-    bad = _run(binary, compiled["dlrm"], "--format", "onnx")
+    assert run_binary(binary, small_artifact).returncode == 0  # auto: model.pt, silently
+    bad = run_binary(binary, compiled["dlrm"], "--format", "onnx")
     assert bad.returncode == 2 and "--format must be auto, torchscript or aoti" in bad.stderr
 
     art = tmp_path / "other_torch"
@@ -120,9 +116,9 @@ def test_format_aoti_is_refused_where_model_pt2_cannot_run(binary, compiled, sma
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["aoti"]["torch"] = torch.__version__.split("+")[0] + "+cu999"  # same release, another build
     (art / "manifest.json").write_text(json.dumps(manifest))
-    result = _run(binary, art, "--format", "aoti")
+    result = run_binary(binary, art, "--format", "aoti")
     assert result.returncode == 1 and f"model.pt2 was compiled by torch {manifest['aoti']['torch']}, this binary runs torch {torch.__version__}" in result.stderr
-    result = _run(binary, art, "--threads", 2)  # auto falls back to model.pt, and says why
+    result = run_binary(binary, art, "--threads", 2)  # auto falls back to model.pt, and says why
     assert result.returncode == 0 and "from torchscript (model.pt)" in result.stderr
     assert "note: running model.pt: model.pt2 was compiled by torch" in result.stderr
 
@@ -130,7 +126,7 @@ def test_format_aoti_is_refused_where_model_pt2_cannot_run(binary, compiled, sma
     if isa_missing:  # a CPU without AVX-512 (most CI machines): a package for it is refused, not run into SIGILL
         manifest["aoti"]["torch"], manifest["aoti"]["target_isa"] = torch.__version__, isa_missing[0]
         (art / "manifest.json").write_text(json.dumps(manifest))
-        result = _run(binary, art, "--format", "aoti")
+        result = run_binary(binary, art, "--format", "aoti")
         assert result.returncode == 1 and f"model.pt2 targets {isa_missing[0]}; this CPU lacks {cpu_supports(isa_missing[0])[1]}" in result.stderr
 
 
@@ -141,11 +137,11 @@ def test_tampered_model_pt2_refuses_the_version_whichever_file_runs(binary, comp
     shutil.copytree(compiled["emb"], art)
     (art / "model.pt2").write_bytes((art / "model.pt2").read_bytes() + b"x")
     for fmt in ("auto", "aoti", "torchscript"):
-        result = _run(binary, art, "--format", fmt)
+        result = run_binary(binary, art, "--format", fmt)
         assert result.returncode == 1 and "model.pt2: sha256" in result.stderr and "does not match the manifest" in result.stderr
     (art / "model.pt2").unlink()
     for fmt in ("auto", "aoti", "torchscript"):
-        result = _run(binary, art, "--format", fmt)
+        result = run_binary(binary, art, "--format", fmt)
         assert result.returncode == 1 and f"{art}: model.pt2 is missing" in result.stderr
 
 
@@ -157,14 +153,14 @@ def test_the_loader_refuses_an_aoti_section_missing_any_field_the_schema_require
     assert len(fields) == 8
     for field, keys in fields:
         (art / "manifest.json").write_text(json.dumps(manifest_schema.without(raw, keys)))
-        result = _run(binary, art)
+        result = run_binary(binary, art)
         assert result.returncode == 1 and f"manifest.json: {field} is missing" in result.stderr, (field, result.stderr)
     broken = json.loads(json.dumps(raw))
     broken["aoti"]["input_order"] = ["dense", "lengths", "values", "weights"]  # the DLRM is unweighted
     (art / "manifest.json").write_text(json.dumps(broken))
-    result = _run(binary, art)
+    result = run_binary(binary, art)
     assert result.returncode == 1 and "aoti.input_order must be" in result.stderr
     del broken["aoti"]
     (art / "manifest.json").write_text(json.dumps(broken))  # without "aoti", the artifact is a TorchScript one
-    result = _run(binary, art, "--threads", 2)
+    result = run_binary(binary, art, "--threads", 2)
     assert result.returncode == 0 and "from torchscript (model.pt)" in result.stderr and "note" not in result.stderr

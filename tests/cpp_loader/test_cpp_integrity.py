@@ -6,21 +6,18 @@ manifest sha256s (recship_predict --trusted-sha256, the C++ front's load)."""
 import json
 import shutil
 import struct
-import subprocess
 
 import numpy as np
 import pytest
 
 from recship.export.artifact import ArtifactError, file_sha256, open_artifact
 
-
-def _run(binary, *args):
-    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True, errors="replace", timeout=300)
+from binaries import run_binary
 
 
 def _refusal(binary, art, *args):
     """recship_predict's one-line refusal (exit 1), without its prefix."""
-    result = _run(binary, art, *args)
+    result = run_binary(binary, art, *args)
     assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
     return result.stderr.strip().splitlines()[-1].removeprefix("recship_predict: error: ")
 
@@ -142,7 +139,7 @@ def test_the_allow_list_names_manifests_in_cpp_as_in_python(binary, both, tmp_pa
     manifest = file_sha256(art / "manifest.json")
     listed = tmp_path / "trusted.txt"
     listed.write_text(f"# allowed manifests\n{manifest.upper()}  dlrm/1/manifest.json\n")
-    result = _run(binary, art, "--trusted-sha256", listed)
+    result = run_binary(binary, art, "--trusted-sha256", listed)
     assert result.returncode == 0, result.stderr
     for name in ("model.pt", "model.pt2"):
         listed.write_text(f"{file_sha256(art / name)}  dlrm/1/{name}\n")
@@ -150,5 +147,5 @@ def test_the_allow_list_names_manifests_in_cpp_as_in_python(binary, both, tmp_pa
         assert said == _python(art, trusted={file_sha256(art / name)})
         assert f"list {manifest}" in said
     listed.write_text("not-a-digest\n")
-    result = _run(binary, art, "--trusted-sha256", listed)
+    result = run_binary(binary, art, "--trusted-sha256", listed)
     assert result.returncode == 2 and f"{listed}:1: not a sha256: 'not-a-digest'" in result.stderr

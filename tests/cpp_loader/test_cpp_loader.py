@@ -14,6 +14,7 @@ from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, v
 from recship.serving import PredictClient
 
 from bad_requests import bad_requests
+from binaries import run_binary
 from model_requests import ModelInputs, hash_ids, in_process, random_request, request_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,10 +26,6 @@ def artifacts(small_artifacts):
     return {(name, dtype): small_artifacts(name, dtype) for dtype in ("int8", "int4") for name in ("dlrm", "emb")}
 
 
-def _run(binary, *args):
-    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
-
-
 @pytest.mark.parametrize("name", ["dlrm", "emb"])
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dtype):
@@ -36,14 +33,14 @@ def test_cpp_outputs_equal_python_bitwise(binary, artifacts, tmp_path, name, dty
     manifest = Manifest.read(art)
     inputs = ModelInputs.of(manifest)
     sparse, dense, weights = random_request(inputs, 6, 3, ids=(0, 4), past_modulo=3)
-    result = _run(binary, art, "--request", request_file(tmp_path / "r.json", sparse, dense, weights))
+    result = run_binary(binary, art, "--request", request_file(tmp_path / "r.json", sparse, dense, weights))
     assert result.returncode == 0, result.stderr
     got = json.loads(result.stdout)
     want = in_process(open_artifact(art)[0], hash_ids(sparse, inputs), dense, weights, names=manifest.feature_names)
     assert set(got) == set(want)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32), want[k])
-    sample = _run(binary, art, "--threads", 8)  # the sample, plus 8 threads each checking its own answer
+    sample = run_binary(binary, art, "--threads", 8)  # the sample, plus 8 threads each checking its own answer
     assert sample.returncode == 0 and "threads ok: 8" in sample.stderr, sample.stderr
 
 
@@ -55,32 +52,32 @@ def test_invalid_requests_get_the_servers_messages(binary, artifacts, tmp_path):
     for _, sparse, d, weights in bad_requests(rows, manifest.num_dense):
         with pytest.raises(InvalidRequest) as server_error:
             validate(RequestArrays.from_message(PredictClient.request("m", sparse, d, weights)), spec)
-        result = _run(binary, art, "--request", request_file(tmp_path / "bad.json", sparse, d, weights))
+        result = run_binary(binary, art, "--request", request_file(tmp_path / "bad.json", sparse, d, weights))
         assert result.returncode == 2
         assert result.stderr.strip() == f"recship_predict: invalid request: {server_error.value}"
 
 
 def test_help_describes_every_flag_and_bad_arguments_exit_2(binary):
     for flag in ("--help", "-h"):
-        result = _run(binary, flag)
+        result = run_binary(binary, flag)
         assert result.returncode == 0 and result.stdout.startswith("usage: recship_predict ARTIFACT_DIR")
         usage = result.stdout.splitlines()[0]
         flags = [word.strip("[") for word in usage.split() if word.startswith("[--")]
         described = [line.split()[0] for line in result.stdout.splitlines()[1:] if line.startswith("  -")]
         assert flags and set(flags) <= set(described), (flags, described)
-    assert _run(binary).returncode == 2
-    assert _run(binary, "some_dir", "--nope").returncode == 2
+    assert run_binary(binary).returncode == 2
+    assert run_binary(binary, "some_dir", "--nope").returncode == 2
 
 
 def test_tampered_model_and_missing_op_library(binary, artifacts, tmp_path):
     art = tmp_path / "tampered"
     shutil.copytree(artifacts[("dlrm", "int8")], art)
     (art / "model.pt").write_bytes((art / "model.pt").read_bytes() + b"x")
-    result = _run(binary, art)
+    result = run_binary(binary, art)
     assert result.returncode == 1 and "model.pt: sha256" in result.stderr and "does not match the manifest" in result.stderr
-    result = _run(binary, artifacts[("dlrm", "int8")], "--fbgemm-dir", tmp_path / "no_fbgemm")
+    result = run_binary(binary, artifacts[("dlrm", "int8")], "--fbgemm-dir", tmp_path / "no_fbgemm")
     assert result.returncode == 1 and "cannot load fbgemm op library" in result.stderr
-    result = _run(binary, tmp_path / "nothing")
+    result = run_binary(binary, tmp_path / "nothing")
     assert result.returncode == 1 and "manifest.json is missing" in result.stderr
 
 
@@ -111,7 +108,7 @@ def test_version_mismatch_is_refused(binary, artifacts, tmp_path):
     manifest = json.loads((art / "manifest.json").read_text())
     manifest["versions"]["torch"] = "9.9.9"
     (art / "manifest.json").write_text(json.dumps(manifest))
-    result = _run(binary, art)
+    result = run_binary(binary, art)
     assert result.returncode == 1 and f"{art}/manifest.json: artifact built with torch 9.9.9, this loader runs torch" in result.stderr
 
 
@@ -120,9 +117,9 @@ def test_max_batch_size_is_an_option(binary, artifacts, tmp_path):
     sparse = {n: [[1]] * 600 for n in ("x", "y", "z")}
     weights = {n: [[0.5]] * 600 for n in sparse}
     request = request_file(tmp_path / "big.json", sparse, None, weights)
-    refused = _run(binary, art, "--request", request)
+    refused = run_binary(binary, art, "--request", request)
     assert refused.returncode != 0 and "batch_size 600 exceeds the model's limit of 512" in refused.stderr
-    allowed = _run(binary, art, "--request", request, "--max-batch-size", "1024")
+    allowed = run_binary(binary, art, "--request", request, "--max-batch-size", "1024")
     assert allowed.returncode == 0, allowed.stderr
     model, manifest = open_artifact(art)
     want = in_process(model, sparse, None, weights, names=manifest.feature_names)
@@ -142,11 +139,11 @@ def test_the_loader_refuses_a_manifest_missing_any_field_the_schema_requires(bin
         assert len(fields) > 40
         for field, keys in fields:
             (art / "manifest.json").write_text(json.dumps(manifest_schema.without(raw, keys)))
-            result = _run(binary, art)
+            result = run_binary(binary, art)
             assert result.returncode == 1 and f"manifest.json: {field} is missing" in result.stderr, (field, result.stderr)
         optional = json.loads(json.dumps(raw))
         for f in optional["sparse_features"]:
             del f["weighted"]  # not required: the manifest's weighted applies
         (art / "manifest.json").write_text(json.dumps(optional))
-        result = _run(binary, art)
+        result = run_binary(binary, art)
         assert result.returncode == 0, result.stderr

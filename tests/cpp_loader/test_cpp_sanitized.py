@@ -26,6 +26,7 @@ import pytest
 from recship.export.artifact import Manifest
 
 from bad_requests import bad_requests
+from binaries import run_binary
 from model_requests import ModelInputs, model_repo, random_request, request_body
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,10 +107,6 @@ def artifacts(small_artifacts):
     return {name: small_artifacts(name, "int8") for name in ("dlrm", "emb")}
 
 
-def _run(binary, *args, env=None):
-    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
-
-
 def _body(art, seed):
     """A random valid request of 5 examples in recship_predict's JSON form (ids up to 3 times past a modulo feature's
     table). Dense is drawn as float64, as this file always drew it: the front test compares concurrent answers bitwise
@@ -121,16 +118,16 @@ def _body(art, seed):
 def test_recship_predict_answers_as_the_normal_build_with_no_sanitizer_report(sanitized, binary, artifacts, reports, tmp_path):
     predict = sanitized / "recship_predict"
     for name, art in artifacts.items():
-        want, got = _run(binary, art), _run(predict, art, env=reports.env)  # the artifact's own sample (and self-check)
+        want, got = run_binary(binary, art), run_binary(predict, art, env=reports.env)  # the artifact's own sample (and self-check)
         assert got.returncode == 0, got.stderr
         assert json.loads(got.stdout) == json.loads(want.stdout)
         for seed in range(3):
             path = tmp_path / f"{name}_{seed}.json"
             path.write_text(json.dumps(_body(art, seed)))
-            want, got = _run(binary, art, "--request", path), _run(predict, art, "--request", path, env=reports.env)
+            want, got = run_binary(binary, art, "--request", path), run_binary(predict, art, "--request", path, env=reports.env)
             assert got.returncode == want.returncode == 0, got.stderr
             assert json.loads(got.stdout) == json.loads(want.stdout)
-    got = _run(predict, artifacts["emb"], "--threads", 4, "--bench", 3, env=reports.env)
+    got = run_binary(predict, artifacts["emb"], "--threads", 4, "--bench", 3, env=reports.env)
     assert got.returncode == 0 and "threads ok: 4" in got.stderr, got.stderr
 
 
@@ -144,8 +141,8 @@ def test_recship_predict_runs_model_pt2_with_no_sanitizer_report(sanitized, bina
         pytest.skip(f"model.pt2 targets {isa}; this CPU lacks {cpu_supports(isa)[1]}")
     path = tmp_path / "request.json"
     path.write_text(json.dumps(_body(art, 5)))
-    want = _run(binary, art, "--request", path, "--format", "aoti")
-    got = _run(sanitized / "recship_predict", art, "--request", path, "--format", "aoti", "--threads", 3, env=reports.env)
+    want = run_binary(binary, art, "--request", path, "--format", "aoti")
+    got = run_binary(sanitized / "recship_predict", art, "--request", path, "--format", "aoti", "--threads", 3, env=reports.env)
     assert got.returncode == want.returncode == 0 and "threads ok: 3" in got.stderr, got.stderr
     assert json.loads(got.stdout) == json.loads(want.stdout)
 
@@ -161,12 +158,12 @@ def test_recship_predict_refuses_bad_requests_and_flags_with_no_sanitizer_report
     for i, body in enumerate(bodies):
         path = tmp_path / f"bad_{i}.json"
         path.write_text(json.dumps(body))
-        want, got = _run(binary, art, "--request", path), _run(sanitized / "recship_predict", art, "--request", path, env=reports.env)
+        want, got = run_binary(binary, art, "--request", path), run_binary(sanitized / "recship_predict", art, "--request", path, env=reports.env)
         assert (got.returncode, got.stderr) == (2, want.stderr), body
     (tmp_path / "not_json.json").write_text('{"sparse": {"cat_0": [[1')
-    assert _run(sanitized / "recship_predict", art, "--request", tmp_path / "not_json.json", env=reports.env).returncode == 2
+    assert run_binary(sanitized / "recship_predict", art, "--request", tmp_path / "not_json.json", env=reports.env).returncode == 2
     for flag, value in (("--bench", "x"), ("--threads", "-3"), ("--max-batch-size", "1e3")):
-        assert _run(sanitized / "recship_predict", art, flag, value, env=reports.env).returncode == 2
+        assert run_binary(sanitized / "recship_predict", art, flag, value, env=reports.env).returncode == 2
 
 
 @pytest.mark.parametrize("damage", ["model.pt", "manifest.json", "tables.bin", "sample/inputs.lengths.bin",
@@ -177,7 +174,7 @@ def test_a_damaged_artifact_is_refused_with_no_sanitizer_report(sanitized, artif
     shutil.copytree(artifacts["dlrm"], art)
     with open(art / damage, "r+b") as f:
         f.truncate(8)
-    got = _run(sanitized / "recship_predict", art, env=reports.env)
+    got = run_binary(sanitized / "recship_predict", art, env=reports.env)
     assert got.returncode == 1 and got.stderr.startswith("recship_predict: error: "), (got.returncode, got.stderr[-3000:])
 
 

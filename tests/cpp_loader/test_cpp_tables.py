@@ -9,7 +9,6 @@ import gc
 import json
 import os
 import shutil
-import subprocess
 import zipfile
 from pathlib import Path
 
@@ -20,13 +19,10 @@ import torch
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
 from recship.export.tables import PINNED_NAME, TABLES_FILE
 
+from binaries import run_binary
 from model_requests import ModelInputs, in_process, random_request, request_file, runnable_aoti
 
 AOTI_CASES = [("dlrm", 1), ("emb", 2)]  # as tests/cpp_loader/test_cpp_aoti.py compiles them (shared in the session)
-
-
-def _run(binary, *args):
-    return subprocess.run([str(binary), *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +53,7 @@ def _python_error(art, **kwargs) -> str:
 
 
 def _assert_same_refusal(binary, art, fmt="torchscript", check=True):
-    result = _run(binary, art, "--format", fmt)
+    result = run_binary(binary, art, "--format", fmt)
     want = _python_error(art, format=fmt, check=check)
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip() == f"recship_predict: error: {want}"
@@ -294,7 +290,7 @@ def test_a_malformed_tables_spec_is_refused_in_pythons_words(binary, small_artif
     (art / "manifest.json").write_text(json.dumps(raw))
     with pytest.raises(ArtifactError) as want:
         Manifest.read(art)
-    result = _run(binary, art)
+    result = run_binary(binary, art)
     assert result.returncode == 1
     assert result.stderr.strip() == f"recship_predict: error: {want.value}"
 
@@ -305,7 +301,7 @@ def test_a_format_2_manifest_without_tables_is_refused(binary, small_artifact, t
     raw = json.loads((art / "manifest.json").read_text())
     del raw["tables"]
     (art / "manifest.json").write_text(json.dumps(raw))
-    result = _run(binary, art)
+    result = run_binary(binary, art)
     assert result.returncode == 1 and result.stderr.strip() == f"recship_predict: error: {art}/manifest.json: tables is missing"
 
 
@@ -321,7 +317,7 @@ def _requests(manifest, seed):
 def _assert_cpp_equals(binary, art, fmt, model, manifest, tmp_path, seed):
     for i, (sparse, dense, weights) in enumerate(_requests(manifest, seed)):
         want = in_process(model, sparse, dense, weights, names=manifest.feature_names)
-        result = _run(binary, art, "--request", request_file(tmp_path / f"r{i}.json", sparse, dense, weights), "--format", fmt)
+        result = run_binary(binary, art, "--request", request_file(tmp_path / f"r{i}.json", sparse, dense, weights), "--format", fmt)
         assert result.returncode == 0, result.stderr
         got = json.loads(result.stdout)
         assert set(got) == set(want)
@@ -360,5 +356,5 @@ def test_a_format_1_artifact_still_loads_and_gives_the_same_outputs(binary, smal
     raw.update(format=FORMAT_V1, model_sha256=file_sha256(old / "model.pt"))
     del raw["tables"]
     (old / "manifest.json").write_text(json.dumps(raw))
-    assert _run(binary, old, "--threads", 2).returncode == 0
+    assert run_binary(binary, old, "--threads", 2).returncode == 0
     _assert_cpp_equals(binary, old, "torchscript", model, manifest, tmp_path, seed=10)
