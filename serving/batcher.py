@@ -28,6 +28,7 @@ import torch
 
 from recship.serving import refusals
 from recship.serving.requests import ParsedRequest
+from recship.serving.settings import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,9 @@ class Batcher:
     def __init__(
         self,
         model,
-        max_batch_size: int = 512,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
         max_delay_s: float = 0.0,
-        max_queue: int = 1024,
+        max_queue: int = DEFAULT_MAX_QUEUE,
         observe: Optional[Callable[[int, List[float], float], None]] = None,
         name: str = "model",
         device: str = "cpu",

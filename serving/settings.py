@@ -22,6 +22,10 @@ MAX_MESSAGE_BYTES = 2**30 - 1
 MAX_DELAY_MS = 60_000  # a batch waiting a minute for company is no batching
 MAX_SECONDS = 86_400  # --poll-interval, the HTTP idle timeout
 MAX_TORCH_THREADS = 1024
+# batching defaults the C++ loader and front share: recship::kDefaultMaxBatchSize / kDefaultMaxQueue in
+# cpp_loader/include/recship/model.h (tests/serving/test_shared_defaults.py holds the two spellings equal)
+DEFAULT_MAX_BATCH_SIZE = 512
+DEFAULT_MAX_QUEUE = 1024
 
 
 def number_in(value: object, lo: float, hi: float, integer: bool = False) -> bool:
@@ -106,14 +110,14 @@ class ServerConfig:
     metrics_host: Optional[str] = setting(None, "address of the metrics listener", default_text="--host")
     http_port: Optional[int] = setting(None, "also answer KServe v2 over HTTP/REST on this port",
                                        range=dataclasses.replace(PORT, none="none"), default_text="no REST listener")
-    max_batch_size: int = setting(512, "largest batch a model runs; bigger requests are refused",
+    max_batch_size: int = setting(DEFAULT_MAX_BATCH_SIZE, "largest batch a model runs; bigger requests are refused",
                                   range=Range(1, integer=True), per_model=True)
     max_delay_ms: float = setting(0.0, "how long the first request of a batch waits for more; 0 (greedy): no waiting, an idle "
                                        "model runs a request at once and requests queued during a forward run together",
                                   range=Range(0, MAX_DELAY_MS), per_model=True)
     batching: bool = setting(True, "merge concurrent requests into one forward; --no-batching runs each request alone",
                              per_model=True)
-    max_queue: int = setting(1024, "requests waiting per model; more are refused at once as overloaded",
+    max_queue: int = setting(DEFAULT_MAX_QUEUE, "requests waiting per model; more are refused at once as overloaded",
                              range=Range(1, integer=True), per_model=True)
     drain_delay_s: float = setting(5.0, "on SIGTERM, seconds that readiness answers 503 (gRPC health NOT_SERVING) while every "
                                         "listener keeps serving, so that load balancers stop sending before it closes; then "

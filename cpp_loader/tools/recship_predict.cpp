@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -214,7 +215,8 @@ static bool read_trusted(const std::string& path, std::set<std::string>* out, st
   return true;
 }
 
-static const char* kUsage =
+static std::string usage() {
+  return
     "usage: recship_predict ARTIFACT_DIR [--request FILE] [--bench N] [--threads T] [--format F] [--fbgemm-dir DIR] [--max-batch-size B]\n"
     "                       [--trusted-sha256 FILE]\n"
     "\n"
@@ -229,24 +231,25 @@ static const char* kUsage =
     "                      torchscript (model.pt) or aoti (model.pt2, refused where it cannot run)\n"
     "  --fbgemm-dir DIR    where fbgemm_gpu's op libraries are (default: $RECSHIP_FBGEMM_DIR, else the folder the\n"
     "                      loader was built with; the recship_predict console script sets RECSHIP_FBGEMM_DIR)\n"
-    "  --max-batch-size B  largest batch a request may have (default 512)\n"
+    "  --max-batch-size B  largest batch a request may have (default " + std::to_string(recship::kDefaultMaxBatchSize) + ")\n"
     "  --trusted-sha256 FILE  allow-list of manifest.json sha256s, as recship serve's (sha256sum output works);\n"
     "                      an artifact whose manifest is not listed is refused (default: any artifact loads)\n"
     "  -h, --help          print this and exit\n"
     "\n"
     "Exit codes: 0 ok, 1 the artifact cannot be loaded or run, 2 bad arguments or an invalid request.\n";
+}
 
 int main(int argc, char** argv) {
   if (recship::args::wants_help(argc, argv)) {
-    std::cout << kUsage;
+    std::cout << usage();
     return 0;
   }
   if (argc < 2) {
-    std::cerr << kUsage;
+    std::cerr << usage();
     return 2;
   }
   std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto", trusted_file;
-  int64_t bench = 0, threads = 0, max_batch_size = 512;
+  int64_t bench = 0, threads = 0, max_batch_size = recship::kDefaultMaxBatchSize;
   recship::args::Flags flags;
   flags.text("--request", &request_file).text("--fbgemm-dir", &fbgemm_dir).text("--format", &format);
   flags.text("--trusted-sha256", &trusted_file);
