@@ -1,4 +1,4 @@
-// The manifest checked (manifest.h): export/artifact.py check_manifest's rules and words.
+// The manifest checked (manifest.h): export/manifest.py check_manifest's rules and words.
 #include "manifest.h"
 
 #include <regex>
@@ -16,7 +16,7 @@ const std::string kFormatV1 = "recship.artifact/1";  // the tables inside model.
 
 namespace {
 
-// The Python type json.loads gives a JSON value (export/artifact.py's messages name them).
+// The Python type json.loads gives a JSON value (export/manifest.py's messages name them).
 const char* python_type(const json& v) {
   switch (v.type()) {
     case json::value_t::null: return "NoneType";
@@ -33,7 +33,7 @@ const char* python_type(const json& v) {
 // A JSON integer >= 0 (check_manifest's sizes()).
 bool size_value(const json& v) { return v.is_number_integer() && (v.is_number_unsigned() || v.get<int64_t>() >= 0); }
 
-// The rules of export/artifact.py check_manifest beyond the fields' JSON types (check_manifest has checked those),
+// The rules of export/manifest.py check_manifest beyond the fields' JSON types (check_manifest has checked those),
 // with its words: values in range, names unique, the sample's tensors those of one request of this model, and
 // each feature's rows those tables.bin holds of its table.
 void check_values(const json& m, const std::string& file) {
@@ -108,7 +108,7 @@ void check_values(const json& m, const std::string& file) {
         if (!size_value(d)) fail(where + "shape must be a list of sizes");
     }
   }
-  // the sample is one request of this model and its outputs (export/artifact.py _check_sample_spec)
+  // the sample is one request of this model and its outputs (export/manifest.py _check_sample_spec)
   const json& inputs = sample["inputs"];
   std::vector<std::string> unknown;
   for (const auto& [name, _] : inputs.items())
@@ -144,7 +144,7 @@ void check_values(const json& m, const std::string& file) {
     for (size_t d = 1; d < dims.size(); ++d) shape.push_back(dims[d].get<uint64_t>());
     need("outputs", name, "float32", shape, "batch_size, the output's shape");
   }
-  // each feature's rows: all of its table's segment rows (row-wise) or each of them (export/artifact.py _check_table_rows);
+  // each feature's rows: all of its table's segment rows (row-wise) or each of them (export/manifest.py _check_table_rows);
   // a segment "<table>" or "<table>@<shard>" of a tensor "model.<path>." holds rows of the feature table "<path>.<table>"
   std::vector<std::tuple<std::string, std::string, uint64_t>> held;  // (tensor, table, rows) of each segment, in file order
   static const std::regex shard_index("[0-9]+");
@@ -220,7 +220,7 @@ void check_values(const json& m, const std::string& file) {
 void check_manifest(const json& m, const std::string& file) {
   enum class Kind { Object, Array, String, Integer, Boolean, Number };
   auto need = [&file](const json& obj, const std::string& key, Kind kind, const std::string& where) -> const json& {
-    // Python's names of the types (export/artifact.py's words: "num_dense must be int, got str")
+    // Python's names of the types (export/manifest.py's words: "num_dense must be int, got str")
     static const char* names[] = {"dict", "list", "str", "int", "bool", "a number"};
     auto it = obj.find(key);
     if (it == obj.end()) throw ArtifactError(file + ": " + where + key + " is missing");
@@ -302,7 +302,7 @@ void check_manifest(const json& m, const std::string& file) {
       for (const char* key : {"dense", "lengths", "values"})
         if (!tensors.contains(key)) throw ArtifactError(file + ": sample.inputs['" + key + "'] is missing");
   }
-  if (m.contains("aoti")) {  // optional: the AOTInductor package (export/artifact.py AotiSpec)
+  if (m.contains("aoti")) {  // optional: the AOTInductor package (export/manifest.py AotiSpec)
     const json& aoti = need(m, "aoti", Kind::Object, "");
     if (need(aoti, "file", Kind::String, "aoti.") != "model.pt2") throw ArtifactError(file + ": aoti.file must be 'model.pt2'");
     for (const char* key : {"sha256", "target_isa", "torch"}) need(aoti, key, Kind::String, "aoti.");
@@ -311,7 +311,7 @@ void check_manifest(const json& m, const std::string& file) {
     need(aoti, "output_order", Kind::Array, "aoti.");
     need(aoti, "compile_seconds", Kind::Number, "aoti.");
   }
-  check_values(m, file);  // the values, as export/artifact.py checks them once their types are right
+  check_values(m, file);  // the values, as export/manifest.py checks them once their types are right
 }
 
 }  // namespace recship

@@ -1,4 +1,4 @@
-// The manifest of an artifact checked as export/artifact.py check_manifest checks it, with its words (the field
+// The manifest of an artifact checked as export/manifest.py check_manifest checks it, with its words (the field
 // named, "is missing", "must be int, got str"), and the Python-style formatting its messages share with model.cpp.
 #pragma once
 
@@ -14,7 +14,7 @@ namespace recship {
 
 extern const std::string kFormat;    // "recship.artifact/2": the tables in tables.bin (export/tables.py)
 extern const std::string kFormatV1;  // "recship.artifact/1": the tables inside model.pt / model.pt2: still loaded
-// The largest id_bound a feature may have: every int64 id but INT64_MAX (export/artifact.py MAX_ID_BOUND).
+// The largest id_bound a feature may have: every int64 id but INT64_MAX (export/manifest.py MAX_ID_BOUND).
 constexpr uint64_t kMaxIdBound = 9223372036854775807ULL;
 
 // Throws ArtifactError "<file>: <what>" naming the first field that breaks the contract: the required fields of
