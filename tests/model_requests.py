@@ -137,6 +137,57 @@ def model_repo(root: Path, models: Mapping[str, Path]) -> Path:
     return root
 
 
+def served_fronts() -> List[str]:
+    """The serving fronts to check here: "python", and "cpp" where the C++ front builds (no gRPC C++: Python alone)."""
+    from recship.serving.front import FrontError, build_front
+
+    try:
+        build_front()
+    except FrontError:
+        return ["python"]
+    return ["python", "cpp"]
+
+
+Request = Tuple[Sparse, Any, Optional[Weights]]
+
+
+def assert_served_as_in_process(artifact: Path, name: str, requests: Sequence[Request], wants: Sequence[Dict[str, np.ndarray]],
+                                binary: Path, tmp_path: Path, model_format: str = "torchscript",
+                                check: Optional[Callable[[Any, str], None]] = None) -> None:
+    """Each of ``requests``, answered by every front of ``served_fronts`` (a server on a repository holding ``artifact``
+    as model ``name``) and by recship_predict (``binary``), equals its ``wants`` (the artifact in process) bitwise,
+    output for output. ``check(client, front)``: more calls on each front's server, after those."""
+    import subprocess
+
+    from recship.serving import PredictClient
+    from recship.serving.server import Server, ServerConfig
+
+    repo = model_repo(tmp_path / f"repo-{model_format}", {name: artifact})
+    for front in served_fronts():
+        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front,
+                                     model_format=model_format))
+        try:
+            with PredictClient(f"127.0.0.1:{server.port}") as client:
+                for (sparse, dense, weights), want in zip(requests, wants):
+                    got = client.predict(name, sparse, dense, weights)
+                    assert set(got) == set(want), front
+                    for key in want:
+                        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{front} {model_format} {key}")
+                if check is not None:
+                    check(client, front)
+        finally:
+            server.stop()
+    for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
+        path = request_file(tmp_path / f"r{n}-{model_format}.json", sparse, dense, weights)
+        done = subprocess.run([str(binary), str(artifact), "--request", str(path), "--format", model_format],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        answer = json.loads(done.stdout)
+        for key in want:
+            got = np.asarray(answer[key], dtype=np.float32).reshape(want[key].shape)
+            np.testing.assert_array_equal(got, want[key], err_msg=f"recship_predict {model_format} {key}")
+
+
 def runnable_aoti(export: Callable[[], Path]) -> Path:
     """``export()``'s artifact, which must hold a model.pt2 this machine runs; else the test is skipped, saying why
     (no C++ compiler to export one, none written, or kernels this CPU or torch cannot run)."""

@@ -6,19 +6,15 @@ which equals a plain-PyTorch float reference of the checkpoint (the history rows
 from the same reference without the history."""
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 from recship.export.artifact import open_artifact
-from recship.serving import PredictClient
-from recship.serving.front import FrontError, build_front
-from recship.serving.server import Server, ServerConfig
 from recship.trainer.checkpoint_reader import CheckpointReader
 
-from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
+from model_requests import ModelInputs, assert_served_as_in_process, in_process, random_request
 
 ARGS = {"num_users": 40, "num_items": 120, "num_countries": 8, "num_categories": 12, "dim": 8, "num_dense": 4}
 OUTPUTS = ("score", "user_embedding", "item_embedding")
@@ -87,32 +83,8 @@ def test_the_history_table_trained_row_wise_and_the_artifact_equals_the_checkpoi
 
 def test_both_fronts_and_recship_predict_answer_as_the_artifact_in_process(exported, binary, tmp_path):
     out, _ = exported
-    repo = model_repo(tmp_path / "repo", {"tt": out})
-    fronts = ["python"]
-    try:
-        build_front()
-        fronts.append("cpp")
-    except FrontError:  # no gRPC C++ here: the Python front alone
-        pass
     model, manifest = open_artifact(out, format="torchscript")
     requests = [random_request(ModelInputs.of(manifest), batch, seed, ids=(0, 5)) for batch, seed in [(1, 1), (9, 2), (200, 3)]]
     wants = [in_process(model, *r) for r in requests]
-    for front in fronts:
-        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format="torchscript"))
-        try:
-            with PredictClient(f"127.0.0.1:{server.port}") as client:
-                for (sparse, dense, weights), want in zip(requests, wants):
-                    got = client.predict("tt", sparse, dense, weights)
-                    assert set(got) == set(OUTPUTS)
-                    for key in OUTPUTS:
-                        np.testing.assert_array_equal(got[key], want[key], err_msg=f"{front} {key}")
-        finally:
-            server.stop()
-    for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
-        path = request_file(tmp_path / f"r{n}.json", sparse, dense, weights)
-        done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", "torchscript"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        answer = json.loads(done.stdout)
-        for key in OUTPUTS:
-            got = np.asarray(answer[key], dtype=np.float32).reshape(want[key].shape)
-            np.testing.assert_array_equal(got, want[key], err_msg=f"recship_predict {key}")
+    assert all(set(want) == set(OUTPUTS) for want in wants)
+    assert_served_as_in_process(out, "tt", requests, wants, binary, tmp_path)

@@ -5,7 +5,6 @@ weights the ids itself), and answered by both fronts and recship_predict bitwise
 is close to a plain-PyTorch float reference of the checkpoint (each history id's row times the position weight at
 its place in the bag) and far from the same reference without the position weights."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -16,12 +15,9 @@ import pytest
 import torch
 
 from recship.export.artifact import aoti_runs_here, open_artifact
-from recship.serving import PredictClient
-from recship.serving.front import FrontError, build_front
-from recship.serving.server import Server, ServerConfig
 from recship.trainer.checkpoint_reader import CheckpointReader
 
-from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
+from model_requests import ModelInputs, assert_served_as_in_process, in_process, random_request
 MAX_HISTORY = 8  # tests/export/fp_model.py: the position weights' length
 
 
@@ -85,29 +81,7 @@ def _formats(out):
 
 def test_both_fronts_and_recship_predict_answer_as_the_artifact_in_process(exported, binary, tmp_path):
     out, _ = exported
-    repo = model_repo(tmp_path / "repo", {"fp": out})
-    fronts = ["python"]
-    try:
-        build_front()
-        fronts.append("cpp")
-    except FrontError:  # no gRPC C++ here: the Python front alone
-        pass
     for fmt in _formats(out):
         model, manifest = open_artifact(out, format=fmt)
         requests = [random_request(ModelInputs.of(manifest), batch, seed, ids=(0, MAX_HISTORY)) for batch, seed in [(1, 1), (7, 2), (300, 3)]]
-        wants = [in_process(model, *r) for r in requests]
-        for front in fronts:
-            server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format=fmt))
-            try:
-                with PredictClient(f"127.0.0.1:{server.port}") as client:
-                    for (sparse, dense, weights), want in zip(requests, wants):
-                        got = client.predict("fp", sparse, dense, weights)
-                        np.testing.assert_array_equal(got["output"], want["output"], err_msg=f"{front} {fmt}")
-            finally:
-                server.stop()
-        for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
-            path = request_file(tmp_path / f"r{n}.json", sparse, dense, weights)
-            done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", fmt], capture_output=True, text=True)
-            assert done.returncode == 0, done.stderr
-            got = np.asarray(json.loads(done.stdout)["output"], dtype=np.float32).reshape(want["output"].shape)
-            np.testing.assert_array_equal(got, want["output"], err_msg=f"recship_predict {fmt}")
+        assert_served_as_in_process(out, "fp", requests, [in_process(model, *r) for r in requests], binary, tmp_path, model_format=fmt)

@@ -9,20 +9,14 @@ without a slot: the last row), and is far from the same reference looking the ra
 The served model takes raw ids in each module's input range, the manifest's id_bound (tests/export/mc_model.py sets
 input_hash_size to the rows); tests/export/test_mc_raw_ids.py serves raw ids far above the rows."""
 
-import json
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 
 from recship.export.artifact import open_artifact
-from recship.serving import PredictClient
-from recship.serving.front import FrontError, build_front
-from recship.serving.server import Server, ServerConfig
 from recship.trainer.checkpoint_reader import CheckpointReader
 
-from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
+from model_requests import ModelInputs, assert_served_as_in_process, in_process, random_request
 
 PREFIX = "mc._managed_collision_collection._managed_collision_modules."
 
@@ -82,28 +76,6 @@ def test_the_artifact_remaps_ids_as_the_checkpoint_does(exported):
 
 def test_both_fronts_and_recship_predict_answer_as_the_artifact_in_process(exported, binary, tmp_path):
     out, _ = exported
-    repo = model_repo(tmp_path / "repo", {"mc": out})
-    fronts = ["python"]
-    try:
-        build_front()
-        fronts.append("cpp")
-    except FrontError:  # no gRPC C++ here: the Python front alone
-        pass
     model, manifest = open_artifact(out, format="torchscript")
     requests = [random_request(ModelInputs.of(manifest), batch, seed, ids=(0, 5)) for batch, seed in [(1, 1), (9, 2), (200, 3)]]
-    wants = [in_process(model, *r) for r in requests]
-    for front in fronts:
-        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format="torchscript"))
-        try:
-            with PredictClient(f"127.0.0.1:{server.port}") as client:
-                for (sparse, dense, weights), want in zip(requests, wants):
-                    got = client.predict("mc", sparse, dense, weights)
-                    np.testing.assert_array_equal(got["output"], want["output"], err_msg=front)
-        finally:
-            server.stop()
-    for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
-        path = request_file(tmp_path / f"r{n}.json", sparse, dense, weights)
-        done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", "torchscript"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        got = np.asarray(json.loads(done.stdout)["output"], dtype=np.float32).reshape(want["output"].shape)
-        np.testing.assert_array_equal(got, want["output"], err_msg="recship_predict")
+    assert_served_as_in_process(out, "mc", requests, [in_process(model, *r) for r in requests], binary, tmp_path)

@@ -22,9 +22,6 @@ from torch import nn
 from recship.export import ExportConfig, ExportError, export_model
 from recship.export.any_model import raw_id_bounds
 from recship.export.artifact import MAX_ID_BOUND, ArtifactError, Manifest, open_artifact
-from recship.serving import PredictClient
-from recship.serving.front import FrontError, build_front
-from recship.serving.server import Server, ServerConfig
 from recship.sparse import KeyedJaggedTensor
 from recship.sparse.ids import out_of_range_message
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
@@ -32,7 +29,7 @@ from recship.trainer.entry_point import describe_model
 from recship.trainer.managed_collisions import (LFU_EvictionPolicy, ManagedCollisionCollection, ManagedCollisionEmbeddingBagCollection,
                                                 MCHManagedCollisionModule)
 
-from model_requests import in_process, model_repo, request_file
+from model_requests import assert_served_as_in_process, in_process, request_file
 
 ROWS = {"t_user": 16, "t_item": 8}
 BOUND = {"user": 2**40, "item": MAX_ID_BOUND}  # user: input_hash_size 2**40; item: TorchRec's default, 2**63 - 1
@@ -150,40 +147,23 @@ def test_the_artifact_remaps_raw_ids_as_the_modules_buffers_say(exported):
 
 def test_both_fronts_and_recship_predict_take_raw_ids_and_refuse_ids_past_the_bound(exported, binary, tmp_path):
     out, _ = exported
-    repo = model_repo(tmp_path / "repo", {"mc": out})
-    fronts = ["python"]
-    try:
-        build_front()
-        fronts.append("cpp")
-    except FrontError:  # no gRPC C++ here: the Python front alone
-        pass
     artifact, manifest = open_artifact(out, format="torchscript")
-    requests = [_raw_request(batch, seed) for batch, seed in [(1, 1), (9, 2), (200, 3)]]
-    wants = [in_process(artifact, sparse, dense, names=manifest.feature_names)["output"] for sparse, dense in requests]
-    good, _ = requests[1]
+    requests = [(*_raw_request(batch, seed), None) for batch, seed in [(1, 1), (9, 2), (200, 3)]]
+    wants = [in_process(artifact, sparse, dense, names=manifest.feature_names) for sparse, dense, _ in requests]
+    good, _, _ = requests[1]
     # an id at the bound, past it, or negative: refused with the words of any out-of-range id
     bad = [("user", 2**40, 2**40), ("item", 2**63 - 1, MAX_ID_BOUND), ("user", 2**50, 2**40), ("item", -1, MAX_ID_BOUND)]
-    for front in fronts:
-        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front, model_format="torchscript"))
-        try:
-            with PredictClient(f"127.0.0.1:{server.port}") as client:
-                meta = client.metadata("mc")  # what a client may send: the raw-id range, not the table's rows
-                assert [(f.name, f.rows, f.id_bound) for f in meta.sparse_features] == [
-                    (f, ROWS[TABLE[f]], BOUND[f]) for f in BOUND], front
-                for (sparse, dense), want in zip(requests, wants):
-                    np.testing.assert_array_equal(client.predict("mc", sparse, dense)["output"], want, err_msg=front)
-                for f, id, bound in bad:
-                    sparse = {**good, f: [[id], *good[f][1:]]}
-                    with pytest.raises(grpc.RpcError) as e:
-                        client.predict("mc", sparse, requests[1][1])
-                    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, out_of_range_message(f, id, bound)), front
-        finally:
-            server.stop()
-    for n, ((sparse, dense), want) in enumerate(zip(requests, wants)):
-        done = subprocess.run([str(binary), str(out), "--request", str(request_file(tmp_path / f"r{n}.json", sparse, dense)),
-                               "--format", "torchscript"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        np.testing.assert_array_equal(np.asarray(json.loads(done.stdout)["output"], dtype=np.float32).reshape(want.shape), want)
+
+    def check(client, front):
+        meta = client.metadata("mc")  # what a client may send: the raw-id range, not the table's rows
+        assert [(f.name, f.rows, f.id_bound) for f in meta.sparse_features] == [(f, ROWS[TABLE[f]], BOUND[f]) for f in BOUND], front
+        for f, id, bound in bad:
+            sparse = {**good, f: [[id], *good[f][1:]]}
+            with pytest.raises(grpc.RpcError) as e:
+                client.predict("mc", sparse, requests[1][1])
+            assert (e.value.code(), e.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, out_of_range_message(f, id, bound)), front
+
+    assert_served_as_in_process(out, "mc", requests, wants, binary, tmp_path, check=check)
     for f, id, bound in bad:
         path = request_file(tmp_path / "bad.json", {**good, f: [[id], *good[f][1:]]}, requests[1][1])
         done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", "torchscript"], capture_output=True, text=True)

@@ -9,20 +9,14 @@ does, bitwise. Inference sharding over 2 devices answers as one; a shared featur
 (id % rows, which differs per table) is refused.
 """
 
-import json
-import subprocess
-
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
+from model_requests import ModelInputs, assert_served_as_in_process, in_process, random_request
 from recship.export import ExportConfig, ExportError, export_model
 from recship.export.artifact import open_artifact
-from recship.serving import PredictClient
-from recship.serving.front import FrontError, build_front
-from recship.serving.server import Server, ServerConfig
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 
@@ -101,31 +95,9 @@ def test_the_manifest_lists_a_shared_feature_once_with_its_smallest_table_and_th
 
 def test_both_fronts_and_recship_predict_answer_as_the_artifact_in_process(exported, binary, tmp_path):
     out, _ = exported
-    repo = model_repo(tmp_path / "repo", {"shared": out})
-    fronts = ["python"]
-    try:
-        build_front()
-        fronts.append("cpp")
-    except FrontError:  # no gRPC C++ here: the Python front alone
-        pass
     model, manifest = open_artifact(out, format="torchscript")
     requests = [random_request(ModelInputs.of(manifest), batch, seed, ids=(0, 6)) for batch, seed in [(1, 1), (9, 2), (100, 3)]]
-    wants = [in_process(model, *r)["output"] for r in requests]
-    for front in fronts:
-        server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=2, front=front,
-                                     model_format="torchscript"))
-        try:
-            with PredictClient(f"127.0.0.1:{server.port}") as client:
-                for (sparse, dense, weights), want in zip(requests, wants):
-                    np.testing.assert_array_equal(client.predict("shared", sparse, dense, weights)["output"], want, err_msg=front)
-        finally:
-            server.stop()
-    for n, ((sparse, dense, weights), want) in enumerate(zip(requests, wants)):
-        path = request_file(tmp_path / f"r{n}.json", sparse, dense, weights)
-        done = subprocess.run([str(binary), str(out), "--request", str(path), "--format", "torchscript"], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        got = np.asarray(json.loads(done.stdout)["output"], dtype=np.float32).reshape(want.shape)
-        np.testing.assert_array_equal(got, want, err_msg="recship_predict")
+    assert_served_as_in_process(out, "shared", requests, [in_process(model, *r) for r in requests], binary, tmp_path)
 
 
 def test_inference_sharding_answers_as_one_device_and_modulo_is_refused(exported, tmp_path):
