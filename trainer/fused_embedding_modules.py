@@ -185,6 +185,9 @@ class _FusedTables(nn.Module):
             groups.setdefault((pooling_of(t), t.data_type), []).append(t)
         self._groups: List[List[Any]] = list(groups.values())
         self._names_by_table = dict(zip((t.name for t in tables), get_embedding_names_by_table(tables)))
+        # each kernel's output names, table by table (feature@table for a shared feature), and all of them in table order
+        self._group_names: List[List[str]] = [[n for t in g for n in self._names_by_table[t.name]] for g in self._groups]
+        self._output_order: List[str] = [n for t in tables for n in self._names_by_table[t.name]]
         # a plain list, as TorchRec's: the kernels are not submodules (state_dict and parameters are the views below)
         # a weighted MEAN group pools with SUM, its weights divided by the bag length in forward (see the module docstring)
         self._divide: List[bool] = [p == PoolingType.MEAN and weighted for p, _ in groups]
@@ -231,9 +234,6 @@ class _FusedTables(nn.Module):
             weights = weights / torch.repeat_interleave(lengths, lengths).to(weights.dtype)
         return ids, offsets, weights, jts
 
-    def _output_names(self, group: List[Any]) -> List[str]:
-        """The output names of ``group``'s features, table by table (``feature@table`` for a shared feature)."""
-        return [name for t in group for name in self._names_by_table[t.name]]
 
     @property
     def device(self) -> torch.device:
@@ -286,11 +286,11 @@ class FusedEmbeddingBagCollection(_FusedTables):
         self._embedding_bag_configs = list(tables)
         self._is_weighted = bool(is_weighted)
         self._build("embedding_bags", self._embedding_bag_configs, lambda t: t.pooling, self._is_weighted, optimizer_type, optimizer_kwargs, device, location)
-        self._embedding_names = [name for names in get_embedding_names_by_table(tables) for name in names]
+        self._embedding_names = list(self._output_order)
         self._length_per_key = [t.embedding_dim for t in tables for _ in t.feature_names]
         self._rows_per_feature = rows_per_feature(tables)
         # the kernels' output columns in config order, when grouping reordered the tables
-        group_order = [name for g in self._groups for name in self._output_names(g)]
+        group_order = [name for names in self._group_names for name in names]
         self._reorder = None if group_order == self._embedding_names else [group_order.index(f) for f in self._embedding_names]
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -359,20 +359,19 @@ class FusedEmbeddingCollection(_FusedTables):
         """features: [F, B] ids. Returns {feature: JaggedTensor(values [N_f, dim] float32, the feature's lengths)}."""
         check_features(features, self._rows_per_feature)
         out: Dict[str, JaggedTensor] = {}
-        for group, kernel in zip(self._groups, self._kernels):
+        for group, kernel, names in zip(self._groups, self._kernels, self._group_names):
             ids, offsets, _, jts = self._ids(features, group, False)
             rows = kernel(indices=ids, offsets=offsets)
-            names = self._output_names(group)
             for name, jt, part in zip(names, jts, torch.split(rows, [int(jt.values().numel()) for jt in jts])):
                 out[name] = JaggedTensor(values=part, lengths=jt.lengths(), weights=jt.values() if self._need_indices else None)
-        return {name: out[name] for names in self.embedding_names_by_table() for name in names}
+        return {name: out[name] for name in self._output_order}
 
     def embedding_configs(self) -> List[EmbeddingConfig]:
         return self._embedding_configs
 
     def embedding_names_by_table(self) -> List[List[str]]:
         """Each table's output names (``feature@table`` for a shared feature), as EmbeddingCollection's."""
-        return get_embedding_names_by_table(self._embedding_configs)
+        return [list(self._names_by_table[t.name]) for t in self._embedding_configs]
 
     def embedding_dim(self) -> int:
         return self._embedding_dim

@@ -37,7 +37,7 @@ from recship.trainer.distributed.sharded_tables import (FUSED_PARAMETER_MARK, Lo
                                                        _make_tbe, _PooledAllToAll)
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.modules.embedding_configs import EmbeddingBagConfig
-from recship.modules.embedding_modules import EmbeddingBagCollection, check_features, get_embedding_names_by_table
+from recship.modules.embedding_modules import EmbeddingBagCollection, check_features
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.planner import bucketize_rows, merge_blocks
 from recship.trainer.planner.types import ParameterSharding
@@ -337,7 +337,7 @@ class ShardedEmbeddingBagCollection(ShardedEmbeddingModule, ShardedEmbeddingTabl
                 blocks.setdefault((u.table, u.feature), []).append((u.col_offset, parts[d][:, col : col + u.cols]))
                 col += u.cols
         pooled, keys, dims = [], [], []
-        for t, names in zip(self._configs, get_embedding_names_by_table(self._configs)):
+        for t, names in zip(self._configs, self._output_names):
             for f, name in zip(t.feature_names, names):
                 jt = per_feature[f]
                 if t.name in self.data_parallel:

@@ -31,7 +31,7 @@ from recship.trainer.distributed.sharded_module import ShardedEmbeddingModule
 from recship.trainer.distributed.sharded_tables import LookupUnit, ShardedEmbeddingTables, _PooledAllToAll, optimizer_for
 from recship.trainer.distributed.types import Awaitable, LazyAwaitable, NoWait, ShardingEnv
 from recship.modules.embedding_configs import EmbeddingConfig
-from recship.modules.embedding_modules import EmbeddingCollection, check_features, get_embedding_names_by_table
+from recship.modules.embedding_modules import EmbeddingCollection, check_features
 from recship.trainer.fused_optim import FusedOptimizerConfig
 from recship.trainer.planner.types import ParameterSharding, ShardingType
 
@@ -285,7 +285,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule, ShardedEmbeddingTables)
         awaitables: List[Awaitable[torch.Tensor]] = []
         kjts: List[KeyedJaggedTensor] = []
         names: List[List[str]] = []
-        for t, table_names in zip(self._configs, self.embedding_names_by_table()):
+        for t, table_names in zip(self._configs, self._output_names):
             for f, name in zip(t.feature_names, table_names):
                 jt = per_feature[f]
                 if t.name in self.data_parallel:
@@ -310,7 +310,7 @@ class ShardedEmbeddingCollection(ShardedEmbeddingModule, ShardedEmbeddingTables)
 
     def embedding_names_by_table(self) -> List[List[str]]:
         """Each table's output names (``feature@table`` for a shared feature), as EmbeddingCollection's."""
-        return get_embedding_names_by_table(self._configs)
+        return [list(names) for names in self._output_names]
 
     def __repr__(self) -> str:
         plan = {t: ps.sharding_type.value for t, ps in self._plan.items()}

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recship.trainer.distributed import sharded_state
-from recship.modules.embedding_modules import rows_per_feature
+from recship.modules.embedding_modules import get_embedding_names_by_table, rows_per_feature
 from recship.trainer.fused_optim import (CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig, fused_config,
                                         fused_config_from_torch)
 from recship.trainer.planner.types import ParameterSharding, ShardingType
@@ -191,6 +191,7 @@ class ShardedEmbeddingTables(nn.Module):
             raise ValueError(f"the sharding plan has no entry for tables {missing}")
         self._plan = {t.name: plan[t.name] for t in self._configs}
         self._rows = rows_per_feature(self._configs)
+        self._output_names = get_embedding_names_by_table(self._configs)  # per table; feature@table for a shared feature
         self._units = _lookup_units(self._configs, self._plan)
         self._units_by_rank: List[List[LookupUnit]] = [[u for u in self._units if u.rank == r] for r in range(self._world_size)]
         self._local_shards: List[Tuple[str, int, int, int]] = []  # (table, shard, rows, cols), TBE by TBE
