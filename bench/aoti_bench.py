@@ -163,7 +163,7 @@ def main() -> None:
     from recship.export import ExportConfig, export_model
     from recship.models import TwoTower
     from recship.plots import write_bench_chart
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -176,7 +176,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="recship-aoti-bench-"))
-    models = [("DLRM 26 x 1000 x 16 INT8", DLRM(DLRMConfig()), args.baseline_dlrm),
+    models = [("DLRM 26 x 1000 x 16 INT8", BuiltinDLRM(DLRMConfig()), args.baseline_dlrm),
               ("two-tower INT8", TwoTower(), args.baseline_two_tower)]
     chart: Dict[str, List[float]] = {}
     for i, (name, model, baseline) in enumerate(models):

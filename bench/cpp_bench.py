@@ -32,7 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     from recship.native import find, runtime_env
 
@@ -41,7 +41,7 @@ def main() -> None:
     config = DLRMConfig()
     torch.manual_seed(0)
     art = work / "dlrm"
-    export_model(DLRM(config), ExportConfig(out=str(art), dtype="int8", progress=False, validation_batches=1))
+    export_model(BuiltinDLRM(config), ExportConfig(out=str(art), dtype="int8", progress=False, validation_batches=1))
     model, _ = open_artifact(art)
     print(f"DLRM 26 x {config.num_embeddings_per_feature[0]} x {config.embedding_dim} INT8, {torch.get_num_threads()} threads")
     print(f"{'batch':>5s} {'C++ predict p50 ms':>19s} {'C++ raw forward ms':>19s} {'C++ overhead':>13s} {'Python forward ms':>18s} {'C++ predict / Python':>21s}")

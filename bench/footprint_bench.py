@@ -45,10 +45,10 @@ from typing import Dict, List, Optional
 
 BUILD = """  # DLRM: build and torch.save
 import json, sys, time, torch
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 tables, rows, dim, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 torch.manual_seed(0)
-model = DLRM(DLRMConfig(num_embeddings_per_feature=[rows] * tables, embedding_dim=dim, dense_arch=[64, dim], over_arch=[64, 1]))
+model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[rows] * tables, embedding_dim=dim, dense_arch=[64, dim], over_arch=[64, 1]))
 torch.save(model, out)
 """
 EXPORT = """

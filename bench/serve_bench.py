@@ -154,14 +154,14 @@ def bench_model(name, seconds, work, fronts, load, torch_threads=None, window_ms
     from recship.export.artifact import open_artifact
     from recship.serving.settings import default_torch_threads
     from recship.serving.server import Server, ServerConfig
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     shape = MODELS[name]
     config = DLRMConfig(num_embeddings_per_feature=[shape["rows"]] * 26, embedding_dim=shape["dim"],
                         dense_arch=shape["dense_arch"] + [shape["dim"]], over_arch=shape["over_arch"])
     torch.manual_seed(0)
     out = work / name / "dlrm" / "1"
-    export_model(DLRM(config), ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1,
+    export_model(BuiltinDLRM(config), ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1,
                                             **({} if row_block is None else {"row_block": row_block})))
     rows, num_dense = config.num_embeddings_per_feature, config.num_dense
     model, _ = open_artifact(out)  # the file both fronts run: model.pt2 where it runs here, else model.pt

@@ -126,12 +126,12 @@ def main() -> int:
 
     from recship.export import ExportConfig, export_model
     from recship.plots import write_bench_chart
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     rows = [20 + i for i in range(26)]
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        model = DLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+        model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
         export_model(model, ExportConfig(out=f"{tmp}/repo/dlrm/1", dtype="int8", progress=False, validation_batches=1))
         server = subprocess.Popen(
             [sys.executable, "-m", "recship.cli", "serve", "--model-repo", f"{tmp}/repo", "--port", "0", "--http-port", "0",

@@ -5,7 +5,7 @@ returns a Tensor or a Dict[str, Tensor], batch first. Each is exported, served a
 from C++ by the tests exactly as a user's own model would be.
 
 ``dlrm`` (``recship.models.dlrm``) holds TorchRec's DLRM family (``torchrec.models.dlrm``: ``dlrm.DLRM``,
-``dlrm.DLRM_DCN``, ...) and, called, builds the built-in DLRM: the entry point ``recship.models:dlrm``.
+``dlrm.DLRM_DCN``, ...) and the built-in DLRM (``dlrm.BuiltinDLRM``, built by the entry point ``recship.models.dlrm:builtin``).
 ``deepfm`` (``recship.models.deepfm``) holds TorchRec's ``torchrec.models.deepfm`` (``SimpleDeepFMNN`` and its archs).
 ``layers`` holds TorchRec's ``torchrec.modules.mlp`` / ``crossnet`` / ``activation`` / ``deepfm``.
 """

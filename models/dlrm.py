@@ -12,23 +12,20 @@ TorchRec DLRM's state_dict loads strictly here and back::
     dense [B, num_dense] --dense_arch--> [B, D] --+
     KJT --sparse_arch--> [B, F, D] --------------+--inter_arch--> [B, D + F + F(F-1)/2] --over_arch--> logits [B, out]
 
-This module is also the built-in DLRM's entry point ``recship.models:dlrm`` (what ``recship train`` trains without
-``--model``, and what checkpoints name): calling the module, ``recship.models.dlrm(embedding_dim=8, ...)``, builds
-``recship.trainer.dlrm.DLRM`` (see ``builtin``). The built-in names its parameters its own way but loads a TorchRec
-DLRM's state_dict of the same shape (``recship.trainer.dlrm.DLRM.load_state_dict``).
+The built-in DLRM, what ``recship train`` trains without ``--model``, is this ``DLRM`` too: ``BuiltinDLRM`` (one
+table per feature, outputs ``logit`` and ``prob``), built by the entry point ``recship.models.dlrm:builtin``.
 """
 
-import inspect
-import sys
-import types
-from typing import Any, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from recship.models.layers import MLP, LowRankCrossNet
+from recship.modules import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from recship.names import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recship.sparse import KeyedJaggedTensor
-from recship.trainer import EmbeddingBagCollection
 
 
 def choose(n: int, k: int) -> int:
@@ -86,7 +83,7 @@ class InteractionArch(nn.Module):
     """DLRM's pairwise dot products: with the dense vector first, the dots of every pair (i < j) of the F + 1 vectors
     in row-major upper-triangle order, after the dense vector: [B, D], [B, F, D] -> [B, D + F + F(F-1)/2]."""
 
-    triu_indices: torch.Tensor  # [2, (F + 1) F / 2], a buffer left out of the state_dict, as TorchRec's
+    triu_indices: torch.Tensor  # [2, (F + 1) F / 2], a buffer left out of the state_dict, as TorchRec's (forward makes its own)
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__()
@@ -99,7 +96,17 @@ class InteractionArch(nn.Module):
             return dense_features
         stacked = _stack(dense_features, sparse_features)
         dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, F + 1, F + 1]
-        return torch.cat((dense_features, dots[:, self.triu_indices[0], self.triu_indices[1]]), dim=1)
+        n = self.F + 1
+        if torch.compiler.is_compiling():
+            # torch.export / AOTInductor: row slices and one cat become contiguous copies; inductor's code for the
+            # gather below is 8x slower than aten's at batch 512
+            pairs = torch.cat([dots[:, i, i + 1:] for i in range(n - 1)], dim=1)
+        else:  # one gather over the flattened matrix: 2-D fancy indexing (dots[:, rows, cols]) is slower. The
+            # indices are made here, not read from the buffer: a model built on the meta device and materialized
+            # (to_empty, as the trainer does) holds garbage in its non-persistent buffers
+            pair = torch.triu_indices(n, n, offset=1, device=dots.device)
+            pairs = dots.reshape(-1, n * n).index_select(1, pair[0] * n + pair[1])
+        return torch.cat((dense_features, pairs), dim=1)
 
 
 class InteractionDCNArch(nn.Module):
@@ -266,29 +273,78 @@ class DLRMWrapper(DLRM):
         return pred
 
 
+@dataclass
+class DLRMConfig:
+    """The built-in DLRM's shape: one table per sparse feature, named ``t_<feature>``, all ``embedding_dim`` wide.
+
+    Args:
+        num_embeddings_per_feature: rows of each sparse feature's table.
+        embedding_dim: width of every table and of the dense arch's output (a multiple of 4: fbgemm's kernels).
+        num_dense: dense input features.
+        dense_arch: hidden widths of the dense MLP (its output is embedding_dim).
+        over_arch: hidden widths of the over MLP (its output is one logit).
+        sparse_feature_names: feature names; default cat_0 .. cat_{n-1}.
+    """
+
+    num_embeddings_per_feature: List[int] = field(default_factory=lambda: [1000] * CRITEO_NUM_SPARSE)
+    embedding_dim: int = 16
+    num_dense: int = CRITEO_NUM_DENSE
+    dense_arch: List[int] = field(default_factory=lambda: [64])
+    over_arch: List[int] = field(default_factory=lambda: [64, 32])
+    sparse_feature_names: Optional[List[str]] = None
+
+    def __post_init__(self) -> None:
+        if not self.num_embeddings_per_feature:
+            raise ValueError("a DLRM needs at least one sparse feature")
+        if self.embedding_dim % 4 != 0:
+            raise ValueError(f"embedding_dim must be a multiple of 4 (fbgemm kernels), got {self.embedding_dim}")
+        if self.sparse_feature_names is None:
+            self.sparse_feature_names = [f"cat_{i}" for i in range(len(self.num_embeddings_per_feature))]
+        if len(self.sparse_feature_names) != len(self.num_embeddings_per_feature):
+            raise ValueError(f"{len(self.sparse_feature_names)} feature names for {len(self.num_embeddings_per_feature)} tables")
+
+    def tables(self) -> List[EmbeddingBagConfig]:
+        return [EmbeddingBagConfig(name=f"t_{name}", num_embeddings=rows, embedding_dim=self.embedding_dim,
+                                   feature_names=[name], pooling=PoolingType.SUM)
+                for name, rows in zip(self.sparse_feature_names or [], self.num_embeddings_per_feature)]
+
+
+class BuiltinDLRM(DLRM):
+    """The built-in DLRM, what ``recship train`` trains without ``--model`` (entry point ``builtin``): TorchRec's
+    ``DLRM`` over ``config.tables()`` with dense MLP ``config.dense_arch + [D]`` and over MLP ``config.over_arch + [1]``,
+    its parameters under TorchRec's names. forward(dense [B, num_dense], KJT) -> logit [B] (the trained output); the
+    artifact serves ``logit`` and ``prob`` [B, 1] (``serving_outputs``).
+    """
+
+    eval_output = "logit"  # the served output that export measures AUC and log loss on
+
+    def __init__(self, config: DLRMConfig, device: Optional[Union[str, torch.device]] = None) -> None:
+        d = config.embedding_dim
+        super().__init__(EmbeddingBagCollection(config.tables(), device=torch.device(device) if device else None),
+                         dense_in_features=config.num_dense, dense_arch_layer_sizes=[*config.dense_arch, d],
+                         over_arch_layer_sizes=[*config.over_arch, 1],
+                         dense_device=torch.device(device) if device else None)
+        self.config = config
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
+        """[B, num_dense], KJT -> logit [B]."""
+        return super().forward(dense_features, sparse_features).squeeze(1)
+
+    def serving_outputs(self, logit: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """The artifact's outputs (``recship.export.model``): logit and prob, [B, 1] each."""
+        logit = logit.unsqueeze(1)
+        return {"logit": logit, "prob": torch.sigmoid(logit)}
+
+
 def builtin(num_embeddings_per_feature: Optional[List[int]] = None, embedding_dim: int = 16,
             dense_arch: Optional[List[int]] = None, over_arch: Optional[List[int]] = None,
-            device: Optional[str] = None) -> nn.Module:
-    """The built-in DLRM (``recship.models:dlrm``, which calls this): 13 dense and 26 categorical Criteo features,
-    a ``recship.trainer.dlrm.DLRM``."""
-    from recship.trainer.dlrm import DLRM as BuiltinDLRM, DLRMConfig
-
-    config = DLRMConfig(num_embeddings_per_feature=num_embeddings_per_feature or [1000] * 26, embedding_dim=embedding_dim,
-                        dense_arch=dense_arch or [64], over_arch=over_arch or [64, 32])
+            device: Optional[str] = None) -> BuiltinDLRM:
+    """The built-in DLRM's entry point (``recship.models.dlrm:builtin``, what ``recship train`` trains without
+    ``--model``): 13 dense and 26 categorical Criteo features by default, a ``BuiltinDLRM``."""
+    config = DLRMConfig(num_embeddings_per_feature=num_embeddings_per_feature or [1000] * CRITEO_NUM_SPARSE,
+                        embedding_dim=embedding_dim, dense_arch=dense_arch or [64], over_arch=over_arch or [64, 32])
     return BuiltinDLRM(config, device=device)
 
 
-class _CallableModule(types.ModuleType):
-    """``recship.models.dlrm`` is both TorchRec's ``torchrec.models.dlrm`` (``dlrm.DLRM``) and the built-in DLRM's
-    entry point ``recship.models:dlrm`` (a callable, named by every checkpoint written so far): calling it calls
-    ``builtin``."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> nn.Module:
-        return builtin(*args, **kwargs)
-
-
-__signature__ = inspect.signature(builtin)  # what inspect (build_model's device check) reads for the module
-sys.modules[__name__].__class__ = _CallableModule
-
-__all__ = ["DLRM", "DLRMTrain", "DLRMWrapper", "DLRM_DCN", "DLRM_Projection", "DenseArch", "InteractionArch", "InteractionDCNArch",
+__all__ = ["BuiltinDLRM", "DLRM", "DLRMConfig", "DLRMTrain", "DLRMWrapper", "DLRM_DCN", "DLRM_Projection", "DenseArch", "InteractionArch", "InteractionDCNArch",
            "InteractionProjectionArch", "OverArch", "SparseArch", "builtin", "choose"]

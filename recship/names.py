@@ -7,7 +7,6 @@ torch-free and no list is written twice. Conversions that need torch or fbgemm i
 """
 
 import functools
-import re
 from enum import Enum, unique
 from typing import TYPE_CHECKING, Optional, Tuple
 
@@ -313,12 +312,13 @@ EXPORT_FORMATS = ("auto", "torchscript", "aoti", "both")  # what export writes: 
 LOAD_FORMATS = ("auto", "torchscript", "aoti")  # what a loader runs (auto: model.pt2 where it runs here)
 ID_POLICIES = ("reject", "modulo")  # an id outside its table: refused, or hashed into it
 
-DLRM_ENTRY = "recship.models:dlrm"  # the built-in DLRM: what `recship train` trains without --model
+DLRM_ENTRY = "recship.models.dlrm:builtin"  # the built-in DLRM: what `recship train` trains without --model
+# the built-in DLRM's entry point before it became TorchRec's DLRM (other parameter names): its checkpoints are refused
+EARLIER_DLRM_ENTRY = "recship.models:dlrm"
 
 # Criteo's layout (the built-in DLRM and data reader): 13 integer (dense) features, 26 categorical (sparse) ones
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
 
-# A model's name (a repository folder, a served model) and a version's (an ASCII number, below 10**18)
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
-VERSION_NAME = re.compile(r"[0-9]{1,18}")
+# A model's name (a repository folder, a served model) and a version's: the repository layout's (recship.contract)
+from recship.contract.repository import MODEL_NAME, VERSION_NAME  # noqa: E402

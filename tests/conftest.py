@@ -32,7 +32,7 @@ def small_artifacts(tmp_path_factory):
     """
     from recship.export import ExportConfig, export_model
     from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     built: Dict[Tuple[str, str, str, str, int], Path] = {}
 
@@ -45,7 +45,7 @@ def small_artifacts(tmp_path_factory):
         torch.manual_seed(0)
         extra: Dict[str, Any] = {}
         if model == "dlrm":
-            module = DLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+            module = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
         elif model == "emb":
             module = EmbeddingBagCollection(
                 [
@@ -210,6 +210,7 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "serving/test_memory_bounds.py",  # large requests in a memory cgroup, both fronts
     "serving/test_reload_memory.py",
     "test_examples.py",
+    "test_docs.py::test_readme_quick_start_runs_from_an_installed_package",  # trains, exports, serves (~25 s)
     "test_oserrors.py::run",  # trains and exports the run whose exports fill small disks
     "test_oserrors.py::test_export_into_a_disk_that_fills_at_model_pt2_says_so",  # an AOTInductor compile
     "test_oserrors.py::test_train_whose_checkpoint_does_not_fit_leaves_no_partial_checkpoint",

@@ -125,10 +125,10 @@ def test_train_config_file_takes_flag_spelling_and_names_valid_keys(tmp_path):
 def test_one_table_size_is_every_features():
     from recship.trainer.train import TrainConfig
 
-    from recship.trainer.dlrm import DLRMConfig
+    from recship.models.dlrm import DLRMConfig
 
     entry, args = TrainConfig(num_embeddings_per_feature=[5000]).entry_point()
-    assert entry == "recship.models:dlrm"
+    assert entry == "recship.models.dlrm:builtin"
     tables = DLRMConfig(**args).tables()
     assert [t.num_embeddings for t in tables] == [5000] * 26 and len({t.name for t in tables}) == 26
     assert _train_config(["--num-embeddings-per-feature", "5000"]).num_embeddings_per_feature == [5000] * 26

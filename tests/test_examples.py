@@ -146,7 +146,7 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
 
     rest_text = (ROOT / "examples" / "request.json").read_text()
     rest, predict = json.loads(rest_text), json.loads((ROOT / "examples" / "predict_request.json").read_text())
-    from recship.trainer.dlrm import DLRMConfig
+    from recship.models.dlrm import DLRMConfig
 
     demo = DLRMConfig(**TrainConfig().entry_point()[1])  # recship demo trains TrainConfig's default DLRM and serves it as "dlrm"
     inputs = {t["name"]: t for t in rest["inputs"]}

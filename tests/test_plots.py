@@ -73,7 +73,7 @@ def test_table_chart_from_a_real_artifact(tmp_path, small_artifact):
     with pytest.raises(ValueError, match="no tables"):
         plots.plot_table_report(tmp_path / "t.png", [])
     broken = [{k: v for k, v in tables[0].items() if k != "quantized_bytes"}]
-    with pytest.raises(ValueError, match=r"'sparse_arch.t_cat_0' lacks \['quantized_bytes'\]"):
+    with pytest.raises(ValueError, match=r"'sparse_arch.embedding_bag_collection.t_cat_0' lacks \['quantized_bytes'\]"):
         plots.plot_table_report(tmp_path / "t.png", broken)
 
 
@@ -117,7 +117,7 @@ def test_table_chart_shows_the_pooled_relative_error_beside_the_absolute_error(t
     assert _read_png(tmp_path / "art" / "tables.png").shape[:2] == (round(plots._bar_height(26) * plots.DPI),
                                                                      plots.TABLES_WIDTH * plots.DPI)
     broken = [{k: v for k, v in tables[0].items() if k != "pooled_relative_error"}]
-    with pytest.raises(ValueError, match=r"'sparse_arch.t_cat_0' lacks \['pooled_relative_error'\]"):
+    with pytest.raises(ValueError, match=r"'sparse_arch.embedding_bag_collection.t_cat_0' lacks \['pooled_relative_error'\]"):
         plots.table_report_figure(broken)
 
 
@@ -317,10 +317,10 @@ def test_training_without_matplotlib_warns_and_finishes(tmp_path, no_matplotlib,
 def _small_dlrm():
     import torch
 
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     torch.manual_seed(0)
-    return DLRM(DLRMConfig(num_embeddings_per_feature=[20 + i for i in range(26)], embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    return BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[20 + i for i in range(26)], embedding_dim=8, dense_arch=[16], over_arch=[16]))
 
 
 def _export_config(**kw):

@@ -1,7 +1,7 @@
 """``torchrec.models.dlrm`` and ``torchrec.modules.mlp`` / ``crossnet`` as TorchRec users write them, through the
 README's import map (tests/snippets/torchrec_models.txt, rewritten by tests/tutorials/notebook.py): every output
 against a plain-PyTorch computation from the module's state_dict, the state_dict against TorchRec's documented keys
-and shapes, and the built-in DLRM (recship.trainer.dlrm) exchanging state_dicts with TorchRec's DLRM."""
+and shapes, and the built-in DLRM (recship.models.dlrm.BuiltinDLRM), a DLRM of TorchRec's parameter names."""
 
 import re
 from pathlib import Path
@@ -209,55 +209,71 @@ def test_dlrm_train(user):
     assert torch.equal(after[f"model.{EBC}.t2.weight"][0], user["before"][f"model.{EBC}.t2.weight"][0])
 
 
-def test_the_module_is_also_the_builtin_entry_point(user):
-    """``from torchrec.models import dlrm`` gives recship.models.dlrm, which `recship train` calls as its built-in
-    DLRM's entry point recship.models:dlrm."""
-    from recship.trainer.dlrm import DLRM as Builtin
+def test_the_builtin_dlrm_is_this_dlrm(user):
+    """``from torchrec.models import dlrm`` gives recship.models.dlrm, whose plain function ``builtin`` is the entry
+    point `recship train` trains without --model; what it builds is a ``DLRM`` (one DLRM in recship)."""
+    from recship.models.dlrm import BuiltinDLRM
+    from recship.names import DLRM_ENTRY
     from recship.trainer.entry_point import build_model
 
-    assert user["dlrm"].DLRM is user["DLRM"]
-    built = build_model("recship.models:dlrm", {"num_embeddings_per_feature": [10] * 26, "embedding_dim": 8}, device="cpu")
-    assert type(built) is Builtin and built.config.embedding_dim == 8
+    assert user["dlrm"].DLRM is user["DLRM"] and DLRM_ENTRY == "recship.models.dlrm:builtin"
+    built = build_model(DLRM_ENTRY, {"num_embeddings_per_feature": [10] * 26, "embedding_dim": 8}, device="cpu")
+    assert type(built) is BuiltinDLRM and isinstance(built, user["DLRM"]) and built.config.embedding_dim == 8
 
 
-def test_builtin_dlrm_exchanges_state_dicts_with_torchrecs():
-    """The built-in DLRM loads a TorchRec DLRM's state_dict of the same shape strictly (and gives its own under
-    TorchRec's names); both compute the same logits, bitwise."""
-    from recship.models.dlrm import DLRM
+def _reference_logit(state, dense, kjt, names, d):
+    """The DLRM's logit [B] in plain torch from a state_dict: ReLU MLPs, per-feature sums, dots of all pairs."""
+    def mlp(x, prefix, count):
+        for k in range(count):
+            x = x @ state[f"{prefix}.{k}._linear.weight"].T + state[f"{prefix}.{k}._linear.bias"]
+            x = torch.relu(x)
+        return x
+
+    b = dense.shape[0]
+    x = mlp(dense, "dense_arch.model._mlp", 2)
+    pooled = []
+    per_key = kjt.to_dict()
+    for name in names:
+        jt, table = per_key[name], state[f"{EBC}.t_{name}.weight"]
+        pooled.append(torch.stack([table[jt.values()[o:o + n]].sum(0) if n else torch.zeros(d) for o, n in
+                                   zip(jt.offsets()[:-1].tolist(), jt.lengths().tolist())]))
+    vectors = [x] + pooled
+    pairs = [(vectors[i] * vectors[j]).sum(1, keepdim=True) for i in range(len(vectors)) for j in range(i + 1, len(vectors))]
+    h = mlp(torch.cat([x] + pairs, dim=1), "over_arch.model.0._mlp", 2)
+    return (h @ state["over_arch.model.1.weight"].T + state["over_arch.model.1.bias"]).squeeze(1)
+
+
+def test_builtin_dlrm_is_torchrecs_and_loads_its_earlier_names():
+    """The built-in DLRM has TorchRec's DLRM's parameter names (its state_dict loads strictly into a TorchRec-built
+    DLRM of the same shape) and computes the reference logit."""
+    from recship.models.dlrm import DLRM, BuiltinDLRM, DLRMConfig
+    from recship.modules import EmbeddingBagCollection
     from recship.sparse import KeyedJaggedTensor
-    from recship.trainer import EmbeddingBagCollection
-    from recship.trainer.dlrm import DLRM as Builtin, DLRMConfig
 
     torch.manual_seed(3)
     config = DLRMConfig(num_embeddings_per_feature=[11, 12, 13, 14], embedding_dim=8, num_dense=5, dense_arch=[16],
                         over_arch=[12, 6])
-    builtin = Builtin(config)
+    builtin = BuiltinDLRM(config)
     theirs = DLRM(EmbeddingBagCollection(config.tables()), 5, [16, 8], [12, 6, 1])
     expected = {f"{EBC}.t_cat_{i}.weight": (11 + i, 8) for i in range(4)}
     expected.update({"dense_arch.model._mlp.0._linear.weight": (16, 5), "dense_arch.model._mlp.1._linear.weight": (8, 16),
                      "over_arch.model.0._mlp.0._linear.weight": (12, 8 + 4 + 6), "over_arch.model.0._mlp.1._linear.weight": (6, 12),
                      "over_arch.model.1.weight": (1, 6)})
-    assert {k: v for k, v in _shapes(theirs).items() if k.endswith("weight")} == expected
-
-    theirs.load_state_dict(builtin.torchrec_state_dict(), strict=True)
-    fresh = Builtin(config)
-    fresh.load_state_dict(theirs.state_dict(), strict=True)
-    for k, v in builtin.state_dict().items():
-        assert torch.equal(fresh.state_dict()[k], v), k
+    assert {k: v for k, v in _shapes(builtin).items() if k.endswith("weight")} == expected
+    theirs.load_state_dict(builtin.state_dict(), strict=True)
 
     g = torch.Generator().manual_seed(4)
     lengths = torch.randint(0, 4, (4 * 6,), generator=g)
     values = torch.cat([torch.randint(0, 11, (int(n),), generator=g) for n in lengths])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=config.sparse_feature_names, values=values, lengths=lengths)
     dense = torch.rand(6, 5, generator=g)
-    out = theirs(dense, kjt)
-    assert out.shape == (6, 1) and torch.equal(out.squeeze(1), builtin(dense, kjt)) and torch.equal(fresh(dense, kjt), builtin(dense, kjt))
+    logit = builtin(dense, kjt)
+    assert logit.shape == (6,) and torch.equal(theirs(dense, kjt).squeeze(1), logit)
+    torch.testing.assert_close(logit, _reference_logit(builtin.state_dict(), dense, kjt, config.sparse_feature_names, 8),
+                               rtol=1e-5, atol=1e-6)
+    outputs = builtin.serving_outputs(logit)
+    assert torch.equal(outputs["logit"], logit[:, None]) and torch.equal(outputs["prob"], torch.sigmoid(logit)[:, None])
 
-    # strict still means strict: a missing TorchRec key is reported under the built-in's name
-    partial = theirs.state_dict()
-    del partial["over_arch.model.1.bias"]
-    with pytest.raises(RuntimeError, match=r"over_arch\.4\.bias"):
-        Builtin(config).load_state_dict(partial, strict=True)
 
 
 def test_bad_arguments_name_the_value():

@@ -25,6 +25,7 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Typ
 import torch
 import torch.distributed.checkpoint as dcp
 
+from recship.names import DLRM_ENTRY, EARLIER_DLRM_ENTRY
 from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.trainer.planner.types import ShardingPlan
 
@@ -83,6 +84,10 @@ def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
         raise CheckpointError(f"{meta_file} is corrupt: {e}") from None
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_file}: unknown format {meta.get('format')!r}, expected {FORMAT!r}")
+    entry = ((meta.get("config") or {}).get("entry_point") or {}).get("model")
+    if entry == EARLIER_DLRM_ENTRY:
+        raise CheckpointError(f"{path} holds the built-in DLRM of an earlier recship ({EARLIER_DLRM_ENTRY}), whose parameters "
+                              f"had other names than today's ({DLRM_ENTRY}, TorchRec's DLRM): train it again with this version")
     return meta
 
 

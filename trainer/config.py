@@ -84,7 +84,7 @@ class TrainConfig:
 
     def entry_point(self) -> Tuple[str, Dict[str, Any]]:
         """(entry point, its arguments) of the model to train: ``model``, else the built-in DLRM
-        (``recship.models:dlrm``) shaped by the DLRM flags."""
+        (``recship.models.dlrm:builtin``) shaped by the DLRM flags."""
         if self.model is not None:
             return self.model, dict(self.model_args)
         return DLRM_ENTRY, {"num_embeddings_per_feature": list(self.num_embeddings_per_feature), "embedding_dim": self.embedding_dim,

@@ -2,7 +2,7 @@
 
 ``recship train --model`` and ``recship export --model`` build a user's model this way, and
 a checkpoint records the entry point and its arguments so that export needs nothing else.
-The built-in DLRM is ``recship.models:dlrm``.
+The built-in DLRM is ``recship.models.dlrm:builtin``.
 """
 
 import copy

@@ -60,7 +60,7 @@ class _Trainer:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         torch.manual_seed(config.seed)
-        entry, args = config.entry_point()  # the built-in DLRM is the entry point recship.models:dlrm
+        entry, args = config.entry_point()  # the built-in DLRM is the entry point recship.models.dlrm:builtin
         model = build_model(entry, args, device="meta")
         contract = describe_model(model)
         tables = [t for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.embedding_bag_configs()]

@@ -29,11 +29,11 @@ AOTI_CASES = [("dlrm", 1), ("emb", 2)]  # as tests/cpp_loader/test_cpp_aoti.py c
 def other(small_artifact, tmp_path_factory):
     """The small DLRM of tests/conftest.py exported from other weights (seed 1): same layout, other tables."""
     from recship.export import ExportConfig, export_model
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     rows = [f.rows for f in Manifest.read(small_artifact).sparse_features]
     torch.manual_seed(1)
-    module = DLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    module = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=rows, embedding_dim=8, dense_arch=[16], over_arch=[16]))
     out = tmp_path_factory.mktemp("other") / "dlrm_seed1"
     export_model(module, ExportConfig(out=str(out), dtype="int8", device="cpu", progress=False, validation_batches=1,
                                       validation_batch_size=32, format="torchscript", plot=False))

@@ -26,7 +26,7 @@ EXAMPLES = {
                                               "dim": 16, "num_dense": 4}, ["--dtype", "int8"]),
     "ranker": ("recship.models:MultiTaskRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16},
                ["--dtype", "int4", "--shards", "2", "--sharding", "row_wise", "--table-dtype", "tag_table=int8"]),
-    "dlrm": ("recship.models:dlrm", {"num_embeddings_per_feature": [40 + i for i in range(26)], "embedding_dim": 8,
+    "dlrm": ("recship.models.dlrm:builtin", {"num_embeddings_per_feature": [40 + i for i in range(26)], "embedding_dim": 8,
                                      "dense_arch": [16], "over_arch": [16]}, ["--dtype", "int4"]),
     "mixed": ("recship.models:MixedRanker", {"num_items": 400, "num_tags": 60, "dim": 8, "num_dense": 5, "hidden": 16, "num_countries": 30},
               ["--dtype", "int8"]),

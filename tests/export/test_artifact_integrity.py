@@ -120,7 +120,7 @@ def test_a_feature_must_have_the_rows_its_table_holds(small_artifact, tmp_path):
     _edit_manifest(art, lambda m: m["sparse_features"][3].update(rows=33))
     with pytest.raises(ArtifactError) as e:
         open_artifact(art)
-    assert str(e.value) == f"{art}/manifest.json: sparse_features[3].rows is 33, but tables holds 23 rows of its table 'sparse_arch.t_cat_3'"
+    assert str(e.value) == f"{art}/manifest.json: sparse_features[3].rows is 33, but tables holds 23 rows of its table 'sparse_arch.embedding_bag_collection.t_cat_3'"
 
 
 def test_an_artifact_of_another_torch_is_refused(small_artifact, tmp_path):

@@ -16,7 +16,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import Manifest, open_artifact
 from recship.export.blocks import DEFAULT_ROW_BLOCK, run_in_blocks
 from recship.models import TwoTower
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 from model_requests import SMALL_ROWS, ModelInputs, in_process, random_request, runnable_aoti
 
 # -- run_in_blocks, against an exact reference ------------------------------------------------------------
@@ -89,7 +89,7 @@ OTHER_SIZES = (1, 9, 25, 57, 121, 200)
 def artifacts(tmp_path_factory, small_artifacts):
     """name -> artifact folder (model.pt + model.pt2 where a compiler is present), default row_block."""
     torch.manual_seed(0)
-    wide = DLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=16, dense_arch=[512, 16], over_arch=[512, 256]))
+    wide = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=16, dense_arch=[512, 16], over_arch=[512, 256]))
     tower = TwoTower(num_users=40, num_items=60, num_countries=5, num_categories=7, dim=16)
     out = {}
     for name, module in (("dlrm", wide), ("two_tower", tower)):
@@ -166,7 +166,7 @@ def test_without_blocks_the_wide_dlrm_does_depend_on_its_batch(artifacts):
 def test_the_sample_is_recorded_through_the_blocks_and_old_artifacts_run_whole(artifacts, tmp_path):
     """A manifest without row_block (artifacts exported before it) loads and runs whole batches; row_block 0 exports so."""
     torch.manual_seed(1)
-    module = DLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    module = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
     export_model(module, ExportConfig(out=str(tmp_path / "a"), progress=False, validation_batches=1, validation_batch_size=16,
                                       format="torchscript", row_block=0))
     manifest = Manifest.read(tmp_path / "a")

@@ -13,7 +13,7 @@ from recship.quantize import dequantize_rows, quantize_rows
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer import DataType, EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from recship.trainer.data import SyntheticConfig, SyntheticCriteo
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 from recship.trainer.train import TrainConfig, launch
 
 ROWS = [30 + 3 * i for i in range(26)]  # uneven table sizes
@@ -35,10 +35,10 @@ def _config(tmp_path, name, **kw):
 
 def _dlrm(seed=0):
     torch.manual_seed(seed)
-    model = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
     with torch.no_grad():
-        for t in model.sparse_arch.embedding_bag_configs():
-            model.sparse_arch.embedding_bags[t.name].weight.normal_(0, 0.1)
+        for t in model.sparse_arch.embedding_bag_collection.embedding_bag_configs():
+            model.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight.normal_(0, 0.1)
     return model
 
 
@@ -48,8 +48,8 @@ def _reference(model, dtype):
 
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        for t in ref.sparse_arch.embedding_bag_configs():
-            w = ref.sparse_arch.embedding_bags[t.name].weight
+        for t in ref.sparse_arch.embedding_bag_collection.embedding_bag_configs():
+            w = ref.sparse_arch.embedding_bag_collection.embedding_bags[t.name].weight
             w.copy_(dequantize_rows(quantize_rows(w, dtype, True), dtype, w.shape[1]))
     return ref
 

@@ -11,7 +11,7 @@ from recship.export import pipeline
 from recship.export.artifact import Manifest
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import dlrm_request
 
@@ -20,7 +20,7 @@ ROWS = [20 + i for i in range(26)]
 
 def _dlrm(seed):
     torch.manual_seed(seed)
-    return DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    return BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
 
 
 def _config(repo, name="dlrm", **kw):

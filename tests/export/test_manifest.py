@@ -141,7 +141,7 @@ def test_inputs_must_agree_with_num_dense_and_weighted(small_artifact):
 def test_open_artifact_gives_the_typed_manifest_and_self_checks(small_artifact, tmp_path):
     model, manifest = open_artifact(small_artifact)
     assert isinstance(manifest, Manifest) and manifest.model.kind == "module" and manifest.model.details["config"]["embedding_dim"] == 8
-    assert manifest.model.details["class"] == "recship.trainer.dlrm.DLRM"
+    assert manifest.model.details["class"] == "recship.models.dlrm.BuiltinDLRM"
     art = tmp_path / "a"
     shutil.copytree(small_artifact, art)
     prob = art / manifest.sample.outputs["prob"].file

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from recship.export import ExportConfig, ExportError, export_model
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 
-def _dlrm(seed: int = 0) -> DLRM:
+def _dlrm(seed: int = 0) -> BuiltinDLRM:
     torch.manual_seed(seed)
-    return DLRM(DLRMConfig(num_embeddings_per_feature=[50, 3000, 20], embedding_dim=8, dense_arch=[8], over_arch=[8]))
+    return BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[50, 3000, 20], embedding_dim=8, dense_arch=[8], over_arch=[8]))
 
 
 def _config(out, **kw):
@@ -31,7 +31,7 @@ def _config(out, **kw):
 def test_a_table_row_that_cannot_be_stored_finite_is_refused_naming_it(tmp_path, value, dtype):
     model = _dlrm()
     with torch.no_grad():
-        model.sparse_arch.embedding_bags["t_cat_1"].weight[2345, 5] = value
+        model.sparse_arch.embedding_bag_collection.embedding_bags["t_cat_1"].weight[2345, 5] = value
     with pytest.raises(ValueError, match=r"table 't_cat_1': row 2345 (holds|spans)") as e:
         export_model(model, _config(tmp_path / "a", dtype=dtype))
     assert ("row 2345 holds" in str(e.value)) == (not math.isfinite(value))
@@ -41,8 +41,8 @@ def test_a_table_row_that_cannot_be_stored_finite_is_refused_naming_it(tmp_path,
 def test_non_finite_dense_parameters_are_refused_naming_them(tmp_path):
     model = _dlrm()
     with torch.no_grad():
-        model.over_arch[0].weight[0, 0] = math.nan
-    with pytest.raises(ExportError, match=r"output 'logit' of the float model holds NaN or inf.*over_arch\.0\.weight"):
+        model.over_arch.model[0]._mlp[0]._linear.weight[0, 0] = math.nan
+    with pytest.raises(ExportError, match=r"output 'logit' of the float model holds NaN or inf.*over_arch\.model\.0\._mlp\.0\._linear\.weight"):
         export_model(model, _config(tmp_path / "a"))
 
 
@@ -56,7 +56,7 @@ def test_a_corrupt_checkpoint_is_refused_by_the_cli(tmp_path):
                                  checkpoint_every=0, progress=False))
     reader = CheckpointReader(summary["checkpoint"])
     md = reader._dcp_metadata()
-    item = next(v for k, v in md.storage_data.items() if k.fqn == "tables/sparse_arch/t_cat_7/weight")
+    item = next(v for k, v in md.storage_data.items() if k.fqn == "tables/sparse_arch.embedding_bag_collection/t_cat_7/weight")
     path = reader.path / item.relative_path
     fd = os.open(path, os.O_RDWR)
     try:

@@ -16,12 +16,12 @@ from recship.export.artifact import open_artifact
 from recship.export.tables import TABLES_FILE, StagedTables, TablesWriter
 from recship.quantize.tbe import host_rows_from
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 
 def _models():
     torch.manual_seed(3)
-    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=[300, 7, 1000], embedding_dim=16, dense_arch=[8], over_arch=[8]))
+    dlrm = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[300, 7, 1000], embedding_dim=16, dense_arch=[8], over_arch=[8]))
     ebc = EmbeddingBagCollection([EmbeddingBagConfig(name=f"t{i}", num_embeddings=n, embedding_dim=d, feature_names=[f"f{i}"])
                                   for i, (n, d) in enumerate([(500, 8), (33, 24)])])
     return {"dlrm": dlrm, "module": torch.nn.Sequential(ebc)}

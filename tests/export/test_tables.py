@@ -19,7 +19,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
 from recship.export.tables import TABLES_FILE
 from recship.models import TwoTower
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import ModelInputs, in_process, model_repo, random_request, request_file
 
@@ -32,7 +32,7 @@ def medium(tmp_path_factory):
     def build(seed: int = 0) -> Path:
         if seed not in made:
             torch.manual_seed(seed)
-            model = DLRM(DLRMConfig(num_embeddings_per_feature=[20_000] * 4, embedding_dim=64, dense_arch=[32], over_arch=[16]))
+            model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[20_000] * 4, embedding_dim=64, dense_arch=[32], over_arch=[16]))
             out = tmp_path_factory.mktemp("tables") / f"dlrm-{seed}"
             export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, format="torchscript",
                                              plot=False))
@@ -272,7 +272,7 @@ def test_a_corrupt_copy_of_live_tables_is_refused(medium, tmp_path):
 
 def test_an_unchanged_export_into_a_repository_links_the_tables_file(tmp_path):
     torch.manual_seed(3)
-    model = DLRM(DLRMConfig(num_embeddings_per_feature=[500] * 3, embedding_dim=16, dense_arch=[8], over_arch=[8]))
+    model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[500] * 3, embedding_dim=16, dense_arch=[8], over_arch=[8]))
     config = dict(repo=str(tmp_path), model_name="m", dtype="int8", progress=False, validation_batches=1, format="torchscript",
                   plot=False)
     export_model(model, ExportConfig(**config))
@@ -280,7 +280,7 @@ def test_an_unchanged_export_into_a_repository_links_the_tables_file(tmp_path):
     v1, v2 = tmp_path / "m" / "1" / TABLES_FILE, tmp_path / "m" / "2" / TABLES_FILE
     assert v1.stat().st_ino == v2.stat().st_ino and v1.stat().st_nlink == 2
     with torch.no_grad():
-        model.over_arch[0].bias += 1.0  # only the dense layers change: still one file
+        model.over_arch.model[1].bias += 1.0  # only the dense layers change: still one file
     export_model(model, ExportConfig(**config))
     assert (tmp_path / "m" / "3" / TABLES_FILE).stat().st_ino == v1.stat().st_ino
     open_artifact(tmp_path / "m" / "3")

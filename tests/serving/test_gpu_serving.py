@@ -11,7 +11,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import dlrm_request, in_process
 
@@ -24,7 +24,7 @@ ROWS = [50 + i for i in range(26)]
 def cuda_repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("repo")
     torch.manual_seed(0)
-    dlrm = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=16, dense_arch=[32], over_arch=[32]))
+    dlrm = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=16, dense_arch=[32], over_arch=[32]))
     export_model(dlrm, ExportConfig(out=str(root / "dlrm" / "1"), dtype="int8", device="cuda", progress=False, validation_batches=1))
     return root
 

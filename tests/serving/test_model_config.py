@@ -16,7 +16,7 @@ from recship.serving.kserve import repository_index
 from recship.serving.settings import ModelSettings, VersionPolicy, read_model_config
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import dlrm_request, in_process
 from serving_helpers import wait_until
@@ -30,7 +30,7 @@ def staged(tmp_path_factory):
     root = tmp_path_factory.mktemp("staged")
     for version in (1, 2, 3):
         torch.manual_seed(version)
-        model = DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+        model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
         export_model(model, ExportConfig(out=str(root / str(version)), dtype="int8", progress=False, validation_batches=1,
                                          validation_batch_size=32))
     return root

@@ -40,7 +40,7 @@ ROWS = 70_000  # 4 tables x 70,000 x 64 INT8: 4 * 70,000 * 68 bytes = 19 MB of t
 def exports(tmp_path_factory):
     """``exports(format) -> [Path, Path]``: two exports of the same DLRM shape with different weights."""
     from recship.export import ExportConfig, export_model
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
     made = {}
 
@@ -49,7 +49,7 @@ def exports(tmp_path_factory):
             made[format] = []
             for seed in (1, 2):
                 torch.manual_seed(seed)
-                model = DLRM(DLRMConfig(num_embeddings_per_feature=[ROWS] * 4, embedding_dim=64, dense_arch=[64], over_arch=[16]))
+                model = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=[ROWS] * 4, embedding_dim=64, dense_arch=[64], over_arch=[16]))
                 out = tmp_path_factory.mktemp("reload") / f"{format}-{seed}"
                 export_model(model, ExportConfig(out=str(out), dtype="int8", progress=False, validation_batches=1, format=format))
                 made[format].append(out)

@@ -19,7 +19,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
 from recship.serving.client import PredictClient
 from recship.serving.server import Server, ServerConfig
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 from model_requests import SMALL_ROWS, dlrm_request, in_process, model_repo, request_file, runnable_aoti
 from serving_helpers import front_binary
 
@@ -29,7 +29,7 @@ SIZES = (1, 3, 9, 25, 57, 121)  # the other requests' batch sizes
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     torch.manual_seed(0)
-    module = DLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=16, dense_arch=[512, 16], over_arch=[512, 256]))
+    module = BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=SMALL_ROWS, embedding_dim=16, dense_arch=[512, 16], over_arch=[512, 256]))
     path = tmp_path_factory.mktemp("same-answer") / "wide"
     export_model(module, ExportConfig(out=str(path), progress=False, validation_batches=1, validation_batch_size=16, format="both"))
     return path

@@ -15,7 +15,7 @@ from recship.export import ExportConfig, export_model
 from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
 from recship.serving.server import Server, ServerConfig
-from recship.trainer.dlrm import DLRM, DLRMConfig
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import dlrm_request, in_process
 
@@ -24,7 +24,7 @@ ROWS = [20 + i for i in range(26)]
 
 def _dlrm(seed):
     torch.manual_seed(seed)
-    return DLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
+    return BuiltinDLRM(DLRMConfig(num_embeddings_per_feature=ROWS, embedding_dim=8, dense_arch=[16], over_arch=[16]))
 
 
 @pytest.fixture(scope="module")

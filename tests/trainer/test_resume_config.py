@@ -155,7 +155,7 @@ def test_resume_of_the_builtin_dlrm_refuses_other_shape_flags(tmp_path, capsys):
     capsys.readouterr()
     for flags, named in [({"--embedding-dim": "12"}, "--embedding-dim build a model that cannot continue"),
                          ({"--over-arch": "16"}, "--over-arch build a model that cannot continue"),
-                         ({"--model": f"{M}:build"}, "trained recship.models:dlrm, not --model")]:
+                         ({"--model": f"{M}:build"}, "trained recship.models.dlrm:builtin, not --model")]:
         assert _train(out, 3, flags, resume=True)[0] == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and named in err, err

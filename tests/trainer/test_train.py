@@ -46,13 +46,13 @@ def test_resume_is_exact(tmp_path, nproc):
 
 def _gathered_after_load(rank, world_size, checkpoint, sharding):
     """Builds a DMP under a new plan, loads the checkpoint, gathers tables and row-wise states."""
-    from recship.trainer.dlrm import DLRM, DLRMConfig
+    from recship.models.dlrm import BuiltinDLRM, DLRMConfig
     from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
     from recship.trainer.model_parallel import DistributedModelParallel
     from recship.trainer.planner import EmbeddingShardingPlanner, ParameterConstraints, ShardingType, Topology
 
     config = DLRMConfig(**small("unused", sharding=sharding).entry_point()[1])
-    model = DLRM(config, device="meta")
+    model = BuiltinDLRM(config, device="meta")
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType(sharding)]) for t in config.tables()}
     optim = FusedOptimizerConfig(EmbOptimType.EXACT_ROWWISE_ADAGRAD)
     plan = EmbeddingShardingPlanner(Topology(world_size, "cpu"), constraints=constraints, optimizer=optim).collective_plan(model)
@@ -81,7 +81,7 @@ def test_checkpoint_reshards_on_load(tmp_path, world_size, sharding):
     want_state = {}
     for name in want_tables:
         t = torch.zeros(40, 1)
-        dcp.load({f"tables/sparse_arch/{name}/state0": t}, checkpoint_id=saved["checkpoint"], no_dist=True)
+        dcp.load({f"tables/sparse_arch.embedding_bag_collection/{name}/state0": t}, checkpoint_id=saved["checkpoint"], no_dist=True)
         want_state[name] = t[:, 0]
     assert any(float(s.abs().sum()) > 0 for s in want_state.values())
     results = run_ranks(_gathered_after_load, world_size, saved["checkpoint"], sharding)
@@ -149,12 +149,22 @@ def test_the_checkpoint_reader_streams_tables_and_records_the_entry_point(tmp_pa
     summary = launch(small(tmp_path, steps=4))
     reader = CheckpointReader(summary["checkpoint"])
     entry = reader.config["entry_point"]  # the built-in DLRM is recorded as the entry point it is built from
-    assert reader.step == 4 and entry["model"] == "recship.models:dlrm" and entry["args"]["embedding_dim"] == 8
+    assert reader.step == 4 and entry["model"] == "recship.models.dlrm:builtin" and entry["args"]["embedding_dim"] == 8
     names = [cfg.name for _, cfg, _ in reader.tables()]
     assert names == [f"t_cat_{i}" for i in range(26)]
     dense = reader.dense_state_dict()
-    assert "over_arch.0.weight" in dense and "dense_arch.0.weight" in dense
-    assert reader.plan is not None and set(reader.plan.get_plan_for_module("sparse_arch")) == set(names)
+    assert "over_arch.model.1.weight" in dense and "dense_arch.model._mlp.0._linear.weight" in dense
+    assert reader.plan is not None and set(reader.plan.get_plan_for_module("sparse_arch.embedding_bag_collection")) == set(names)
+
+    # a checkpoint of the built-in DLRM before it became TorchRec's DLRM (other parameter names) is refused, named
+    earlier = tmp_path / "earlier"
+    shutil.copytree(summary["checkpoint"], earlier)
+    meta_file = next(p for p in earlier.iterdir() if p.suffix == ".json" and "entry_point" in p.read_text())
+    meta = json.loads(meta_file.read_text())
+    meta["config"]["entry_point"]["model"] = "recship.models:dlrm"
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"earlier recship \(recship.models:dlrm\).*train it again"):
+        CheckpointReader(earlier)
 
 
 def test_auc_matches_pairwise_definition():
