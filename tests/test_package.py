@@ -113,18 +113,6 @@ def test_the_grpc_client_imports_without_torch():
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
-def test_readme_quick_start_runs_as_pasted(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
-    assert len(code.strip().splitlines()) <= 12
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
-        "['product', 'user'] torch.Size([3, 128])",
-        "torch.Size([3, 64]) tensor([2, 0, 1])",
-    ]
-
-
 def test_every_flag_of_every_subcommand_says_what_it_does():
     import argparse
 

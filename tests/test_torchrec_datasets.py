@@ -1,4 +1,4 @@
-"""``torchrec.datasets`` as TorchRec's examples import it, through the README's import map (tests/tutorials/notebook.py
+"""``torchrec.datasets`` as TorchRec's examples import it, through docs/torchrec.md's import map (tests/tutorials/notebook.py
 rewrites the imports as it does for the tutorials): the Criteo constants against the Criteo layout, Batch, and
 RandomRecDataset against what it promises (shapes, id ranges, repetition, the seed)."""
 

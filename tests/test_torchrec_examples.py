@@ -1,4 +1,4 @@
-"""TorchRec's examples as their users run them, through the README's import map: golden_training (train_dlrm.py),
+"""TorchRec's examples as their users run them, through docs/torchrec.md's import map: golden_training (train_dlrm.py),
 retrieval (two_tower_train.py) and BERT4Rec (bert4rec_main.py), written out in tests/snippets/torchrec_example_*.txt
 with only the CPU changes TorchRec itself needs there (each snippet's header says what is shrunk or left out).
 

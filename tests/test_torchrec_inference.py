@@ -1,4 +1,4 @@
-"""``torchrec.inference.modules`` as TorchRec users call it, through the README's import map: the quantized model
+"""``torchrec.inference.modules`` as TorchRec users call it, through docs/torchrec.md's import map: the quantized model
 answers what ``quantize_embeddings`` makes of the same model, and the sharded one what the unsharded quantized one
 does (the same stored rows), with a ShardingPlan that describes the shards."""
 

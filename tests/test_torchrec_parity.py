@@ -1,11 +1,11 @@
 """TorchRec parity, measured: every public name of the TorchRec modules users import (tests/api_parity/
 torchrec_1.8.0.json, written by tests/api_parity/generate.py from TorchRec 1.8.0 itself), mapped through the
-README's import map, is in recship with TorchRec's parameters (names, kinds, defaults), dataclass fields and enum
+import map (docs/torchrec.md), is in recship with TorchRec's parameters (names, kinds, defaults), dataclass fields and enum
 members, or listed in tests/api_parity/missing.txt.
 
 missing.txt is a ratchet while parity is being built: a name that is missing or differs and is not listed fails
 (a regression, or a new gap), and so does a listed name that now matches (take it off the list). The figure
-(present / missing) is printed; the README's "Coming from TorchRec" states it.
+(present / missing) is printed; docs/torchrec.md ("Parity, measured") states it.
 """
 
 import fnmatch
@@ -23,11 +23,12 @@ from api_parity.generate import default_json
 ROOT = Path(__file__).resolve().parents[1]
 API = ROOT / "tests" / "api_parity" / "torchrec_1.8.0.json"
 MISSING = ROOT / "tests" / "api_parity" / "missing.txt"
+PAGE = ROOT / "docs" / "torchrec.md"  # the import map, the absent-on-purpose table and the parity figure
 
 
 def import_map() -> Dict[str, str]:
-    """The README's map: TorchRec module prefix -> recship module."""
-    text = (ROOT / "README.md").read_text()
+    """The import map of docs/torchrec.md: TorchRec module prefix -> recship module."""
+    text = PAGE.read_text()
     block = text.split("<!-- torchrec-import-map -->")[1].split("<!-- /torchrec-import-map -->")[0]
     return dict(re.findall(r"\| `([\w.]+)` \| `([\w.]+)` \|", block))
 
@@ -175,9 +176,9 @@ def survey() -> Tuple[int, Dict[str, str]]:
 
 
 def absent_on_purpose() -> Dict[str, str]:
-    """The README's table of TorchRec names recship leaves out on purpose: ``module:name`` pattern (fnmatch) -> why
+    """docs/torchrec.md's table of TorchRec names recship leaves out on purpose: ``module:name`` pattern (fnmatch) -> why
     (a row's first cell may hold several patterns, each in backticks)."""
-    text = (ROOT / "README.md").read_text()
+    text = PAGE.read_text()
     block = text.split("<!-- torchrec-absent -->")[1].split("<!-- /torchrec-absent -->")[0]
     out = {}
     for cell, why in re.findall(r"^\| (`[^|]+`) \| (.+?) \|$", block, re.M):
@@ -227,7 +228,7 @@ def test_every_torchrec_name_is_in_recship_absent_on_purpose_or_on_the_missing_l
 
 
 def test_each_absent_on_purpose_row_names_absent_names_only():
-    """A row of the README's absent-on-purpose table matches at least one gap and no name recship has."""
+    """A row of docs/torchrec.md's absent-on-purpose table matches at least one gap and no name recship has."""
     present, gaps = survey()
     api = json.loads(API.read_text())["modules"]
     keys = [f"{m}:{n}" for m, n, _ in counted(api)]
@@ -239,9 +240,9 @@ def test_each_absent_on_purpose_row_names_absent_names_only():
         assert len(why.strip()) > 10, f"row {pattern!r} gives no reason"
 
 
-def test_the_readme_states_the_parity_figure():
+def test_the_docs_state_the_parity_figure():
     present, on_purpose, missing = classify()
-    assert figure(present, len(on_purpose), len(missing)) in (ROOT / "README.md").read_text()
+    assert figure(present, len(on_purpose), len(missing)) in PAGE.read_text()
 
 
 def test_the_survey_can_tell_a_difference():
@@ -281,4 +282,4 @@ if __name__ == "__main__":
     header = [line for line in MISSING.read_text().splitlines() if line.startswith("#")]
     MISSING.write_text("\n".join(header + [f"{k}\t{v}" for k, v in sorted(missing.items())]) + "\n")
     print(f"{MISSING}: {len(missing)} missing; {present} present, {len(on_purpose)} absent on purpose")
-    print("README figure: " + figure(present, len(on_purpose), len(missing)))
+    print("docs/torchrec.md figure: " + figure(present, len(on_purpose), len(missing)))

@@ -1,5 +1,5 @@
 """TorchRec's KeyedJaggedTensor/JaggedTensor ``copy_``, the collections' ``device`` and EmbeddingCollection's
-``need_indices``, as TorchRec users write them (tests/snippets/torchrec_small_holes.txt, through the README's import
+``need_indices``, as TorchRec users write them (tests/snippets/torchrec_small_holes.txt, through docs/torchrec.md's import
 map), against plain PyTorch on random inputs with fixed seeds."""
 
 

@@ -1,5 +1,5 @@
 """A quantized EmbeddingBagCollection's state_dict is TorchRec's QuantEmbeddingBagCollection's (tests/snippets/
-torchrec_quant_state_dict.txt through the README's import map): keys ``embedding_bags.<table>.weight`` only (TorchRec's
+torchrec_quant_state_dict.txt through docs/torchrec.md's import map): keys ``embedding_bags.<table>.weight`` only (TorchRec's
 default: no split scale/bias, no registered TBEs), uint8 rows of TorchRec's layout (fp16 scale | fp16 bias | data,
 padded to 16 bytes), strict loads both ways; rows loaded from TorchRec's layout, built here by hand, look up exactly
 their dequantization in plain PyTorch."""

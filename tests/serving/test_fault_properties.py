@@ -2,7 +2,7 @@
 predicts, answers that succeed equal the artifact run in-process, and a good request sent after
 each one is still answered exactly.
 
-The references below re-state the serving rules from the README in plain Python (protobuf's own
+The references below re-state the serving rules from docs/serving.md in plain Python (protobuf's own
 parser for the bytes, loops for the checks); they share no code with the server's readers.
 """
 
@@ -551,7 +551,7 @@ def test_rest_mutated(served, seed, op):
 # -- the in-flight budget: what a request will cost, around it -------------------------------------------------
 # A server whose --max-inflight-mb is BUDGET: large valid requests, and the same with their declared shapes, batch or
 # ids no longer matching their payload, whose cost lands from well under to well over the budget. The reference
-# re-states the README's rule: a request costs its bytes plus 9 times its decoded tensors (KServe: the parsed
+# re-states docs/serving.md's rule: a request costs its bytes plus 9 times its decoded tensors (KServe: the parsed
 # message's tensors once more; REST JSON: its text, 8 bytes a value of each array of at least 256 number
 # characters, 24 a character of the rest); over the budget it is refused (RESOURCE_EXHAUSTED, HTTP 429) whatever
 # else is wrong with it, since it is refused before it is decoded; under it, it gets what the rules above say.

@@ -101,7 +101,7 @@ GRPC_METHODS = {
 
 
 def _size_rule(n: int):
-    """The README's rule for a request of n bytes: (status, message), the message None where it is not ours."""
+    """docs/serving.md's rule for a request of n bytes: (status, message), the message None where it is not ours."""
     if n > 2 * LIMIT:
         return "RESOURCE_EXHAUSTED", None  # refused by gRPC's transport before any front sees it
     if n > LIMIT:

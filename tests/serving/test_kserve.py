@@ -1,12 +1,10 @@
 """The KServe v2 front through the real tritonclient: health, metadata, inference equal to Predict, errors, batching."""
 
 import json
-import re
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,12 +17,11 @@ from tritonclient.grpc import service_pb2_grpc as triton_grpc  # noqa: E402
 from recship.serving import PredictClient  # noqa: E402
 from recship.serving.server import Server, ServerConfig  # noqa: E402
 from bad_requests import bad_requests  # noqa: E402
+from doc_blocks import doc_block  # noqa: E402
 from recship.export.artifact import Manifest  # noqa: E402
 from recship.serving.requests import InvalidRequest, ModelSpec, RequestArrays, validate  # noqa: E402
 from model_requests import dlrm_request, model_repo  # noqa: E402
 from serving_helpers import ROWS, kserve_tensors  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -213,9 +210,9 @@ def test_concurrent_tritonclients_batch_together_and_get_their_own_rows(server):
     assert _batch_count(server) - before < len(requests)  # some requests shared a forward
 
 
-def test_the_readme_snippet_runs_with_only_tritonclient(server, tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    snippet = re.search(r"<!-- kserve-snippet -->\s*```python\n(.*?)```", readme, re.S).group(1)
+def test_the_docs_snippet_runs_with_only_tritonclient(server, tmp_path):
+    """docs/kserve.md's tritonclient example, as shown, against a live server."""
+    snippet = doc_block("tests/serving/test_kserve.py::test_the_docs_snippet_runs_with_only_tritonclient")
     assert "localhost:8500" in snippet
     out = tmp_path / "prob.json"
     script = snippet.replace("localhost:8500", f"127.0.0.1:{server.port}") + (

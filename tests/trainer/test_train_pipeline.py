@@ -1,5 +1,5 @@
 """``torchrec.distributed.train_pipeline`` as TorchRec users drive it (tests/snippets/torchrec_train_pipeline.txt,
-through the README's import map): ``progress`` until StopIteration trains exactly as the plain loop (zero_grad,
+through docs/torchrec.md's import map): ``progress`` until StopIteration trains exactly as the plain loop (zero_grad,
 forward, backward, step) over the same batches, bit for bit, unsharded and under DistributedModelParallel on 2 gloo
 ranks; the outputs are the model's, batch by batch."""
 

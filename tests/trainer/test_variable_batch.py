@@ -1,5 +1,5 @@
 """Variable batch per feature (TorchRec's VBE KeyedJaggedTensor: ``stride_per_key_per_rank`` and ``inverse_indices``),
-as TorchRec users write it (tests/snippets/torchrec_variable_batch.txt, through the README's import map): the KJT's
+as TorchRec users write it (tests/snippets/torchrec_variable_batch.txt, through docs/torchrec.md's import map): the KJT's
 accessors, and the unsharded EmbeddingBagCollection's output expanded by the inverse indices, against the same
 collection on the expanded (full) batch and against plain PyTorch; where recship does not take variable batch it says so."""
 

@@ -1,4 +1,4 @@
-"""``torchrec.optim.warmup`` as TorchRec users write it (tests/snippets/torchrec_warmup.txt, through the README's import
+"""``torchrec.optim.warmup`` as TorchRec users write it (tests/snippets/torchrec_warmup.txt, through docs/torchrec.md's import
 map): the learning rate of every step follows the stages (a reference schedule written here from TorchRec's
 definitions), torch optimizers step bitwise as with that rate set by hand, the fused embedding kernels of a sharded
 model (2 gloo ranks) update by that rate too (against plain PyTorch SGD in one process), and the schedule survives a

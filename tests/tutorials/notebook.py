@@ -6,12 +6,12 @@
 ``extract`` finds the code cells of a seed (one reader per format, each documented below) and
 the output the tutorial shows right after a cell. ``prepare`` makes the only edits, in order:
 
-1. imports, by the README's import map (between ``<!-- torchrec-import-map -->`` markers): a
+1. imports, by the import map of docs/torchrec.md (between ``<!-- torchrec-import-map -->`` markers): a
    ``torchrec`` module path is replaced by the recship module of its longest prefix in the map
    (whole dotted components; the entry covers its submodules, so
    ``torchrec.distributed.embeddingbag`` becomes ``recship.distributed``), and
    ``import torchrec`` becomes ``import recship as torchrec``; other imports are untouched;
-2. device, as the README's "Coming from TorchRec" says: ``"cuda"``, ``"cuda:0"`` and
+2. device, as docs/torchrec.md ("The tutorials on a CPU") says: ``"cuda"``, ``"cuda:0"`` and
    ``f"cuda:{rank}"`` become ``"cpu"``, ``.cuda()`` becomes ``.cpu()``, and ``"nccl"`` becomes
    ``"gloo"`` unless it is an operand of a comparison (``if backend == "nccl":`` stays);
 3. Colab-only cells are not run: shell commands and ``pip install`` are not Python and so are
@@ -534,12 +534,12 @@ def extract(path: Path) -> Tutorial:
 # --- rewriting --------------------------------------------------------------------------------
 
 
-def import_map(readme: Path = ROOT / "README.md") -> Dict[str, str]:
-    """The README's torchrec -> recship module table."""
-    found = re.search(r"<!-- torchrec-import-map -->(.*?)<!-- /torchrec-import-map -->", readme.read_text(encoding="utf-8"), re.S)
+def import_map(page: Path = ROOT / "docs" / "torchrec.md") -> Dict[str, str]:
+    """The torchrec -> recship module table of docs/torchrec.md."""
+    found = re.search(r"<!-- torchrec-import-map -->(.*?)<!-- /torchrec-import-map -->", page.read_text(encoding="utf-8"), re.S)
     rows = re.findall(r"^\|\s*`(torchrec[\w.]*)`\s*\|\s*`(recship[\w.]*)`\s*\|", found.group(1) if found else "", re.M)
     if not rows:
-        raise ValueError(f"no torchrec import map between the markers in {readme}")
+        raise ValueError(f"no torchrec import map between the markers in {page}")
     return dict(rows)
 
 
@@ -559,7 +559,7 @@ def map_module(path: str, table: Dict[str, str]) -> str:
                 except ImportError:  # the entry's module is not a package
                     pass
             return target
-    raise ValueError(f"the README's import map has no entry for {path!r}")
+    raise ValueError(f"the import map (docs/torchrec.md) has no entry for {path!r}")
 
 
 def _replace(source: str, edits: Iterable[tuple]) -> str:
@@ -586,7 +586,7 @@ SNIPPETS = Path(__file__).resolve().parents[1] / "snippets"  # TorchRec user cod
 
 
 def run_snippet(name: str, forbid_torchrec: bool = False, label: str = "user_code") -> Dict[str, object]:
-    """Runs tests/snippets/<name>.txt with its imports rewritten by the README's import map; returns its globals.
+    """Runs tests/snippets/<name>.txt with its imports rewritten by the import map (docs/torchrec.md); returns its globals.
     ``forbid_torchrec``: the rewritten code must not mention torchrec any more."""
     code = rewrite_imports((SNIPPETS / f"{name}.txt").read_text(), import_map())
     if forbid_torchrec:

@@ -271,8 +271,8 @@ def comparable(text: str) -> List[str]:
 def _tbe_buffer(line: str) -> bool:
     """A buffer line of a quantized module's own fbgemm TBE ("ebc_.tbes.0.D_offsets torch.Size([3])
     torch.int32"): recship registers its TBEs as submodules, so they script as they are, and
-    named_buffers() lists them after the per-table weights the tutorial shows (README: Coming
-    from TorchRec). Only these lines are left out of the comparison."""
+    named_buffers() lists them after the per-table weights the tutorial shows (docs/torchrec.md,
+    "What differs, and why"). Only these lines are left out of the comparison."""
     return re.match(r"[\w.]*\b(tbes\.\d+\.\w+|_column_order) torch\.Size\(", line) is not None
 
 

@@ -1,5 +1,5 @@
 """EmbeddingCollectionSharder, get_default_sharders and ParameterSharding.sharding_spec as TorchRec users write them
-(tests/snippets/torchrec_ec_sharding.txt through the README's import map): an EmbeddingCollection's tables are planned
+(tests/snippets/torchrec_ec_sharding.txt through docs/torchrec.md's import map): an EmbeddingCollection's tables are planned
 like TorchRec 1.8.0 plans them on CPU (the snippet's "seq": row_wise, fused), table_row_wise (which TorchRec's
 EmbeddingCollectionSharder lacks) is an error naming table and type, an all-data-parallel plan leaves the collection
 as it is, and sharding_spec is torch's EnumerableShardingSpec of the shards as TorchRec documents it (None for

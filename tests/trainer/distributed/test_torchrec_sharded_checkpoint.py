@@ -1,4 +1,4 @@
-"""TorchRec user code (tests/snippets/torchrec_sharded_checkpoint.txt, through the README's import map) on 2 gloo ranks:
+"""TorchRec user code (tests/snippets/torchrec_sharded_checkpoint.txt, through docs/torchrec.md's import map) on 2 gloo ranks:
 a DistributedModelParallel's state_dict read by table name, one fused Adagrad step, and a torch.distributed.checkpoint
 save read back into an unsharded EmbeddingBagCollection. Reference: plain PyTorch (F.embedding_bag and
 torch.optim.Adagrad on the whole batch, the loss averaged over ranks as TorchRec's gradient division does)."""

@@ -50,7 +50,7 @@ def test_helpers_return_torchrecs_plan_type_and_geometry():
     plan = construct_module_sharding_plan(ebc, {"t": table_wise(rank=1), "u": row_wise()}, local_size=2, world_size=2,
                                           device_type="cpu")
     assert isinstance(plan, EmbeddingModuleShardingPlan) and isinstance(plan, dict)
-    # TorchRec 1.8.0: the same shards (its kernel is dense here, recship's fused: README "Coming from TorchRec")
+    # TorchRec 1.8.0: the same shards (its kernel is dense here, recship's fused: docs/torchrec.md, "Plans by hand")
     kind, _, ranks, shards = _geometry(plan["t"])
     assert (kind, ranks, shards) == ("table_wise", [1], [([0, 0], [100, 16], "rank:1/cpu")])
     assert _geometry(plan["u"])[3] == [([0, 0], [25, 8], "rank:0/cpu"), ([25, 0], [25, 8], "rank:1/cpu")]

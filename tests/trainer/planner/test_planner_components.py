@@ -1,5 +1,5 @@
 """The planner's TorchRec arguments (storage_reservation, enumerator, proposer), written as TorchRec users write them
-(tests/snippets/torchrec_planner.txt through the README's import map): the reservation is TorchRec's heuristic
+(tests/snippets/torchrec_planner.txt through docs/torchrec.md's import map): the reservation is TorchRec's heuristic
 recomputed here by hand, a plan that no longer fits fails with PlannerError naming the table, and the proposers
 choose the least-busy plan among the combinations they propose."""
 
