@@ -1,9 +1,7 @@
 # tests/ is put on sys.path by this file's presence, so tests import `reference` and `model_requests`.
-"""Fixtures shared across test folders (the small artifacts, each exported once per session; the C++ loader's binary;
-the manifest schema) and the one place tests get their markers (slow, cpp, distributed, gpu)."""
+"""Fixtures shared across test folders (the small artifacts, each exported once per session; the C++ loader's binary)
+and the one place tests get their markers (slow, cpp, distributed, gpu)."""
 
-import copy
-import json
 import os
 import re
 from pathlib import Path
@@ -12,6 +10,7 @@ from typing import Any, Dict, Iterator, List, Set, Tuple
 import pytest
 import torch
 
+from gloo_ranks import one_rank_group
 from model_requests import SMALL_ROWS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,111 +80,6 @@ def binary() -> Path:
     from recship.native import find
 
     return find("recship_predict")
-
-
-class ManifestSchema:
-    """protos/recship/artifact/v1/manifest.schema.json, with the subset of JSON Schema it uses checked
-    (type, const, enum, pattern, minimum, maximum, minItems, required, properties, additionalProperties,
-    items, prefixItems, local $ref) and its required fields listed against a real manifest."""
-
-    PATH = ROOT / "protos" / "recship" / "artifact" / "v1" / "manifest.schema.json"
-    _TYPES = {
-        "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list), "string": lambda v: isinstance(v, str),
-        "integer": lambda v: isinstance(v, int) and not isinstance(v, bool), "boolean": lambda v: isinstance(v, bool),
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "null": lambda v: v is None,
-    }
-
-    def __init__(self) -> None:
-        self.schema = json.loads(self.PATH.read_text())
-
-    def resolve(self, node: Dict[str, Any]) -> Dict[str, Any]:
-        while "$ref" in node:
-            assert node["$ref"].startswith("#/"), node["$ref"]
-            target: Any = self.schema
-            for part in node["$ref"][2:].split("/"):
-                target = target[part]
-            node = target
-        return node
-
-    def errors(self, value: Any, node: Dict[str, Any] = None, where: str = "") -> List[str]:
-        """Every way ``value`` breaks the schema, each naming its field (empty: it conforms)."""
-        node = self.resolve(self.schema if node is None else node)
-        at = where or "manifest"
-        kinds = node.get("type")
-        if kinds is not None and not any(self._TYPES[k](value) for k in ([kinds] if isinstance(kinds, str) else kinds)):
-            return [f"{at}: must be {kinds}, got {type(value).__name__}"]
-        out = []
-        if "const" in node and value != node["const"]:
-            out.append(f"{at}: must be {node['const']!r}")
-        if "enum" in node and value not in node["enum"]:
-            out.append(f"{at}: must be one of {node['enum']}")
-        if "pattern" in node and isinstance(value, str) and not re.search(node["pattern"], value):
-            out.append(f"{at}: does not match {node['pattern']}")
-        if "minimum" in node and isinstance(value, (int, float)) and value < node["minimum"]:
-            out.append(f"{at}: must be >= {node['minimum']}")
-        if "maximum" in node and isinstance(value, (int, float)) and value > node["maximum"]:
-            out.append(f"{at}: must be <= {node['maximum']}")
-        if isinstance(value, dict):
-            out += [f"{at}: {key} is missing" for key in node.get("required", []) if key not in value]
-            props, extra = node.get("properties", {}), node.get("additionalProperties", True)
-            for key, v in value.items():
-                if key in props:
-                    out += self.errors(v, props[key], f"{where}.{key}" if where else key)
-                elif isinstance(extra, dict):
-                    out += self.errors(v, extra, f"{where}[{key!r}]")
-                elif extra is False:
-                    out.append(f"{at}: unexpected field {key!r}")
-        if isinstance(value, list):
-            if len(value) < node.get("minItems", 0):
-                out.append(f"{at}: needs at least {node['minItems']} items")
-            prefix = node.get("prefixItems", [])
-            for i, v in enumerate(value):
-                sub = prefix[i] if i < len(prefix) else node.get("items")
-                if sub is not None:
-                    out += self.errors(v, sub, f"{where}[{i}]")
-        return out
-
-    def required_fields(self, manifest: Dict[str, Any]) -> List[Tuple[str, Tuple]]:
-        """(name as error messages print it, key path) of every field a "required" list names, as present in
-        ``manifest``; arrays and maps of specs are followed through their first element only."""
-        out: List[Tuple[str, Tuple]] = []
-
-        def walk(node, value, where: str, keys: Tuple) -> None:
-            node = self.resolve(node)
-            props = node.get("properties", {})
-
-            def name(key):
-                return (f"{where}.{key}" if where else key) if key in props else f"{where}[{key!r}]"
-
-            if isinstance(value, dict):
-                out.extend((name(k), keys + (k,)) for k in node.get("required", []) if k in value)
-                for key, sub in props.items():
-                    if key in value:
-                        walk(sub, value[key], name(key), keys + (key,))
-                extra = node.get("additionalProperties")
-                others = [k for k in value if k not in props]
-                if isinstance(extra, dict) and others:
-                    walk(extra, value[others[0]], name(others[0]), keys + (others[0],))
-            elif isinstance(value, list) and value and isinstance(node.get("items"), dict) and not node.get("prefixItems"):
-                walk(node["items"], value[0], f"{where}[0]", keys + (0,))
-
-        walk(self.schema, manifest, "", ())
-        return out
-
-    @staticmethod
-    def without(manifest: Dict[str, Any], keys: Tuple) -> Dict[str, Any]:
-        """A deep copy of ``manifest`` lacking the field at ``keys``."""
-        out = copy.deepcopy(manifest)
-        parent = out
-        for k in keys[:-1]:
-            parent = parent[k]
-        del parent[keys[-1]]
-        return out
-
-
-@pytest.fixture(scope="session")
-def manifest_schema() -> ManifestSchema:
-    return ManifestSchema()
 
 
 # -- markers -------------------------------------------------------------------------------------------------------
@@ -297,3 +191,11 @@ def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
     for item in items:
         for name in _markers(item):
             item.add_marker(name)
+
+
+@pytest.fixture
+def pg(tmp_path):
+    """A gloo process group of this process alone (``gloo_ranks.one_rank_group``), for in-process tests of code that
+    needs one."""
+    with one_rank_group(tmp_path) as group:
+        yield group

@@ -1,11 +1,12 @@
 """Run a function on N gloo ranks in spawned processes and collect what each returns."""
 
+import contextlib
 import gc
 import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,17 @@ def _worker(
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
+
+
+@contextlib.contextmanager
+def one_rank_group(folder: Path) -> Iterator[dist.ProcessGroup]:
+    """A gloo process group of this process alone (its FileStore in ``folder``), for in-process tests of code that
+    needs one; destroyed on leaving. The ``pg`` fixture (tests/conftest.py) wraps it."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(Path(folder) / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.GroupMember.WORLD
+    finally:
+        dist.destroy_process_group()
 
 
 def run_ranks(

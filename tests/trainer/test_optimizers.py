@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import _apply_optimizer_in_backward
 
 from recship.distributed import (LAMB, SGD, Adagrad, Adam, DistributedModelParallel, LarsSGD, PartialRowWiseAdam,
@@ -168,13 +167,6 @@ def test_row_wise_adagrad_refuses_what_it_would_ignore():
 
 TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=30, feature_names=["f0"]),
           EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=20, feature_names=["f1"])]
-
-
-@pytest.fixture
-def pg(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.GroupMember.WORLD
-    dist.destroy_process_group()
 
 
 def _batches():

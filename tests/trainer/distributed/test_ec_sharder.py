@@ -70,17 +70,13 @@ def test_sharding_spec_is_torchs_enumerable_spec_of_the_shards(user):
         [ShardMetadata(shard_offsets=[0, 0], shard_sizes=[10, 8], placement="rank:1/cpu")])
 
 
-def test_dmp_shards_an_ec_table_a_hand_written_plan_puts_table_wise(user):
+def test_dmp_shards_an_ec_table_a_hand_written_plan_puts_table_wise(user, pg):
     """DistributedModelParallel with TorchRec's default sharders and a plan putting the EC's table table_wise on one
     rank: a ShardedEmbeddingCollection whose rows are the unsharded collection's."""
-    import torch.distributed as dist
-
     from recship.sparse import KeyedJaggedTensor
     from recship.trainer.distributed.sharded_ec import ShardedEmbeddingCollection
     from recship.trainer.model_parallel import DistributedModelParallel
     from recship.trainer.planner import ShardingPlan
-
-    from gloo_ranks import _free_port
 
     model = user["TwoTowers"](torch.device("cpu"))
     unsharded = {n: p.detach().clone() for n, p in model.ec.state_dict().items()}
@@ -88,12 +84,8 @@ def test_dmp_shards_an_ec_table_a_hand_written_plan_puts_table_wise(user):
                                                                       world_size=1, device_type="cpu"),
                          "ec": user["hand_plan"](model.ec, user["table_wise"](rank=0), 1)})
     kjt = KeyedJaggedTensor(keys=["f_seq"], values=torch.tensor([3, 11, 0, 5]), lengths=torch.tensor([2, 0, 2]))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    try:
-        dmp = DistributedModelParallel(model, plan=plan, device=torch.device("cpu"))
-        assert isinstance(dmp.module.ec, ShardedEmbeddingCollection)
-        rows = dmp.module.ec(kjt)["f_seq"]
-        assert torch.equal(rows.values(), unsharded["embeddings.seq.weight"][kjt.values()])
-        assert torch.equal(rows.lengths(), kjt.lengths())
-    finally:
-        dist.destroy_process_group()
+    dmp = DistributedModelParallel(model, plan=plan, device=torch.device("cpu"))
+    assert isinstance(dmp.module.ec, ShardedEmbeddingCollection)
+    rows = dmp.module.ec(kjt)["f_seq"]
+    assert torch.equal(rows.values(), unsharded["embeddings.seq.weight"][kjt.values()])
+    assert torch.equal(rows.lengths(), kjt.lengths())

@@ -15,13 +15,6 @@ from recship.sparse import KeyedJaggedTensor
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 
 
-@pytest.fixture
-def pg(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.GroupMember.WORLD
-    dist.destroy_process_group()
-
-
 class _Sparse(nn.Module):
     def __init__(self):
         super().__init__()

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmEmbOptimType
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
@@ -35,13 +34,6 @@ TABLES = [
     EmbeddingBagConfig(name="product_table", embedding_dim=8, num_embeddings=30, feature_names=["product"]),
     EmbeddingBagConfig(name="user_table", embedding_dim=12, num_embeddings=20, feature_names=["user"]),
 ]
-
-
-@pytest.fixture
-def pg(tmp_path):
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield dist.GroupMember.WORLD
-    dist.destroy_process_group()
 
 
 def ebc(seed=0):

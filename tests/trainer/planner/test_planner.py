@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gloo_ranks import one_rank_group
 from recship.names import TRAINING_SHARDING_TYPES
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.trainer.fused_optim import EmbOptimType, FusedOptimizerConfig
@@ -386,14 +387,11 @@ def test_collective_plan_without_process_group_equals_plan():
 
 def test_collective_plan_on_a_one_rank_group_broadcasts_plan_and_errors(tmp_path):
     ebc = ebc_of(TUTORIAL)
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path):
         planner = EmbeddingShardingPlanner(Topology(2, "cpu"))
         assert planner.collective_plan(ebc) == planner.plan(ebc)
         with pytest.raises(ValueError, match="'nope'"):
             EmbeddingShardingPlanner(Topology(2, "cpu"), constraints=forced(ShardingType.ROW_WISE, ["nope"])).collective_plan(ebc)
-    finally:
-        dist.destroy_process_group()
 
 
 # -- lookups over shards ------------------------------------------------------
