@@ -8,10 +8,10 @@ the reference is rest.py's own check, called on the same values.
 """
 
 import json
-import subprocess
 
 import pytest
 
+from binaries import run_binary
 from recship.export.artifact import Manifest
 from recship.serving import rest
 from recship.serving.requests import InvalidRequest
@@ -40,7 +40,7 @@ def _good(art):
 def _run(binary, art, tmp_path, body):
     path = tmp_path / "request.json"
     path.write_text(body if isinstance(body, str) else json.dumps(body))
-    return subprocess.run([str(binary), str(art), "--request", str(path)], capture_output=True, text=True)
+    return run_binary(binary, art, "--request", path)
 
 
 def _rest_message(name, datatype, data):
@@ -143,7 +143,7 @@ def test_a_valid_request_still_runs_and_integral_ids_past_int32_reach_validation
                                         ("--max-batch-size", "0"), ("--max-batch-size", "")])
 def test_a_bad_number_for_a_flag_exits_2_with_a_message(binary, dlrm, flag, value):
     """std::stoi threw past main (abort, exit 134) or took '2.5' as 2."""
-    result = subprocess.run([str(binary), str(dlrm), flag, value], capture_output=True, text=True)
+    result = run_binary(binary, dlrm, flag, value)
     assert result.returncode == 2, (result.returncode, result.stderr)
     assert result.stderr.startswith(f"recship_predict: error: {flag} takes a whole number from "), result.stderr
 
@@ -151,10 +151,10 @@ def test_a_bad_number_for_a_flag_exits_2_with_a_message(binary, dlrm, flag, valu
 def test_a_request_file_that_cannot_be_read_is_exit_2_naming_it_before_the_model_loads(binary, tmp_path):
     missing = tmp_path / "nope.json"
     # the artifact does not exist either: the request file is read first
-    result = subprocess.run([str(binary), str(tmp_path / "no-artifact"), "--request", str(missing)], capture_output=True, text=True)
+    result = run_binary(binary, tmp_path / "no-artifact", "--request", missing)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith(f"recship_predict: invalid request: the request file {missing} cannot be read: No such file")
     folder = tmp_path / "a-folder.json"
     folder.mkdir()
-    result = subprocess.run([str(binary), str(tmp_path / "no-artifact"), "--request", str(folder)], capture_output=True, text=True)
+    result = run_binary(binary, tmp_path / "no-artifact", "--request", folder)
     assert result.returncode == 2 and f"the request file {folder}" in result.stderr, result.stderr
