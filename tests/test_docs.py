@@ -77,6 +77,38 @@ def test_the_readme_keeps_the_two_commands_and_ci():
     assert "make demo" in text and "make test" in text and "make test-fast" in text and ".ci/run" in text
 
 
+
+def _is_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, AttributeError):  # a name inside a module (recship.distributed.RowWiseAdagrad)
+        return False
+
+
+def test_every_recship_name_the_pages_give_exists():
+    """Each code span that is a dotted recship name (``recship.quantize.flat.FlatPooledLookup``, an entry point
+    ``recship.models:dlrm``) imports and resolves: a moved or renamed name fails here, not in a reader's shell."""
+    import importlib
+
+    names = {(m.group(1), m.group(2) or "", page.name) for page in pages()
+             for m in re.finditer(r"`(recship(?:\.\w+)+)(?::(\w+))?`", page.read_text())}
+    assert len(names) > 30
+    wrong = []
+    for dotted, attr, page in sorted(names):
+        if dotted.endswith(".json"):  # a file's name (the checkpoint's recship.json), not a module
+            continue
+        parts = dotted.split(".")
+        found = next(i for i in range(len(parts), 0, -1) if _is_module(".".join(parts[:i])))
+        obj = importlib.import_module(".".join(parts[:found]))
+        for part in parts[found:] + ([attr] if attr else []):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            wrong.append(f"{page}: {dotted}{':' + attr if attr else ''}")
+    assert not wrong, f"names the docs give that recship does not have: {wrong}"
+
+
 def commands(block: Block) -> List[List[str]]:
     """What a test running a shell block's commands must name, per command: the program (recship's subcommand, a
     script, ``-m`` module, or the tool's name) and every flag it gives."""
