@@ -35,6 +35,7 @@ from recship.contract import Shard
 from recship.export.artifact import MAX_ID_BOUND, ModelFields, ModelInfo, Sharding, SparseFeature
 from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
 from recship.quantize.flat import flatten_collections
+from recship.quantize.quantizer import HostRows
 from recship.quantize.sharded import InferenceShard
 from recship.sparse import KeyedJaggedTensor, KeyedTensor
 from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
@@ -274,6 +275,7 @@ def export_any_model(
     data_seed: Optional[int] = None,
     load_table: Optional[Callable[[str, str], torch.Tensor]] = None,
     torchscript_required: bool = True,
+    host_rows: Optional[HostRows] = None,
 ) -> Tuple[Any, ModelFields, Any, nn.Module]:
     """(scripted artifact module or a StageError, manifest fields, sample batch, the module torch.export takes)
     of ``module``; see the module docstring.
@@ -287,6 +289,8 @@ def export_any_model(
     ``load_table(path, table)``: the EmbeddingBagCollections' tables are on meta and stream
     from a checkpoint one at a time; without it they stream from ``module`` itself (``tables_by_reference``).
     Either way peak memory is one float table plus the quantized model, beside the float model given.
+    ``host_rows``: where the quantized CPU rows are allocated (``recship.quantize.HostRows``: the pipeline's mapping
+    of the tables file it writes); None: fbgemm's own.
     """
     from recship.export.config import ExportError, expand_id_policy
     from recship.export.validation import refuse_non_finite
@@ -349,7 +353,8 @@ def export_any_model(
         forced = {t.name: ShardingType(config.sharding) for t in tables} if config.sharding else None
         plans[path] = plan = plan_inference_shards(tables, config.shards, forced, sizes, capacity)
         stored[path] = (types, {t.name: sorted({(s.col_offset, s.cols) for s in plan[t.name]}) for t in tables})
-        return shard_quantized(tables, types, plan, devices, weighted, qconfig.id_policy, qconfig.alignment)
+        return shard_quantized(tables, types, plan, devices, weighted, qconfig.id_policy, qconfig.alignment,
+                               host_rows=qconfig.host_rows)
 
     def quantize(target: nn.Module, weights, record):
         def on_table(path: str, table, weight: torch.Tensor) -> None:
@@ -360,6 +365,7 @@ def export_any_model(
             target, inplace=True, weights=weights, on_table=on_table, layout=layout, dtype=config.dtype,
             table_dtypes=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
             error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed, device=config.device,
+            host_rows=host_rows,
         )
 
     try:

@@ -46,7 +46,6 @@ from recship.export.validation import Batch
 from recship.names import VERSION_NAME
 from recship.oserrors import doing, label, write_bytes
 from recship.quantize.quantizer import QuantizationReport, TableReport
-from recship.quantize.tbe import host_rows_from
 from recship.modules.embedding_modules import EmbeddingBagCollection
 
 if TYPE_CHECKING:
@@ -169,11 +168,11 @@ def export_model(source: Union[str, Path, nn.Module], config: ExportConfig) -> D
             raise ExportError(f"cannot export a {type(source).__name__}: give a checkpoint path or a model (an nn.Module)")
         aoti = _wants_aoti(config)
         staging = _staging(out, config)
-        with host_rows_from(staging[1].allocate):  # CPU rows are quantized straight into the tables file
-            scripted, fields, sample, exported = export_any_model(
-                source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table,
-                torchscript_required=config.format in ("torchscript", "both") or not aoti,
-            )
+        scripted, fields, sample, exported = export_any_model(
+            source, config, bar.next, owned=owned, data_seed=data_seed, load_table=load_table,
+            torchscript_required=config.format in ("torchscript", "both") or not aoti,
+            host_rows=staging[1].allocate,  # CPU rows are quantized straight into the tables file
+        )
         bar.next("write + compile model.pt2" if aoti else "write")
         manifest = write_artifact(*staging, out, scripted, fields, (*sample, None), config, exported, aoti)
         bar.finish()

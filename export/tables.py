@@ -253,7 +253,7 @@ def _threads() -> int:
 
 class StagedTables:
     """tables.bin while export fills it: TBE rows are allocated in it (``allocate``, for
-    ``recship.quantize.modules.host_rows_from``), each a writable shared mapping of a page-aligned
+    ``recship.quantize.HostRows``, which export_any_model hands the quantizer), each a writable shared mapping of a page-aligned
     region, so rows are quantized straight into the page cache and never copied into the file.
     ``TablesWriter.write`` then only appends the tensors not already in it."""
 

@@ -7,11 +7,12 @@ from recship.quantize.modules import (
     quantize_embedding_collection,
     quantize_embeddings,
 )
-from recship.quantize.quantizer import BlockView, QuantConfig, QuantizationReport, TableReport, TypeChoice, choose_types, quantize_into
+from recship.quantize.quantizer import BlockView, HostRows, QuantConfig, QuantizationReport, TableReport, TypeChoice, choose_types, quantize_into
 from recship.quantize.rowwise import dequantize_rows, quantize_rows, row_bytes
 
 __all__ = [
     "BlockView",
+    "HostRows",
     "QuantConfig",
     "QuantEmbeddingBagCollection",
     "QuantEmbeddingCollection",

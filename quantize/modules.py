@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from recship.quantize.quantizer import (BlockView, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
+from recship.quantize.quantizer import (BlockView, HostRows, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
                                         choose_types, quantize_into, require_float32_output)
 from recship.quantize.tbe import LookupLayout, QuantTables
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
@@ -51,6 +51,7 @@ class QuantEmbeddingBagCollection(QuantTables):
         cache_features_order: accepted; recship looks features up by name, so it changes nothing.
         weight_types: (recship) table -> DataType, instead of the configs' ``data_type``.
         id_policy: (recship) feature -> "reject" (default) or "modulo".
+        host_rows: (recship) where the rows are allocated on the host (``recship.quantize.HostRows``).
     """
 
     _names: List[str]
@@ -71,6 +72,7 @@ class QuantEmbeddingBagCollection(QuantTables):
         *,
         weight_types: Optional[Dict[str, DataType]] = None,
         id_policy: Optional[Dict[str, str]] = None,
+        host_rows: Optional[HostRows] = None,
     ) -> None:
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -79,7 +81,7 @@ class QuantEmbeddingBagCollection(QuantTables):
         groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
         types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
         self._build(tables, [g for g in groups if g[1]], types, torch.device(device), row_alignment, id_policy, "embedding_bags",
-                    output_dtype)
+                    output_dtype, host_rows)
         self._is_weighted = is_weighted
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
         # output columns: the groups' outputs reordered into table order
@@ -155,6 +157,7 @@ class QuantEmbeddingCollection(QuantTables):
         *,
         weight_types: Optional[Dict[str, DataType]] = None,
         id_policy: Optional[Dict[str, str]] = None,
+        host_rows: Optional[HostRows] = None,
     ) -> None:
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
@@ -162,7 +165,7 @@ class QuantEmbeddingCollection(QuantTables):
         dims = sorted({t.embedding_dim for t in tables})
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
         types = weight_types if weight_types is not None else {t.name: t.data_type for t in tables}
-        self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings", output_dtype)
+        self._build(tables, groups, types, torch.device(device), row_alignment, id_policy, "embeddings", output_dtype, host_rows)
         self._names = [name for names in get_embedding_names_by_table(tables) for name in names]
         self._need_indices = need_indices
         self._fill(table_name_to_quantized_weights, register_tbes, quant_state_dict_split_scale_bias)
@@ -259,7 +262,8 @@ def _quantize_bags(ebc: EmbeddingBagCollection, config: QuantConfig, weights: Op
         if placed is not None:
             return placed
         return _whole(QuantEmbeddingBagCollection(tables, ebc.is_weighted(), config.device, config.output_dtype, weight_types=types,
-                                                  row_alignment=config.alignment, id_policy=config.id_policy))
+                                                  row_alignment=config.alignment, id_policy=config.id_policy,
+                                                  host_rows=config.host_rows))
 
     return _quantize(tables, source.__getitem__, build, config, on_table)
 
@@ -303,8 +307,7 @@ def quantize_embedding_collection(
         weights.__getitem__,
         lambda types: _whole(QuantEmbeddingCollection(
             ec.embedding_configs(), config.device, need_indices=ec.need_indices(), output_dtype=config.output_dtype, weight_types=types,
-            row_alignment=config.alignment,
-            id_policy=config.id_policy
+            row_alignment=config.alignment, id_policy=config.id_policy, host_rows=config.host_rows,
         )),
         config,
     )

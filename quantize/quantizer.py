@@ -51,6 +51,11 @@ def _servable(dt: DataType, what: str) -> DataType:
     return dt
 
 
+# Where quantized tables keep their host rows: ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g.
+# a writable mapping of the tables file an export is writing, so that rows are quantized straight into it.
+HostRows = Callable[[int], torch.Tensor]
+
+
 @dataclass
 class QuantConfig:
     """How to quantize.
@@ -75,6 +80,7 @@ class QuantConfig:
             export, serving and inference sharding take float32) and ``dtype``, and
             table -> torch dtype entries for ``table_dtypes`` (``DataType.from_quant_dtype``).
             Pass them by keyword; a type they give must agree with one given directly.
+        host_rows: where the CPU tables' rows are allocated (``HostRows``); None: fbgemm's own zeros.
     """
 
     # torch's quantize_dynamic treats a qconfig with ``_fields == ("activation", "weight")``
@@ -96,6 +102,7 @@ class QuantConfig:
     activation: Optional[Callable[[], Any]] = None
     weight: Optional[Callable[[], Any]] = None
     per_table_weight_dtype: Optional[Dict[str, torch.dtype]] = None
+    host_rows: Optional[HostRows] = None
 
     def __post_init__(self) -> None:
         if callable(self.dtype) and not isinstance(self.dtype, (str, DataType)):

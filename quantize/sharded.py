@@ -23,7 +23,7 @@ from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeat
 from recship.quantize.managed_collisions import ManagedCollisionLookup, QuantManagedCollisionEmbeddingBagCollection
 from recship.quantize.modules import QuantEmbeddingBagCollection
 from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_ids
-from recship.quantize.quantizer import BlockView
+from recship.quantize.quantizer import BlockView, HostRows
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.contract import Shard
 from recship.modules.embedding_configs import EmbeddingBagConfig
@@ -322,13 +322,15 @@ def shard_quantized(
     id_policy: Optional[Dict[str, str]] = None,
     row_alignment: Optional[int] = None,
     into: Optional[ShardedQuantEmbeddingBagCollection] = None,
+    host_rows: Optional[HostRows] = None,
 ) -> Tuple[ShardedQuantEmbeddingBagCollection, Dict[str, List[BlockView]]]:
     """The sharded module (``into``, when given, a ShardedQuantEmbeddingBagCollection being constructed), its rows
     still empty, and per table the views of its shards to fill.
 
     Every table's BlockViews tile its [rows, dim] weight, one per shard, in device order
     (``recship.quantize.quantize_into`` fills them from float weights). Ids are validated
-    (or hashed, per ``id_policy``) against whole tables before any block sees them.
+    (or hashed, per ``id_policy``) against whole tables before any block sees them. ``host_rows``: where the CPU
+    shards' rows are allocated (``recship.quantize.HostRows``).
     """
     modules: List[Optional[QuantEmbeddingBagCollection]] = []
     views: Dict[str, List[BlockView]] = {t.name: [] for t in tables}
@@ -353,7 +355,8 @@ def shard_quantized(
         if not configs:
             modules.append(None)
             continue
-        module = QuantEmbeddingBagCollection(configs, is_weighted, device, weight_types=types, row_alignment=row_alignment)
+        module = QuantEmbeddingBagCollection(configs, is_weighted, device, weight_types=types, row_alignment=row_alignment,
+                                             host_rows=host_rows)
         stored = module.table_weights()
         for s in placed:
             rows, cols = slice(s.row_offset, s.row_offset + s.rows), slice(s.col_offset, s.col_offset + s.cols)

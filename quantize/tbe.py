@@ -20,16 +20,14 @@ The TBE's own buffers are non-persistent, so state_dict's keys are exactly Torch
 (``embedding_bags.<table>.weight``; no ``tbes.*``).
 """
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from recship.names import ID_POLICIES
-from recship.quantize.quantizer import check_output_dtype, require_float32_output
+from recship.quantize.quantizer import HostRows, check_output_dtype, require_float32_output
 from recship.quantize.rowwise import FP8_EXPONENT_BIAS, FP8_EXPONENT_BITS
 from recship.sparse import KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
@@ -133,13 +131,7 @@ def _prepare(
     return ids, offsets, per_sample_weights, counts
 
 
-# Where the TBEs built inside ``host_rows_from`` keep their host rows (``weights_host``):
-# ``allocate(nbytes)`` returns a zero-filled uint8 tensor [nbytes], e.g. a writable mapping of
-# the tables file export is writing, so that rows are quantized straight into it.
-_HOST_ROWS: "contextvars.ContextVar[Optional[Callable[[int], torch.Tensor]]]" = contextvars.ContextVar("recship_host_rows", default=None)
-
-
-def _initialize_weights(tbe: Any, allocate: Optional[Callable[[int], torch.Tensor]]) -> None:
+def _initialize_weights(tbe: Any, allocate: Optional[HostRows]) -> None:
     """``tbe.initialize_weights()``, with its host rows from ``allocate`` (if given) instead of its own zeros
     (which would be filled and then dropped: seconds at GBs of rows)."""
     host = int(tbe.host_size)
@@ -189,16 +181,6 @@ class LookupLayout:
     requests: List[str]
 
 
-@contextlib.contextmanager
-def host_rows_from(allocate: Optional[Callable[[int], torch.Tensor]]) -> Iterator[None]:
-    """TBEs built inside take their host rows from ``allocate(nbytes)`` (None: their own zeros)."""
-    token = _HOST_ROWS.set(allocate)
-    try:
-        yield
-    finally:
-        _HOST_ROWS.reset(token)
-
-
 class QuantTables(nn.Module):
     """Tables in fbgemm inference TBEs, one TBE per group of tables; shared by the two modules."""
 
@@ -218,6 +200,7 @@ class QuantTables(nn.Module):
         id_policy: Optional[Dict[str, str]],
         rows_container: str,
         output_dtype: torch.dtype = torch.float32,
+        host_rows: Optional[HostRows] = None,
     ) -> None:
         """groups: [(fbgemm PoolingMode, tables)] in the order their outputs are produced.
 
@@ -225,6 +208,7 @@ class QuantTables(nn.Module):
         ``<table>.weight`` buffers expose each table's stored rows.
         output_dtype: what the TBEs answer in (float32, float16, bfloat16): fbgemm pools in float32 and
             converts the result, as TorchRec's collections do with the same ``output_dtype``.
+        host_rows: where the TBEs keep their host rows (``HostRows``); None: fbgemm's own zeros.
         """
         from fbgemm_gpu.split_embedding_configs import SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
@@ -278,7 +262,7 @@ class QuantTables(nn.Module):
                 fp8_exponent_bits=FP8_EXPONENT_BITS,
                 fp8_exponent_bias=FP8_EXPONENT_BIAS,
             )
-            _initialize_weights(tbe, _HOST_ROWS.get())
+            _initialize_weights(tbe, host_rows)
             self._tbe_state_keys.append(list(tbe.state_dict(keep_vars=True)))  # fbgemm's persistent buffers
             _set_persistence(tbe, self._tbe_state_keys[-1], False)
             # weights_host is a plain attribute of the TBE: per-table views of it as buffers put the

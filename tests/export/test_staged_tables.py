@@ -14,7 +14,7 @@ from recship.export import pipeline
 from recship.export import tables as tables_module
 from recship.export.artifact import open_artifact
 from recship.export.tables import TABLES_FILE, StagedTables, TablesWriter
-from recship.quantize.tbe import host_rows_from
+from recship.export.any_model import export_any_model
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
@@ -33,7 +33,8 @@ def test_rows_quantized_into_the_file_equal_the_written_ones(tmp_path, monkeypat
     model = _models()[kind] if kind == "dlrm" else _ModuleWithDense(_models()[kind])
     config = dict(dtype="int4", progress=False, validation_batches=1, format=fmt, plot=False)
     export_model(model, ExportConfig(out=str(tmp_path / "staged"), **config))
-    monkeypatch.setattr(pipeline, "host_rows_from", lambda allocate: host_rows_from(None))  # fbgemm's own rows, then written
+    # fbgemm's own rows, then written
+    monkeypatch.setattr(pipeline, "export_any_model", lambda *args, **kw: export_any_model(*args, **{**kw, "host_rows": None}))
     export_model(model, ExportConfig(out=str(tmp_path / "written"), **config))
     staged, written = tmp_path / "staged", tmp_path / "written"
     assert (staged / TABLES_FILE).read_bytes() == (written / TABLES_FILE).read_bytes()
