@@ -26,25 +26,29 @@ so peak memory is one float table plus the quantized model.
 import copy
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from recship.contract import Shard
 from recship.export.artifact import MAX_ID_BOUND, ModelFields, ModelInfo, Sharding, SparseFeature
+from recship.export.config import ExportConfig, ExportError, expand_id_policy
 from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
-from recship.quantize.flat import flatten_collections
-from recship.quantize.quantizer import HostRows
-from recship.quantize.sharded import InferenceShard
-from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.export.validation import Batch, eval_batches, pooled_lookup, quantized_pooled_lookup, refuse_non_finite
 from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, get_embedding_names_by_table
-from recship.trainer.entry_point import describe_model
 from recship.modules.types import DataType
-
-if TYPE_CHECKING:
-    from recship.export.config import ExportConfig
-    from recship.export.validation import Batch
+from recship.quantize import quantize_embeddings
+from recship.quantize.flat import FlatEmbeddingBagCollection, FlatEmbeddingCollection, flatten_collections
+from recship.quantize.quantizer import HostRows
+from recship.quantize.rowwise import row_bytes
+from recship.quantize.sharded import InferenceShard, plan_inference_shards, shard_quantized
+from recship.sparse import KeyedJaggedTensor, KeyedTensor
+from recship.trainer.data import SyntheticConfig, SyntheticCriteo
+from recship.trainer.entry_point import describe_model
+from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
+from recship.trainer.metrics import auc
+from recship.trainer.planner.types import ShardingType
 
 torch.fx.wrap(build_kjt)  # one fx node here too (fx.wrap patches per importing module)
 
@@ -64,9 +68,6 @@ def synthetic_batch(spec: Dict[str, Any], batch: int, seed: int) -> Tuple[torch.
 def _validation_batches(spec: Dict[str, Any], config, data_seed: Optional[int]):
     """([(dense, kjt, labels or None)], what they are): the user's data, else synthetic batches drawn
     like the training run's (with its labelling model) when the seed is known, else plain random ones."""
-    from recship.export.validation import eval_batches
-    from recship.trainer.data import SyntheticConfig, SyntheticCriteo
-
     names = [f[0] for f in spec["features"]]
     rows = [f[2].num_embeddings for f in spec["features"]]
     n, batch = config.validation_batches, config.validation_batch_size
@@ -116,8 +117,6 @@ def raw_id_bounds(model: nn.Module, spec: Dict[str, Any]) -> Dict[str, int]:
     modules' "no bound"), any non-negative id: MAX_ID_BOUND, every int64 id but INT64_MAX (the empty-slot mark
     of the sorted-ids modules, and their default input_hash_size). A range smaller than the table's rows gives
     the rows: the remapping takes those ids as it takes any other. ValueError for a negative input_hash_size."""
-    from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
-
     bounds: Dict[str, int] = {}
     for feature, path, table, _, _ in spec["features"]:
         parent, _, leaf = path.rpartition(".")
@@ -160,7 +159,7 @@ def tables_by_reference(module: nn.Module) -> Tuple[nn.Module, Callable[[str, st
     return copied, load_table
 
 
-def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_table, quantize):
+def _streamed_quantization(model: nn.Module, validation: List[Batch], load_table, quantize):
     """Quantizes ``model`` (its EBC tables on meta, loaded one at a time by ``load_table(path, table)``) and
     returns (float outputs per validation batch, the quantized reference's outputs, quantized model, report).
 
@@ -173,8 +172,6 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
     outputs (what the unsharded quantized model answers) from recorded quantized stand-ins and the
     quantized EmbeddingCollections.
     """
-    from recship.export.validation import pooled_lookup, quantized_pooled_lookup
-
     paths: Dict[int, List[str]] = {}
     modules: Dict[int, nn.Module] = {}
     for path, m in model.named_modules(remove_duplicate=False):
@@ -228,7 +225,7 @@ def _streamed_quantization(model: nn.Module, validation: List["Batch"], load_tab
     return outputs["float"], outputs["quantized"], quantized, report
 
 
-def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Mapping[int, nn.Module], validation: List["Batch"],
+def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Mapping[int, nn.Module], validation: List[Batch],
          start: Callable[[nn.Module, int], None]) -> List[Any]:
     """``model``'s answers to the validation batches with ``stand_ins`` in place of its collections
     (``start(stand_in, batch index)`` before each batch); the collections are put back after."""
@@ -250,8 +247,6 @@ def _run(model: nn.Module, paths: Dict[int, List[str]], stand_ins: Mapping[int, 
 def _dense_to(model: nn.Module, device: torch.device) -> None:
     """Moves ``model``'s parameters and buffers to ``device``, except the flat collections' (their shards
     stay on the devices they were placed on)."""
-    from recship.quantize.flat import FlatEmbeddingBagCollection, FlatEmbeddingCollection
-
     def move(m: nn.Module) -> None:
         if isinstance(m, (FlatEmbeddingBagCollection, FlatEmbeddingCollection)):
             return
@@ -269,7 +264,7 @@ def _dense_to(model: nn.Module, device: torch.device) -> None:
 
 def export_any_model(
     module: nn.Module,
-    config: "ExportConfig",
+    config: ExportConfig,
     progress: Callable[[str], None],
     owned: bool = False,
     data_seed: Optional[int] = None,
@@ -278,7 +273,9 @@ def export_any_model(
     host_rows: Optional[HostRows] = None,
 ) -> Tuple[Any, ModelFields, Any, nn.Module]:
     """(scripted artifact module or a StageError, manifest fields, sample batch, the module torch.export takes)
-    of ``module``; see the module docstring.
+    of ``module``; see the module docstring. The stages, each a function below: ``_prepare`` (the model's
+    contract, id policies, validation batches), ``_quantize`` (tables into their quantized modules or inference
+    shards, float and reference outputs), ``_script`` (fx trace + TorchScript), ``_validate``, ``_fields``.
 
     ``config`` is the ExportConfig; ``progress(stage)`` advances the caller's stage bar.
     ``torchscript_required``: fx trace + TorchScript failing is an ExportError; else (model.pt2 will be the
@@ -292,13 +289,46 @@ def export_any_model(
     ``host_rows``: where the quantized CPU rows are allocated (``recship.quantize.HostRows``: the pipeline's mapping
     of the tables file it writes); None: fbgemm's own.
     """
-    from recship.export.config import ExportError, expand_id_policy
-    from recship.export.validation import refuse_non_finite
-    from recship.quantize import quantize_embeddings
-    from recship.quantize.rowwise import row_bytes
-    from recship.quantize.sharded import plan_inference_shards, shard_quantized
-    from recship.trainer.planner.types import ShardingType
+    prepared = _prepare(module, config, owned, data_seed, load_table)
+    progress("quantize + shard")
+    quantized = _quantize(prepared, host_rows)
+    progress("trace + script")
+    scripted, exported = _script(prepared, quantized, torchscript_required)
+    progress("validate")
+    runner = exported if isinstance(scripted, StageError) else scripted
+    validation = _validate(runner, prepared.validation, quantized.float_outputs, quantized.reference_outputs,
+                           quantized.score_name, prepared.data, prepared.config, prepared.model,
+                           quantized.tasks.get(quantized.score_name or "", 0))
+    sample = synthetic_batch(prepared.spec, config.sample_batch_size, config.seed * 7919 + 104729)
+    return scripted, _fields(prepared, quantized, validation), sample, exported
 
+
+@dataclasses.dataclass
+class _Prepared:
+    """What ``_prepare`` found: the user's module (a bare EBC wrapped as PooledEmbeddings), the model this export
+    quantizes (a copy unless owned) and how its tables load, its contract (``describe_model``'s spec), the config
+    with per-feature id policies, raw-id bounds of managed-collision features, and the validation batches."""
+
+    module: nn.Module
+    model: nn.Module
+    bare: bool
+    load_table: Callable[[str, str], torch.Tensor]
+    spec: Dict[str, Any]
+    names: List[str]
+    config: ExportConfig
+    bounds: Dict[str, int]
+    validation: List[Batch]
+    data: str
+
+    def qualified(self, path: str, table: str) -> str:
+        """A table's manifest name, ``<collection path>.<table>`` (a bare EBC's tables keep their own names)."""
+        path = path[len(PooledEmbeddings.PATH):].lstrip(".") if self.bare else path
+        return f"{path}.{table}" if path else table
+
+
+def _prepare(module: nn.Module, config: ExportConfig, owned: bool, data_seed: Optional[int],
+             load_table: Optional[Callable[[str, str], torch.Tensor]]) -> _Prepared:
+    """The model's contract and this export's choices checked against it (ExportError naming what is wrong)."""
     bare = type(module) is EmbeddingBagCollection
     if bare:  # its tables keep their names: the wrapper's path is left out of them
         module = PooledEmbeddings(module)
@@ -333,48 +363,80 @@ def export_any_model(
     if unknown:
         raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
     validation, data = _validation_batches(spec, config, data_seed)
+    return _Prepared(module, model, bare, load_table, spec, names, config, bounds, validation, data)
 
-    def qualified(path: str, table: str) -> str:
-        path = path[len(PooledEmbeddings.PATH):].lstrip(".") if bare else path
-        return f"{path}.{table}" if path else table
 
-    # where each collection's rows go: one QuantEmbeddingBagCollection, or inference shards on ``devices``
-    devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu") for i in range(config.shards)]
-    sharded = config.shards > 1 or bool(config.sharding) or config.device != "cpu"
-    capacity = _device_capacity(config)
-    stored: Dict[str, Tuple[Dict[str, DataType], Dict[str, List[Tuple[int, int]]]]] = {}  # path -> (types, column blocks)
-    plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
+@dataclasses.dataclass
+class _Quantized:
+    """What ``_quantize`` made: the quantized model and its report, where each collection's rows went
+    (``plans``: inference shards per collection path; ``devices``), and the float model's and the unsharded
+    quantized reference's outputs on the validation batches, with the output scored for AUC (``score_name``)
+    and a multi-task model's {output: label column} (``tasks``)."""
 
-    def layout(path, tables, types, weighted, qconfig):
-        if not sharded:
-            stored[path] = (types, {t.name: [(0, t.embedding_dim)] for t in tables})
+    model: nn.Module
+    report: Any  # QuantizationReport
+    plans: Dict[str, Dict[str, List[InferenceShard]]]
+    devices: List[torch.device]
+    single: bool
+    float_outputs: List[Dict[str, torch.Tensor]]
+    reference_outputs: List[Dict[str, torch.Tensor]]
+    score_name: Optional[str]
+    tasks: Dict[str, int]
+
+
+class _Placement:
+    """Where each collection's quantized rows go (``quantize_embeddings``' ``layout``): one
+    QuantEmbeddingBagCollection, or inference shards on ``devices`` when the export shards or runs on CUDA."""
+
+    def __init__(self, config: ExportConfig) -> None:
+        self.config = config
+        self.devices = [torch.device(config.device, i) if config.device == "cuda" else torch.device("cpu")
+                        for i in range(config.shards)]
+        self.sharded = config.shards > 1 or bool(config.sharding) or config.device != "cpu"
+        self.capacity = _device_capacity(config)
+        self.stored: Dict[str, Tuple[Dict[str, DataType], Dict[str, List[Tuple[int, int]]]]] = {}  # path -> (types, column blocks)
+        self.plans: Dict[str, Dict[str, List[InferenceShard]]] = {}
+
+    def layout(self, path: str, tables, types: Dict[str, DataType], weighted: bool, qconfig):
+        if not self.sharded:
+            self.stored[path] = (types, {t.name: [(0, t.embedding_dim)] for t in tables})
             return None
         sizes = {t.name: t.num_embeddings * row_bytes(types[t.name], t.embedding_dim, qconfig.alignment) for t in tables}
-        forced = {t.name: ShardingType(config.sharding) for t in tables} if config.sharding else None
-        plans[path] = plan = plan_inference_shards(tables, config.shards, forced, sizes, capacity)
-        stored[path] = (types, {t.name: sorted({(s.col_offset, s.cols) for s in plan[t.name]}) for t in tables})
-        return shard_quantized(tables, types, plan, devices, weighted, qconfig.id_policy, qconfig.alignment,
+        forced = {t.name: ShardingType(self.config.sharding) for t in tables} if self.config.sharding else None
+        self.plans[path] = plan = plan_inference_shards(tables, self.config.shards, forced, sizes, self.capacity)
+        self.stored[path] = (types, {t.name: sorted({(s.col_offset, s.cols) for s in plan[t.name]}) for t in tables})
+        return shard_quantized(tables, types, plan, self.devices, weighted, qconfig.id_policy, qconfig.alignment,
                                host_rows=qconfig.host_rows)
 
-    def quantize(target: nn.Module, weights, record):
+    def quantize(self, target: nn.Module, weights, record, host_rows: Optional[HostRows]):
+        """``target`` quantized in place (it is this export's own model); ``record`` sees each float table with
+        its type and column blocks (``_streamed_quantization``)."""
+        config = self.config
+
         def on_table(path: str, table, weight: torch.Tensor) -> None:
-            types, blocks = stored[path]
+            types, blocks = self.stored[path]
             record(path, table, weight, types[table.name], config.error_minimizing, blocks[table.name])
 
-        return quantize_embeddings(  # in place: ``target`` is this export's own model
-            target, inplace=True, weights=weights, on_table=on_table, layout=layout, dtype=config.dtype,
+        return quantize_embeddings(
+            target, inplace=True, weights=weights, on_table=on_table, layout=self.layout, dtype=config.dtype,
             table_dtypes=dict(config.table_dtypes), error_budget=config.error_budget or 0.01,
             error_minimizing=config.error_minimizing, id_policy=dict(config.id_policy), seed=config.seed, device=config.device,
             host_rows=host_rows,
         )
 
+
+def _quantize(prepared: _Prepared, host_rows: Optional[HostRows]) -> _Quantized:
+    """The tables quantized (straight into their shards), and the float and reference outputs checked: finite,
+    batch-first. ExportError naming the failure; an OSError (the disk's: tables.bin fills here) as it is."""
+    placement = _Placement(prepared.config)
+    model, validation, data = prepared.model, prepared.validation, prepared.data
     try:
-        progress("quantize + shard")
-        raw, raw_reference, quantized, report = _streamed_quantization(model, validation, load_table, quantize)
+        raw, raw_reference, quantized, report = _streamed_quantization(
+            model, validation, prepared.load_table, lambda target, weights, record: placement.quantize(target, weights, record, host_rows))
         single = isinstance(raw[0], torch.Tensor)  # a lone Tensor is served as the output "output"
         float_outputs = [served_outputs(model, r) for r in raw]
         reference_outputs = [served_outputs(model, r) for r in raw_reference]
-    except (ExportError, OSError):  # an OSError is the disk's (tables.bin is filled here), not the model's
+    except (ExportError, OSError):
         raise
     except ValueError as e:
         raise ExportError(str(e)) from None
@@ -386,54 +448,58 @@ def export_any_model(
         if v.dim() == 0 or v.shape[0] != validation[0][0].shape[0]:
             raise ExportError(f"output {k!r} has shape {list(v.shape)}: outputs must be batch-first [B, ...]")
     # the output that AUC and log loss are measured on, if the data has labels: the model's eval_output or its one output
-    tasks = dict(getattr(module, "eval_outputs", None) or {})  # a multi-task model's {output: label column}
-    score_name = (getattr(module, "eval_output", None) or next(iter(tasks), None)
+    tasks = dict(getattr(prepared.module, "eval_outputs", None) or {})  # a multi-task model's {output: label column}
+    score_name = (getattr(prepared.module, "eval_output", None) or next(iter(tasks), None)
                   or (next(iter(float_outputs[0])) if len(float_outputs[0]) == 1 else None))
     if score_name is not None and (score_name not in float_outputs[0] or float_outputs[0][score_name][0].numel() != 1):
         score_name = None
+    return _Quantized(quantized, report, placement.plans, placement.devices, single, float_outputs, reference_outputs,
+                      score_name, tasks)
 
-    progress("trace + script")
-    flat = flatten_collections(quantized)
-    _dense_to(flat, devices[0])  # the dense layers run where the shards' outputs are merged: the first device
-    exported = ExportedModule(flat, names, single, str(devices[0])).eval()
-    scripted: Union[torch.jit.ScriptModule, StageError]
+
+def _script(prepared: _Prepared, quantized: _Quantized,
+            torchscript_required: bool) -> Tuple[Union[torch.jit.ScriptModule, StageError], nn.Module]:
+    """(TorchScript of the served module, or the StageError that kept it from TorchScript when model.pt2 may be the
+    artifact's program alone; the served module itself, which torch.export takes)."""
+    flat = flatten_collections(quantized.model)
+    _dense_to(flat, quantized.devices[0])  # the dense layers run where the shards' outputs are merged: the first device
+    exported = ExportedModule(flat, prepared.names, quantized.single, str(quantized.devices[0])).eval()
     try:
-        scripted = trace_and_script(exported, _source_file(type(module)))
+        return trace_and_script(exported, _source_file(type(prepared.module))), exported
     except StageError as e:
         if torchscript_required:
-            raise ExportError(f"{type(module).__name__}: {e}{_stage_hint(e.stage)}") from e
-        scripted = e  # model.pt2 alone: torch.export takes the module itself
+            raise ExportError(f"{type(prepared.module).__name__}: {e}{_stage_hint(e.stage)}") from e
+        return e, exported  # model.pt2 alone: torch.export takes the module itself
 
-    progress("validate")
-    runner = exported if isinstance(scripted, StageError) else scripted
-    validation_report = _validate(runner, validation, float_outputs, reference_outputs, score_name, data, config, model,
-                                  tasks.get(score_name or "", 0))
 
+def _fields(prepared: _Prepared, quantized: _Quantized, validation: Dict[str, Any]) -> ModelFields:
+    """The manifest's model fields: features (each with its table's manifest name, type, id policy and raw-id
+    bound), shards, the quantization report under the tables' manifest names, and the validation report."""
+    config, spec, report = prepared.config, prepared.spec, quantized.report
     types = {t.table: t.data_type for t in report.tables}  # named "<path>.<table>" by quantize_embeddings
     features = []
     for f, path, t, pooling, weighted in spec["features"]:
         key = f"{path}.{t.name}" if path else t.name
-        features.append(SparseFeature(f, qualified(path, t.name), pooling, t.embedding_dim, t.num_embeddings, types[key],
-                                      config.id_policy.get(f, "reject"), weighted, bounds.get(f)))
-    shards: List[Shard] = [dataclasses.replace(s, table=qualified(path, table))
-                           for path, plan in plans.items() for table, table_shards in plan.items() for s in table_shards]
-    tables = [dataclasses.replace(t, table=qualified(*t.table.rpartition(".")[::2])) for t in report.tables]
+        features.append(SparseFeature(f, prepared.qualified(path, t.name), pooling, t.embedding_dim, t.num_embeddings,
+                                      types[key], config.id_policy.get(f, "reject"), weighted, prepared.bounds.get(f)))
+    shards: List[Shard] = [dataclasses.replace(s, table=prepared.qualified(path, table))
+                           for path, plan in quantized.plans.items() for table, table_shards in plan.items() for s in table_shards]
+    tables = [dataclasses.replace(t, table=prepared.qualified(*t.table.rpartition(".")[::2])) for t in report.tables]
     report = dataclasses.replace(report, tables=tables)
     entry_point = {"model": config.model, "args": config.model_args} if config.model else None
-    user = module.collection if bare else module
+    user = prepared.module.collection if prepared.bare else prepared.module
     shape = getattr(user, "config", None)  # a model's config dataclass (the DLRM's DLRMConfig), recorded for people
     details = {"class": f"{type(user).__module__}.{type(user).__qualname__}", "entry_point": entry_point,
                "config": dataclasses.asdict(shape) if dataclasses.is_dataclass(shape) and not isinstance(shape, type) else None}
-    fields = ModelFields(
+    return ModelFields(
         model=ModelInfo(config.model_name, config.model_version, "module", details),
         num_dense=spec["num_dense"],
         weighted=spec["weighted"],
         sparse_features=features,
         sharding=Sharding(config.device, config.shards, report.row_alignment, shards),
         quantization=report.to_dict(),
-        validation=validation_report,
+        validation=validation,
     )
-    return scripted, fields, synthetic_batch(spec, config.sample_batch_size, config.seed * 7919 + 104729), exported
 
 
 def _source_file(cls: type) -> Optional[str]:
@@ -452,7 +518,7 @@ def _stage_hint(stage: str) -> str:
     return " (--format aoti exports model.pt2 alone through torch.export, without TorchScript, where a C++ compiler is present)"
 
 
-def _device_capacity(config: "ExportConfig") -> Optional[int]:
+def _device_capacity(config: ExportConfig) -> Optional[int]:
     """Bytes of quantized rows one shard's device may hold: 90% of the smallest GPU's memory; None on CPU
     (host memory: the OS decides)."""
     if config.device == "cuda":
@@ -460,16 +526,13 @@ def _device_capacity(config: "ExportConfig") -> Optional[int]:
     return None
 
 
-def _validate(scripted, validation: List["Batch"], float_outputs: List[Dict[str, torch.Tensor]],
+def _validate(scripted, validation: List[Batch], float_outputs: List[Dict[str, torch.Tensor]],
               reference_outputs: List[Dict[str, torch.Tensor]], score_name: Optional[str], data: str,
-              config: "ExportConfig", model: nn.Module, column: int = 0) -> Dict[str, Any]:
+              config: ExportConfig, model: nn.Module, column: int = 0) -> Dict[str, Any]:
     """The manifest's ``validation``: the exported model against the float model and the unsharded quantized
     reference on the validation batches. ExportError when it differs from the reference beyond float
     rounding (a sharding or tracing bug), or from the float model beyond ``config.error_budget``. ``column``: the
     label column ``score_name`` is scored on, where the labels are [B, T]."""
-    from recship.export.config import ExportError
-    from recship.export.validation import refuse_non_finite
-
     max_diff: Dict[str, float] = {}
     sums = [0.0, 0.0]
     vs_quantized = 0.0
@@ -507,8 +570,6 @@ def _validate(scripted, validation: List["Batch"], float_outputs: List[Dict[str,
         "error": relative,
     }
     if scored:  # labels and a [B, 1] logit output: the ranking quality, exported and float
-        from recship.trainer.metrics import auc
-
         scores, float_scores, targets = (torch.cat(parts) for parts in zip(*scored))
         bce = nn.functional.binary_cross_entropy_with_logits
         report.update(output=score_name, auc=auc(scores, targets), float_auc=auc(float_scores, targets),
