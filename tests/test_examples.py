@@ -1,5 +1,6 @@
-"""The README's example files run as documented and answer correctly: examples/my_model.py ("Bring your own model"),
-examples/sharded_training.py ("Sharded training"), examples/request.json and predict_request.json ("Serving")."""
+"""The docs' example files run as documented and answer correctly: examples/my_model.py (docs/models.md),
+examples/sharded_training.py (docs/training.md, "Sharded training"), examples/request.json and predict_request.json
+(docs/serving.md)."""
 
 import ast
 import importlib.util
@@ -34,7 +35,7 @@ def test_the_example_trains_exports_and_serves_from_the_repository_root(tmp_path
     np.testing.assert_array_equal(np.array(answer["output"], dtype=np.float32), want["output"].numpy())
 
 
-# -- examples/sharded_training.py: the README's "Sharded training" section ------------------------------------------
+# -- examples/sharded_training.py: docs/training.md's "Sharded training" section ----------------------------------
 
 
 def _sharded_training_module():
@@ -183,7 +184,7 @@ def test_example_requests_fit_the_demo_model_and_both_fronts_answer_them_as_the_
         np.testing.assert_array_equal(np.asarray(predicted[out["name"]], dtype=np.float32), want[out["name"]])
 
 
-# -- examples/esmm.py: the README's multi-task example (labels [B, 2]) ----------------------------------------------
+# -- examples/esmm.py: docs/models.md's multi-task example (labels [B, 2]) -----------------------------------------
 
 
 def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -193,7 +194,7 @@ def _auc(scores: np.ndarray, labels: np.ndarray) -> float:
 
 
 def test_the_esmm_example_trains_both_tasks_resumes_exports_on_its_data_and_serves(tmp_path, monkeypatch):
-    """examples/esmm.py as the README runs it: trained on labels [B, 2] with each task's AUC reported (equal to a plain
+    """examples/esmm.py as docs/models.md runs it: trained on labels [B, 2] with each task's AUC reported (equal to a plain
     replay of the checkpoint on the eval data), resumed without its data flags (the checkpoint's data and batch size
     are used), exported (validated on the run's own eval data function) and served; the Python front answers as the
     artifact does in process, bitwise, for the example's request and a batch of 5."""

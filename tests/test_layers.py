@@ -1,5 +1,5 @@
 """The import graph of the package, lazy imports (inside functions) included: no cycle between modules, and no
-module imports a layer above its own (the README's "Layout" section names the order).
+module imports a layer above its own (docs/architecture.md, "Layout" and "Architecture", names the order).
 
 Imports under ``if TYPE_CHECKING:`` do not run and are left out; ``from recship.x import y`` counts as an import of
 the module ``recship.x.y`` when ``y`` is one, else of ``recship.x``.
@@ -77,7 +77,7 @@ def _layer(module: str) -> int:
             if module == prefix or (prefix != "recship" and module.startswith(prefix + ".")):
                 if best is None or len(prefix) > best[1]:
                     best = (index, len(prefix))
-    assert best is not None, f"{module} is in no layer: add it to LAYERS (and the README's Layout)"
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and docs/architecture.md's Layout)"
     return best[0]
 
 

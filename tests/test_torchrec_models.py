@@ -1,5 +1,5 @@
 """``torchrec.models.dlrm`` and ``torchrec.modules.mlp`` / ``crossnet`` as TorchRec users write them, through the
-README's import map (tests/snippets/torchrec_models.txt, rewritten by tests/tutorials/notebook.py): every output
+docs/torchrec.md's import map (tests/snippets/torchrec_models.txt, rewritten by tests/tutorials/notebook.py): every output
 against a plain-PyTorch computation from the module's state_dict, the state_dict against TorchRec's documented keys
 and shapes, and the built-in DLRM (recship.models.dlrm.BuiltinDLRM), a DLRM of TorchRec's parameter names."""
 

@@ -110,7 +110,7 @@ def test_artifact_from_checkpoint_loads_without_recship(tmp_path, checkpoint):
             raise SystemExit("ran without tables")
         except torch.jit.Error as e:
             assert "tables.bin" in str(e), e
-        # the README's recipe: map tables.bin, fill each empty buffer the manifest names
+        # docs/export.md's recipe: map tables.bin, fill each empty buffer the manifest names
         t = man["tables"]
         data = torch.from_file(art + "/" + t["file"], shared=False, size=t["bytes"], dtype=torch.uint8)
         for spec in t["tensors"]:
