@@ -1,10 +1,10 @@
 """Artifacts loaded: the sample files, and opening an artifact with a self-check (its manifest's types and checks are
-``recship.export.manifest``'s).
+the contract's: ``recship.contract``, re-exported here).
 
 An artifact is a folder: ``model.pt`` (TorchScript: forward(dense, lengths, values, weights)
 -> Dict[str, Tensor]), optionally ``model.pt2`` (the same model compiled by AOTInductor,
 described by the manifest's ``aoti``), ``manifest.json`` (``Manifest``; its JSON Schema is
-protos/recship/artifact/v1/manifest.schema.json, which the C++ loader's checks follow too)
+recship/contract/manifest.schema.json, which the C++ loader obeys too)
 and ``sample/`` (one request and the outputs the exported model gave for it, as raw
 little-endian tensors). Only torch is needed here (fbgemm_gpu when a model is loaded).
 
@@ -32,10 +32,11 @@ from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 import torch
 
 from recship.export.blocks import RowBlocks
-# the manifest's names, re-exported: what this module loads is described there, and importers of it keep working
-from recship.export.manifest import (FORMAT_V1, MAX_ID_BOUND, SAMPLE_DTYPES, AotiSpec, ArtifactError, Manifest, ModelFields,
-                                     ModelInfo, Sample, SampleTensor, Sharding, SparseFeature, file_sha256)
-from recship.export.tables import TablesError, aoti_constants, attach_torchscript, check_pinned, map_tables, pt2_pinned
+# the contract's names, re-exported: what this module loads is described there, and importers of it keep working
+from recship.contract.manifest import (FORMAT_V1, MAX_ID_BOUND, SAMPLE_DTYPES, AotiSpec, ArtifactError, Manifest, ModelFields,
+                                       ModelInfo, Sample, SampleTensor, Sharding, SparseFeature, file_sha256)
+from recship.contract.tables import TablesError, check_pinned, pt2_pinned
+from recship.export.tables import aoti_constants, attach_torchscript, map_tables
 from recship.names import LOAD_FORMATS
 
 _DTYPES = {name: getattr(torch, name) for name in SAMPLE_DTYPES}  # the sample files' dtypes

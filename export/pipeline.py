@@ -20,9 +20,7 @@ stays near the quantized model plus one table. This module runs the stages and w
 publishes and names the artifact.
 """
 
-import ctypes
 import dataclasses
-import errno
 import functools
 import io
 import logging
@@ -36,14 +34,16 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 import torch
 from torch import nn
 
+from recship.contract.manifest import AotiSpec, Manifest, ModelFields, Versions, file_sha256
+from recship.contract.repository import RepositoryError, exchange, next_version, publish_version
+from recship.contract.tables import PINNED_NAME, TABLES_FILE, TablesSpec
 from recship.export.any_model import export_any_model
-from recship.export.artifact import AotiSpec, Manifest, ModelFields, file_sha256, write_sample
+from recship.export.artifact import write_sample
 from recship.export.blocks import run_in_blocks
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError
 from recship.export.model import StageError
-from recship.export.tables import PINNED_NAME, TABLES_FILE, StagedTables, TablesSpec, TablesWriter, link_if_unchanged, pin_pt2
+from recship.export.tables import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
-from recship.names import VERSION_NAME
 from recship.oserrors import doing, label, write_bytes
 from recship.quantize.quantizer import QuantizationReport, TableReport
 from recship.modules.embedding_modules import EmbeddingBagCollection
@@ -231,7 +231,7 @@ def write_artifact(
     (``publish_version``), else ``out`` is the artifact's folder. ``fields``: model, num_dense,
     weighted, sparse_features, sharding, quantization and validation of the manifest (``ModelFields``);
     ``Manifest.from_fields`` adds the inputs, outputs, sample, versions and checksum (the
-    artifact contract is export/artifact.py's). ``exported``: the module torch.export compiles into
+    artifact contract is recship.contract's). ``exported``: the module torch.export compiles into
     model.pt2 when ``aoti`` (default: as ``config.format`` asks). ``scripted``: its TorchScript, saved
     as model.pt; or the StageError that kept TorchScript from it, and the artifact has model.pt2 alone
     (its sample outputs are then model.pt2's own). ``staged``: ``tmp``/tables.bin with the rows
@@ -287,7 +287,7 @@ def write_artifact(
             sample_files = write_sample(tmp, config.sample_batch_size, inputs, outputs)
         output_dims = {k: list(v.shape[1:]) for k, v in outputs.items()}
         manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if program is not None else None,
-                                        aoti=aoti_spec, tables=spec, row_block=config.row_block)
+                                        current_versions(), aoti=aoti_spec, tables=spec, row_block=config.row_block)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
             from recship.plots import plot_artifact, plot_or_warn
 
@@ -301,12 +301,15 @@ def write_artifact(
                 with doing("writing manifest.json", tmp / "manifest.json"):
                     manifest.write(tmp)
 
-            publish_version(tmp, out, stamp)
+            try:
+                publish_version(tmp, out, stamp)
+            except RepositoryError as e:
+                raise ExportError(str(e)) from None
         else:
             with doing("writing manifest.json", tmp / "manifest.json"):
                 manifest.write(tmp)
             if out.exists():  # --overwrite: swapped in at once (a server never sees the version missing)
-                _exchange(tmp, out)
+                exchange(tmp, out)
                 shutil.rmtree(tmp)  # the old artifact, now under the staging name
             else:
                 os.replace(tmp, out)  # the artifact appears complete or not at all
@@ -314,6 +317,13 @@ def write_artifact(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest.to_dict()
+
+
+def current_versions() -> Versions:
+    """The releases this process exports with: the manifest's ``versions`` (a loader refuses another torch)."""
+    import fbgemm_gpu
+
+    return Versions(torch.__version__, getattr(fbgemm_gpu, "__version__", "unknown"), sys.version.split()[0])
 
 
 def _remove_abandoned(prefix: Path) -> None:
@@ -330,85 +340,6 @@ def _remove_abandoned(prefix: Path) -> None:
             log.warning("removed %s, left by an export that did not finish", tmp)
         except PermissionError:  # another user's live process
             pass
-
-
-def next_version(model_dir: Path) -> int:
-    """1 + the largest ASCII-number name in ``model_dir`` (1 if none, or no such folder); other names
-    (hidden temporary folders, "latest", "²") do not count."""
-    try:
-        names = os.listdir(model_dir)
-    except FileNotFoundError:
-        return 1
-    return 1 + max((int(n) for n in names if VERSION_NAME.fullmatch(n)), default=0)
-
-
-def publish_version(tmp: Path, model_dir: Path, stamp: Callable[[int], None] = lambda version: None, attempts: int = 100) -> int:
-    """Renames the finished artifact folder ``tmp`` (on ``model_dir``'s filesystem) to ``model_dir/<next
-    version>``; returns the version. ``stamp(version)`` runs before each try (it writes the manifest).
-    A number another export took first (the rename finds the folder there) is never overwritten:
-    the next free number is tried instead."""
-    version = next_version(model_dir)
-    for _ in range(attempts):
-        if not VERSION_NAME.fullmatch(str(version)):
-            raise ExportError(f"{model_dir}: version {version} has more than 18 digits")
-        stamp(version)
-        try:
-            _rename_noreplace(tmp, model_dir / str(version))
-            return version
-        except FileExistsError:  # a racing export (or a person) took this number: the next one
-            version = max(version + 1, next_version(model_dir))
-    raise ExportError(f"{model_dir}: no free version number after {attempts} tries")
-
-
-@functools.lru_cache(maxsize=None)
-def _renameat2() -> Optional[Any]:
-    """libc's renameat2 (Linux, glibc 2.28+), or None."""
-    try:
-        function = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _exchange(a: Path, b: Path) -> None:
-    """Swaps the folders ``a`` and ``b`` (same filesystem): atomic with renameat2(RENAME_EXCHANGE); where the
-    OS or filesystem lacks it, ``b`` is renamed aside first, so it is missing only between two renames."""
-    renameat2 = _renameat2()
-    if renameat2 is not None:
-        at_fdcwd, rename_exchange = -100, 2
-        if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), str(b))
-    aside = a.with_name(a.name + "-old")
-    os.rename(b, aside)
-    os.rename(a, b)
-    os.rename(aside, a)
-
-
-def _rename_noreplace(src: Path, dst: Path) -> None:
-    """Renames ``src`` to ``dst``; FileExistsError if ``dst`` exists, even as an empty folder (which a
-    plain rename would replace). Atomic with renameat2(RENAME_NOREPLACE); where the OS or filesystem
-    lacks it, a check before the rename (a non-empty folder still makes the rename itself fail)."""
-    renameat2 = _renameat2()
-    if renameat2 is not None:
-        at_fdcwd, rename_noreplace = -100, 1
-        if renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), rename_noreplace) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # EINVAL: this filesystem lacks the flag
-            raise OSError(err, os.strerror(err), str(dst))  # EEXIST is a FileExistsError
-    if os.path.lexists(dst):
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    try:
-        os.rename(src, dst)
-    except OSError as e:
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst)) from e
-        raise
 
 
 def _wants_aoti(config: ExportConfig) -> bool:

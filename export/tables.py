@@ -1,4 +1,6 @@
-"""The tables file: each table's quantized rows stored once, page-aligned, mapped at load.
+"""The tables file written and mapped (torch): each table's quantized rows stored once, page-aligned, mapped at load.
+Its description in the manifest (``TablesSpec``, its layout rules, the pinned copy) is the contract's:
+recship.contract.tables.
 
 An artifact of format ``recship.artifact/2`` keeps its large tensors in ``tables.bin``:
 every ``FlatTBE``'s rows (``weights``, and ``weights_uvm`` where tables are placed in
@@ -34,182 +36,20 @@ import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 
+from recship.contract.tables import ALIGN, PINNED_NAME, TABLES_FILE, Segment, TableTensor, TablesError, TablesSpec, span
 from recship.oserrors import label, no_space
 
-TABLES_FILE = "tables.bin"
-ALIGN = 4096
-PINNED_NAME = "recship/tables.json"  # inside model.pt (an extra file) and model.pt2 (an extra archive entry)
+# the dtypes' torch types (the contract names them, with their sizes: recship.contract.tables.DTYPE_SIZES)
 DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64, "float32": torch.float32,
           "float16": torch.float16, "bfloat16": torch.bfloat16, "bool": torch.bool}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 # fbgemm's EmbeddingLocation: DEVICE 0 and HOST 3 rows live in ``weights``, MANAGED 1 / MANAGED_CACHING 2 in ``weights_uvm``
 _UVM_PLACEMENTS = (1, 2)
-
-
-class TablesError(ValueError):
-    """A missing, truncated or corrupt tables file; the message names the table."""
-
-
-@dataclass
-class Segment:
-    """Bytes [offset, offset + bytes) of one tensor (offset relative to the tensor): one table's
-    rows (``rows`` of ``row_bytes``, padding included) or a whole dense constant."""
-
-    name: str
-    offset: int
-    bytes: int
-    sha256: str
-    rows: Optional[int] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"name": self.name, "offset": self.offset, "bytes": self.bytes, "sha256": self.sha256}
-        if self.rows is not None:
-            out["rows"] = self.rows
-        return out
-
-
-@dataclass
-class TableTensor:
-    """One tensor of the tables file: at byte ``offset`` of the file, ``dtype`` [``shape``] with ``stride``.
-    ``torchscript``: the model.pt buffer it fills (a dotted module path), ``aoti``: the model.pt2
-    constant it is (its fqn); either may be None."""
-
-    name: str
-    dtype: str
-    shape: List[int]
-    stride: List[int]
-    offset: int
-    bytes: int
-    segments: List[Segment]
-    torchscript: Optional[str] = None
-    aoti: Optional[str] = None
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "stride": list(self.stride),
-                "offset": self.offset, "bytes": self.bytes, "torchscript": self.torchscript, "aoti": self.aoti,
-                "segments": [s.to_dict() for s in self.segments]}
-
-    def key(self) -> Tuple[Any, ...]:
-        """What makes two tensors interchangeable: their layout and every segment's checksum."""
-        return (self.dtype, tuple(self.shape), tuple(self.stride), tuple((s.offset, s.bytes, s.sha256) for s in self.segments))
-
-
-@dataclass
-class TablesSpec:
-    """The manifest's ``tables``: the file and its tensors."""
-
-    file: str
-    bytes: int
-    tensors: List[TableTensor] = field(default_factory=list)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return {"file": self.file, "bytes": self.bytes, "tensors": [t.to_dict() for t in self.tensors]}
-
-    def pinned(self) -> str:
-        """The copy model.pt / model.pt2 carry (canonical JSON)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-
-    @staticmethod
-    def from_dict(d: Dict[str, Any]) -> "TablesSpec":
-        """Assumes ``check_spec`` passed."""
-        return TablesSpec(d["file"], d["bytes"], [
-            TableTensor(t["name"], t["dtype"], list(t["shape"]), list(t["stride"]), t["offset"], t["bytes"],
-                        [Segment(s["name"], s["offset"], s["bytes"], s["sha256"], s.get("rows")) for s in t["segments"]],
-                        t.get("torchscript"), t.get("aoti"))
-            for t in d["tensors"]
-        ])
-
-
-def check_spec(spec: Any, fail: Any) -> None:
-    """Calls ``fail(message)`` (which raises) unless ``spec`` is a well-formed manifest ``tables``: every
-    tensor inside the file, aligned, not overlapping another, its segments covering it exactly. A field
-    that is absent "is missing" (the C++ loader's parse_spec says the same words)."""
-
-    def integer(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-    def present(obj: Dict[str, Any], key: str, where: str) -> None:
-        if key not in obj:
-            fail(f"{where}{key} is missing")
-
-    if not isinstance(spec, dict):
-        fail("tables must be an object")
-    for key in ("file", "bytes", "tensors"):
-        present(spec, key, "tables.")
-    if spec.get("file") != TABLES_FILE:
-        fail(f"tables.file must be {TABLES_FILE!r}")
-    if not integer(spec.get("bytes")):
-        fail("tables.bytes must be an integer >= 0")
-    tensors = spec.get("tensors")
-    if not isinstance(tensors, list):
-        fail("tables.tensors must be a list")
-    end = 0
-    names = set()
-    for i, t in enumerate(tensors):
-        where = f"tables.tensors[{i}]"
-        if not isinstance(t, dict):
-            fail(f"{where} must be an object")
-        for key in ("name", "dtype", "shape", "stride", "offset", "bytes", "torchscript", "aoti", "segments"):
-            present(t, key, where + ".")
-        if not isinstance(t.get("name"), str) or t["name"] in names:
-            fail(f"{where}.name must be a string, unique")
-        names.add(t["name"])
-        if t.get("dtype") not in DTYPES:
-            fail(f"{where}.dtype must be one of {sorted(DTYPES)}")
-        for key in ("shape", "stride"):
-            if not (isinstance(t.get(key), list) and all(map(integer, t[key]))):
-                fail(f"{where}.{key} must be a list of sizes")
-        if len(t["shape"]) != len(t["stride"]):
-            fail(f"{where}.stride must have one entry per dimension of its shape")
-        for key in ("offset", "bytes"):
-            if not integer(t.get(key)):
-                fail(f"{where}.{key} must be an integer >= 0")
-        item = torch.empty((), dtype=DTYPES[t["dtype"]]).element_size()
-        if t["bytes"] != item * _span(t["shape"], t["stride"]):
-            fail(f"{where}.bytes must be the bytes its shape and stride span")
-        if t["offset"] % ALIGN or t["offset"] < end or t["offset"] + t["bytes"] > spec["bytes"]:
-            fail(f"{where}.offset must be a multiple of {ALIGN}, after the tensor before it and inside the file")
-        end = t["offset"] + t["bytes"]
-        for key in ("torchscript", "aoti"):
-            if key not in t or not (t[key] is None or isinstance(t[key], str)):
-                fail(f"{where}.{key} must be a string or null")
-        segments = t.get("segments")
-        if not isinstance(segments, list):
-            fail(f"{where}.segments must be a list")
-        at = 0
-        for j, s in enumerate(segments):
-            at_where = f"{where}.segments[{j}]"
-            if not isinstance(s, dict):
-                fail(f"{at_where} must be an object")
-            for key in ("name", "offset", "bytes", "sha256"):
-                present(s, key, at_where + ".")
-            if not isinstance(s.get("name"), str):
-                fail(f"{at_where}.name must be a string")
-            for key in ("offset", "bytes"):
-                if not integer(s.get(key)):
-                    fail(f"{at_where}.{key} must be an integer >= 0")
-            if not (isinstance(s.get("sha256"), str) and len(s["sha256"]) == 64 and all(c in "0123456789abcdef" for c in s["sha256"])):
-                fail(f"{at_where}.sha256 must be 64 lowercase hex digits")
-            if s.get("rows") is not None and not integer(s["rows"]):
-                fail(f"{at_where}.rows must be an integer >= 0")
-            if s["offset"] != at:
-                fail(f"{at_where}.offset must be {at}, where the segment before it ends")
-            at += s["bytes"]
-        if at != t["bytes"]:
-            fail(f"{where}.segments must cover its {t['bytes']} bytes exactly")
-
-
-def _span(shape: List[int], stride: List[int]) -> int:
-    """Elements a tensor of ``shape`` and ``stride`` reaches (0 if empty)."""
-    if any(s == 0 for s in shape):
-        return 0
-    return 1 + sum((n - 1) * s for n, s in zip(shape, stride))
 
 
 def _flat_tbes(module: torch.nn.Module) -> Iterable[Tuple[str, Any]]:
@@ -278,7 +118,7 @@ class StagedTables:
         """The file offset of a CPU tensor that spans exactly one whole region, else None."""
         if t.device.type != "cpu":
             return None
-        nbytes = t.element_size() * _span(list(t.shape), list(t.stride()))
+        nbytes = t.element_size() * span(list(t.shape), list(t.stride()))
         for address, size, offset in self._regions:
             if t.data_ptr() == address and nbytes == size:
                 return offset
@@ -328,7 +168,7 @@ class TablesWriter:
         if t.dtype not in _DTYPE_NAMES:
             raise TablesError(f"{name}: dtype {t.dtype} cannot go into the tables file")
         entry = TableTensor(name, _DTYPE_NAMES[t.dtype], list(t.shape), list(t.stride()), 0,
-                            t.element_size() * _span(list(t.shape), list(t.stride())), [])
+                            t.element_size() * span(list(t.shape), list(t.stride())), [])
         self._tensors.append((entry, t, parts))
         self._by_storage[self._identity(t)] = entry
         return entry
@@ -352,9 +192,9 @@ class TablesWriter:
         for fqn, t in constants.items():
             entry = self._by_storage.get(self._identity(t))
             if entry is None:
-                entry = self._add(fqn, t, [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
+                entry = self._add(fqn, t, [(fqn, 0, t.element_size() * span(list(t.shape), list(t.stride())), None)])
             if entry.aoti is not None:  # one tensor serving as two constants: store it again under the second name
-                entry = self._add(fqn, t.clone(), [(fqn, 0, t.element_size() * _span(list(t.shape), list(t.stride())), None)])
+                entry = self._add(fqn, t.clone(), [(fqn, 0, t.element_size() * span(list(t.shape), list(t.stride())), None)])
             entry.aoti = fqn
 
     def write(self, folder: Path, staged: Optional[StagedTables] = None) -> TablesSpec:
@@ -415,8 +255,8 @@ def _raw(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    span = _span(list(t.shape), list(t.stride()))
-    flat = torch.as_strided(t, (span,), (1,)) if span else t.reshape(0)
+    reach = span(list(t.shape), list(t.stride()))
+    flat = torch.as_strided(t, (reach,), (1,)) if reach else t.reshape(0)
     return flat.contiguous().view(torch.uint8).numpy().data.cast("B")
 
 
@@ -586,8 +426,8 @@ def unowned(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         if t.device.type != "cpu" or t.numel() == 0:
             out[name] = t
             continue
-        span = t.element_size() * _span(list(t.shape), list(t.stride()))
-        raw = np.ctypeslib.as_array((ctypes.c_uint8 * span).from_address(t.data_ptr()))
+        nbytes = t.element_size() * span(list(t.shape), list(t.stride()))
+        raw = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(t.data_ptr()))
         out[name] = torch.as_strided(torch.from_numpy(raw).view(t.dtype), t.shape, t.stride())
     return out
 
@@ -600,30 +440,3 @@ def pin_pt2(path: Path, spec: TablesSpec) -> None:
     with zipfile.ZipFile(path, "a") as archive:
         root = archive.namelist()[0].split("/", 1)[0]
         archive.writestr(f"{root}/extra/{PINNED_NAME}", spec.pinned())
-
-
-def pt2_pinned(data: bytes) -> Optional[str]:
-    """The tables spec a model file's bytes carry, or None: model.pt2's ``pin_pt2`` entry, or model.pt's extra
-    file (torch.jit.save stores it as ``<root>/extra/PINNED_NAME`` too)."""
-    import io
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            name = next((n for n in z.namelist() if n.endswith("/extra/" + PINNED_NAME)), None)
-            return None if name is None else z.read(name).decode()
-    except (zipfile.BadZipFile, UnicodeDecodeError):
-        return None
-
-
-def check_pinned(pinned: Optional[str], spec: TablesSpec, file: str) -> None:
-    """The model file's copy of the tables spec must equal the manifest's (so a trusted model file pins the tables)."""
-    if pinned is None or not pinned.strip():
-        raise TablesError(f"{file} does not say which tables it was exported with ({PINNED_NAME} is missing)")
-    try:
-        theirs = json.loads(pinned)
-    except ValueError:
-        raise TablesError(f"{file}: its {PINNED_NAME} is not valid JSON") from None
-    if theirs != json.loads(spec.pinned()):
-        raise TablesError(f"{file} was exported with other tables than manifest.json describes: "
-                          "the manifest or tables.bin belongs to another artifact")

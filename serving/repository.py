@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from recship.export.artifact import ArtifactError, Manifest, open_artifact
-from recship.names import MODEL_NAME, VERSION_NAME
+from recship.contract.manifest import ArtifactError, Manifest
+from recship.contract.repository import MODEL_NAME, VERSION_NAME, version_folders
+from recship.export.artifact import open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
@@ -413,15 +414,9 @@ class ModelRepository:
         settings = self._model_settings(name, model_dir)
         if settings is None:  # a bad config.yaml and no good one before it: nothing of this model serves
             return
-        versions = []
-        for entry in model_dir.iterdir():
-            if not entry.is_dir() or entry.name.startswith("."):  # hidden: a version being written (recship export --repo)
-                continue
-            if VERSION_NAME.fullmatch(entry.name):
-                versions.append((int(entry.name), entry))
-            else:
-                self._refuse(name, entry.name, None, "version folders are named by a number (ASCII digits)")
-        versions.sort(reverse=True)
+        versions, others = version_folders(model_dir)  # hidden folders (a version being written) are neither
+        for other in others:
+            self._refuse(name, other, None, "version folders are named by a number (ASCII digits)")
         with self._lock:
             current = dict(self._serving.get(name, {}))
         present = {v for v, _ in versions}

@@ -1,5 +1,6 @@
-// The manifest of an artifact checked as export/manifest.py check_manifest checks it, with its words (the field
-// named, "is missing", "must be int, got str"), and the Python-style formatting its messages share with model.cpp.
+// The manifest of an artifact checked as recship/contract checks it: recship/contract/manifest.schema.json (interpreted
+// by schema.cpp), then the rules between fields (recship/contract/rules.py), in the same order and words; and the
+// Python-style formatting its messages share with model.cpp.
 #pragma once
 
 #include <cstdint>
@@ -8,19 +9,17 @@
 #include <type_traits>
 #include <vector>
 
-#include "tables.h"
+#include "schema.h"
+#include "recship/model.h"
 
 namespace recship {
 
-extern const std::string kFormat;    // "recship.artifact/2": the tables in tables.bin (export/tables.py)
-extern const std::string kFormatV1;  // "recship.artifact/1": the tables inside model.pt / model.pt2: still loaded
-// The largest id_bound a feature may have: every int64 id but INT64_MAX (export/manifest.py MAX_ID_BOUND).
-constexpr uint64_t kMaxIdBound = 9223372036854775807ULL;
+// Every way the manifest m breaks the contract: the schema's problems (sorted), or else the first rule it breaks;
+// empty: it keeps the contract. What tests/contract's vectors hold both loaders to.
+std::vector<schema::Problem> contract_problems(const nlohmann::json& m);
 
-// Throws ArtifactError "<file>: <what>" naming the first field that breaks the contract: the required fields of
-// protos/recship/artifact/v1/manifest.schema.json with their JSON types (tests/cpp_loader checks this against the
-// schema), then their values, the sample's tensors as one request of this model, each feature's rows as tables.bin
-// holds its table's, model.pt2's description.
+// Throws ArtifactError "<file>: <what>" naming the first field that breaks the contract (contract_problems), and how
+// many more problems there are.
 void check_manifest(const nlohmann::json& m, const std::string& file);
 
 // Python's repr of a list of ints / of strs: "[4, 13]", "['logit', 'prob']".
@@ -29,7 +28,7 @@ inline std::string py_list(const std::vector<T>& items) {
   std::string out = "[";
   for (size_t i = 0; i < items.size(); ++i) {
     if (i) out += ", ";
-    if constexpr (std::is_same_v<T, std::string>) out += tables::py_repr(items[i]);
+    if constexpr (std::is_same_v<T, std::string>) out += py_repr(items[i]);
     else out += std::to_string(items[i]);
   }
   return out + "]";

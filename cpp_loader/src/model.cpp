@@ -332,7 +332,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   const bool aoti = m.format == "aoti";
   const std::string used = aoti ? "model.pt2" : "model.pt";
   std::optional<tables::Spec> spec;
-  if (m.manifest.contains("tables")) spec = tables::parse_spec(m.manifest["tables"], artifact_dir + "/manifest.json");
+  if (m.manifest.contains("tables")) spec = tables::parse_spec(m.manifest["tables"]);
   // 4. every model file the manifest lists, by sha256, whichever runs: the one that runs (and with tables.bin, the
   // other: its copy of the tables spec is checked too) read whole and loaded from these very bytes
   std::vector<std::pair<std::string, std::string>> files;

@@ -28,8 +28,6 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr int64_t kAlign = 4096;  // export/tables.py ALIGN
-constexpr const char* kTablesFile = "tables.bin";
 constexpr const char* kPinnedName = "recship/tables.json";
 
 struct DType {
@@ -45,13 +43,6 @@ const std::map<std::string, DType>& dtypes() {
       {"bfloat16", {c10::kBFloat16, 2}}, {"bool", {c10::kBool, 1}},
   };
   return map;
-}
-
-// check_spec's integer(): a JSON integer >= 0 (here also one that fits int64: sizes and offsets of a file)
-bool integer(const json& v) {
-  if (!v.is_number_integer()) return false;
-  if (v.is_number_unsigned()) return v.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX);
-  return v.get<int64_t>() >= 0;
 }
 
 // Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
@@ -205,96 +196,37 @@ json Spec::to_json() const {
   return {{"file", file}, {"bytes", bytes}, {"tensors", std::move(tensors_json)}};
 }
 
-Spec parse_spec(const json& spec, const std::string& manifest_file) {
-  auto fail = [&manifest_file](const std::string& what) { throw ArtifactError(manifest_file + ": " + what); };
-  auto present = [&fail](const json& obj, const char* key, const std::string& where) {
-    if (!obj.contains(key)) fail(where + key + " is missing");
-  };
-  if (!spec.is_object()) fail("tables must be an object");
-  Spec out;
-  present(spec, "file", "tables.");
-  if (spec["file"] != kTablesFile) fail(std::string("tables.file must be ") + py_repr(kTablesFile));
-  out.file = kTablesFile;
-  present(spec, "bytes", "tables.");
-  if (!integer(spec["bytes"])) fail("tables.bytes must be an integer >= 0");
-  out.bytes = spec["bytes"].get<int64_t>();
-  present(spec, "tensors", "tables.");
-  if (!spec["tensors"].is_array()) fail("tables.tensors must be a list");
-  std::string dtype_list;  // Python's repr of sorted(DTYPES)
-  for (const auto& [name, _] : dtypes()) dtype_list += (dtype_list.empty() ? "" : ", ") + py_repr(name);
-  int64_t end = 0;
-  std::set<std::string> names;
-  const json& tensors = spec["tensors"];
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const json& t = tensors[i];
-    const std::string where = "tables.tensors[" + std::to_string(i) + "]";
-    if (!t.is_object()) fail(where + " must be an object");
-    present(t, "name", where + ".");
-    if (!t["name"].is_string() || names.count(t["name"].get<std::string>())) fail(where + ".name must be a string, unique");
-    TableTensor entry;
-    entry.name = t["name"].get<std::string>();
-    names.insert(entry.name);
-    present(t, "dtype", where + ".");
-    if (!t["dtype"].is_string() || !dtypes().count(t["dtype"].get<std::string>()))
-      fail(where + ".dtype must be one of [" + dtype_list + "]");
-    entry.dtype = t["dtype"].get<std::string>();
-    for (const char* key : {"shape", "stride"}) {
-      present(t, key, where + ".");
-      bool sizes = t[key].is_array();
-      for (size_t d = 0; sizes && d < t[key].size(); ++d) sizes = integer(t[key][d]);
-      if (!sizes) fail(where + "." + key + " must be a list of sizes");
-    }
-    entry.shape = t["shape"].get<std::vector<int64_t>>();
-    entry.stride = t["stride"].get<std::vector<int64_t>>();
-    if (entry.shape.size() != entry.stride.size()) fail(where + ".stride must have one entry per dimension of its shape");
-    for (const char* key : {"offset", "bytes"}) {
-      present(t, key, where + ".");
-      if (!integer(t[key])) fail(where + "." + key + " must be an integer >= 0");
-    }
-    entry.offset = t["offset"].get<int64_t>();
-    entry.bytes = t["bytes"].get<int64_t>();
-    if (static_cast<unsigned __int128>(entry.bytes) != dtypes().at(entry.dtype).size * span(entry.shape, entry.stride))
-      fail(where + ".bytes must be the bytes its shape and stride span");
-    if (entry.offset % kAlign || entry.offset < end ||
-        static_cast<__int128>(entry.offset) + entry.bytes > static_cast<__int128>(out.bytes))
-      fail(where + ".offset must be a multiple of " + std::to_string(kAlign) + ", after the tensor before it and inside the file");
-    end = entry.offset + entry.bytes;
-    for (const char* key : {"torchscript", "aoti"}) {
-      present(t, key, where + ".");  // required, null where the model file does not take the tensor
-      if (t[key].is_null()) continue;
-      if (!t[key].is_string()) fail(where + "." + key + " must be a string or null");
-      (std::string(key) == "aoti" ? entry.aoti : entry.torchscript) = t[key].get<std::string>();
-    }
-    present(t, "segments", where + ".");
-    if (!t["segments"].is_array()) fail(where + ".segments must be a list");
-    int64_t at = 0;
-    const json& segments = t["segments"];
-    for (size_t j = 0; j < segments.size(); ++j) {
-      const json& s = segments[j];
-      const std::string seg = where + ".segments[" + std::to_string(j) + "]";
-      if (!s.is_object()) fail(seg + " must be an object");
-      present(s, "name", seg + ".");
-      if (!s["name"].is_string()) fail(seg + ".name must be a string");
-      for (const char* key : {"offset", "bytes"}) {
-        present(s, key, seg + ".");
-        if (!integer(s[key])) fail(seg + "." + key + " must be an integer >= 0");
-      }
-      present(s, "sha256", seg + ".");
-      if (!s["sha256"].is_string() || s["sha256"].get_ref<const std::string&>().size() != 64 ||
-          s["sha256"].get_ref<const std::string&>().find_first_not_of("0123456789abcdef") != std::string::npos)
-        fail(seg + ".sha256 must be 64 lowercase hex digits");
-      const bool has_rows = s.contains("rows") && !s["rows"].is_null();
-      if (has_rows && !integer(s["rows"])) fail(seg + ".rows must be an integer >= 0");
-      if (s["offset"].get<int64_t>() != at) fail(seg + ".offset must be " + std::to_string(at) + ", where the segment before it ends");
-      Segment segment{s["name"].get<std::string>(), at, s["bytes"].get<int64_t>(), s["sha256"].get<std::string>(), std::nullopt};
-      if (has_rows) segment.rows = s["rows"].get<int64_t>();
-      if (__builtin_add_overflow(at, segment.bytes, &at)) at = INT64_MAX;  // then it cannot cover the tensor
+Spec parse_spec(const json& spec) {
+  Spec out{spec["file"].get<std::string>(), spec["bytes"].get<int64_t>(), {}};
+  for (const auto& t : spec["tensors"]) {
+    TableTensor entry{t["name"].get<std::string>(), t["dtype"].get<std::string>(), t["shape"].get<std::vector<int64_t>>(),
+                      t["stride"].get<std::vector<int64_t>>(), t["offset"].get<int64_t>(), t["bytes"].get<int64_t>(), {},
+                      std::nullopt, std::nullopt};
+    if (!t["torchscript"].is_null()) entry.torchscript = t["torchscript"].get<std::string>();
+    if (!t["aoti"].is_null()) entry.aoti = t["aoti"].get<std::string>();
+    for (const auto& s : t["segments"]) {
+      Segment segment{s["name"].get<std::string>(), s["offset"].get<int64_t>(), s["bytes"].get<int64_t>(), s["sha256"].get<std::string>(),
+                      std::nullopt};
+      if (s.contains("rows") && !s["rows"].is_null()) segment.rows = s["rows"].get<int64_t>();
       entry.segments.push_back(std::move(segment));
     }
-    if (at != entry.bytes) fail(where + ".segments must cover its " + std::to_string(entry.bytes) + " bytes exactly");
     out.tensors.push_back(std::move(entry));
   }
   return out;
+}
+
+std::pair<std::string, std::optional<int64_t>> split_shard(const std::string& name) {
+  const size_t at = name.rfind('@');
+  if (at == std::string::npos || at + 1 == name.size() || name.size() - at - 1 > 18 ||
+      name.find_first_not_of("0123456789", at + 1) != std::string::npos)
+    return {name, std::nullopt};
+  return {name.substr(0, at), std::stoll(name.substr(at + 1))};
+}
+
+std::pair<std::string, std::string> split_table_name(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos) return {"", name};
+  return {name.substr(0, dot), name.substr(dot + 1)};
 }
 
 std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec& spec) {

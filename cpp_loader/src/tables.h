@@ -1,4 +1,4 @@
-// The tables file of a "recship.artifact/2" artifact (export/tables.py): each table's rows once in tables.bin,
+// The tables file of a "recship.artifact/2" artifact (recship/contract/tables.py, export/tables.py): each table's rows once in tables.bin,
 // page-aligned, described by the manifest's "tables"; mapped copy-on-write at load, each segment's sha256
 // verified in parallel, then handed to model.pt (its empty placeholder buffers) or model.pt2 (its constants).
 // Internal to the loader: messages are export/tables.py's, word for word, where the tests compare them.
@@ -58,9 +58,16 @@ struct Spec {
   nlohmann::json to_json() const;
 };
 
-// The manifest's "tables", checked with export/tables.py check_spec's rules (a field that is absent is "missing",
-// as the rest of the manifest's fields); ArtifactError "<manifest_file>: <what>" names the first problem.
-Spec parse_spec(const nlohmann::json& tables, const std::string& manifest_file);
+// The manifest's "tables", typed: of a manifest check_manifest accepted (manifest.schema.json's fields, rules.py's
+// tables-layout).
+Spec parse_spec(const nlohmann::json& tables);
+
+// (table, block index) of a TBE table's name "<table>@<index>" (recship/contract/tables.py split_shard); no index for a
+// whole table.
+std::pair<std::string, std::optional<int64_t>> split_shard(const std::string& name);
+
+// (module path, table) of a feature's table "<module path>.<table>" (recship/contract/tables.py split_table_name).
+std::pair<std::string, std::string> split_table_name(const std::string& name);
 
 // name -> tensor of every tensor of dir/tables.bin, mapped (MAP_PRIVATE: copy-on-write, never on the heap), every
 // segment's sha256 verified on several threads, unless this process already verified the same file (same device,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from recship.export import ExportConfig, ExportError, export_model
+from recship.contract import repository
 from recship.export import pipeline
 from recship.export.artifact import Manifest
 from recship.serving import PredictClient
@@ -31,11 +32,11 @@ def _config(repo, name="dlrm", **kw):
 
 
 def test_next_version_counts_only_number_folders(tmp_path):
-    assert pipeline.next_version(tmp_path / "absent") == 1
-    assert pipeline.next_version(tmp_path) == 1
+    assert repository.next_version(tmp_path / "absent") == 1
+    assert repository.next_version(tmp_path) == 1
     for name in ["1", "7", "latest", ".version.tmp-0a1b2c3d", ".99", "²", "12a"]:
         (tmp_path / name).mkdir()
-    assert pipeline.next_version(tmp_path) == 8
+    assert repository.next_version(tmp_path) == 8
 
 
 def _finished(tmp_path):
@@ -49,13 +50,13 @@ def _finished(tmp_path):
 @pytest.mark.parametrize("renameat2", [True, False], ids=["renameat2", "check-then-rename"])
 def test_a_number_taken_after_it_was_chosen_is_not_overwritten(tmp_path, monkeypatch, renameat2):
     if not renameat2:
-        monkeypatch.setattr(pipeline, "_renameat2", lambda: None)
-    elif pipeline._renameat2() is None:
+        monkeypatch.setattr(repository, "_renameat2", lambda: None)
+    elif repository._renameat2() is None:
         pytest.skip("no renameat2 here")
     tmp = _finished(tmp_path)
     model_dir = tmp.parent
     (model_dir / "1").mkdir()
-    real, raced = pipeline.next_version, []
+    real, raced = repository.next_version, []
 
     def racing(path):  # once: another export creates the chosen folder (empty, even) before this one renames
         version = real(path)
@@ -64,16 +65,16 @@ def test_a_number_taken_after_it_was_chosen_is_not_overwritten(tmp_path, monkeyp
             (path / str(version)).mkdir()
         return version
 
-    monkeypatch.setattr(pipeline, "next_version", racing)
+    monkeypatch.setattr(repository, "next_version", racing)
     stamped = []
-    assert pipeline.publish_version(tmp, model_dir, stamped.append) == 3
+    assert repository.publish_version(tmp, model_dir, stamped.append) == 3
     assert stamped == [2, 3]  # the manifest is rewritten for the number it finally gets
     assert list((model_dir / "2").iterdir()) == []  # the other export's folder is untouched
     assert (model_dir / "3" / "manifest.json").is_file() and not tmp.exists()
 
 
 def test_a_folder_appearing_between_the_check_and_the_rename(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "_renameat2", lambda: None)  # the fallback: the rename itself must fail
+    monkeypatch.setattr(repository, "_renameat2", lambda: None)  # the fallback: the rename itself must fail
     tmp = _finished(tmp_path)
     model_dir = tmp.parent
     real_rename, calls = os.rename, []
@@ -86,7 +87,7 @@ def test_a_folder_appearing_between_the_check_and_the_rename(tmp_path, monkeypat
         return real_rename(src, dst)
 
     monkeypatch.setattr(os, "rename", rename)
-    assert pipeline.publish_version(tmp, model_dir) == 2
+    assert repository.publish_version(tmp, model_dir) == 2
     assert calls == ["1", "2"] and (model_dir / "1" / "manifest.json").stat().st_size == 0
 
 
@@ -193,11 +194,11 @@ def test_an_export_removes_what_a_killed_export_left(tmp_path):
 @pytest.mark.parametrize("atomic", [True, False], ids=["renameat2", "fallback"])
 def test_exchange_swaps_two_folders(tmp_path, monkeypatch, atomic):
     if not atomic:
-        monkeypatch.setattr(pipeline, "_renameat2", lambda: None)
+        monkeypatch.setattr(repository, "_renameat2", lambda: None)
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "which").write_text(name)
-    pipeline._exchange(tmp_path / "a", tmp_path / "b")
+    repository.exchange(tmp_path / "a", tmp_path / "b")
     assert [(tmp_path / n / "which").read_text() for n in ("a", "b")] == ["b", "a"]
     assert sorted(os.listdir(tmp_path)) == ["a", "b"]
 
