@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from recship.contract import Shard
+from recship.contract.tables import split_table_name, table_name
 from recship.export.artifact import MAX_ID_BOUND, ModelFields, ModelInfo, Sharding, SparseFeature
 from recship.export.config import ExportConfig, ExportError, expand_id_policy
 from recship.export.model import ExportedModule, PooledEmbeddings, StageError, build_kjt, served_outputs, trace_and_script
@@ -323,7 +324,7 @@ class _Prepared:
     def qualified(self, path: str, table: str) -> str:
         """A table's manifest name, ``<collection path>.<table>`` (a bare EBC's tables keep their own names)."""
         path = path[len(PooledEmbeddings.PATH):].lstrip(".") if self.bare else path
-        return f"{path}.{table}" if path else table
+        return table_name(path, table)
 
 
 def _prepare(module: nn.Module, config: ExportConfig, owned: bool, data_seed: Optional[int],
@@ -359,7 +360,7 @@ def _prepare(module: nn.Module, config: ExportConfig, owned: bool, data_seed: Op
         raise ExportError(f"features {remapped} are remapped by managed-collision modules: their raw ids take the id policy "
                           "'reject' (ids outside the module's input range are refused), not 'modulo'")
     held = {(path, t.name) for path, t in spec["tables"]}
-    unknown = sorted(set(config.table_dtypes) - {t for _, t in held} - {f"{path}.{t}" for path, t in held})
+    unknown = sorted(set(config.table_dtypes) - {t for _, t in held} - {table_name(path, t) for path, t in held})
     if unknown:
         raise ExportError(f"--table-dtype names tables the model does not have: {unknown}")
     validation, data = _validation_batches(spec, config, data_seed)
@@ -479,12 +480,12 @@ def _fields(prepared: _Prepared, quantized: _Quantized, validation: Dict[str, An
     types = {t.table: t.data_type for t in report.tables}  # named "<path>.<table>" by quantize_embeddings
     features = []
     for f, path, t, pooling, weighted in spec["features"]:
-        key = f"{path}.{t.name}" if path else t.name
+        key = table_name(path, t.name)
         features.append(SparseFeature(f, prepared.qualified(path, t.name), pooling, t.embedding_dim, t.num_embeddings,
                                       types[key], config.id_policy.get(f, "reject"), weighted, prepared.bounds.get(f)))
     shards: List[Shard] = [dataclasses.replace(s, table=prepared.qualified(path, table))
                            for path, plan in quantized.plans.items() for table, table_shards in plan.items() for s in table_shards]
-    tables = [dataclasses.replace(t, table=prepared.qualified(*t.table.rpartition(".")[::2])) for t in report.tables]
+    tables = [dataclasses.replace(t, table=prepared.qualified(*split_table_name(t.table))) for t in report.tables]
     report = dataclasses.replace(report, tables=tables)
     entry_point = {"model": config.model, "args": config.model_args} if config.model else None
     user = prepared.module.collection if prepared.bare else prepared.module

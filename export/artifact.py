@@ -133,14 +133,9 @@ def open_artifact(
 ) -> Tuple[Any, Manifest]:
     """(the model, Manifest), the artifact verified as a unit first; with ``check``, its sample runs too.
 
-    In this order, each failure an ArtifactError naming the file (and the C++ loader's Model::load
-    keeps the same order and words): manifest.json (with ``trusted``, its sha256 must be listed; then
-    its structure); the torch and fbgemm_gpu it was built with; model.pt and model.pt2 (where the
-    manifest lists one) by sha256, whichever of them loads; tables.bin (size, then every table's
-    sha256); each model file's copy of the tables spec; with ``check``, the sample files (``read_sample``);
-    the fbgemm op libraries it names.
-    Only then does the model load, from the very bytes that were hashed (a file swapped after the
-    check cannot slip in), and with ``check`` run the sample (``self_check``).
+    In the contract's open order (recship/contract/__init__.py, steps 1-8: the C++ loader's Model::load keeps the
+    same), each failure an ArtifactError naming the file. The model loads from the very bytes that were hashed (a
+    file swapped after the check cannot slip in).
 
     ``format``: "torchscript" loads model.pt; "aoti" loads model.pt2 (ArtifactError if the
     artifact has none, or this CPU or torch cannot run it); "auto" loads model.pt2 where the
@@ -155,16 +150,17 @@ def open_artifact(
     if format not in FORMATS:
         raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
     path = Path(path)
-    manifest = Manifest.read(path, trusted)
+    manifest = Manifest.read(path, trusted)  # 1-2: the contract's open order (recship/contract/__init__.py)
     _check_versions(path, manifest)
     if manifest.model_sha256 is None and format == "torchscript":
         raise ArtifactError(f"{path} has no model.pt: TorchScript could not compile this model at export, its program is "
                             "model.pt2 (load it with format auto or aoti)")
+    # 3. which model file runs
     aoti = format == "aoti" or (format == "auto" and manifest.aoti is not None
                                 and (manifest.model_sha256 is None or aoti_runs_here(manifest)[0]))
     if aoti:
         _aoti_runs_or_fail(path, manifest)
-    # every model file the manifest lists, whichever loads: a version is refused as a unit
+    # 4. every model file the manifest lists, whichever loads: a version is refused as a unit
     files = {**({"model.pt": manifest.model_sha256} if manifest.model_sha256 is not None else {}),
              **({manifest.aoti.file: manifest.aoti.sha256} if manifest.aoti else {})}
     used = manifest.aoti.file if aoti and manifest.aoti is not None else "model.pt"
@@ -173,12 +169,12 @@ def open_artifact(
     try:
         tables: Dict[str, torch.Tensor] = {}
         if manifest.tables is not None:
-            # verified (or shared with a loaded version whose tables are equal); then each model file's pinned copy
+            # 5. verified (or shared with a loaded version whose tables are equal); 6. each model file's pinned copy
             tables = map_tables(path, manifest.tables)
             for name in files:
                 check_pinned(pt2_pinned(data[name] or b""), manifest.tables, f"{path}/{name}")
-        sample = read_sample(path, manifest) if check else None
-        _check_op_libraries(path, manifest)
+        sample = read_sample(path, manifest) if check else None  # 7.
+        _check_op_libraries(path, manifest)  # 8., then the model and its sample run
         program = data[used]
         assert program is not None  # kept: it loads
         data.clear()

@@ -36,7 +36,7 @@ from torch import nn
 
 from recship.contract.manifest import AotiSpec, Manifest, ModelFields, Versions, file_sha256
 from recship.contract.repository import RepositoryError, exchange, next_version, publish_version
-from recship.contract.tables import PINNED_NAME, TABLES_FILE, TablesSpec
+from recship.contract.tables import PINNED_NAME, TABLES_FILE, TablesSpec, table_name
 from recship.export.any_model import export_any_model
 from recship.export.artifact import write_sample
 from recship.export.blocks import run_in_blocks
@@ -102,11 +102,11 @@ def _module_from_checkpoint(
     for key, t in built.items():
         cfg = saved.get(key)
         if cfg is None:
-            raise ExportError(f"{path} has no table {key[0]}/{key[1]}, which {entry} builds")
+            raise ExportError(f"{path} has no table {table_name(*key)}, which {entry} builds")
         if (cfg.num_embeddings, cfg.embedding_dim) != (t.num_embeddings, t.embedding_dim):
-            raise ExportError(f"{path}: table {key[0]}/{key[1]} is {cfg.num_embeddings} x {cfg.embedding_dim}, "
+            raise ExportError(f"{path}: table {table_name(*key)} is {cfg.num_embeddings} x {cfg.embedding_dim}, "
                               f"{entry} builds {t.num_embeddings} x {t.embedding_dim}")
-    extra = sorted(f"{mpath}/{name}" for mpath, name in saved if (mpath, name) not in built)
+    extra = sorted(table_name(mpath, name) for mpath, name in saved if (mpath, name) not in built)
     if extra:
         raise ExportError(f"{path} has tables {entry} does not build: {extra[:5]}")
     # the dense part (EmbeddingCollections included) is allocated and loaded; the EBC tables stay

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 import torch
 from torch import nn
 
+from recship.contract.tables import split_shard
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
 from recship.quantize.modules import PRUNING_ATTR, REGISTER_TBES_ATTR, QuantEmbeddingBagCollection, QuantEmbeddingCollection
 from recship.quantize.quantizer import QuantConfig, check_output_dtype
@@ -212,8 +213,8 @@ def _block_weights(name: str, current: torch.Tensor, table_to_weight: Dict[str, 
     part of a table (row- or column-wise) is a ValueError: its rows are a slice the whole table's weights do not give."""
     if name in table_to_weight:
         return table_to_weight[name]
-    table, sep, index = name.rpartition("@")
-    if not (sep and index.isdigit() and table in table_to_weight):
+    table, index = split_shard(name)
+    if index is None or table not in table_to_weight:
         return None
     weights = table_to_weight[table]
     if tuple(weights[0].shape) != tuple(current.shape):

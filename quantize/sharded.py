@@ -26,6 +26,7 @@ from recship.quantize.tbe import LookupGroup, LookupLayout, QuantTables, check_i
 from recship.quantize.quantizer import BlockView, HostRows
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.contract import Shard
+from recship.contract.tables import shard_name
 from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.modules.embedding_modules import get_embedding_names_by_table
 from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
@@ -44,7 +45,7 @@ class InferenceShard(Shard):
     @property
     def name(self) -> str:
         """The block's table (and its features' suffix) inside its device's module."""
-        return f"{self.table}@{self.index}"
+        return shard_name(self.table, self.index)
 
 
 def plan_inference_shards(

@@ -256,8 +256,8 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   if (options.format != "auto" && options.format != "torchscript" && options.format != "aoti")
     throw Error("LoadOptions::format must be auto, torchscript or aoti, got '" + options.format + "'");
   m.max_batch_size = options.max_batch_size;
-  // The artifact is verified as a unit before any of it runs, in export/artifact.py open_artifact's order and
-  // words. 1. manifest.json: its sha256 (the allow-list pins manifests), then its fields.
+  // The artifact is verified as a unit before any of it runs, in the contract's open order (recship/contract/__init__.py).
+  // 1. manifest.json: its sha256 (the allow-list pins manifests), then the contract.
   const std::optional<std::string> raw = read_bytes(artifact_dir + "/manifest.json");
   if (!raw) {
     if (missing(errno)) throw ArtifactError(artifact_dir + ": not an artifact (manifest.json is missing)");
@@ -367,7 +367,7 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   // 7. the sample: every file's size, a valid request, finite outputs
   std::optional<Sample> sample;
   if (options.self_check) sample = m.read_sample();
-  // then the model, from the verified bytes
+  // 8. the op libraries, then the model from the verified bytes
   std::string model_bytes = std::move(bytes[used]);
   bytes.clear();
   for (const auto& lib : m.manifest["op_libraries"]) {

@@ -76,7 +76,7 @@ struct Mapping {
   }
 };
 
-// Tensors mapped and verified in this process, by their key (TableTensor.key() in export/tables.py): a version
+// Tensors mapped and verified in this process, by their key (TableTensor.key() in recship/contract/tables.py): a version
 // whose tables equal those of a live one takes them from its mapping once its own file has verified.
 struct Live {
   std::weak_ptr<Mapping> mapping;

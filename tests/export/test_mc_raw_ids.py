@@ -1,4 +1,4 @@
-"""A served managed-collision model takes its raw ids: the manifest's ``id_bound`` (export/manifest.py SparseFeature).
+"""A served managed-collision model takes its raw ids: the manifest's ``id_bound`` (recship/contract/manifest.py SparseFeature).
 
 A ranker whose user ids are remapped by a sorted-ids module with input_hash_size 2**40 and whose item ids by one with
 TorchRec's default range (2**63 - 1) is profiled on raw ids drawn from those ranges (slots go to ids far above its

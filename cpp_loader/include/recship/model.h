@@ -87,13 +87,11 @@ void set_intra_op_threads(int threads);
 
 class Model {
  public:
-  // Verifies the artifact as a unit, then loads it, in export/artifact.py open_artifact's order and words (an
-  // ArtifactError names the file): manifest.json (LoadOptions::trusted, then its fields), the torch / fbgemm_gpu it
-  // was built with, model.pt and model.pt2 (where listed) by sha256 whichever runs, tables.bin (format
-  // recship.artifact/2: mapped copy-on-write, every table's sha256; a format 1 artifact keeps its tables inside the
-  // model file), each model file's copy of the tables spec, the sample files (sizes, a valid request, finite
-  // outputs); then loads the op libraries and the model (LoadOptions::format) from the verified bytes with the
-  // mapped tables and (by default) runs the sample self-check. The tables stay mapped while the Model lives.
+  // Verifies the artifact as a unit, then loads it, in the artifact contract's open order (recship/contract/__init__.py,
+  // steps 1-8, which Python's open_artifact keeps too), each failure an ArtifactError naming the file in the same
+  // words; the model (LoadOptions::format) loads from the verified bytes with tables.bin mapped copy-on-write (a
+  // format 1 artifact keeps its tables inside the model file), then (by default) runs the sample self-check. The
+  // tables stay mapped while the Model lives.
   static std::unique_ptr<Model> load(const std::string& artifact_dir, const LoadOptions& options = {});
   ~Model();
 
