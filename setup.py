@@ -8,7 +8,7 @@ the package as recship/_cpp (bin/, lib/, include/, lib/cmake/recship/), where re
     RECSHIP_BUILD_CPP=front  the same, and the build fails where recship_front cannot be built (the Docker image)
     unset or 0               no C++ (a pure wheel; a source checkout builds cpp_loader/ on first use)
 
-It needs torch, fbgemm_gpu and nlohmann-json importable (``pip wheel --no-build-isolation``), cmake >= 3.18 and a
+It needs torch, fbgemm_gpu and nlohmann-json importable (``pip wheel --no-build-isolation``), cmake >= 3.19 and a
 C++17 compiler. An editable install never builds it: there recship.native builds cpp_loader/ when first asked.
 """
 

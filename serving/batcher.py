@@ -26,9 +26,8 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 import torch
 
-from recship.serving import refusals
+from recship.serving import rules
 from recship.serving.requests import ParsedRequest
-from recship.serving.settings import DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +89,9 @@ class Batcher:
     def __init__(
         self,
         model,
-        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        max_batch_size: int = rules.DEFAULT_MAX_BATCH_SIZE,
         max_delay_s: float = 0.0,
-        max_queue: int = DEFAULT_MAX_QUEUE,
+        max_queue: int = rules.DEFAULT_MAX_QUEUE,
         observe: Optional[Callable[[int, List[float], float], None]] = None,
         name: str = "model",
         device: str = "cpu",
@@ -140,7 +139,7 @@ class Batcher:
             if self._stopping:
                 raise Unloaded("the model version is being unloaded")
             if self._queue.qsize() >= self.max_queue:
-                raise QueueFull(refusals.QUEUE_FULL.format(max_queue=self.max_queue))
+                raise QueueFull(rules.QUEUE_FULL.say(max_queue=self.max_queue))
             self._queue.put_nowait(item)
         return item.future
 
@@ -225,7 +224,7 @@ class Batcher:
         live = []
         for item in batch:
             if item.expired(now):
-                item.fail(DeadlineExpired(refusals.DEADLINE_QUEUED))
+                item.fail(DeadlineExpired(rules.DEADLINE.say()))
             elif item.future.set_running_or_notify_cancel():  # False: the caller cancelled it
                 live.append(item)
         if not live:

@@ -21,9 +21,9 @@ from typing import Optional
 
 import numpy as np
 
-from recship.serving import json_tensors, wire
+from recship.serving import json_tensors, rules, wire
 
-TENSOR_COPIES = 8  # a request's decoded tensors at its peak: its arrays, the merged batch (3.25), the model's (measured)
+TENSOR_COPIES = rules.TENSOR_COPIES  # a request's decoded tensors at its peak: its arrays, the merged batch (3.25), the model's (measured)
 VALUE_BYTES = 8  # a decoded varint (int64 ids; int32 lengths take 4, counted as 8)
 _CHUNK = 1 << 20  # bytes counted at a time (numpy's comparison makes a bool per byte)
 _MAX_FIELDS = 64  # past this many fields, a contents message is values encoded one field each (unpacked): bounded

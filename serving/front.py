@@ -25,12 +25,15 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+from recship.serving import rules
+
 if TYPE_CHECKING:
     from recship.serving.metrics import ModelStats
     from recship.serving.repository import ServedVersion
 
 log = logging.getLogger("recship.serving")
 _front_log = logging.getLogger("recship.front")
+_LINE_FIELDS = ("method", "model", "version", "status")  # a front log line's fields (log.cpp), a Python record's extra
 
 
 class FrontError(RuntimeError):
@@ -50,34 +53,29 @@ def build_front() -> Path:
         raise FrontError(str(e)) from None
 
 
+FRONT_REFUSALS = ("cancelled", "deadline", "queue_full", "overloaded", "internal")  # the refusals the C++ front makes itself
+
+
 def front_tables() -> Dict[str, Any]:
-    """What the C++ front counts and says as the Python server does, taken from the Python definitions and sent to
-    it at start (``--tables``; the front has no copy of its own, cpp_loader/tools/front/tables.h): the histograms'
-    buckets (``metrics.py``), the sampled log's interval and each outcome's status name (``inference.py``), the
-    gRPC code of each refusal (``grpc_status.py``) and its message template (``refusals.py``)."""
+    """What the C++ front counts and says as the Python server does, sent to it at start (``--tables``; the front has
+    no copy of its own, cpp_loader/tools/front/tables.h): the serving rules' (``rules.py``) histogram buckets, sampled
+    log, and the refusals it makes itself with the gRPC code and status name of each (``grpc_status.py``)."""
     import grpc
 
-    from recship.serving import refusals
     from recship.serving.grpc_status import CODES
-    from recship.serving.inference import LOG_INTERVAL_S, ErrorKind, SampledLog
-    from recship.serving.metrics import BATCH_BUCKETS, LATENCY_BUCKETS
+    from recship.serving.inference import ErrorKind, SampledLog
 
-    def refusal(kind: ErrorKind, message: str) -> Dict[str, Any]:
-        return {"code": CODES[kind].value[0], "status": kind.label, "message": message}
+    def refusal(key: str) -> Dict[str, Any]:
+        kind = ErrorKind[rules.REFUSALS[key].kind]
+        return {"code": CODES[kind].value[0], "status": kind.label, "message": rules.REFUSALS[key].message}
 
     return {
-        "latency_buckets": list(LATENCY_BUCKETS),
-        "batch_buckets": list(BATCH_BUCKETS),
-        "log_interval_s": LOG_INTERVAL_S,
+        "latency_buckets": list(rules.LATENCY_BUCKETS),
+        "batch_buckets": list(rules.BATCH_BUCKETS),
+        "log_interval_s": rules.LOG_INTERVAL_S,
         "log_max_kinds": SampledLog.MAX_KINDS,
         "answered": grpc.StatusCode.OK.name,
-        "refusals": {
-            "cancelled": refusal(ErrorKind.CANCELLED, refusals.CANCELLED),
-            "deadline": refusal(ErrorKind.DEADLINE, refusals.DEADLINE_QUEUED),
-            "queue_full": refusal(ErrorKind.OVERLOADED, refusals.QUEUE_FULL),
-            "overloaded": refusal(ErrorKind.OVERLOADED, refusals.OVERLOADED),
-            "internal": refusal(ErrorKind.INTERNAL, refusals.INTERNAL),
-        },
+        "refusals": {key: refusal(key) for key in FRONT_REFUSALS},
     }
 
 
@@ -89,13 +87,11 @@ class CppFront:
         self.binary = binary = binary or build_front()
         self._on_exit = on_exit
         self._stopping = False
-        from recship.serving import footprint
         from recship.serving.settings import ModelSettings
 
         # the server's settings by ServerConfig's field names, as a model's own go in its load command
         settings = {**ModelSettings.defaults(config).front_settings(),
-                    "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes,
-                    "tensor_copies": footprint.TENSOR_COPIES}  # a Predict costs what footprint.predict says, in both
+                    "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes}
         args = [str(binary), "--listen", f"{config.host}:{config.port}", "--backend", backend,
                 "--settings", json.dumps(settings), "--tables", json.dumps(front_tables())]
         if config.tls_cert is not None:
@@ -143,7 +139,8 @@ class CppFront:
             try:
                 entry = json.loads(line)
                 level = logging.getLevelName(entry.get("level", "INFO"))
-                _front_log.log(level if isinstance(level, int) else logging.INFO, "%s", entry.get("message", line))
+                extra = {k: entry[k] for k in _LINE_FIELDS if k in entry}  # what the line is about, as Python logs it
+                _front_log.log(level if isinstance(level, int) else logging.INFO, "%s", entry.get("message", line), extra=extra)
             except ValueError:
                 _front_log.warning("%s", line)
         code = self._proc.wait()  # stderr closed: the process is gone
@@ -214,6 +211,8 @@ class CppFront:
 
         out = {}
         for m in self.stats()["models"]:
+            if m["model"] == rules.UNROUTED:  # requests that reached no version: in no version's statistics
+                continue
             out[(m["model"], str(m["version"]))] = ModelStats(
                 list(m["success"]), list(m["fail"]), list(m["queued"]), list(m["computed"]), m["inference_count"],
                 m["execution_count"], m["last_inference_ms"], {size: [n, ns] for size, n, ns in m["batches"]})
@@ -233,8 +232,11 @@ class CppFront:
         ids: Dict[str, float] = {}
         for m in stats["models"]:
             model, version = m["model"], str(m["version"])
-            ids[model] = ids.get(model, 0.0) + m["ids"]
+            if model != rules.UNROUTED:
+                ids[model] = ids.get(model, 0.0) + m["ids"]
             for key, family in families.items():
+                if model == rules.UNROUTED and key != "latency":  # refused before a version: only its latency, as in Python
+                    continue
                 h, total = m[key], 0
                 samples = out.setdefault(family, [])
                 for bound, count in zip(h["bounds"] + [float("inf")], h["counts"]):

@@ -16,18 +16,7 @@ from recship.serving.requests import InvalidRequest
 
 T = TypeVar("T")
 
-CODES = {
-    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.TOO_LARGE: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorKind.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    ErrorKind.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    ErrorKind.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorKind.CLIENT_TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ErrorKind.CANCELLED: grpc.StatusCode.CANCELLED,
-    ErrorKind.REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
-    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
-}
+CODES = {kind: grpc.StatusCode[kind.label] for kind in ErrorKind}  # the serving rules' status of each kind
 
 
 def decode(message_class: Any, data: bytes) -> Any:

@@ -11,7 +11,7 @@ checked in ``admit``, which every front calls with the request's bytes: TOO_LARG
 bytes in flight across all fronts (``max_inflight_bytes``; past it OVERLOADED), metric labels
 only for served models and versions (everything else is counted under ``-``), client strings
 cut short wherever a message echoes them, and log lines: every refusal is counted, but at
-most one line per method, status and kind of message is logged each ``LOG_INTERVAL_S`` (``SampledLog``).
+most one line per method, status and kind of message is logged each ``rules.LOG_INTERVAL_S`` (``SampledLog``).
 """
 
 import asyncio
@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Dict, Iterator, Optional, Tuple, Ty
 
 import torch
 
-from recship.serving import refusals
+from recship.serving import rules
 from recship.serving.batcher import DeadlineExpired, QueueFull, Unloaded, WorkerDied
 from recship.serving.metrics import Metrics
 from recship.serving.repository import ControlRefused, ModelNotFound, ModelRepository, ServedVersion
@@ -34,10 +34,9 @@ from recship.serving.requests import IdOutOfRange, InvalidRequest, RequestArrays
 
 log = logging.getLogger("recship.serving")
 
-UNROUTED = "-"  # the model/version label of requests that reached no served version
+UNROUTED = rules.UNROUTED  # the model/version label of requests that reached no served version
 INFER_METHODS = frozenset({"Predict", "ModelInfer", "http.infer"})  # the requests a model's statistics count
 MAX_MESSAGE_CHARS = 1000  # an error message is cut here (gRPC sends it in a header)
-LOG_INTERVAL_S = 10.0  # a failed request's line: at most one per method, status and kind this often (the C++ front's too)
 T = TypeVar("T")
 
 
@@ -58,22 +57,17 @@ class ErrorKind(Enum):
 
     @property
     def label(self) -> str:
-        """The request's ``status`` in the metrics and logs (canonical status names, the same for every front)."""
-        return _STATUS_LABELS[self]
+        """The request's ``status`` in the metrics and logs: its gRPC status name (the serving rules'), for every front."""
+        return rules.STATUSES[self.name][0]
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status of the REST front's answer (the serving rules')."""
+        return rules.STATUSES[self.name][1]
 
 
-_STATUS_LABELS = {
-    ErrorKind.INVALID: "INVALID_ARGUMENT",
-    ErrorKind.TOO_LARGE: "INVALID_ARGUMENT",
-    ErrorKind.NOT_FOUND: "NOT_FOUND",
-    ErrorKind.OVERLOADED: "RESOURCE_EXHAUSTED",
-    ErrorKind.UNAVAILABLE: "UNAVAILABLE",
-    ErrorKind.DEADLINE: "DEADLINE_EXCEEDED",
-    ErrorKind.CLIENT_TIMEOUT: "DEADLINE_EXCEEDED",
-    ErrorKind.CANCELLED: "CANCELLED",
-    ErrorKind.REFUSED: "FAILED_PRECONDITION",
-    ErrorKind.INTERNAL: "INTERNAL",
-}
+if set(rules.STATUSES) != {k.name for k in ErrorKind}:
+    raise TypeError(f"the serving rules' error kinds {sorted(rules.STATUSES)} are not ErrorKind's {[k.name for k in ErrorKind]}")
 
 
 class Overloaded(RuntimeError):
@@ -101,9 +95,9 @@ def error_of(e: BaseException) -> Tuple[ErrorKind, str]:
     """The one place that classifies an exception: (its kind, the message a client is shown)."""
     kind = next((k for types, k in _KINDS if isinstance(e, types)), ErrorKind.INTERNAL)
     if kind is ErrorKind.INTERNAL:
-        message = refusals.INTERNAL.format(type=type(e).__name__, error=e)
+        message = rules.INTERNAL.say(type=type(e).__name__, error=e)
     elif kind is ErrorKind.CANCELLED:
-        message = refusals.CANCELLED
+        message = rules.CANCELLED.say()
     elif kind is ErrorKind.DEADLINE:
         message = str(e) or "deadline exceeded"  # asyncio's TimeoutError says nothing
     else:
@@ -116,8 +110,7 @@ def error_of(e: BaseException) -> Tuple[ErrorKind, str]:
 def too_large(nbytes: Optional[int], limit: int) -> RequestTooLarge:
     """The one refusal of a request over ``limit`` bytes (--max-message-mb), whichever front it came through;
     ``nbytes`` None: its size is not known, only that it is over (an HTTP body without Content-Length)."""
-    size = "" if nbytes is None else f" of {nbytes} bytes"
-    return RequestTooLarge(f"request{size} exceeds the limit of {limit} bytes")
+    return RequestTooLarge(rules.TOO_LARGE.say(size="" if nbytes is None else f" of {nbytes} bytes", limit=limit))
 
 
 @dataclass
@@ -157,9 +150,9 @@ class SampledLog:
     clients cannot grow the table. The same words and counts as the C++ front's (cpp_loader/tools/front/log.cpp),
     so that one reading of the log covers both processes."""
 
-    MAX_KINDS = 64  # kinds of message counted apart per source (the C++ front takes it: front_tables, log_max_kinds)
+    MAX_KINDS = rules.LOG_MAX_KINDS  # kinds of message counted apart per source
 
-    def __init__(self, logger: logging.Logger, interval_s: float = LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, logger: logging.Logger, interval_s: float = rules.LOG_INTERVAL_S, clock: Callable[[], float] = time.monotonic) -> None:
         self._log, self._interval, self._clock = logger, interval_s, clock
         self._sources: Dict[Tuple[str, str], _Source] = {}  # (source, kind) -> its count
         self._kinds: Dict[str, int] = {}  # source -> kinds counted apart
@@ -252,7 +245,7 @@ class Inference:
         held = nbytes if cost is None else cost
         with self._inflight_lock:
             if self._inflight + held > self.max_inflight_bytes:
-                raise Overloaded(refusals.OVERLOADED.format(total=self._inflight + held, limit=self.max_inflight_bytes))
+                raise Overloaded(rules.OVERLOADED.say(total=self._inflight + held, limit=self.max_inflight_bytes))
             self._inflight += held
         try:
             yield

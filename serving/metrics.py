@@ -31,14 +31,15 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.samples import Sample
 
+from recship.serving import rules
+
 log = logging.getLogger("recship.serving")
 
 # samples another process counted (the C++ front), by family name: (sample name, labels, value)
 ExtraSamples = Dict[str, List[Tuple[str, Dict[str, str], float]]]
 
 # the histograms' buckets (seconds; examples per forward), the C++ front's too: serving/front.py sends them to it
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+LATENCY_BUCKETS, BATCH_BUCKETS = rules.LATENCY_BUCKETS, rules.BATCH_BUCKETS  # the serving rules' (the C++ front's too)
 
 
 class _Merged:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from recship.export.artifact import Manifest
+from recship.serving import rules
 from recship.serving.values import shown  # noqa: F401  (re-exported: the fronts import it from here)
 from recship.sparse.ids import first_out_of_range, out_of_range_message
 
@@ -169,7 +170,7 @@ def validate(r: RequestArrays, spec: ModelSpec) -> ParsedRequest:
     if b <= 0:
         raise InvalidRequest(f"batch_size must be > 0, got {b}")
     if b > spec.max_batch_size:
-        raise InvalidRequest(f"batch_size {b} exceeds the model's limit of {spec.max_batch_size}")
+        raise InvalidRequest(rules.BATCH_TOO_LARGE.say(batch_size=b, max_batch_size=spec.max_batch_size))
     sp = _in_model_order(r.sparse, spec)
     n_features = len(spec.features)
     lengths, ids, weights = sp.lengths, sp.ids, sp.weights

@@ -14,18 +14,14 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from recship.flags import parse_mapping
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
 from recship.oserrors import doing
+from recship.serving.rules import LIMITS
 from recship.serving.values import shown
 
-# Upper bounds of the settings: past them something overflows (gRPC's message sizes are int32 and the transport
-# admits twice --max-message-mb; a wait's timeout; a thread count) or the setting is surely a mistake.
-MAX_MESSAGE_BYTES = 2**30 - 1
-MAX_DELAY_MS = 60_000  # a batch waiting a minute for company is no batching
+# Upper bounds of the settings the serving rules do not hold (serving/rules.py has the batching and admission
+# ones: gRPC's message sizes are int32 and the transport admits twice --max-message-mb; a batch waiting a minute for
+# company is no batching): past them a wait's timeout or a thread count overflows, or the setting is surely a mistake.
 MAX_SECONDS = 86_400  # --poll-interval, the HTTP idle timeout
 MAX_TORCH_THREADS = 1024
-# batching defaults the C++ loader and front share: recship::kDefaultMaxBatchSize / kDefaultMaxQueue in
-# cpp_loader/include/recship/model.h (tests/serving/test_shared_defaults.py holds the two spellings equal)
-DEFAULT_MAX_BATCH_SIZE = 512
-DEFAULT_MAX_QUEUE = 1024
 
 
 def number_in(value: object, lo: float, hi: float, integer: bool = False) -> bool:
@@ -79,7 +75,6 @@ def _number(x: float) -> str:
 
 
 PORT = Range(0, 65535, integer=True, what="a port number from 0 to 65535 (0: any free port)")
-_MB = 1024 * 1024
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optional[str] = None, range: Optional[Range] = None,
@@ -96,6 +91,12 @@ def setting(default: Any = dataclasses.MISSING, help: str = "", *, flag: Optiona
     return field(default=default, metadata=metadata)
 
 
+def ruled(name: str, **options: Any) -> Any:
+    """A ServerConfig field whose default, range and help are the serving rules' (serving/rules.py LIMITS[name])."""
+    limit = LIMITS[name]
+    return setting(limit.default, limit.help, range=Range(limit.lo, limit.hi, integer=limit.integer), **options)
+
+
 @dataclass
 class ServerConfig:
     """Everything ``recship serve`` is told: each field is a flag (``--max-batch-size``), a ``--config`` file key
@@ -110,15 +111,11 @@ class ServerConfig:
     metrics_host: Optional[str] = setting(None, "address of the metrics listener", default_text="--host")
     http_port: Optional[int] = setting(None, "also answer KServe v2 over HTTP/REST on this port",
                                        range=dataclasses.replace(PORT, none="none"), default_text="no REST listener")
-    max_batch_size: int = setting(DEFAULT_MAX_BATCH_SIZE, "largest batch a model runs; bigger requests are refused",
-                                  range=Range(1, integer=True), per_model=True)
-    max_delay_ms: float = setting(0.0, "how long the first request of a batch waits for more; 0 (greedy): no waiting, an idle "
-                                       "model runs a request at once and requests queued during a forward run together",
-                                  range=Range(0, MAX_DELAY_MS), per_model=True)
+    max_batch_size: int = ruled("max_batch_size", per_model=True)
+    max_delay_ms: float = ruled("max_delay_ms", per_model=True)
     batching: bool = setting(True, "merge concurrent requests into one forward; --no-batching runs each request alone",
                              per_model=True)
-    max_queue: int = setting(DEFAULT_MAX_QUEUE, "requests waiting per model; more are refused at once as overloaded",
-                             range=Range(1, integer=True), per_model=True)
+    max_queue: int = ruled("max_queue", per_model=True)
     drain_delay_s: float = setting(5.0, "on SIGTERM, seconds that readiness answers 503 (gRPC health NOT_SERVING) while every "
                                         "listener keeps serving, so that load balancers stop sending before it closes; then "
                                         "requests in flight and queued finish", flag="--drain-delay", range=Range(0, MAX_SECONDS))
@@ -127,11 +124,8 @@ class ServerConfig:
     torch_threads: Optional[int] = setting(None, "intra-op threads per forward", range=Range(1, MAX_TORCH_THREADS, integer=True,
                                            none="none: the default"), per_model=True,
                                            default_text="usable CPUs (affinity, cgroup quota) - 1 from 3 up, else all")
-    max_message_bytes: int = setting(64 * _MB, "largest request accepted, gRPC and HTTP", flag="--max-message-mb",
-                                     range=Range(1, MAX_MESSAGE_BYTES, integer=True), megabytes_below=1024)
-    max_inflight_bytes: int = setting(256 * _MB, "request bytes served at once over all fronts; more get RESOURCE_EXHAUSTED / "
-                                                 "503 (the C++ front holds a budget of its own as large)", flag="--max-inflight-mb",
-                                      range=Range(1, 2**63 - 1, integer=True), megabytes_below=math.inf)
+    max_message_bytes: int = ruled("max_message_bytes", flag="--max-message-mb", megabytes_below=1024)
+    max_inflight_bytes: int = ruled("max_inflight_bytes", flag="--max-inflight-mb", megabytes_below=math.inf)
     device: str = setting("cpu", "where models run; artifacts must be exported for it", choices=DEVICES)
     http_idle_timeout_s: float = setting(30.0, range=Range(0, MAX_SECONDS, open_low=True))  # an idle HTTP connection is closed
     reflection: bool = setting(True, "gRPC server reflection for Predictor and health")

@@ -440,7 +440,7 @@ def test_dockerfile_builds_the_wheel_and_it_installs(tmp_path):
         names = set(z.namelist())
         for needed in ("recship/__init__.py", "recship/cli.py", "recship/serving/server.py", "recship/serving/rest.py",
                        "recship/serving/v1/predictor_pb2.py", "recship/serving/v1/predictor_pb2_grpc.py",
-                       "recship/serving/v1/kserve_descriptor.py"):
+                       "recship/serving/v1/kserve_descriptor.py", "recship/serving/v1/serving_rules.py"):
             assert needed in names, f"{needed} is not in {wheel.name}"
         info = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
         assert re.search(r"^recship\s*=\s*recship\.cli:main$", z.read(info).decode(), re.MULTILINE)

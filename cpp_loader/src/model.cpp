@@ -224,7 +224,7 @@ struct Model::Impl {
   bool weighted = false;                      // any feature takes weights: the model gets a weights tensor
   std::map<std::string, bool> feature_weighted;  // which features take them (ids of the others get weight 1)
   int64_t num_dense = 0;
-  int64_t max_batch_size = kDefaultMaxBatchSize;
+  int64_t max_batch_size = rules::kMaxBatchSizeDefault;
   int64_t row_block = 0;  // examples per forward (manifest row_block; 0: whole batches): export/blocks.py
 
   // One forward of the loaded model on validated inputs, whatever their batch.

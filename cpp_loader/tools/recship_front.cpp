@@ -72,7 +72,6 @@ int main(int argc, char** argv) {
     c.defaults = batching_of(given, c.defaults);
     c.max_message_bytes = given.value("max_message_bytes", c.max_message_bytes);
     c.max_inflight_bytes = given.value("max_inflight_bytes", c.max_inflight_bytes);
-    c.tensor_copies = given.value("tensor_copies", c.tensor_copies);
     c.tables = Tables::parse(tables);
   } catch (const std::exception& e) {
     return usage(e.what());

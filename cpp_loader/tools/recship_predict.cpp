@@ -231,7 +231,7 @@ static std::string usage() {
     "                      torchscript (model.pt) or aoti (model.pt2, refused where it cannot run)\n"
     "  --fbgemm-dir DIR    where fbgemm_gpu's op libraries are (default: $RECSHIP_FBGEMM_DIR, else the folder the\n"
     "                      loader was built with; the recship_predict console script sets RECSHIP_FBGEMM_DIR)\n"
-    "  --max-batch-size B  largest batch a request may have (default " + std::to_string(recship::kDefaultMaxBatchSize) + ")\n"
+    "  --max-batch-size B  largest batch a request may have (default " + std::to_string(recship::rules::kMaxBatchSizeDefault) + ")\n"
     "  --trusted-sha256 FILE  allow-list of manifest.json sha256s, as recship serve's (sha256sum output works);\n"
     "                      an artifact whose manifest is not listed is refused (default: any artifact loads)\n"
     "  -h, --help          print this and exit\n"
@@ -249,7 +249,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::string artifact = argv[1], request_file, fbgemm_dir, format = "auto", trusted_file;
-  int64_t bench = 0, threads = 0, max_batch_size = recship::kDefaultMaxBatchSize;
+  int64_t bench = 0, threads = 0, max_batch_size = recship::rules::kMaxBatchSizeDefault;
   recship::args::Flags flags;
   flags.text("--request", &request_file).text("--fbgemm-dir", &fbgemm_dir).text("--format", &format);
   flags.text("--trusted-sha256", &trusted_file);

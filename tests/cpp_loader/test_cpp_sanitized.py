@@ -230,7 +230,7 @@ def test_recship_front_serves_forwards_reloads_and_stops_with_no_sanitizer_repor
                     call(client.request("dlrm", body["sparse"], body["dense"]).SerializeToString(), timeout=0.0001)
             shutil.copytree(artifacts["dlrm"], repo / "dlrm" / "2")
             deadline = time.monotonic() + 60
-            while server.front.stats()["models"] and {m["version"] for m in server.front.stats()["models"]} == {1}:
+            while server.front.stats()["models"] and {m["version"] for m in server.front.stats()["models"]} == {"1"}:
                 client.predict("dlrm", body["sparse"], body["dense"])
                 assert time.monotonic() < deadline, "version 2 was not served in 60 s"
             got = client.predict("dlrm", body["sparse"], body["dense"])

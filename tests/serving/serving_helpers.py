@@ -76,6 +76,18 @@ def front_binary():
         pytest.skip(f"the C++ front cannot be built here: {e}")
 
 
+def metric_samples(server) -> Dict[Tuple[str, frozenset], float]:
+    """A running server's /metrics (the C++ front's counts merged in), scraped over HTTP: {(sample name,
+    frozenset of its labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
 def wait_until(condition, what: str = "condition", seconds: float = 60.0) -> None:
     """Polls ``condition()`` every 50 ms until it is true; AssertionError naming ``what`` after ``seconds``."""
     deadline = time.monotonic() + seconds

@@ -14,14 +14,11 @@ import shutil
 import socket
 import threading
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from recship.export.artifact import open_artifact
 from recship.serving import PredictClient, footprint
@@ -30,7 +27,7 @@ from recship.serving.kserve import message
 from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from model_requests import dlrm_request, in_process, model_repo, runnable_aoti
-from serving_helpers import NUM_DENSE, ROWS, front_binary, wait_until
+from serving_helpers import NUM_DENSE, ROWS, front_binary, metric_samples, wait_until
 
 PREDICT = "/recship.serving.v1.Predictor/Predict"
 LIMIT = 64 * 1024  # max_message_bytes of the shared servers (the transport admits twice that)
@@ -60,13 +57,6 @@ def _python_refused(server) -> float:
     """Predicts the Python server itself refused, whatever their labels."""
     return sum(s.value for f in server.metrics.requests.collect() for s in f.samples
                if s.name == "recship_requests_total" and s.labels["method"] == "Predict" and s.labels["status"] != "OK")
-
-
-def _scrape(server):
-    """The merged /metrics text over HTTP -> {(sample name, frozenset(labels)): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics.port}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def _sample(samples, name, **labels) -> float:
@@ -145,7 +135,7 @@ def py(repo):
 # -- 1. exact outputs, batching, the merged metrics --------------------------------------------------
 
 def test_predict_is_answered_by_the_front_and_equals_the_artifact_in_process_bitwise(cpp, py, model):
-    before, python_before = _ok(_scrape(cpp)), _python_count(cpp)
+    before, python_before = _ok(metric_samples(cpp)), _python_count(cpp)
     with PredictClient(f"127.0.0.1:{cpp.port}") as client, PredictClient(f"127.0.0.1:{py.port}") as reference:
         for seed, batch in [(1, 1), (2, 5), (3, 64)]:
             sparse, dense = dlrm_request(batch, seed)
@@ -156,54 +146,7 @@ def test_predict_is_answered_by_the_front_and_equals_the_artifact_in_process_bit
             _assert_bitwise(outputs_of(response), in_process(model, sparse, dense))
             assert response == reference.stub.Predict(request, timeout=10)  # the Python front's answer, field for field
     assert _python_count(cpp) == python_before  # none of them reached the Python server
-    assert _ok(_scrape(cpp)) - before == 3
-
-
-def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(cpp, model):
-    threads, per_thread = 16, 8
-    requests, want, seed = [], [], 1000
-    while len(requests) < threads * per_thread:  # requests whose answers are 1e-5 apart: a row answered to
-        seed += 1                                  # the wrong caller cannot pass the checks below
-        r = dlrm_request(1, seed)
-        w = in_process(model, *r)
-        if all(abs(w["logit"][0, 0] - o["logit"][0, 0]) > 1e-5 for o in want):
-            requests.append(r)
-            want.append(w)
-    logits = np.array([w["logit"][0, 0] for w in want])
-    before, python_before, stats_before = _scrape(cpp), _python_count(cpp), cpp.metrics.stats("dlrm", "1")
-    start = threading.Barrier(threads)
-    with PredictClient(f"127.0.0.1:{cpp.port}") as client:
-
-        def work(k):
-            start.wait()
-            return [(i, client.predict("dlrm", *requests[i], timeout=30)) for i in range(k, len(requests), threads)]
-
-        with ThreadPoolExecutor(threads) as pool:
-            answers = [a for part in pool.map(work, range(threads)) for a in part]
-    assert sorted(i for i, _ in answers) == list(range(len(requests)))
-    for i, got in answers:
-        # merged forwards differ from a lone one in the last bits of the reductions (as with --front python:
-        # both run one [B, 13] GEMM), so: its own rows to 1e-6, and nearer to them than to any other request's
-        for k in ("logit", "prob"):
-            assert got[k].shape == (1, 1)
-            np.testing.assert_allclose(got[k], want[i][k], rtol=0, atol=1e-6, err_msg=f"request {i} {k}")
-        assert int(np.argmin(np.abs(logits - got["logit"][0, 0]))) == i
-    after = _scrape(cpp)
-    assert _ok(after) - _ok(before) == len(requests)  # exactly the requests sent, merged into the same family
-    assert _python_count(cpp) == python_before
-    forwards = _sample(after, "recship_batch_examples_count", model="dlrm", version="1") - _sample(before, "recship_batch_examples_count", model="dlrm", version="1")
-    examples = _sample(after, "recship_batch_examples_sum", model="dlrm", version="1") - _sample(before, "recship_batch_examples_sum", model="dlrm", version="1")
-    single = (_sample(after, "recship_batch_examples_bucket", model="dlrm", version="1", le="1.0")
-              - _sample(before, "recship_batch_examples_bucket", model="dlrm", version="1", le="1.0"))
-    assert examples == len(requests)  # every example ran exactly once
-    assert forwards < len(requests)
-    assert single < forwards  # some forward held more than one request's example (each request has one)
-    # Triton's statistics (ModelStatistics) include what the front served, and agree with the metrics
-    stats = cpp.metrics.stats("dlrm", "1")
-    assert stats.success[0] - stats_before.success[0] == len(requests)
-    assert stats.inference_count - stats_before.inference_count == examples
-    assert stats.execution_count - stats_before.execution_count == forwards
-    assert sum(n for n, _ in stats.batches.values()) == stats.execution_count
+    assert _ok(metric_samples(cpp)) - before == 3
 
 
 def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo, model):
@@ -211,7 +154,7 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
     server = Server(ServerConfig(model_repo=str(repo), port=0, metrics_port=0, max_delay_ms=400, front="cpp"))
     try:
         requests = [dlrm_request(b, 50 + i) for i, b in enumerate([1, 3, 2, 5, 1, 4])]
-        before = _scrape(server)
+        before = metric_samples(server)
         with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = channel.unary_unary(PREDICT, request_serializer=None, response_deserializer=pb.PredictResponse.FromString)
             futures = []
@@ -219,7 +162,7 @@ def test_a_merged_forward_equals_the_concatenated_batch_in_process_bitwise(repo,
                 futures.append(stub.future(PredictClient.request("dlrm", *r).SerializeToString(), timeout=30))
                 time.sleep(0.03)
             answers = [outputs_of(f.result()) for f in futures]
-        after = _scrape(server)
+        after = metric_samples(server)
         assert _sample(after, "recship_batch_examples_count", model="dlrm", version="1") - _sample(before, "recship_batch_examples_count", model="dlrm", version="1") == 1
         assert _sample(after, "recship_batch_examples_sum", model="dlrm", version="1") - _sample(before, "recship_batch_examples_sum", model="dlrm", version="1") == 16
         whole = in_process(model, *_concat(requests))
@@ -312,10 +255,10 @@ def test_a_request_past_what_the_transport_admits_is_resource_exhausted_as_behin
 
 
 def test_an_out_of_range_id_is_counted_in_the_merged_metrics(cpp):
-    before = _sample(_scrape(cpp), "recship_rejected_id_requests_total", model="dlrm")
+    before = _sample(metric_samples(cpp), "recship_rejected_id_requests_total", model="dlrm")
     code, details, _ = _raw(cpp.port, PREDICT, REFUSALS["out-of-range id"])
     assert code == grpc.StatusCode.INVALID_ARGUMENT and f"id {ROWS[5] + 1} is out of range [0, {ROWS[5]})" in details
-    assert _sample(_scrape(cpp), "recship_rejected_id_requests_total", model="dlrm") == before + 1
+    assert _sample(metric_samples(cpp), "recship_rejected_id_requests_total", model="dlrm") == before + 1
 
 
 # -- 4. the other services, through the front -------------------------------------------------------
@@ -440,7 +383,7 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
                 for k in ("logit", "prob"):
                     np.testing.assert_allclose(got[k], (old if version == 1 else new)[k], rtol=0, atol=1e-6)
             python_before = _python_count(server, version="2")
-            front_ok = lambda: sum(r["count"] for r in server.front.stats()["requests"] if (r["version"], r["status"]) == (2, "OK"))  # noqa: E731
+            front_ok = lambda: sum(r["count"] for r in server.front.stats()["requests"] if (r["version"], r["status"]) == ("2", "OK"))  # noqa: E731
             front_before = front_ok()
             for version in (0, 2):
                 response = client.stub.Predict(client.request("dlrm", sparse, dense, version=version), timeout=10)
@@ -506,7 +449,7 @@ def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_g
         requests = [dlrm_request(64, 600 + i) for i in range(8)]
         want = [in_process(model, *r) for r in requests]
         data = [PredictClient.request("dlrm", *r).SerializeToString() for r in requests]
-        before = _scrape(server)
+        before = metric_samples(server)
         results = []
         start = threading.Barrier(16)
 
@@ -534,7 +477,7 @@ def test_a_full_queue_is_resource_exhausted_in_the_servers_words_and_the_front_g
         for i, response in answered:  # batching off: one request per forward, so bitwise
             assert response.model_version == 1
             _assert_bitwise(outputs_of(response), want[i])
-        after = _scrape(server)
+        after = metric_samples(server)
         counted = {status: _sample(after, "recship_requests_total", method="Predict", model="dlrm", status=status, version="1")
                    - _sample(before, "recship_requests_total", method="Predict", model="dlrm", status=status, version="1")
                    for status in ("OK", "RESOURCE_EXHAUSTED")}
@@ -694,7 +637,7 @@ def test_the_fronts_gauges_are_added_to_the_servers(cpp, monkeypatch):
     samples = cpp.front.samples()
     assert [(n, l, v) for n, l, v in samples["recship_queue_depth"]] == [("recship_queue_depth", {"model": "dlrm", "version": "1"}, 0.0)]
     assert samples["recship_inflight_bytes"] == [("recship_inflight_bytes", {}, 0.0)]
-    assert _sample(_scrape(cpp), "recship_queue_depth", model="dlrm", version="1") == 0.0
+    assert _sample(metric_samples(cpp), "recship_queue_depth", model="dlrm", version="1") == 0.0
 
     def busier():
         out = cpp.front.samples()
@@ -703,7 +646,7 @@ def test_the_fronts_gauges_are_added_to_the_servers(cpp, monkeypatch):
         return out
 
     monkeypatch.setattr(cpp.metrics, "extra", busier)
-    scraped = _scrape(cpp)
+    scraped = metric_samples(cpp)
     assert _sample(scraped, "recship_queue_depth", model="dlrm", version="1") == 3.0
     assert _sample(scraped, "recship_inflight_bytes") == 4096.0
 

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "recship/serving_rules.h"  // generated from protos/recship/serving/v1/serving_rules.json
+
 namespace recship {
 
 // Every error the library throws derives from Error; the subclasses say what went wrong.
@@ -63,16 +65,11 @@ struct Prepared {
 // A model's outputs in the order the model returns them.
 using NamedOutputs = std::vector<std::pair<std::string, Output>>;
 
-// Serving defaults the two languages share, written once each: serving/settings.py's DEFAULT_MAX_BATCH_SIZE and
-// DEFAULT_MAX_QUEUE (tests/serving/test_shared_defaults.py holds the two spellings equal).
-inline constexpr int64_t kDefaultMaxBatchSize = 512;  // the largest batch a request may have
-inline constexpr int64_t kDefaultMaxQueue = 1024;     // requests waiting per model in the front
-
 struct LoadOptions {
   std::string fbgemm_dir;      // folder of fbgemm_gpu's .so files; empty: $RECSHIP_FBGEMM_DIR, else the one recorded at build time
   bool check_versions = true;  // refuse an artifact built with another torch / fbgemm_gpu version
   bool self_check = true;      // run the artifact's sample and compare with its recorded outputs
-  int64_t max_batch_size = kDefaultMaxBatchSize;  // larger requests are refused with InvalidRequest (the server's --max-batch-size)
+  int64_t max_batch_size = rules::kMaxBatchSizeDefault;  // larger requests are refused with InvalidRequest (the server's --max-batch-size)
   // Which model to run: "torchscript" (model.pt), "aoti" (model.pt2; ArtifactError where the artifact has none,
   // it was compiled by another torch, or this CPU lacks its target ISA) or "auto" (model.pt2 where it runs here,
   // else model.pt). Both take the same requests and give the same outputs.

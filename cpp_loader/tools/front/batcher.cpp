@@ -109,7 +109,7 @@ void Batcher::run(const std::vector<Call*>& batch) {
     examples += call->prepared().batch_size;
     ids += static_cast<int64_t>(call->prepared().ids.size());
   }
-  front_->stats.batch(name, version, examples, waits, compute, ids);
+  front_->stats.batch(name, std::to_string(version), examples, waits, compute, ids);
   for (size_t i = 0; i < live.size(); ++i) live[i]->answer(outputs[i], name, version);
 }
 

@@ -19,10 +19,10 @@ class Front;
 
 // How one model version batches: the server's flags, or the model's own config.yaml (the "settings" of "load").
 struct Batching {
-  int64_t max_batch_size = recship::kDefaultMaxBatchSize;
-  double max_delay_ms = 0.0;  // 0 (greedy, the default): no waiting, but calls queued during a forward still run together
+  int64_t max_batch_size = rules::kMaxBatchSizeDefault;
+  double max_delay_ms = rules::kMaxDelayMsDefault;  // 0 (greedy, the default): no waiting, but calls queued during a forward still run together
   bool batching = true;       // false: every call runs alone
-  int64_t max_queue = recship::kDefaultMaxQueue;
+  int64_t max_queue = rules::kMaxQueueDefault;
   int torch_threads = 0;      // intra-op threads per forward; 0: torch's default
 };
 

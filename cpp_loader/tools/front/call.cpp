@@ -90,13 +90,14 @@ bool Call::serve_natively() {
     pb::PredictRequest().Swap(&request_);  // forwarded: the parsed copy is not kept while Python answers
     return false;
   }
-  // What the Python server charges a Predict (serving/footprint.py): its bytes plus tensor_copies times its tensors
+  // What the Python server charges a Predict (serving/footprint.py): its bytes plus the rules' tensor_copies times its tensors
   // (ids and values at fixed width: its bytes), held before its arrays are made, so one that does not fit is refused
   // having cost only its bytes and its parse.
   const Tables& tables = front_->config.tables;
-  const int64_t cost = nbytes + front_->config.tensor_copies * nbytes;
+  const int64_t cost = nbytes + rules::kTensorCopies * nbytes;
   int64_t total = 0;
   if (!front_->admission.admit(cost, &total)) {
+    batcher_.reset();  // refused before it reaches a version, as the Python server does: counted under kUnrouted
     refuse(tables.overloaded, {{"total", std::to_string(total)}, {"limit", std::to_string(front_->admission.limit)}});
     return true;
   }
@@ -149,10 +150,12 @@ bool Call::serve_natively() {
 
 void Call::finish_native(const grpc::Status& status, const std::string& label, grpc::ByteBuffer* response) {
   const double seconds = std::chrono::duration<double>(Clock::now() - started_).count();
-  front_->stats.request(batcher_->name, batcher_->version, label, status.ok(), seconds);
+  const std::string model = batcher_ ? batcher_->name : kUnrouted;
+  const std::string version = batcher_ ? std::to_string(batcher_->version) : kUnrouted;
+  front_->stats.request(model, version, label, status.ok(), seconds);
   if (!status.ok())  // a sample of the refusals of each status (all are counted)
-    sampled_log().log("refused " + label, "WARNING",
-                      status.error_message() + " [Predict " + batcher_->name + " " + std::to_string(batcher_->version) + " " + label + "]");
+    sampled_log().log("refused " + label, "WARNING", status.error_message(),
+                      {{"method", "Predict"}, {"model", model}, {"version", version}, {"status", label}});
   if (admitted_) {  // answered: its bytes leave the in-flight count before the client sees the answer, as in Python
     front_->admission.release(admitted_);
     admitted_ = 0;

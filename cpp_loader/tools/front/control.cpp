@@ -17,8 +17,17 @@ Batching batching_of(const json& given, const Batching& defaults) {
   settings.batching = given.value("batching", settings.batching);
   settings.max_queue = given.value("max_queue", settings.max_queue);
   settings.torch_threads = given.value("torch_threads", settings.torch_threads);
-  if (settings.max_batch_size < 1 || settings.max_queue < 1 || settings.torch_threads < 0)
-    throw std::runtime_error("settings: max_batch_size and max_queue must be >= 1, torch_threads >= 0");
+  // the bounds of the serving rules (recship/serving_rules.h), as ServerConfig checks them in Python
+  if (settings.max_batch_size < rules::kMaxBatchSizeMin)
+    throw std::runtime_error("settings: max_batch_size must be >= " + std::to_string(rules::kMaxBatchSizeMin) + ", got " +
+                             std::to_string(settings.max_batch_size));
+  if (settings.max_queue < rules::kMaxQueueMin)
+    throw std::runtime_error("settings: max_queue must be >= " + std::to_string(rules::kMaxQueueMin) + ", got " +
+                             std::to_string(settings.max_queue));
+  if (!(settings.max_delay_ms >= rules::kMaxDelayMsMin && settings.max_delay_ms <= rules::kMaxDelayMsMax))
+    throw std::runtime_error("settings: max_delay_ms must be from " + json(rules::kMaxDelayMsMin).dump() + " to " +
+                             json(rules::kMaxDelayMsMax).dump() + ", got " + json(settings.max_delay_ms).dump());
+  if (settings.torch_threads < 0) throw std::runtime_error("settings: torch_threads must be >= 0, got " + std::to_string(settings.torch_threads));
   return settings;
 }
 

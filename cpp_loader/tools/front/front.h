@@ -23,9 +23,8 @@ namespace recship::front {
 struct Config {
   std::string listen, backend;
   Batching defaults;
-  int64_t max_message_bytes = 64 << 20;
-  int64_t max_inflight_bytes = 256 << 20;
-  int64_t tensor_copies = 8;  // a Predict's cost to the budget: its bytes, plus this many times its tensors (serving/footprint.py)
+  int64_t max_message_bytes = rules::kMaxMessageBytesDefault;
+  int64_t max_inflight_bytes = rules::kMaxInflightBytesDefault;
   std::string tls_cert, tls_key, tls_client_ca;
   Tables tables;
 };

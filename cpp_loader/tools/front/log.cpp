@@ -7,6 +7,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -27,10 +28,12 @@
 
 namespace recship::front {
 
-void log_line(const std::string& level, const std::string& message) {
+void log_line(const std::string& level, const std::string& message, const nlohmann::json& fields) {
+  nlohmann::json line = fields;
+  line.update({{"level", level}, {"logger", "recship.front"}, {"message", message}});
   static std::mutex mu;
   std::lock_guard<std::mutex> lock(mu);
-  std::cerr << nlohmann::json{{"level", level}, {"logger", "recship.front"}, {"message", message}}.dump() << std::endl;
+  std::cerr << line.dump() << std::endl;
 }
 
 std::string message_kind(const std::string& message) {
@@ -60,7 +63,7 @@ SampledLog::SampledLog(double interval_s, int64_t max_kinds)
       interval_(std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(interval_s))),
       max_kinds_(max_kinds) {}
 
-void SampledLog::log(const std::string& source, const std::string& level, const std::string& message) {
+void SampledLog::log(const std::string& source, const std::string& level, const std::string& message, const nlohmann::json& fields) {
   std::string line;
   std::string kind = message_kind(message);
   {
@@ -76,6 +79,7 @@ void SampledLog::log(const std::string& source, const std::string& level, const 
     const auto now = Clock::now();
     s.level = level;
     s.last = message;
+    s.fields = fields;
     if (s.logged && now < s.next) {
       ++s.suppressed;
       return;
@@ -85,21 +89,21 @@ void SampledLog::log(const std::string& source, const std::string& level, const 
     s.next = now + interval_;
     s.suppressed = 0;
   }
-  log_line(level, line);
+  log_line(level, line, fields);
 }
 
 void SampledLog::flush() {
-  std::vector<std::pair<std::string, std::string>> lines;
+  std::vector<std::tuple<std::string, std::string, nlohmann::json>> lines;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& [_, s] : sources_)
       if (s.suppressed > 0) {
         lines.emplace_back(s.level, s.last + note(s.suppressed - 1) + " (the last of " + std::to_string(s.suppressed) +
-                                        " not logged)");
+                                        " not logged)", s.fields);
         s.suppressed = 0;
       }
   }
-  for (const auto& [level, line] : lines) log_line(level, line);
+  for (const auto& [level, line, fields] : lines) log_line(level, line, fields);
 }
 
 std::string SampledLog::note(int64_t suppressed) const {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
@@ -13,7 +14,9 @@ namespace recship::front {
 
 using Clock = std::chrono::steady_clock;
 
-void log_line(const std::string& level, const std::string& message);
+// One JSON line: level, logger, message, and `fields` (what a line is about: method, model, version, status), which
+// serving/front.py passes on as the record's extra fields, as the Python server logs them.
+void log_line(const std::string& level, const std::string& message, const nlohmann::json& fields = nlohmann::json::object());
 
 // What kind of error a message tells, without its values: each run of digits becomes "#" and each quoted run
 // (from ' or " to the same quote, or the end) an empty pair of those quotes. The Python server's message_kind
@@ -31,7 +34,8 @@ class SampledLog {
  public:
   SampledLog(double interval_s, int64_t max_kinds);
 
-  void log(const std::string& source, const std::string& level, const std::string& message);
+  void log(const std::string& source, const std::string& level, const std::string& message,
+           const nlohmann::json& fields = nlohmann::json::object());
   // Says what is still unsaid: for each source with lines left out since its last one, the last of them.
   void flush();
 
@@ -41,6 +45,7 @@ class SampledLog {
     Clock::time_point next;
     int64_t suppressed = 0;
     std::string level, last;
+    nlohmann::json fields;  // the last line's
   };
   std::string note(int64_t suppressed) const;
 

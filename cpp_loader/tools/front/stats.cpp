@@ -10,19 +10,19 @@ void Histogram::observe(double x) {
   sum += x;
 }
 
-ModelStats& Stats::model(const std::string& name, int64_t version) {
+ModelStats& Stats::model(const std::string& name, const std::string& version) {
   return models_.try_emplace({name, version}, latency_buckets_, batch_buckets_).first->second;
 }
 
-void Stats::request(const std::string& model_name, int64_t version, const std::string& status, bool ok, double seconds) {
+void Stats::request(const std::string& model_name, const std::string& version, const std::string& status, bool ok, double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   requests_[{model_name, version, status}] += 1;
   ModelStats& m = model(model_name, version);
   m.latency.observe(seconds);
-  (ok ? m.success : m.fail).add(1, seconds);
+  if (model_name != kUnrouted) (ok ? m.success : m.fail).add(1, seconds);
 }
 
-void Stats::batch(const std::string& model_name, int64_t version, int64_t examples, const std::vector<double>& queue_s,
+void Stats::batch(const std::string& model_name, const std::string& version, int64_t examples, const std::vector<double>& queue_s,
                   double compute_s, int64_t ids) {
   std::lock_guard<std::mutex> lock(mu_);
   ModelStats& m = model(model_name, version);

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+
+#include "recship/serving_rules.h"
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -14,6 +16,8 @@
 namespace recship::front {
 
 using json = nlohmann::json;
+
+inline const std::string kUnrouted = rules::kUnroutedLabel;  // the labels of a request that reached no version
 
 // Counts per bucket (not cumulative), the last one past the largest bound.
 struct Histogram {
@@ -54,20 +58,22 @@ class Stats {
   Stats(std::vector<double> latency_buckets, std::vector<double> batch_buckets)
       : latency_buckets_(std::move(latency_buckets)), batch_buckets_(std::move(batch_buckets)) {}
 
-  // A request answered or refused (status: its status name), end to end.
-  void request(const std::string& model, int64_t version, const std::string& status, bool ok, double seconds);
+  // A request answered or refused (status: its status name), end to end, under its model and version labels: kUnrouted
+  // for one refused before it reached a version (over the in-flight budget: the Python server admits a request
+  // before it reads it), which counts in no version's statistics, as in the Python server.
+  void request(const std::string& model, const std::string& version, const std::string& status, bool ok, double seconds);
   // A forward of `examples` examples: each request's wait in the queue, the forward's time, the ids looked up.
-  void batch(const std::string& model, int64_t version, int64_t examples, const std::vector<double>& queue_s, double compute_s,
+  void batch(const std::string& model, const std::string& version, int64_t examples, const std::vector<double>& queue_s, double compute_s,
              int64_t ids);
   json to_json();
 
  private:
-  ModelStats& model(const std::string& name, int64_t version);  // (mu_ held)
+  ModelStats& model(const std::string& name, const std::string& version);  // (mu_ held)
 
   const std::vector<double> latency_buckets_, batch_buckets_;
   std::mutex mu_;
-  std::map<std::tuple<std::string, int64_t, std::string>, int64_t> requests_;
-  std::map<std::pair<std::string, int64_t>, ModelStats> models_;
+  std::map<std::tuple<std::string, std::string, std::string>, int64_t> requests_;
+  std::map<std::pair<std::string, std::string>, ModelStats> models_;
 };
 
 }  // namespace recship::front

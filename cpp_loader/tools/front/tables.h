@@ -1,7 +1,7 @@
 // What the front must count and say exactly as the Python server does: the histograms' buckets, the status names
 // of its outcomes and the gRPC code and message of each refusal it makes itself. The front holds no copy of them:
-// serving/front.py sends them at start (--tables JSON, front_tables(): from serving/metrics.py, serving/inference.py,
-// serving/grpc_status.py and serving/refusals.py), and the "tables" command answers what the front took.
+// serving/front.py sends them at start (--tables JSON, front_tables(): the serving rules, serving/rules.py, with
+// serving/grpc_status.py's codes), and the "tables" command answers what the front took.
 #pragma once
 
 #include <grpcpp/support/status.h>
