@@ -74,75 +74,80 @@ def parse_version(text: str) -> int:
     return int(text)
 
 
-class ArrayInput(NamedTuple):
-    """An input decoded straight into an array (the REST front's JSON), read as a message's input is."""
+class Tensor(NamedTuple):
+    """One input of a ModelInfer request as its transport decoded it: ``values`` a flat array of the datatype's dtype
+    (``DTYPES``), its count not yet held to ``shape`` (``request_arrays`` checks it)."""
 
     name: str
     datatype: str
     shape: List[int]
-    values: np.ndarray  # [n] of the datatype's dtype
+    values: np.ndarray  # [n]
 
 
-class Named(NamedTuple):
-    name: str
-
-
-class ArrayRequest(NamedTuple):
-    """A ModelInferRequest whose inputs are arrays already (``ArrayInput``): REST JSON never becomes a message."""
+class InferRequest(NamedTuple):
+    """KServe's ModelInfer request in no transport's terms: what the gRPC message (``from_grpc``) and the REST JSON
+    body (serving/rest.py) both decode into, and ``request_arrays`` reads. ``outputs``: the output names asked for
+    (none: every output)."""
 
     model_name: str
     model_version: str
     id: str
-    inputs: List[ArrayInput]
-    outputs: List[Named]
-    raw_input_contents: Tuple[bytes, ...] = ()
+    inputs: List[Tensor]
+    outputs: List[str]
 
 
-def _tensor(inp, raw: Optional[bytes]) -> np.ndarray:
-    """One input tensor as a flat numpy array of its declared datatype, its element count checked."""
-    if inp.datatype not in DTYPES:
-        raise InvalidRequest(f"input {shown(inp.name)}: datatype {shown(inp.datatype, 16)} is not one recship takes ({', '.join(DTYPES)})")
-    dtype, field = DTYPES[inp.datatype]
-    if isinstance(inp, ArrayInput):
-        values = inp.values
-    elif raw is not None:
-        if inp.HasField("contents"):
-            raise InvalidRequest(f"input {shown(inp.name)}: both contents and raw_input_contents given")
-        if len(raw) % np.dtype(dtype).itemsize:
-            raise InvalidRequest(f"input {shown(inp.name)}: {len(raw)} raw bytes is not a whole number of {inp.datatype} values")
-        values = np.frombuffer(raw, dtype=dtype)
-    else:  # one value at a time into the array (np.asarray would make a list of Python ints first: 36 bytes an id)
-        contents = getattr(inp.contents, field)
-        values = np.fromiter(contents, dtype=dtype, count=len(contents))
-    shape = list(inp.shape)
-    if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != values.size:
-        raise InvalidRequest(f"input {shown(inp.name)}: shape {shown(shape)} does not match its {values.size} values")
-    return values
+def check_datatype(name: str, datatype: str) -> None:
+    """InvalidRequest unless ``datatype`` is one of ``DTYPES`` (the one message for either transport)."""
+    if datatype not in DTYPES:
+        raise InvalidRequest(f"input {shown(name)}: datatype {shown(datatype, 16)} is not one recship takes ({', '.join(DTYPES)})")
 
 
-def to_request_arrays(request: Any, num_dense: int) -> RequestArrays:
-    """A ModelInferRequest -> RequestArrays for ``requests.validate`` (which words the remaining errors)."""
+def from_grpc(request: Any) -> InferRequest:
+    """A ModelInferRequest message -> InferRequest: each input's typed contents, or its raw_input_contents (read in
+    place, little-endian), as an array."""
     raws = list(request.raw_input_contents)
     if raws and len(raws) != len(request.inputs):
         raise InvalidRequest(f"{len(raws)} raw_input_contents for {len(request.inputs)} inputs")
+    inputs = []
+    for i, inp in enumerate(request.inputs):
+        check_datatype(inp.name, inp.datatype)
+        dtype, field = DTYPES[inp.datatype]
+        if raws:
+            if inp.HasField("contents"):
+                raise InvalidRequest(f"input {shown(inp.name)}: both contents and raw_input_contents given")
+            if len(raws[i]) % np.dtype(dtype).itemsize:
+                raise InvalidRequest(f"input {shown(inp.name)}: {len(raws[i])} raw bytes is not a whole number of {inp.datatype} values")
+            values = np.frombuffer(raws[i], dtype=dtype)
+        else:  # one value at a time into the array (np.asarray would make a list of Python ints first: 36 bytes an id)
+            contents = getattr(inp.contents, field)
+            values = np.fromiter(contents, dtype=dtype, count=len(contents))
+        inputs.append(Tensor(inp.name, inp.datatype, list(inp.shape), values))
+    return InferRequest(request.model_name, request.model_version, request.id, inputs, [o.name for o in request.outputs])
+
+
+def request_arrays(request: InferRequest, num_dense: int) -> RequestArrays:
+    """An InferRequest -> RequestArrays for ``requests.validate`` (which words the remaining errors): the inputs
+    by KServe's names for recship (the module's docstring), each one's values counted against its shape."""
     features: Dict[str, Dict[str, np.ndarray]] = {}
     dense, dense_shape = None, None
     seen = set()
-    for i, inp in enumerate(request.inputs):
+    for inp in request.inputs:
         if inp.name in seen:
             raise InvalidRequest(f"input {shown(inp.name)} appears twice")
         seen.add(inp.name)
-        values = _tensor(inp, raws[i] if raws else None)
+        shape, values = inp.shape, inp.values
+        if any(d < 0 for d in shape) or int(np.prod(shape, dtype=np.int64)) != values.size:
+            raise InvalidRequest(f"input {shown(inp.name)}: shape {shown(shape)} does not match its {values.size} values")
         if inp.name == "dense":
-            if inp.datatype != "FP32" or len(inp.shape) != 2:
-                raise InvalidRequest(f"input 'dense' must be FP32 [batch_size, {num_dense}], got {inp.datatype} {shown(list(inp.shape))}")
-            dense, dense_shape = values, list(inp.shape)
+            if inp.datatype != "FP32" or len(shape) != 2:
+                raise InvalidRequest(f"input 'dense' must be FP32 [batch_size, {num_dense}], got {inp.datatype} {shown(shape)}")
+            dense, dense_shape = values, shape
             continue
         name, _, part = inp.name.rpartition(".")
         if not name or part not in _SUFFIXES:
             raise InvalidRequest(f"unknown input {shown(inp.name)}: inputs are <feature>.lengths, <feature>.values, <feature>.weights and dense")
-        if inp.datatype != _SUFFIXES[part] or len(inp.shape) != 1:
-            raise InvalidRequest(f"input {shown(inp.name)} must be {_SUFFIXES[part]} [n], got {inp.datatype} {shown(list(inp.shape))}")
+        if inp.datatype != _SUFFIXES[part] or len(shape) != 1:
+            raise InvalidRequest(f"input {shown(inp.name)} must be {_SUFFIXES[part]} [n], got {inp.datatype} {shown(shape)}")
         features.setdefault(name, {})[part] = values
     if dense_shape is not None:
         batch = dense_shape[0]
@@ -287,14 +292,15 @@ def check_repository_name(name: str) -> None:
 
 
 async def model_infer(
-    inference: Inference, request: Any, remaining: Optional[float], outcome: Outcome
+    inference: Inference, request: InferRequest, remaining: Optional[float], outcome: Outcome, served: Optional[ServedVersion] = None
 ) -> Tuple[ServedVersion, Dict[str, torch.Tensor]]:
-    """KServe's ModelInfer (over gRPC or HTTP): a ModelInferRequest through the request path ->
-    (the version that answered, the requested outputs)."""
-    served = inference.route(request.model_name, parse_version(request.model_version), outcome)
-    arrays = to_request_arrays(request, served.manifest.num_dense)
+    """KServe's ModelInfer (over gRPC or HTTP): a request through the request path -> (the version that answered, the
+    requested outputs). ``served``: the version the front already routed it to (None: routed here)."""
+    if served is None:
+        served = route(inference, request, outcome)
+    arrays = request_arrays(request, served.manifest.num_dense)
     given = list(output_shapes(served.manifest))
-    wanted = [o.name for o in request.outputs] or given
+    wanted = request.outputs or given
     unknown = [o for o in wanted if o not in given]
     if unknown:
         raise InvalidRequest(f"unknown outputs {shown(unknown)}; the model gives {given}")
@@ -302,6 +308,11 @@ async def model_infer(
         raise InvalidRequest(f"outputs {shown(wanted)} name one twice")
     served, outputs = await inference.run(arrays, remaining, outcome, served)
     return served, {k: outputs[k] for k in wanted}
+
+
+def route(inference: Inference, request: Any, outcome: Outcome) -> ServedVersion:
+    """The version a ModelInfer request (an InferRequest, or the gRPC message before its inputs are read) asks for."""
+    return inference.route(request.model_name, parse_version(request.model_version), outcome)
 
 
 def repository_index(repo: ModelRepository, ready: bool = False) -> List[dict]:

@@ -11,8 +11,9 @@ from google.protobuf import json_format
 from recship.serving import footprint, grpc_status
 from recship.serving.grpc_status import decode
 from recship.serving.inference import Inference, Outcome
-from recship.serving.kserve import (SERVICE, check_repository_name, control_parameters, infer_response, message, model_config, model_infer,
-                                    model_metadata, model_statistics, parse_version, repository_index, server_metadata)
+from recship.serving.kserve import (SERVICE, check_repository_name, control_parameters, from_grpc, infer_response, message, model_config,
+                                    model_infer, model_metadata, model_statistics, parse_version, repository_index, route,
+                                    server_metadata)
 from recship.serving.repository import ModelNotFound
 
 
@@ -111,7 +112,8 @@ class KServeServicer:
         async def work(outcome: Outcome):
             with self.inference.admit(len(data), footprint.kserve_infer(data)):  # (refused before it is decoded)
                 request = decode(message("ModelInferRequest"), data)
-                served, outputs = await model_infer(self.inference, request, context.time_remaining(), outcome)
+                served = route(self.inference, request, outcome)  # (a request for no served version: its inputs unread)
+                served, outputs = await model_infer(self.inference, from_grpc(request), context.time_remaining(), outcome, served)
                 return infer_response(request, served, outputs)
 
         return await grpc_status.answer(self.inference, context, "ModelInfer", work)

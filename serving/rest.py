@@ -59,18 +59,7 @@ from recship.serving.values import number_error
 
 log = logging.getLogger("recship.serving")
 
-HTTP_STATUS = {
-    ErrorKind.INVALID: 400,
-    ErrorKind.TOO_LARGE: 413,
-    ErrorKind.NOT_FOUND: 404,
-    ErrorKind.OVERLOADED: 429,  # RESOURCE_EXHAUSTED's HTTP status: retry later
-    ErrorKind.UNAVAILABLE: 503,
-    ErrorKind.DEADLINE: 504,
-    ErrorKind.CLIENT_TIMEOUT: 408,
-    ErrorKind.CANCELLED: 500,  # never sent: the client is gone
-    ErrorKind.REFUSED: 400,  # as Triton answers a load it refuses
-    ErrorKind.INTERNAL: 500,
-}
+HTTP_STATUS = {kind: kind.http_status for kind in ErrorKind}  # the serving rules' (CANCELLED's 500 is never sent: the client is gone)
 _MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/infer|/config|/stats)?$")
 _CONTROL = re.compile(r"^/v2/repository/models/([^/]+)/(load|unload)$")
 _TIMEOUT_S = 30.0  # an HTTP request has no gRPC deadline: this bounds the wait for its batch
@@ -320,8 +309,9 @@ def _json_what(nbytes: int, binary: Optional[memoryview]) -> str:
 
 def _infer_request(name: str, version: str, parsed: Body, binary: Optional[memoryview] = None):
     """The JSON request (and the binary tensor data after it, None without Inference-Header-Content-Length)
-    -> (a kserve.ArrayRequest, {output name: answer it as binary, None: the default}), so gRPC's reader
-    checks the rest. Number arrays go straight into numpy (json_tensors), binary data is read in place.
+    -> (a kserve.InferRequest, {output name: answer it as binary, None: the default}), as gRPC's message decodes
+    into (kserve.request_arrays reads either). Number arrays go straight into numpy (json_tensors), binary data
+    is read in place.
 
     Strict: integer tensors take JSON integers only (no 1.7, no true), FP32 takes numbers
     (no booleans), shapes are lists of non-negative integers, nothing out of its type's range;
@@ -354,8 +344,7 @@ def _infer_request(name: str, version: str, parsed: Body, binary: Optional[memor
             raise InvalidRequest(f"inputs[{i}] must be an object with name, shape, datatype and data (or parameters.binary_data_size)")
         if "data" in tensor and is_binary:
             raise InvalidRequest(f"input {shown(input_name)}: both data and binary_data_size given")
-        if datatype not in kserve.DTYPES:
-            raise InvalidRequest(f"input {shown(input_name)}: datatype {shown(datatype, 16)} is not one recship takes ({', '.join(kserve.DTYPES)})")
+        kserve.check_datatype(input_name, datatype)
         shape = _shape(input_name, tensor["shape"])
         if is_binary:
             tensors.append((input_name, datatype, shape, _binary_size(input_name, datatype, shape, input_parameters["binary_data_size"], binary)))
@@ -373,14 +362,14 @@ def _infer_request(name: str, version: str, parsed: Body, binary: Optional[memor
             array, offset = np.frombuffer(binary[offset:offset + values], dtype=kserve.DTYPES[datatype][0]), offset + values
         else:
             array = values
-        inputs.append(kserve.ArrayInput(input_name, datatype, shape, array))
+        inputs.append(kserve.Tensor(input_name, datatype, shape, array))
     outputs = doc.get("outputs", [])
     if not isinstance(outputs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outputs):
         raise InvalidRequest('"outputs" must be a list of objects with a string "name"')
     for out in outputs:
         what = f"output {shown(out['name'])}"
         binary_outputs[out["name"]] = _flag(_parameters(out, f"{what}: parameters"), "binary_data", what, binary_outputs[None])
-    request = kserve.ArrayRequest(name, version, request_id, inputs, [kserve.Named(o["name"]) for o in outputs])
+    request = kserve.InferRequest(name, version, request_id, inputs, [o["name"] for o in outputs])
     return request, binary_outputs
 
 

@@ -136,7 +136,7 @@ _NO_WARNINGS = textwrap.dedent("""
         for name, datatype, shape, values in tensors:
             request.inputs.add(name=name, datatype=datatype, shape=shape)
             request.raw_input_contents.append(values.tobytes())
-        return kserve.to_request_arrays(kserve.message("ModelInferRequest").FromString(request.SerializeToString()), 2)
+        return kserve.request_arrays(kserve.from_grpc(kserve.message("ModelInferRequest").FromString(request.SerializeToString())), 2)
 
     outcomes = []
     with warnings.catch_warnings(record=True) as caught:
