@@ -10,15 +10,17 @@ them, as in TorchRec (so ties are not given half credit). The states are buffers
 """
 
 import logging
-from typing import Any, List, Optional, Type
+from functools import partial
+from typing import Any, List, Type
 
 import torch
-import torch.distributed as dist
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
-from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
+from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
+from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
+from recship.metrics.metrics_namespace import MetricPrefix as MetricPrefix  # TorchRec's module has it
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed
+from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed, _mean_over_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -68,16 +70,7 @@ def compute_auc_per_group(
     preds, labs, wts = _concat_if_needed(predictions, labels, weights)
     if grouping_keys.numel() != 0 and grouping_keys[0] == -1:  # the placeholder of an empty state
         grouping_keys = grouping_keys[1:]
-    groups = torch.unique(grouping_keys)
-    aucs = []
-    for p, l, w in zip(preds, labs, wts):
-        total = torch.tensor([0], dtype=torch.float32)
-        for group in groups:
-            mask = grouping_keys == group
-            auc = _compute_auc_helper(p[mask], l[mask], w[mask])
-            total = total.to(auc.device) + auc.view(1)
-        aucs.append(total / len(groups) if len(groups) > 0 else torch.tensor([0.5], dtype=torch.float32))
-    return torch.cat(aucs)
+    return _mean_over_groups(_compute_auc_helper, preds, labs, wts, grouping_keys)
 
 
 class AUCMetricComputation(SampleWindowComputation):
@@ -94,55 +87,15 @@ class AUCMetricComputation(SampleWindowComputation):
         self, *args: Any, grouped_auc: bool = False, apply_bin: bool = False, fused_update_limit: int = 0, **kwargs: Any
     ) -> None:
         super().__init__(*args, grouped=grouped_auc, fused_update_limit=fused_update_limit, **kwargs)
-        self._grouped_auc = grouped_auc
         self._apply_bin = apply_bin
 
     def _compute(self) -> List[MetricComputationReport]:
-        window = self._window()
-        reports = [
-            MetricComputationReport(MetricName.AUC, MetricPrefix.WINDOW, compute_auc(self._n_tasks, *window, self._apply_bin))
-        ]
-        if self._grouped_auc:
-            reports.append(
-                MetricComputationReport(
-                    MetricName.GROUPED_AUC,
-                    MetricPrefix.WINDOW,
-                    compute_auc_per_group(self._n_tasks, *window, getattr(self, GROUPING_KEYS)[0]),
-                )
-            )
-        return reports
+        compute = partial(compute_auc, apply_bin=self._apply_bin)
+        return self._window_reports(MetricName.AUC, compute, MetricName.GROUPED_AUC, compute_auc_per_group)
 
 
 class AUCMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.AUC
     _computation_class: Type[RecMetricComputation] = AUCMetricComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
-        if kwargs.get("grouped_auc"):
-            self._required_inputs.add(GROUPING_KEYS)
+    _grouping_option = "grouped_auc"

@@ -11,13 +11,13 @@ import logging
 from typing import Any, Dict, List, Optional, Type
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
+from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
-from recship.metrics.sample_window import _grouping_keys_state_reduction, _state_reduction
+from recship.metrics.sample_window import SampleWindowComputation, _mean_over_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -59,43 +59,20 @@ def compute_auprc_per_group(
     if grouping_keys.numel() != 0 and grouping_keys[0] == -1:
         grouping_keys = grouping_keys[1:]
         predictions, labels, weights = predictions[:, 1:], labels[:, 1:], weights[:, 1:]
-    groups = torch.unique(grouping_keys)
-    auprcs = []
-    for p, l, w in zip(predictions, labels, weights):
-        total = torch.tensor([0], dtype=torch.float32)
-        for group in groups:
-            mask = grouping_keys == group
-            auprc = _compute_auprc_helper(p[mask], l[mask], w[mask])
-            total = total.to(auprc.device) + auprc.view(1)
-        auprcs.append(total / len(groups) if len(groups) > 0 else torch.tensor([0.5], dtype=torch.float32))
-    return torch.cat(auprcs)
+    return _mean_over_groups(_compute_auprc_helper, predictions, labels, weights, grouping_keys)
 
 
-class AUPRCMetricComputation(RecMetricComputation):
-    """AUPRC over the window. Args: grouped_auprc (bool): also report the mean per-group AUPRC."""
+class AUPRCMetricComputation(SampleWindowComputation):
+    """AUPRC over the window. Args: grouped_auprc (bool): also report the mean per-group AUPRC.
+
+    Keeps its window as one [n_tasks, N] tensor per state whose placeholder sample stays until pushed out."""
 
     def __init__(self, *args: Any, grouped_auprc: bool = False, fused_update_limit: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
         if grouped_auprc and fused_update_limit > 0:
             raise RecMetricException("Grouped AUPRC and Fused Update Limit cannot be enabled together yet.")
-        self._grouped_auprc = grouped_auprc
-        for name in (PREDICTIONS, LABELS, WEIGHTS):
-            self._add_state(name, [], add_window_state=False, dist_reduce_fx=_state_reduction, persistent=False)
-        if grouped_auprc:
-            self._add_state(
-                GROUPING_KEYS, [], add_window_state=False, dist_reduce_fx=_grouping_keys_state_reduction, persistent=False
-            )
+        super().__init__(*args, grouped=grouped_auprc, **kwargs)
         self._lifetime_weighted_auprc = torch.tensor(0.0, dtype=torch.float64)
         self._lifetime_weight = torch.tensor(0.0, dtype=torch.float64)
-        self._init_states()
-
-    def _init_states(self) -> None:
-        if len(getattr(self, PREDICTIONS)) > 0:
-            return
-        for name in (PREDICTIONS, LABELS, WEIGHTS):
-            getattr(self, name).append(torch.zeros((self._n_tasks, 1), dtype=torch.float, device=self.device))
-        if self._grouped_auprc:
-            getattr(self, GROUPING_KEYS).append(torch.tensor([-1], device=self.device))
 
     def update(
         self,
@@ -115,12 +92,8 @@ class AUPRCMetricComputation(RecMetricComputation):
         for name, value in ((PREDICTIONS, predictions), (LABELS, labels), (WEIGHTS, weights)):
             buffer = getattr(self, name)
             buffer[0] = torch.cat([buffer[0][:, start_index:], value.float()], dim=-1)
-        if self._grouped_auprc:
-            grouping_keys = kwargs.get(REQUIRED_INPUTS, {}).get(GROUPING_KEYS)  # type: ignore[union-attr]
-            if grouping_keys is None:
-                raise RecMetricException(f"Input '{GROUPING_KEYS}' are required for AUPRCMetricComputation grouped update")
-            keys = getattr(self, GROUPING_KEYS)
-            keys[0] = torch.cat([keys[0][start_index:], grouping_keys.squeeze()], dim=0)
+        if self._grouped:
+            self._add_grouping_keys(kwargs, start_index)
 
     def _compute(self) -> List[MetricComputationReport]:
         predictions, labels, weights = (getattr(self, name)[0] for name in (PREDICTIONS, LABELS, WEIGHTS))
@@ -138,7 +111,7 @@ class AUPRCMetricComputation(RecMetricComputation):
             MetricComputationReport(MetricName.AUPRC, MetricPrefix.WINDOW, window_auprc),
             MetricComputationReport(MetricName.AUPRC, MetricPrefix.LIFETIME, lifetime.expand(self._n_tasks)),
         ]
-        if self._grouped_auprc:
+        if self._grouped:
             reports.append(
                 MetricComputationReport(
                     MetricName.GROUPED_AUPRC,
@@ -148,41 +121,10 @@ class AUPRCMetricComputation(RecMetricComputation):
             )
         return reports
 
-    def reset(self) -> None:
-        super().reset()
-        self._init_states()
 
 
 class AUPRCMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.AUPRC
     _computation_class: Type[RecMetricComputation] = AUPRCMetricComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
-        if kwargs.get("grouped_auprc"):
-            self._required_inputs.add(GROUPING_KEYS)
+    _grouping_option = "grouped_auprc"

@@ -11,12 +11,12 @@ Options: ``exponential_gain`` (gain 2^label - 1), ``remove_single_length_session
 caller's tensors; recship flips copies.
 """
 
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Type, Union
 
 import torch
-from torch import distributed as dist
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
+from recship.metrics.metrics_config import RecTaskInfo
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
 
@@ -198,34 +198,8 @@ class NDCGMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.NDCG
     _computation_class: Type[RecMetricComputation] = NDCGComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
-        self._required_inputs.add(kwargs.get("session_key", SESSION_KEY))
+    def _get_option_required_inputs(self, options: Dict[str, Any]) -> Set[str]:
+        return {options.get("session_key", SESSION_KEY)}
 
     def _get_task_kwargs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Dict[str, Any]:
         tasks = [task_config] if isinstance(task_config, RecTaskInfo) else task_config

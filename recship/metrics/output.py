@@ -2,12 +2,12 @@
 of the last update, summed across ranks. Keys ``output-{task}|output_latest_imp`` and
 ``|output_total_latest_imp``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Any, Dict, List, Optional, Set, Type
 
 import torch
-import torch.distributed as dist
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
+from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
 
@@ -48,31 +48,5 @@ class OutputMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.OUTPUT
     _computation_class: Type[RecMetricComputation] = OutputMetricComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
-        self._required_inputs.update(_OUTPUTS)
+    def _get_option_required_inputs(self, options: Dict[str, Any]) -> Set[str]:
+        return set(_OUTPUTS)

@@ -5,15 +5,16 @@ Weights are not used. Over the window of samples, as AUC. Key ``rauc-{task}|wind
 """
 
 import logging
-from typing import Any, List, Optional, Type
+from typing import Any, List, Type
 
 import torch
-import torch.distributed as dist
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
-from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
+from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
+from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
+from recship.metrics.metrics_namespace import MetricPrefix as MetricPrefix  # TorchRec's module has it
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed
+from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed, _mean_over_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -83,16 +84,7 @@ def compute_rauc_per_group(
     preds, labs, wts = _concat_if_needed(predictions, labels, weights)
     if grouping_keys.numel() != 0 and grouping_keys[0] == -1:
         grouping_keys = grouping_keys[1:]
-    groups = torch.unique(grouping_keys)
-    raucs = []
-    for p, l, w in zip(preds, labs, wts):
-        total = torch.tensor([0], dtype=torch.float32)
-        for group in groups:
-            mask = grouping_keys == group
-            rauc = _compute_rauc_helper(p[mask], l[mask], w[mask])
-            total = total.to(rauc.device) + rauc.view(1)
-        raucs.append(total / len(groups) if len(groups) > 0 else torch.tensor([0.5], dtype=torch.float32))
-    return torch.cat(raucs)
+    return _mean_over_groups(_compute_rauc_helper, preds, labs, wts, grouping_keys)
 
 
 class RAUCMetricComputation(SampleWindowComputation):
@@ -102,52 +94,13 @@ class RAUCMetricComputation(SampleWindowComputation):
 
     def __init__(self, *args: Any, grouped_rauc: bool = False, fused_update_limit: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, grouped=grouped_rauc, fused_update_limit=fused_update_limit, **kwargs)
-        self._grouped_rauc = grouped_rauc
 
     def _compute(self) -> List[MetricComputationReport]:
-        window = self._window()
-        reports = [MetricComputationReport(MetricName.RAUC, MetricPrefix.WINDOW, compute_rauc(self._n_tasks, *window))]
-        if self._grouped_rauc:
-            reports.append(
-                MetricComputationReport(
-                    MetricName.GROUPED_RAUC,
-                    MetricPrefix.WINDOW,
-                    compute_rauc_per_group(self._n_tasks, *window, getattr(self, GROUPING_KEYS)[0]),
-                )
-            )
-        return reports
+        return self._window_reports(MetricName.RAUC, compute_rauc, MetricName.GROUPED_RAUC, compute_rauc_per_group)
 
 
 class RAUCMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.RAUC
     _computation_class: Type[RecMetricComputation] = RAUCMetricComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
-        if kwargs.get("grouped_rauc"):
-            self._required_inputs.add(GROUPING_KEYS)
+    _grouping_option = "grouped_rauc"

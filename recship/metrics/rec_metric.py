@@ -253,6 +253,8 @@ class RecMetric(nn.Module, abc.ABC):
     PREDICTIONS: str = "predictions"
     LABELS: str = "labels"
     WEIGHTS: str = "weights"
+    # The option (e.g. "grouped_auc") that, when true, makes the metric read the "grouping_keys" model output.
+    _grouping_option: Optional[str] = None
 
     def __init__(
         self,
@@ -315,6 +317,7 @@ class RecMetric(nn.Module, abc.ABC):
                 )
             )
             self._required_inputs.update(self._get_task_required_inputs(task_config))
+        self._required_inputs.update(self._get_option_required_inputs(kwargs))
 
     def _get_task_kwargs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Dict[str, Any]:
         return {}
@@ -326,6 +329,10 @@ class RecMetric(nn.Module, abc.ABC):
 
     def _get_task_required_inputs(self, task_config: Union[RecTaskInfo, List[RecTaskInfo]]) -> Set[str]:
         return set()
+
+    def _get_option_required_inputs(self, options: Dict[str, Any]) -> Set[str]:
+        """The model outputs the metric's own options (``**kwargs``) make it read."""
+        return {"grouping_keys"} if self._grouping_option and options.get(self._grouping_option) else set()
 
     # -- compute --------------------------------------------------------------------------------------------------
 

@@ -1,14 +1,16 @@
-"""The window of samples that AUC and RAUC keep: per rank the last ``window_size`` samples, as lists of
+"""The window of samples that AUC, RAUC and AUPRC keep: per rank the last ``window_size`` samples, as lists of
 [n_tasks, b] prediction / label / weight tensors (and with grouping, the [N] group keys), reduced across ranks by
-concatenating along the samples. An empty window holds one zero sample, dropped by the first update."""
+concatenating along the samples. An empty window holds one zero sample, dropped by the first update (AUPRC, with
+its own update, keeps it until pushed out)."""
 
 from functools import partial
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from recship.metrics.rec_metric import RecMetricComputation, RecMetricException
+from recship.metrics.metrics_namespace import MetricNameBase, MetricPrefix
+from recship.metrics.rec_metric import MetricComputationReport, RecMetricComputation, RecMetricException
 
 PREDICTIONS = "predictions"
 LABELS = "labels"
@@ -30,6 +32,27 @@ def _state_reduction(state: List[torch.Tensor], dim: int = 1) -> List[torch.Tens
 
 
 _grouping_keys_state_reduction = partial(_state_reduction, dim=0)
+
+
+def _mean_over_groups(
+    value_of: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    predictions: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    grouping_keys: torch.Tensor,
+) -> torch.Tensor:
+    """[n_tasks] means over the groups of ``grouping_keys`` ([N]) of ``value_of(predictions, labels, weights)`` of
+    each group's samples (0.5 with no group); predictions, labels, weights: [n_tasks, N]."""
+    groups = torch.unique(grouping_keys)
+    means = []
+    for p, l, w in zip(predictions, labels, weights):
+        total = torch.tensor([0], dtype=torch.float32)
+        for group in groups:
+            mask = grouping_keys == group
+            value = value_of(p[mask], l[mask], w[mask])
+            total = total.to(value.device) + value.view(1)
+        means.append(total / len(groups) if len(groups) > 0 else torch.tensor([0.5], dtype=torch.float32))
+    return torch.cat(means)
 
 
 class SampleWindowComputation(RecMetricComputation):
@@ -104,14 +127,34 @@ class SampleWindowComputation(RecMetricComputation):
                         buffer.pop(0)
                 self._num_samples -= excess
         if self._grouped:
-            grouping_keys = kwargs.get(REQUIRED_INPUTS, {}).get(GROUPING_KEYS)  # type: ignore[union-attr]
-            if grouping_keys is None:
-                raise RecMetricException(f"Input '{GROUPING_KEYS}' are required for {type(self).__name__} grouped update")
-            keys = getattr(self, GROUPING_KEYS)
-            keys[0] = torch.cat([keys[0][start_index:], grouping_keys.squeeze()], dim=0)
+            self._add_grouping_keys(kwargs, start_index)
+
+    def _add_grouping_keys(self, kwargs: Dict[str, Any], start_index: int) -> None:
+        """Append the update's ``required_inputs["grouping_keys"]`` ([B]) to the keys from ``start_index`` on."""
+        grouping_keys = kwargs.get(REQUIRED_INPUTS, {}).get(GROUPING_KEYS)  # type: ignore[union-attr]
+        if grouping_keys is None:
+            raise RecMetricException(f"Input '{GROUPING_KEYS}' are required for {type(self).__name__} grouped update")
+        keys = getattr(self, GROUPING_KEYS)
+        keys[0] = torch.cat([keys[0][start_index:], grouping_keys.squeeze()], dim=0)
 
     def _window(self) -> Tuple[List[torch.Tensor], List[torch.Tensor], List[torch.Tensor]]:
         return getattr(self, PREDICTIONS), getattr(self, LABELS), getattr(self, WEIGHTS)
+
+    def _window_reports(
+        self,
+        name: MetricNameBase,
+        compute: Callable[..., torch.Tensor],
+        grouped_name: MetricNameBase,
+        compute_per_group: Callable[..., torch.Tensor],
+    ) -> List[MetricComputationReport]:
+        """The window's ``compute(n_tasks, predictions, labels, weights)``, and with grouping its
+        ``compute_per_group(..., grouping_keys)``."""
+        window = self._window()
+        reports = [MetricComputationReport(name, MetricPrefix.WINDOW, compute(self._n_tasks, *window))]
+        if self._grouped:
+            grouped = compute_per_group(self._n_tasks, *window, getattr(self, GROUPING_KEYS)[0])
+            reports.append(MetricComputationReport(grouped_name, MetricPrefix.WINDOW, grouped))
+        return reports
 
     def _sync_dist(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         # one tensor per rank, in sample order, so that the reduction concatenates rank after rank

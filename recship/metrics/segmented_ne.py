@@ -9,12 +9,12 @@ float32 values; the fused modes scatter-add in float64.
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Type, Union
+from typing import Any, Dict, List, Optional, Set, Type, Union
 
 import torch
-import torch.distributed as dist
 
-from recship.metrics.metrics_config import RecComputeMode, RecTaskInfo
+from recship.metrics.metrics_config import RecComputeMode
+from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.ne import _compute_cross_entropy_norm
 from recship.metrics.ne import compute_cross_entropy as compute_cross_entropy
@@ -281,34 +281,8 @@ class SegmentedNEMetric(RecMetric):
     _namespace: MetricNamespace = MetricNamespace.SEGMENTED_NE
     _computation_class: Type[RecMetricComputation] = SegmentedNEMetricComputation
 
-    def __init__(
-        self,
-        world_size: int,
-        my_rank: int,
-        batch_size: int,
-        tasks: List[RecTaskInfo],
-        compute_mode: RecComputeMode = RecComputeMode.UNFUSED_TASKS_COMPUTATION,
-        window_size: int = 100,
-        fused_update_limit: int = 0,
-        compute_on_all_ranks: bool = False,
-        should_validate_update: bool = False,
-        process_group: Optional[dist.ProcessGroup] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            world_size=world_size,
-            my_rank=my_rank,
-            batch_size=batch_size,
-            tasks=tasks,
-            compute_mode=compute_mode,
-            window_size=window_size,
-            fused_update_limit=fused_update_limit,
-            compute_on_all_ranks=compute_on_all_ranks,
-            should_validate_update=should_validate_update,
-            process_group=process_group,
-            **kwargs,
-        )
+    def _get_option_required_inputs(self, options: Dict[str, Any]) -> Set[str]:
         configs = _normalize_grouping_keys_config(
-            kwargs.get("grouping_keys", "grouping_keys"), kwargs.get("num_groups", 1), kwargs.get("cast_keys_to_int", False)
+            options.get("grouping_keys", "grouping_keys"), options.get("num_groups", 1), options.get("cast_keys_to_int", False)
         )
-        self._required_inputs.update(config.name for config in configs)
+        return {config.name for config in configs}
