@@ -206,3 +206,22 @@ def test_requests_over_the_in_flight_budget_are_refused_counted_and_logged_as_sa
     assert (r.method, r.model, r.version, r.status) == ("Predict", UNROUTED, UNROUTED, status)
     if _native(server):
         assert _python_answered(server) == python_before
+
+
+@pytest.mark.parametrize("front", ["python", "cpp"])
+def test_at_stop_the_sampled_log_says_how_many_lines_it_left_out(front, repo, caplog):
+    if front == "cpp":
+        front_binary()
+    refusal = rules.REFUSALS[rules.LIMITS["max_inflight_bytes"].violation]
+    big = PredictClient.request("dlrm", *dlrm_request(MAX_BATCH, 8, ids=(400, 420))).SerializeToString()
+    message = refusal.say(total=footprint.predict(big), limit=INFLIGHT)
+    server = Server(ServerConfig(model_repo=str(repo), port=0, max_inflight_bytes=INFLIGHT, front=front))
+    with caplog.at_level(logging.WARNING):
+        try:
+            for _ in range(3):
+                assert _call(server, big)[:2] == (_status(refusal), message)
+        finally:
+            server.stop()
+    interval = f"{rules.LOG_INTERVAL_S:g}"
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(message)] == [
+        message, f"{message} [1 more like this in the last {interval} s not logged] (the last of 2 not logged)"]
