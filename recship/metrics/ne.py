@@ -8,11 +8,12 @@ below at eta (eta = 1e-12). Keys ``ne-{task}|lifetime_ne``, ``ne-{task}|window_n
 ``|window_logloss``: cross entropy per unit weight, with ``include_logloss``).
 """
 
+from functools import partial
 from typing import Any, Dict, List, Type
 
 import torch
 
-from recship.metrics.metrics_namespace import MetricName, MetricNamespace
+from recship.metrics.metrics_namespace import MetricName, MetricNameBase, MetricNamespace
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
@@ -32,6 +33,14 @@ def _compute_cross_entropy_norm(
     return -pos_labels * torch.log2(mean_label) - neg_labels * torch.log2(1.0 - mean_label)
 
 
+def _ne_of_sums(
+    ce_sum: torch.Tensor, weighted_num_samples: torch.Tensor, pos_labels: torch.Tensor, neg_labels: torch.Tensor, eta: float
+) -> torch.Tensor:
+    """``ce_sum`` over the cross entropy of always predicting the weighted base rate (all [n_tasks])."""
+    mean_label = pos_labels / weighted_num_samples.double().clamp(min=eta)
+    return ce_sum / _compute_cross_entropy_norm(mean_label, pos_labels, neg_labels, eta)
+
+
 def compute_ne(
     ce_sum: torch.Tensor,
     weighted_num_samples: torch.Tensor,
@@ -41,8 +50,7 @@ def compute_ne(
     allow_missing_label_with_zero_weight: bool = False,
 ) -> torch.Tensor:
     """NE from the [n_tasks] sums; with ``allow_missing_label_with_zero_weight`` a task of zero weight gives eta."""
-    mean_label = pos_labels / weighted_num_samples.double().clamp(min=eta)
-    ne = ce_sum / _compute_cross_entropy_norm(mean_label, pos_labels, neg_labels, eta)
+    ne = _ne_of_sums(ce_sum, weighted_num_samples, pos_labels, neg_labels, eta)
     if allow_missing_label_with_zero_weight and not weighted_num_samples.all():
         return torch.where(weighted_num_samples > 0, ne, eta)
     return ne
@@ -59,13 +67,50 @@ def get_ne_states(
     """The batch's [n_tasks] sums: cross entropy, weight, weighted positives, weighted negatives."""
     return {
         "cross_entropy_sum": torch.sum(compute_cross_entropy(labels, predictions, weights, eta), dim=-1),
+        **_label_sums(labels, weights),
+    }
+
+
+def _label_sums(labels: torch.Tensor, weights: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """The batch's [n_tasks] weight, weighted positives and weighted negatives."""
+    return {
         "weighted_num_samples": torch.sum(weights, dim=-1),
         "pos_labels": torch.sum(weights * labels, dim=-1),
         "neg_labels": torch.sum(weights * (1.0 - labels), dim=-1),
     }
 
 
-class NEMetricComputation(SumsComputation):
+class _NESumsComputation(SumsComputation):
+    """A metric of the NE family: ``_states(labels, predictions, weights, eta)`` gives a batch's sums (``_SUMS``),
+    ``_value(*sums, eta=, allow_missing_label_with_zero_weight=)`` the value, reported as ``_NAME``.
+
+    Args:
+        allow_missing_label_with_zero_weight (bool): a task whose weight sums to zero reports eta, not inf/nan.
+    """
+
+    _NAME: MetricNameBase
+    _SUMS = ("cross_entropy_sum", "weighted_num_samples", "pos_labels", "neg_labels")
+    _states = staticmethod(get_ne_states)
+    _value = staticmethod(compute_ne)
+
+    def __init__(self, *args: Any, allow_missing_label_with_zero_weight: bool = False, **kwargs: Any) -> None:
+        self._allow_missing_label_with_zero_weight = allow_missing_label_with_zero_weight
+        super().__init__(*args, **kwargs)
+        self.eta = 1e-12
+
+    def _batch_sums(
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
+    ) -> Dict[str, torch.Tensor]:
+        return self._states(labels, predictions, weights, self.eta)
+
+    def _compute(self) -> List[MetricComputationReport]:
+        value = partial(
+            self._value, eta=self.eta, allow_missing_label_with_zero_weight=self._allow_missing_label_with_zero_weight
+        )
+        return self._reports(self._NAME, value, *self._SUMS)
+
+
+class NEMetricComputation(_NESumsComputation):
     """NE over [n_tasks, B] predictions, labels and weights.
 
     Args:
@@ -73,27 +118,17 @@ class NEMetricComputation(SumsComputation):
         allow_missing_label_with_zero_weight (bool): a task whose weight sums to zero reports eta, not inf/nan.
     """
 
-    _SUMS = ("cross_entropy_sum", "weighted_num_samples", "pos_labels", "neg_labels")
+    _NAME = MetricName.NE
 
     def __init__(
         self, *args: Any, include_logloss: bool = False, allow_missing_label_with_zero_weight: bool = False, **kwargs: Any
     ) -> None:
         self._include_logloss = include_logloss
-        self._allow_missing_label_with_zero_weight = allow_missing_label_with_zero_weight
-        super().__init__(*args, **kwargs)
-        self.eta = 1e-12
-        self._get_ne_states = self._maybe_compile(get_ne_states)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return self._get_ne_states(labels, predictions, weights, self.eta)
+        super().__init__(*args, allow_missing_label_with_zero_weight=allow_missing_label_with_zero_weight, **kwargs)
+        self._states = self._maybe_compile(get_ne_states)  # compiled with enable_pt2_compile, as in TorchRec
 
     def _compute(self) -> List[MetricComputationReport]:
-        def ne(ce: torch.Tensor, n: torch.Tensor, pos: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
-            return compute_ne(ce, n, pos, neg, self.eta, self._allow_missing_label_with_zero_weight)
-
-        reports = self._reports(MetricName.NE, ne, *self._SUMS)
+        reports = super()._compute()
         if self._include_logloss:
             reports += self._reports(
                 MetricName.LOG_LOSS,
