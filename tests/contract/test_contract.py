@@ -25,13 +25,21 @@ MODULES = ["recship.contract", "recship.contract.manifest", "recship.contract.re
            "recship.contract.schema", "recship.contract.tables"]
 
 
-def test_importing_the_contract_loads_no_torch_numpy_nor_other_recship_module():
+@pytest.mark.parametrize("cwd", ["checkout", "elsewhere"])
+def test_importing_the_contract_loads_no_torch_numpy_nor_other_recship_module(tmp_path, cwd):
+    """From the source checkout (its recship/ first on sys.path) and from elsewhere (the installed package: here the
+    editable install; tests/test_wheel.py checks the wheel carries the schema): the schema loads as package data."""
     code = ("import json, sys, recship; before = set(sys.modules)\n"
             f"for name in {MODULES!r}: __import__(name)\n"
-            "print(json.dumps(sorted(set(sys.modules) - before)))")
-    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout)
+            "from recship.contract.schema import schema\n"
+            "assert schema()['title'].startswith('recship artifact manifest')\n"
+            "print(json.dumps([sorted(set(sys.modules) - before), sys.modules['recship.contract'].__file__]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT if cwd == "checkout" else tmp_path)
+    assert done.returncode == 0, done.stderr
+    loaded, file = json.loads(done.stdout)
     assert not [m for m in loaded if m.split(".")[0] in ("torch", "numpy", "fbgemm_gpu")], loaded
     assert [m for m in loaded if m.startswith("recship")] == sorted(MODULES)
+    assert Path(file) == ROOT / "recship" / "contract" / "__init__.py"
 
 
 def test_the_schema_uses_only_keywords_both_loaders_know():
