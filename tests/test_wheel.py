@@ -100,6 +100,7 @@ def test_the_wheel_carries_the_cpp_parts_and_is_platform_tagged(wheel):
         modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
         scripts = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
     for needed in ("recship/_cpp/bin/recship_predict", "recship/_cpp/lib/librecship_loader.so", "recship/_cpp/include/recship/model.h",
+                   "recship/_cpp/include/recship/serving_rules.h",  # (model.h includes it: generated, installed beside it)
                    "recship/_cpp/lib/cmake/recship/recshipConfig.cmake", "recship/_cpp/lib/cmake/recship/recshipTargets.cmake",
                    "recship/contract/manifest.schema.json",  # the contract's one definition, read at run time
                    "recship/native.py"):
