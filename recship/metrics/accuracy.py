@@ -1,13 +1,13 @@
 """Accuracy at a threshold: the weighted share of samples with (prediction >= threshold) == label. Keys
 ``accuracy-{task}|lifetime_accuracy`` and ``|window_accuracy``; ``RecMetricDef(arguments={"threshold": t})``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sums import SumsComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
+from recship.metrics.sums import ThresholdSumsComputation
 
 THRESHOLD = "threshold"
 
@@ -33,23 +33,11 @@ def get_accuracy_states(
     }
 
 
-class AccuracyMetricComputation(SumsComputation):
-    """Args: threshold (float): a prediction at or above it counts as positive."""
-
+class AccuracyMetricComputation(ThresholdSumsComputation):
+    _NAME = MetricName.ACCURACY
     _SUMS = ("accuracy_sum", "weighted_num_samples")
-    _NEEDS = ("predictions",)
-
-    def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threshold = threshold
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_accuracy_states(labels, predictions, weights, self._threshold)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.ACCURACY, compute_accuracy, *self._SUMS)
+    _states = staticmethod(get_accuracy_states)
+    _value = staticmethod(compute_accuracy)
 
 
 class AccuracyMetric(RecMetric):

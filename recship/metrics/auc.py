@@ -15,10 +15,7 @@ from typing import Any, List, Type
 
 import torch
 
-from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
-from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.metrics_namespace import MetricPrefix as MetricPrefix  # TorchRec's module has it
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
 from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed, _mean_over_groups
 

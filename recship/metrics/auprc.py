@@ -13,8 +13,6 @@ from typing import Any, Dict, List, Optional, Type
 import torch
 import torch.nn.functional as F
 
-from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
-from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
 from recship.metrics.sample_window import SampleWindowComputation, _mean_over_groups

@@ -12,7 +12,6 @@ import torch
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.ne import _ne_of_sums, _NESumsComputation, get_ne_states
 from recship.metrics.ne import compute_cross_entropy as compute_cross_entropy
-from recship.metrics.rec_metric import MetricComputationReport as MetricComputationReport  # TorchRec's module has it
 from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.rec_metric import pt2_compile_callable as pt2_compile_callable  # TorchRec's module has it
 

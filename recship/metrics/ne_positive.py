@@ -7,7 +7,6 @@ import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.ne import _label_sums, _ne_of_sums, _NESumsComputation
-from recship.metrics.rec_metric import MetricComputationReport as MetricComputationReport  # TorchRec's module has it
 from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 
 

@@ -6,8 +6,6 @@ from typing import Any, Dict, List, Optional, Set, Type
 
 import torch
 
-from recship.metrics.metrics_config import RecComputeMode as RecComputeMode  # TorchRec's module has it
-from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
 

@@ -2,13 +2,13 @@
 counting as positive (0 where nothing is predicted positive). Keys ``precision-{task}|lifetime_precision`` and
 ``|window_precision``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sums import SumsComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
+from recship.metrics.sums import ThresholdSumsComputation
 
 THRESHOLD = "threshold"
 
@@ -41,23 +41,11 @@ def get_precision_states(
     }
 
 
-class PrecisionMetricComputation(SumsComputation):
-    """Args: threshold (float): a prediction at or above it counts as positive."""
-
+class PrecisionMetricComputation(ThresholdSumsComputation):
+    _NAME = MetricName.PRECISION
     _SUMS = ("true_pos_sum", "false_pos_sum")
-    _NEEDS = ("predictions",)
-
-    def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threshold = threshold
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_precision_states(labels, predictions, weights, self._threshold)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.PRECISION, compute_precision, *self._SUMS)
+    _states = staticmethod(get_precision_states)
+    _value = staticmethod(compute_precision)
 
 
 class PrecisionMetric(RecMetric):

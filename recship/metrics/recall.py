@@ -2,13 +2,14 @@
 positive predicted exactly at the threshold counts both as a true positive (>=) and as a false negative (<=).
 Keys ``recall-{task}|lifetime_recall`` and ``|window_recall``."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sums import SumsComputation
+from recship.metrics.precision import compute_true_pos_sum
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
+from recship.metrics.sums import ThresholdSumsComputation
 
 THRESHOLD = "threshold"
 
@@ -16,12 +17,6 @@ THRESHOLD = "threshold"
 def compute_recall(num_true_positives: torch.Tensor, num_false_negitives: torch.Tensor) -> torch.Tensor:
     positives = num_true_positives + num_false_negitives
     return torch.where(positives == 0.0, 0.0, num_true_positives / positives)
-
-
-def compute_true_pos_sum(
-    labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor, threshold: float = 0.5
-) -> torch.Tensor:
-    return torch.sum(weights * ((predictions.double() >= threshold) * labels), dim=-1)
 
 
 def compute_false_neg_sum(
@@ -41,23 +36,11 @@ def get_recall_states(
     }
 
 
-class RecallMetricComputation(SumsComputation):
-    """Args: threshold (float): a prediction at or above it counts as positive."""
-
+class RecallMetricComputation(ThresholdSumsComputation):
+    _NAME = MetricName.RECALL
     _SUMS = ("true_pos_sum", "false_neg_sum")
-    _NEEDS = ("predictions",)
-
-    def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._threshold = threshold
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_recall_states(labels, predictions, weights, self._threshold)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.RECALL, compute_recall, *self._SUMS)
+    _states = staticmethod(get_recall_states)
+    _value = staticmethod(compute_recall)
 
 
 class RecallMetric(RecMetric):

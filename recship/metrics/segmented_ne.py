@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional, Set, Type, Union
 import torch
 
 from recship.metrics.metrics_config import RecComputeMode
-from recship.metrics.metrics_config import RecTaskInfo as RecTaskInfo  # TorchRec's module has it
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.ne import _compute_cross_entropy_norm
 from recship.metrics.ne import compute_cross_entropy as compute_cross_entropy

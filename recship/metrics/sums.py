@@ -1,6 +1,7 @@
 """The shape most metrics share: a few [n_tasks] float64 sums per batch, each with a lifetime and a window state,
 reduced across ranks by summing, and a value computed from the sums. A metric names its sums and gives the
-per-batch function; ``_reports`` makes its lifetime and window values."""
+per-batch function; ``_reports`` makes its lifetime and window values. ``ThresholdSumsComputation``: the same for
+the metrics that count predictions at or above a threshold (precision, recall, accuracy)."""
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -66,3 +67,29 @@ class SumsComputation(RecMetricComputation):
 
     def _state_value(self, state: torch.Tensor) -> torch.Tensor:
         return state
+
+
+class ThresholdSumsComputation(SumsComputation):
+    """Sums at a threshold (precision, recall, accuracy): ``_states(labels, predictions, weights, threshold)`` gives
+    a batch's sums (weights None: all ones), ``_value(*sums)`` the value, reported as ``_NAME``.
+
+    Args:
+        threshold (float): a prediction at or above it counts as positive.
+    """
+
+    _NAME: MetricNameBase
+    _NEEDS = ("predictions",)
+    _states: Callable[..., Dict[str, torch.Tensor]]
+    _value: Callable[..., torch.Tensor]
+
+    def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._threshold = threshold
+
+    def _batch_sums(
+        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
+    ) -> Dict[str, torch.Tensor]:
+        return self._states(labels, predictions, weights, self._threshold)
+
+    def _compute(self) -> List[MetricComputationReport]:
+        return self._reports(self._NAME, self._value, *self._SUMS)
