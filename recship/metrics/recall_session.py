@@ -7,7 +7,7 @@ only.
 """
 
 import logging
-from typing import Any, Dict, List, Optional, Set, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -55,19 +55,19 @@ def _ratio_or_nan(hits: torch.Tensor, misses: torch.Tensor, what: str) -> torch.
     return hits / (hits + misses)
 
 
-def _calc_recall(num_true_pos: torch.Tensor, num_false_neg: torch.Tensor) -> torch.Tensor:
-    return _ratio_or_nan(num_true_pos, num_false_neg, "session recall")
-
-
 class _SessionComputation(RecMetricComputation):
-    """The shared part of the session metrics: the top-k of each session as the predicted positives."""
+    """The shared part of the session metrics: the top-k of each session as the predicted positives; the states
+    are the weighted true positives and ``_MISSES`` (``_count_misses(labels, predicted, weights)``: false negatives
+    for recall, false positives for precision), the value true positives / (true positives + misses)."""
 
-    _STATES: tuple = ()
+    _MISSES: str
     _NAME: MetricName
+    _WHAT: str  # the value's name in the NaN warning
+    _count_misses: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
     def __init__(self, *args: Any, session_metric_def: SessionMetricDef, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        for name in self._STATES:
+        for name in (NUM_TRUE_POS, self._MISSES):
             self._add_state(name, torch.zeros(self._n_tasks, dtype=torch.double), add_window_state=True,
                             dist_reduce_fx="sum", persistent=True)
         self.top_threshold: Optional[int] = session_metric_def.top_threshold
@@ -77,7 +77,13 @@ class _SessionComputation(RecMetricComputation):
     def _session_states(
         self, labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor, session: torch.Tensor
     ) -> Dict[str, torch.Tensor]:
-        raise NotImplementedError
+        predicted = self._top(predictions, session)
+        if self.run_ranking_of_labels:
+            labels = self._top(labels, session)
+        return {
+            NUM_TRUE_POS: _calc_num_true_pos(labels, predicted, weights),
+            self._MISSES: self._count_misses(labels, predicted, weights),
+        }
 
     def _top(self, values: torch.Tensor, session: torch.Tensor) -> torch.Tensor:
         assert self.top_threshold is not None  # the metric refuses tasks without one
@@ -104,30 +110,21 @@ class _SessionComputation(RecMetricComputation):
             getattr(self, name).add_(value)
             self._aggregate_window_state(name, value, predictions.shape[-1])
 
+    def _compute(self) -> List[MetricComputationReport]:
+        lifetime = _ratio_or_nan(getattr(self, NUM_TRUE_POS), getattr(self, self._MISSES), self._WHAT)
+        window = _ratio_or_nan(self.get_window_state(NUM_TRUE_POS), self.get_window_state(self._MISSES), self._WHAT)
+        return [
+            MetricComputationReport(self._NAME, MetricPrefix.LIFETIME, lifetime),
+            MetricComputationReport(self._NAME, MetricPrefix.WINDOW, window),
+        ]
+
 
 class RecallSessionMetricComputation(_SessionComputation):
-    _STATES = (NUM_TRUE_POS, NUM_FALSE_NEGATIVE)
-
-    def get_recall_states(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: torch.Tensor, session: torch.Tensor
-    ) -> Dict[str, torch.Tensor]:
-        predicted = self._top(predictions, session)
-        if self.run_ranking_of_labels:
-            labels = self._top(labels, session)
-        return {
-            NUM_TRUE_POS: _calc_num_true_pos(labels, predicted, weights),
-            NUM_FALSE_NEGATIVE: _calc_num_false_neg(labels, predicted, weights),
-        }
-
-    _session_states = get_recall_states
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return [
-            MetricComputationReport(MetricName.RECALL_SESSION_LEVEL, MetricPrefix.LIFETIME,
-                                    _calc_recall(getattr(self, NUM_TRUE_POS), getattr(self, NUM_FALSE_NEGATIVE))),
-            MetricComputationReport(MetricName.RECALL_SESSION_LEVEL, MetricPrefix.WINDOW,
-                                    _calc_recall(self.get_window_state(NUM_TRUE_POS), self.get_window_state(NUM_FALSE_NEGATIVE))),
-        ]
+    _MISSES = NUM_FALSE_NEGATIVE
+    _NAME = MetricName.RECALL_SESSION_LEVEL
+    _WHAT = "session recall"
+    _count_misses = staticmethod(_calc_num_false_neg)
+    get_recall_states = _SessionComputation._session_states
 
 
 class _SessionMetric(RecMetric):
