@@ -166,6 +166,24 @@ def test_the_front_counts_logs_and_refuses_with_the_tables_it_is_given(front_bin
         assert (r.method, r.model, r.version, r.status) == ("Predict", "-", "-", "SHED")
 
 
+def test_the_front_refuses_a_models_settings_outside_the_rules_bounds(front_bin, small_artifact, tmp_path):
+    """A load's settings are held to the serving rules' bounds (recship/serving_rules.h), as ServerConfig holds them."""
+    from recship.serving.rules import LIMITS
+
+    front = CppFront(ServerConfig(model_repo=str(tmp_path), port=0, front="cpp"), f"unix:{tmp_path / 'backend.sock'}", binary=front_bin)
+    try:
+        delay, batch, queue = LIMITS["max_delay_ms"], LIMITS["max_batch_size"], LIMITS["max_queue"]
+        for settings, message in [({"max_delay_ms": delay.hi + 1}, f"max_delay_ms must be from {delay.lo:g} to {delay.hi:g}, got {delay.hi + 1:g}"),
+                                  ({"max_batch_size": batch.lo - 1}, f"max_batch_size must be >= {batch.lo}, got {batch.lo - 1}"),
+                                  ({"max_queue": queue.lo - 1}, f"max_queue must be >= {queue.lo}, got {queue.lo - 1}")]:
+            with pytest.raises(FrontError) as refused:
+                front.load("dlrm", 1, small_artifact, "torchscript", settings=settings)
+            assert str(refused.value) == f"settings: {message}"
+        assert front.load("dlrm", 1, small_artifact, "torchscript", settings={"max_delay_ms": delay.hi}) == "torchscript"  # the bound itself loads
+    finally:
+        front.stop(0)
+
+
 def test_the_front_refuses_to_start_on_tables_it_would_not_use(front_bin, tmp_path, monkeypatch):
     import recship.serving.front as front_module
 

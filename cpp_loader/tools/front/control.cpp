@@ -2,6 +2,7 @@
 
 #include <iostream>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -9,6 +10,16 @@
 #include "front/log.h"
 
 namespace recship::front {
+
+namespace {
+
+std::string number(double x) {  // as Python's "{:g}": 60000.0 is "60000"
+  std::ostringstream out;
+  out << x;
+  return out.str();
+}
+
+}  // namespace
 
 Batching batching_of(const json& given, const Batching& defaults) {
   Batching settings = defaults;
@@ -25,8 +36,8 @@ Batching batching_of(const json& given, const Batching& defaults) {
     throw std::runtime_error("settings: max_queue must be >= " + std::to_string(rules::kMaxQueueMin) + ", got " +
                              std::to_string(settings.max_queue));
   if (!(settings.max_delay_ms >= rules::kMaxDelayMsMin && settings.max_delay_ms <= rules::kMaxDelayMsMax))
-    throw std::runtime_error("settings: max_delay_ms must be from " + json(rules::kMaxDelayMsMin).dump() + " to " +
-                             json(rules::kMaxDelayMsMax).dump() + ", got " + json(settings.max_delay_ms).dump());
+    throw std::runtime_error("settings: max_delay_ms must be from " + number(rules::kMaxDelayMsMin) + " to " +
+                             number(rules::kMaxDelayMsMax) + ", got " + number(settings.max_delay_ms));
   if (settings.torch_threads < 0) throw std::runtime_error("settings: torch_threads must be >= 0, got " + std::to_string(settings.torch_threads));
   return settings;
 }
