@@ -26,7 +26,56 @@ MAX_WINDOW_TS: int = 2 * 60 * 60  # window_seconds above two hours would report 
 logger: logging.Logger = logging.getLogger(__name__)
 
 
-class ThroughputMetric(nn.Module):
+class StagedBatchSize:
+    """For an nn.Module (ThroughputMetric, TowerQPSMetric) whose batch size follows ``batch_size_stages``:
+    ``_get_batch_size()`` is the current stage's (``_batch_size`` without stages). The step count ``_num_batch``
+    exists only with stages, as in TorchRec, and is checkpointed as ``num_batch``."""
+
+    _batch_size: int
+    _batch_size_stages: Optional[List[BatchSizeStage]]
+    _num_batch: int
+
+    def _init_batch_size_stages(self, batch_size_stages: Optional[List[BatchSizeStage]]) -> None:
+        self._batch_size_stages = copy.deepcopy(batch_size_stages)
+        if self._batch_size_stages is not None:
+            self._num_batch = 0
+        self._register_load_state_dict_pre_hook(self.load_state_dict_hook)  # type: ignore[attr-defined]
+        self.register_state_dict_post_hook(self.state_dict_hook)  # type: ignore[attr-defined]
+
+    def _get_batch_size(self) -> int:
+        stages = self._batch_size_stages
+        if not stages:
+            return self._batch_size
+        while stages[0].max_iters is not None and stages[0].max_iters < self._num_batch:
+            stages.pop(0)
+            if not stages:
+                raise ValueError("batch_size_stages ran out: the last stage must have max_iters=None")
+        return stages[0].batch_size
+
+    @staticmethod
+    def state_dict_hook(
+        module: nn.Module, state_dict: "OrderedDict[str, torch.Tensor]", prefix: str, local_metadata: Dict[str, Any]
+    ) -> None:
+        """With batch size stages, the step count is saved as ``num_batch``."""
+        if module._batch_size_stages is not None:  # type: ignore[union-attr]
+            state_dict[f"{prefix}num_batch"] = torch.tensor(module._num_batch, dtype=torch.long)  # type: ignore[arg-type]
+
+    def load_state_dict_hook(
+        self,
+        state_dict: "OrderedDict[str, torch.Tensor]",
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        num_batch = state_dict.pop(f"{prefix}num_batch", None)
+        if num_batch is not None and self._batch_size_stages is not None:
+            self._num_batch = int(num_batch.item())
+
+
+class ThroughputMetric(StagedBatchSize, nn.Module):
     """Examples per second across ranks.
 
     Args:
@@ -67,11 +116,7 @@ class ThroughputMetric(nn.Module):
         self._world_size = world_size
         self._window_seconds = window_seconds
         self._warmup_steps = warmup_steps
-        self._batch_size_stages: Optional[List[BatchSizeStage]] = copy.deepcopy(batch_size_stages)
-        if self._batch_size_stages is not None:  # the step count exists only with stages, as TorchRec's
-            self._num_batch: int = 0
-        self._register_load_state_dict_pre_hook(self.load_state_dict_hook)
-        self.register_state_dict_post_hook(self.state_dict_hook)
+        self._init_batch_size_stages(batch_size_stages)
         self.register_buffer("total_examples", torch.tensor(0, dtype=torch.long))
         self.register_buffer("warmup_examples", torch.tensor(0, dtype=torch.long))
         self.register_buffer("time_lapse_after_warmup", torch.tensor(0, dtype=torch.double))
@@ -94,16 +139,6 @@ class ThroughputMetric(nn.Module):
         """Where a resumed job is in its batch size stages."""
         if self._batch_size_stages is not None:
             self._num_batch = num_batch
-
-    def _get_batch_size(self) -> int:
-        stages = self._batch_size_stages
-        if not stages:
-            return self._batch_size
-        while stages[0].max_iters is not None and stages[0].max_iters < self._num_batch:
-            stages.pop(0)
-            if not stages:
-                raise ValueError("batch_size_stages ran out: the last stage must have max_iters=None")
-        return stages[0].batch_size
 
     def _batch_examples(self) -> int:
         return self._get_batch_size() * self._world_size
@@ -148,27 +183,3 @@ class ThroughputMetric(nn.Module):
         if self._batch_size_stages is not None:
             out[self._batch_size_key] = torch.tensor(self._get_batch_size(), dtype=torch.int32)
         return out
-
-    @staticmethod
-    def state_dict_hook(
-        module: nn.Module, state_dict: "OrderedDict[str, torch.Tensor]", prefix: str, local_metadata: Dict[str, Any]
-    ) -> None:
-        """With batch size stages, the step count is saved as ``num_batch``."""
-        if module._batch_size_stages is not None:  # type: ignore[union-attr]
-            state_dict[f"{prefix}num_batch"] = torch.tensor(module._num_batch, dtype=torch.long)  # type: ignore[arg-type]
-
-    def load_state_dict_hook(
-        self,
-        state_dict: "OrderedDict[str, torch.Tensor]",
-        prefix: str,
-        local_metadata: Dict[str, Any],
-        strict: bool,
-        missing_keys: List[str],
-        unexpected_keys: List[str],
-        error_msgs: List[str],
-    ) -> None:
-        key = f"{prefix}num_batch"
-        if key in state_dict:
-            num_batch = state_dict.pop(key)
-            if self._batch_size_stages is not None:
-                self._num_batch = int(num_batch.item())

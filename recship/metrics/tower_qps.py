@@ -2,14 +2,11 @@
 summed across ranks and the time lapse is the slowest rank's (max): ``qps-{task}|lifetime_qps``,
 ``|window_qps`` and ``|total_examples``. Nothing is timed during the first ``warmup_steps`` updates."""
 
-import copy
 import time
-from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Type
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from recship.metrics.metrics_config import BatchSizeStage, RecComputeMode, RecTaskInfo
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
@@ -20,6 +17,7 @@ from recship.metrics.rec_metric import (
     RecMetricException,
     RecModelOutput,
 )
+from recship.metrics.throughput import StagedBatchSize
 
 WARMUP_STEPS = 100
 NUM_EXAMPLES = "num_examples"
@@ -89,7 +87,7 @@ class TowerQPSMetricComputation(RecMetricComputation):
         ]
 
 
-class TowerQPSMetric(RecMetric):
+class TowerQPSMetric(StagedBatchSize, RecMetric):
     """QPS per task tower. In the fused modes the labels are viewed as [-1, batch_size] (the batch size of the
     current stage with ``batch_size_stages``)."""
 
@@ -124,21 +122,7 @@ class TowerQPSMetric(RecMetric):
             warmup_steps=warmup_steps,
             **kwargs,
         )
-        self._batch_size_stages: Optional[List[BatchSizeStage]] = copy.deepcopy(batch_size_stages)
-        if self._batch_size_stages is not None:  # the step count exists only with stages, as TorchRec's
-            self._num_batch: int = 0
-        self._register_load_state_dict_pre_hook(self.load_state_dict_hook)
-        self.register_state_dict_post_hook(self.state_dict_hook)
-
-    def _get_batch_size(self) -> int:
-        stages = self._batch_size_stages
-        if not stages:
-            return self._batch_size
-        while stages[0].max_iters is not None and stages[0].max_iters < self._num_batch:
-            stages.pop(0)
-            if not stages:
-                raise ValueError("batch_size_stages ran out: the last stage must have max_iters=None")
-        return stages[0].batch_size
+        self._init_batch_size_stages(batch_size_stages)
 
     def _update(
         self, *, predictions: Optional[RecModelOutput], labels: RecModelOutput, weights: Optional[RecModelOutput], **kwargs: Any
@@ -192,24 +176,3 @@ class TowerQPSMetric(RecMetric):
             return torch.stack([per_task[task.name] for task in self._tasks])
         except RuntimeError as e:
             raise RecMetricException(f"Failed to convert {what} to tensor for fused computation: {e}") from e
-
-    @staticmethod
-    def state_dict_hook(
-        module: nn.Module, state_dict: "OrderedDict[str, torch.Tensor]", prefix: str, local_metadata: Dict[str, Any]
-    ) -> None:
-        if module._batch_size_stages is not None:  # type: ignore[union-attr]
-            state_dict[f"{prefix}num_batch"] = torch.tensor(module._num_batch, dtype=torch.long)  # type: ignore[arg-type]
-
-    def load_state_dict_hook(
-        self,
-        state_dict: "OrderedDict[str, torch.Tensor]",
-        prefix: str,
-        local_metadata: Dict[str, Any],
-        strict: bool,
-        missing_keys: List[str],
-        unexpected_keys: List[str],
-        error_msgs: List[str],
-    ) -> None:
-        num_batch = state_dict.pop(f"{prefix}num_batch", None)
-        if num_batch is not None and self._batch_size_stages is not None:
-            self._num_batch = int(num_batch.item())
