@@ -6,7 +6,7 @@ accepted, in the order manifest.schema.json's description lists them; the C++ lo
 import json
 from typing import Any, Dict, List, Optional
 
-from recship.contract.schema import Path_, Problem, field
+from recship.contract.schema import Where, Problem, field
 from recship.contract.tables import ALIGN, DTYPE_SIZES, span, split_shard
 
 INPUT_NAMES = ("dense", "lengths", "values", "weights")  # the model's inputs, in the order of its call
@@ -28,11 +28,11 @@ def compact(value: Any) -> str:
 
 
 class _Broken(Exception):
-    def __init__(self, where: Path_, rule: str, text: str) -> None:
+    def __init__(self, where: Where, rule: str, text: str) -> None:
         self.problem = Problem(where, rule, f"{field(where)} {text}" if field(where) else text)
 
 
-def _fail(where: Path_, rule: str, text: str) -> None:
+def _fail(where: Where, rule: str, text: str) -> None:
     raise _Broken(where, rule, text)
 
 
@@ -55,7 +55,7 @@ def first_broken(m: Dict[str, Any]) -> Optional[Problem]:
 def _tables_layout(spec: Dict[str, Any]) -> None:
     end, names = 0, set()
     for i, t in enumerate(spec["tensors"]):
-        where: Path_ = ("tables", "tensors", i)
+        where: Where = ("tables", "tensors", i)
         if t["name"] in names:
             _fail(where + ("name",), "tables-layout", f"{t['name']!r} names two tensors")
         names.add(t["name"])

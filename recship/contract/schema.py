@@ -15,10 +15,17 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple, Union
 import jsonschema
 
 SCHEMA_FILE = "manifest.schema.json"
-Path_ = Tuple[Union[str, int], ...]  # an instance path: object keys and array indices
+Where = Tuple[Union[str, int], ...]  # an instance path: object keys and array indices
 # Python's names of JSON's types, as the messages say them ("num_dense must be int, got str")
 TYPE_NAMES = {"object": "dict", "array": "list", "string": "str", "integer": "int", "boolean": "bool", "number": "a number",
               "null": "None"}
+# the keywords manifest.schema.json may use: those the C++ interpreter knows (cpp_loader/src/schema.cpp) and
+# _problems has words for; tests/contract holds the file to them
+KEYWORDS = frozenset({
+    "$schema", "$id", "$defs", "$ref", "title", "description",  # no rule
+    "type", "enum", "const", "pattern", "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength",
+    "required", "properties", "additionalProperties", "items", "prefixItems", "allOf", "if", "then", "else",
+})
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,7 @@ class Problem:
     """One way a manifest breaks the contract: ``where`` (the field's path), ``rule`` (a schema keyword such as
     "required" or "minimum", or a named rule of rules.py) and ``message`` (its words, naming the field)."""
 
-    where: Path_
+    where: Where
     rule: str
     message: str
 
@@ -81,7 +88,7 @@ def _holder(schema_path: Sequence[Any]) -> Dict[str, Any]:
     return node if schema_path[-1] in node else resolve(node)
 
 
-def field(where: Path_) -> str:
+def field(where: Where) -> str:
     """A field's name as messages print it: properties dotted, map entries and indices in brackets
     ("sparse_features[0].rows", "outputs['logit'].shape"); "" for the manifest itself."""
     out, node = "", schema()
@@ -107,13 +114,13 @@ def _type_name(value: Any) -> str:
     return "NoneType" if value is None else type(value).__name__
 
 
-def _said(where: Path_, text: str) -> str:
+def _said(where: Where, text: str) -> str:
     name = field(where)
     return f"{name} {text}" if name else text
 
 
 def _problems(error: jsonschema.ValidationError) -> Iterator[Problem]:
-    where: Path_ = tuple(error.absolute_path)
+    where: Where = tuple(error.absolute_path)
     rule, value, instance = error.validator, error.validator_value, error.instance
     spath = list(error.absolute_schema_path)
     # a rule inside an if's then / else says why it applies (that branch's description)
@@ -152,12 +159,3 @@ def problems(manifest: Any) -> List[Problem]:
     """Every way ``manifest`` (parsed JSON) breaks the schema, in order (``Problem.sort_key``); empty: it conforms."""
     found = {p for error in _validator().iter_errors(manifest) for p in _problems(error)}
     return sorted(found, key=Problem.sort_key)
-
-
-# the keywords manifest.schema.json may use: those the C++ interpreter knows (cpp_loader/src/schema.cpp) and
-# _problems has words for; tests/contract holds the file to them
-KEYWORDS = frozenset({
-    "$schema", "$id", "$defs", "$ref", "title", "description",  # no rule
-    "type", "enum", "const", "pattern", "minimum", "maximum", "minItems", "maxItems", "minLength", "maxLength",
-    "required", "properties", "additionalProperties", "items", "prefixItems", "allOf", "if", "then", "else",
-})
