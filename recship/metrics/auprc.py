@@ -81,10 +81,7 @@ class AUPRCMetricComputation(SampleWindowComputation):
         **kwargs: Dict[str, Any],
     ) -> None:
         """predictions, labels, weights: [n_tasks, B]."""
-        if predictions is None or weights is None:
-            raise RecMetricException(
-                "Inputs 'predictions' and 'weights' should not be None for AUPRCMetricComputation update"
-            )
+        predictions, weights = self._given(predictions, weights)
         held = getattr(self, PREDICTIONS)[0].size(-1)
         start_index = max(held + predictions.size(-1) - self._window_size, 0)
         for name, value in ((PREDICTIONS, predictions), (LABELS, labels), (WEIGHTS, weights)):

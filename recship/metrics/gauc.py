@@ -69,8 +69,7 @@ class GAUCMetricComputation(SumsComputation):
         **kwargs: Dict[str, Any],
     ) -> None:
         """``num_candidates``: [n_groups] session lengths summing to B."""
-        if predictions is None or weights is None:
-            raise RecMetricException("Inputs 'predictions' and 'weights' should not be None for GAUCMetricComputation update")
+        predictions, weights = self._given(predictions, weights)
         if num_candidates is None:
             raise RecMetricException("GAUCMetricComputation.update needs num_candidates, the session lengths")
         if int(num_candidates.sum()) != predictions.shape[-1]:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Type
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
+from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
 
 logger: logging.Logger = logging.getLogger(__name__)
 
@@ -70,10 +70,7 @@ class MulticlassRecallMetricComputation(RecMetricComputation):
         **kwargs: Dict[str, Any],
     ) -> None:
         """predictions [n_tasks, B, C], labels and weights [n_tasks, B]."""
-        if predictions is None or weights is None:
-            raise RecMetricException(
-                "Inputs 'predictions' and 'weights' should not be None for MulticlassRecallMetricComputation update"
-            )
+        predictions, weights = self._given(predictions, weights)
         self._add_sums(get_multiclass_recall_states(predictions, labels, weights, self._n_classes), predictions.shape[-2])
 
     def _compute(self) -> List[MetricComputationReport]:

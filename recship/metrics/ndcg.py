@@ -162,8 +162,7 @@ class NDCGComputation(RecMetricComputation):
         if required is None or self._session_key not in required:
             raise RecMetricException(f"NDCG needs the session ids {self._session_key!r} in required_inputs")
         session_ids = required[self._session_key]  # type: ignore[index]
-        if predictions is None or weights is None:
-            raise RecMetricException("Inputs 'predictions' and 'weights' should not be None for NDCGComputation update")
+        predictions, weights = self._given(predictions, weights)
         if self._is_negative_task_mask is not None and any(self._is_negative_task_mask):
             mask = torch.tensor(self._is_negative_task_mask, device=predictions.device)
             predictions = torch.where(mask[:, None], 1 - predictions, predictions)

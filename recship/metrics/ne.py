@@ -9,7 +9,7 @@ below at eta (eta = 1e-12). Keys ``ne-{task}|lifetime_ne``, ``ne-{task}|window_n
 """
 
 from functools import partial
-from typing import Any, Dict, List, Type
+from typing import Any, Callable, Dict, List, Tuple, Type
 
 import torch
 
@@ -89,9 +89,9 @@ class _NESumsComputation(SumsComputation):
     """
 
     _NAME: MetricNameBase
-    _SUMS = ("cross_entropy_sum", "weighted_num_samples", "pos_labels", "neg_labels")
-    _states = staticmethod(get_ne_states)
-    _value = staticmethod(compute_ne)
+    _SUMS: Tuple[str, ...] = ("cross_entropy_sum", "weighted_num_samples", "pos_labels", "neg_labels")
+    _states: Callable[..., Dict[str, torch.Tensor]]
+    _value: Callable[..., torch.Tensor]
 
     def __init__(self, *args: Any, allow_missing_label_with_zero_weight: bool = False, **kwargs: Any) -> None:
         self._allow_missing_label_with_zero_weight = allow_missing_label_with_zero_weight
@@ -119,6 +119,7 @@ class NEMetricComputation(_NESumsComputation):
     """
 
     _NAME = MetricName.NE
+    _value = staticmethod(compute_ne)
 
     def __init__(
         self, *args: Any, include_logloss: bool = False, allow_missing_label_with_zero_weight: bool = False, **kwargs: Any

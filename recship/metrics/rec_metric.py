@@ -156,6 +156,16 @@ class RecMetricComputation(SyncedStates, abc.ABC):
         window_name = self.get_window_state_name(state_name)
         self._batch_window_buffers[window_name].aggregate_state(getattr(self, window_name), state, num_samples)
 
+    def _given(
+        self, predictions: Optional[torch.Tensor], weights: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(predictions, weights) of an update that needs both; RecMetricException (TorchRec's text) for a None."""
+        if predictions is None or weights is None:
+            raise RecMetricException(
+                f"Inputs 'predictions' and 'weights' should not be None for {type(self).__name__} update"
+            )
+        return predictions, weights
+
     def _maybe_compile(self, fn: Callable) -> Callable:
         return torch.compile(fn) if self._enable_pt2_compile else fn
 

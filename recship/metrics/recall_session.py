@@ -102,8 +102,7 @@ class _SessionComputation(RecMetricComputation):
         if required is None or self.session_var_name not in required:
             raise RecMetricException(f"Need the {self.session_var_name} input to update the session metric")
         session = required[self.session_var_name]  # type: ignore[index]
-        if predictions is None or weights is None:
-            raise RecMetricException(f"Inputs 'predictions' and 'weights' should not be None for {type(self).__name__} update")
+        predictions, weights = self._given(predictions, weights)
         _validate_model_outputs(labels, predictions, weights, session)
         states = self._session_states(labels.double(), predictions.double(), weights.double(), session)
         for name, value in states.items():

@@ -95,10 +95,7 @@ class SampleWindowComputation(RecMetricComputation):
         **kwargs: Dict[str, Any],
     ) -> None:
         """predictions, labels, weights: [n_tasks, B]; with grouping ``required_inputs["grouping_keys"]``: [B]."""
-        if predictions is None or weights is None:
-            raise RecMetricException(
-                f"Inputs 'predictions' and 'weights' should not be None for {type(self).__name__} update"
-            )
+        predictions, weights = self._given(predictions, weights)
         predictions, labels, weights = predictions.float(), labels.float(), weights.float()
         batch_size = predictions.size(-1)
         start_index = max(self._num_samples + batch_size - self._window_size, 0)

@@ -210,10 +210,7 @@ class SegmentedNEMetricComputation(RecMetricComputation):
         **kwargs: Dict[str, Any],
     ) -> None:
         """predictions, labels, weights: [n_tasks, B]; ``required_inputs[key]``: [B] (or [1, B]) group per sample."""
-        if predictions is None or weights is None:
-            raise RecMetricException(
-                "Inputs 'predictions' and 'weights' should not be None for SegmentedNEMetricComputation update"
-            )
+        predictions, weights = self._given(predictions, weights)
         required = kwargs.get("required_inputs")
         if required is None:
             raise RecMetricException("SegmentedNEMetricComputation needs the grouping keys in required_inputs")
