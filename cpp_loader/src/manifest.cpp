@@ -21,24 +21,6 @@ namespace {
 
 constexpr uint64_t kAlign = 4096;  // recship/contract/tables.py ALIGN
 
-// Bytes per element of each dtype a table tensor may have (recship/contract/tables.py DTYPE_SIZES).
-uint64_t dtype_size(const std::string& dtype) {
-  static const std::map<std::string, uint64_t> sizes = {{"uint8", 1}, {"int8", 1}, {"int32", 4}, {"int64", 8}, {"float32", 4},
-                                                        {"float16", 2}, {"bfloat16", 2}, {"bool", 1}};
-  return sizes.at(dtype);
-}
-
-// Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
-unsigned __int128 span(const json& shape, const json& stride) {
-  for (const auto& n : shape)
-    if (n.get<uint64_t>() == 0) return 0;
-  const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 100;
-  unsigned __int128 total = 1;
-  for (size_t i = 0; i < shape.size(); ++i)
-    total = std::min(cap, total + std::min(cap, static_cast<unsigned __int128>(shape[i].get<uint64_t>() - 1) * stride[i].get<uint64_t>()));
-  return total;
-}
-
 Where at(std::initializer_list<Token> tokens) { return Where(tokens); }
 Token key(const std::string& k) { return {k}; }
 Token index(size_t i) { return {"", true, i}; }
@@ -84,7 +66,8 @@ void tables_layout(const json& spec) {
     if (!names.insert(name).second) fail(in({key("name")}), "tables-layout", py_repr(name) + " names two tensors");
     if (t["shape"].size() != t["stride"].size()) fail(in({key("stride")}), "tables-layout", "must have one entry per dimension of its shape");
     const uint64_t offset = t["offset"].get<uint64_t>(), bytes = t["bytes"].get<uint64_t>();
-    if (static_cast<unsigned __int128>(bytes) != dtype_size(t["dtype"].get<std::string>()) * span(t["shape"], t["stride"]))
+    if (static_cast<unsigned __int128>(bytes) != tables::dtype_size(t["dtype"].get<std::string>()) *
+                                                          tables::span(t["shape"].get<std::vector<int64_t>>(), t["stride"].get<std::vector<int64_t>>()))
       fail(in({key("bytes")}), "tables-layout", "must be the bytes its shape and stride span");
     if (offset % kAlign || offset < end || static_cast<unsigned __int128>(offset) + bytes > spec["bytes"].get<uint64_t>())
       fail(in({key("offset")}), "tables-layout", "must be a multiple of " + std::to_string(kAlign) + ", after the tensor before it and inside the file");

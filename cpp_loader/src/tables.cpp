@@ -45,19 +45,6 @@ const std::map<std::string, DType>& dtypes() {
   return map;
 }
 
-// Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
-unsigned __int128 span(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride) {
-  for (int64_t n : shape)
-    if (n == 0) return 0;
-  const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 100;
-  unsigned __int128 total = 1;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    unsigned __int128 term = static_cast<unsigned __int128>(shape[i] - 1) * static_cast<unsigned __int128>(stride[i]);
-    total = std::min(cap, total + std::min(cap, term));
-  }
-  return total;
-}
-
 int threads_available() {
   cpu_set_t set;
   if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
@@ -115,6 +102,19 @@ std::optional<std::string> stored_entry(const std::string& a, uint64_t local, ui
 }
 
 }  // namespace
+
+// Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
+unsigned __int128 span(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride) {
+  for (int64_t n : shape)
+    if (n == 0) return 0;
+  const unsigned __int128 cap = static_cast<unsigned __int128>(1) << 100;
+  unsigned __int128 total = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    unsigned __int128 term = static_cast<unsigned __int128>(shape[i] - 1) * static_cast<unsigned __int128>(stride[i]);
+    total = std::min(cap, total + std::min(cap, term));
+  }
+  return total;
+}
 
 // A digest's bytes as lower-case hex.
 static std::string hex_of(const unsigned char* digest, unsigned int len) {
@@ -195,6 +195,8 @@ json Spec::to_json() const {
   }
   return {{"file", file}, {"bytes", bytes}, {"tensors", std::move(tensors_json)}};
 }
+
+int64_t dtype_size(const std::string& dtype) { return dtypes().at(dtype).size; }
 
 Spec parse_spec(const json& spec) {
   Spec out{spec["file"].get<std::string>(), spec["bytes"].get<int64_t>(), {}};

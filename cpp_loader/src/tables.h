@@ -62,6 +62,13 @@ struct Spec {
 // tables-layout).
 Spec parse_spec(const nlohmann::json& tables);
 
+// Elements a tensor of shape and stride reaches (0 if empty), saturating far above any file size.
+unsigned __int128 span(const std::vector<int64_t>& shape, const std::vector<int64_t>& stride);
+
+// Bytes per element of a dtype the manifest's tables may name (manifest.schema.json lists them; recship/contract/tables.py
+// DTYPE_SIZES says the same).
+int64_t dtype_size(const std::string& dtype);
+
 // (table, block index) of a TBE table's name "<table>@<index>" (recship/contract/tables.py split_shard); no index for a
 // whole table.
 std::pair<std::string, std::optional<int64_t>> split_shard(const std::string& name);

@@ -194,3 +194,15 @@ def test_version_folders(tmp_path):
     assert [v for v, _ in versions] == [7, 1] and versions[0][1] == tmp_path / "7"
     assert others == ["12a", "latest", "²"]
     assert [parse_version(n) for n in ("0", "18", "1" * 18, "1" * 19, "+1", " 1", "1.0")] == [0, 18, int("1" * 18), None, None, None, None]
+
+
+def test_the_table_dtypes_are_the_schemas_with_torchs_sizes():
+    """One list of dtype names (the schema's enum); the contract's sizes and export's torch types agree with it."""
+    import torch
+
+    from recship.contract.tables import DTYPE_SIZES
+    from recship.export.tables import DTYPES
+
+    names = schema()["$defs"]["table_tensor"]["properties"]["dtype"]["enum"]
+    assert sorted(DTYPE_SIZES) == sorted(DTYPES) == sorted(names)
+    assert {n: torch.empty((), dtype=DTYPES[n]).element_size() for n in names} == DTYPE_SIZES
