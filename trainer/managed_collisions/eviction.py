@@ -168,21 +168,27 @@ def _last_access_per_unique_id(
     return {"last_access_iter": last}
 
 
-class LFU_EvictionPolicy(MCHEvictionPolicy):
-    """Least frequently used: a slot's score is its id's count since it took the slot (``_mch_counts``)."""
+class _SlotScoringPolicy(MCHEvictionPolicy):
+    """The policies here, each keeping some of two per-slot quantities and scoring slots and new ids by them:
 
-    def __init__(self, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
-        super().__init__(
-            metadata_info=[MCHEvictionPolicyMetadataInfo("counts", is_mch_metadata=True, is_history_metadata=False)],
-            threshold_filtering_func=threshold_filtering_func,
-        )
+    * ``counts``: the id's count since it took the slot; a matched id's count is added, the default slot's is
+      INT64_MAX.
+    * ``last_access_iter``: the last iteration the id was seen (a history quantity: recorded per id seen, the
+      latest kept at coalescing); a matched id's is replaced, the default slot's is the current iteration.
+
+    Subclasses name their quantities (``metadata_info``) and score [slots + new ids] from them (``_scores``).
+    """
 
     @property
     def metadata_info(self) -> List[MCHEvictionPolicyMetadataInfo]:
         return self._metadata_info
 
+    def _keeps(self, name: str) -> bool:
+        return any(info.metadata_name == name for info in self._metadata_info)
+
     def record_history_metadata(self, current_iter: int, incoming_ids: torch.Tensor, history_metadata: Dict[str, torch.Tensor]) -> None:
-        pass  # counts come from torch.unique at coalescing: no history buffer
+        if self._keeps("last_access_iter"):  # counts come from torch.unique at coalescing: no history for them
+            history_metadata["last_access_iter"][:] = current_iter
 
     def coalesce_history_metadata(
         self,
@@ -193,7 +199,11 @@ class LFU_EvictionPolicy(MCHEvictionPolicy):
         additional_ids: Optional[torch.Tensor] = None,
         threshold_mask: Optional[torch.Tensor] = None,
     ) -> Dict[str, torch.Tensor]:
-        return {}
+        if not self._keeps("last_access_iter"):
+            return {}
+        return _last_access_per_unique_id(
+            current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping, additional_ids, threshold_mask
+        )
 
     def update_metadata_and_generate_eviction_scores(
         self,
@@ -206,43 +216,46 @@ class LFU_EvictionPolicy(MCHEvictionPolicy):
         mch_metadata: Dict[str, torch.Tensor],
         coalesced_history_metadata: Dict[str, torch.Tensor],
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        counts = mch_metadata["counts"]
         matched = coalesced_history_mch_matching_elements_mask
-        counts[coalesced_history_mch_matching_indices] += coalesced_history_sorted_unique_ids_counts[matched]
-        new_counts = coalesced_history_sorted_unique_ids_counts[~matched]
-        counts[mch_size - 1] = _INT64_MAX  # the default slot is never evicted
-        evicted, selected = self._compute_selected_eviction_and_replacement_indices(
-            mch_size, torch.cat([counts, new_counts])
-        )
-        counts[evicted] = new_counts[selected]
+        new: Dict[str, torch.Tensor] = {}
+        merged: Dict[str, torch.Tensor] = {}  # [slots + new ids] per quantity
+        for info in self._metadata_info:
+            name, slots = info.metadata_name, mch_metadata[info.metadata_name]
+            if name == "counts":
+                incoming = coalesced_history_sorted_unique_ids_counts
+                slots[coalesced_history_mch_matching_indices] += incoming[matched]
+                slots[mch_size - 1] = _INT64_MAX  # the default slot is never evicted
+            else:
+                incoming = coalesced_history_metadata[name][coalesced_history_argsort_mapping]
+                slots[coalesced_history_mch_matching_indices] = incoming[matched]
+                slots[mch_size - 1] = current_iter
+            new[name] = incoming[~matched]
+            merged[name] = torch.cat([slots, new[name]])
+        scores = self._scores(current_iter, merged)
+        evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
+        for name, values in new.items():
+            mch_metadata[name][evicted] = values[selected]
         return evicted, selected
 
+    @abc.abstractmethod
+    def _scores(self, current_iter: int, merged: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """[slots + new ids] scores (higher: kept) from the quantities of the slots followed by the new ids'."""
 
-class _LastAccessHistory(MCHEvictionPolicy):
-    """The history of the policies that score by last access (LRU, DistanceLFU): each id's last access iteration."""
 
-    @property
-    def metadata_info(self) -> List[MCHEvictionPolicyMetadataInfo]:
-        return self._metadata_info
+class LFU_EvictionPolicy(_SlotScoringPolicy):
+    """Least frequently used: a slot's score is its id's count since it took the slot (``_mch_counts``)."""
 
-    def record_history_metadata(self, current_iter: int, incoming_ids: torch.Tensor, history_metadata: Dict[str, torch.Tensor]) -> None:
-        history_metadata["last_access_iter"][:] = current_iter
-
-    def coalesce_history_metadata(
-        self,
-        current_iter: int,
-        history_metadata: Dict[str, torch.Tensor],
-        unique_ids_counts: torch.Tensor,
-        unique_inverse_mapping: torch.Tensor,
-        additional_ids: Optional[torch.Tensor] = None,
-        threshold_mask: Optional[torch.Tensor] = None,
-    ) -> Dict[str, torch.Tensor]:
-        return _last_access_per_unique_id(
-            current_iter, history_metadata, unique_ids_counts, unique_inverse_mapping, additional_ids, threshold_mask
+    def __init__(self, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
+        super().__init__(
+            metadata_info=[MCHEvictionPolicyMetadataInfo("counts", is_mch_metadata=True, is_history_metadata=False)],
+            threshold_filtering_func=threshold_filtering_func,
         )
 
+    def _scores(self, current_iter: int, merged: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return merged["counts"]
 
-class LRU_EvictionPolicy(_LastAccessHistory):
+
+class LRU_EvictionPolicy(_SlotScoringPolicy):
     """Least recently used: score ``-(current_iter - last_access_iter + 1) ** decay_exponent``."""
 
     def __init__(self, decay_exponent: float = 1.0, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
@@ -252,31 +265,11 @@ class LRU_EvictionPolicy(_LastAccessHistory):
         )
         self._decay_exponent = decay_exponent
 
-    def update_metadata_and_generate_eviction_scores(
-        self,
-        current_iter: int,
-        mch_size: int,
-        coalesced_history_argsort_mapping: torch.Tensor,
-        coalesced_history_sorted_unique_ids_counts: torch.Tensor,
-        coalesced_history_mch_matching_elements_mask: torch.Tensor,
-        coalesced_history_mch_matching_indices: torch.Tensor,
-        mch_metadata: Dict[str, torch.Tensor],
-        coalesced_history_metadata: Dict[str, torch.Tensor],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        last = mch_metadata["last_access_iter"]
-        matched = coalesced_history_mch_matching_elements_mask
-        incoming_last = coalesced_history_metadata["last_access_iter"][coalesced_history_argsort_mapping]
-        last[coalesced_history_mch_matching_indices] = incoming_last[matched]
-        new_last = incoming_last[~matched]
-        last[mch_size - 1] = current_iter  # the default slot: always recent
-        merged = torch.cat([last, new_last])
-        scores = torch.neg(torch.pow(current_iter - merged + 1, self._decay_exponent))
-        evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
-        last[evicted] = new_last[selected]
-        return evicted, selected
+    def _scores(self, current_iter: int, merged: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.neg(torch.pow(current_iter - merged["last_access_iter"] + 1, self._decay_exponent))
 
 
-class DistanceLFU_EvictionPolicy(_LastAccessHistory):
+class DistanceLFU_EvictionPolicy(_SlotScoringPolicy):
     """Counts decayed by distance: score ``counts / (current_iter - last_access_iter + 1) ** decay_exponent``."""
 
     def __init__(self, decay_exponent: float = 1.0, threshold_filtering_func: Optional[ThresholdFilter] = None) -> None:
@@ -289,29 +282,6 @@ class DistanceLFU_EvictionPolicy(_LastAccessHistory):
         )
         self._decay_exponent = decay_exponent
 
-    def update_metadata_and_generate_eviction_scores(
-        self,
-        current_iter: int,
-        mch_size: int,
-        coalesced_history_argsort_mapping: torch.Tensor,
-        coalesced_history_sorted_unique_ids_counts: torch.Tensor,
-        coalesced_history_mch_matching_elements_mask: torch.Tensor,
-        coalesced_history_mch_matching_indices: torch.Tensor,
-        mch_metadata: Dict[str, torch.Tensor],
-        coalesced_history_metadata: Dict[str, torch.Tensor],
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
-        counts, last = mch_metadata["counts"], mch_metadata["last_access_iter"]
-        matched = coalesced_history_mch_matching_elements_mask
-        incoming_counts = coalesced_history_sorted_unique_ids_counts
-        incoming_last = coalesced_history_metadata["last_access_iter"][coalesced_history_argsort_mapping]
-        counts[coalesced_history_mch_matching_indices] += incoming_counts[matched]
-        last[coalesced_history_mch_matching_indices] = incoming_last[matched]
-        new_counts, new_last = incoming_counts[~matched], incoming_last[~matched]
-        counts[mch_size - 1] = _INT64_MAX  # the default slot is never evicted
-        last[mch_size - 1] = current_iter
-        distance = torch.pow(current_iter - torch.cat([last, new_last]) + 1, self._decay_exponent)
-        scores = torch.div(torch.cat([counts, new_counts]), distance)
-        evicted, selected = self._compute_selected_eviction_and_replacement_indices(mch_size, scores)
-        counts[evicted] = new_counts[selected]
-        last[evicted] = new_last[selected]
-        return evicted, selected
+    def _scores(self, current_iter: int, merged: Dict[str, torch.Tensor]) -> torch.Tensor:
+        distance = torch.pow(current_iter - merged["last_access_iter"] + 1, self._decay_exponent)
+        return torch.div(merged["counts"], distance)
