@@ -19,7 +19,7 @@ State-dict keys are TorchRec's: ``_embedding_module.embedding_bags.<table>.weigh
 As in TorchRec 1.8.0 unsharded, a row whose slot changes hands keeps its weights (``evict`` is a no-op).
 """
 
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -180,18 +180,19 @@ def _sort_zch_modules(
     }
 
 
-class McEmbeddingCollectionAdapter(nn.Module):
-    """An EmbeddingCollection's tables behind sorted-ids managed collisions (``zch_method="sort_zch"``).
+class _SortZchAdapter(nn.Module):
+    """The adapters' constructor (TorchRec's): the collection of ``tables``, built on the meta device as in TorchRec
+    (materialise it, or load weights, before the first forward), behind sorted-ids managed collisions with
+    DistanceLFU eviction per table (``zch_method="sort_zch"``), as the attribute ``_managed_name``. ``world_size``
+    and the ``mpzch_*`` options are TorchRec's, for its hash-probing method (not in recship)."""
 
-    The collection is built on the meta device, as in TorchRec: materialise it (or load weights)
-    before the first forward. ``parameters()`` are the collection's only. ``forward(kjt)`` returns
-    {feature: JaggedTensor}; the remapped ids of the last call are ``remapped_ids`` (None: TorchRec
-    does not ask the collection for them).
-    """
+    _collection_class: Type[Union[EmbeddingCollection, EmbeddingBagCollection]]
+    _managed_class: Type[BaseManagedCollisionEmbeddingCollection]
+    _managed_name: str
 
     def __init__(
         self,
-        tables: List[EmbeddingConfig],
+        tables: Sequence[BaseEmbeddingConfig],
         input_hash_size: int,
         device: torch.device,
         world_size: int,
@@ -202,15 +203,30 @@ class McEmbeddingCollectionAdapter(nn.Module):
         mpzch_max_probe: Optional[int] = 100,
     ) -> None:
         super().__init__()
-        ec = EmbeddingCollection(tables=tables, device=torch.device("meta"))
-        modules = _sort_zch_modules(ec.embedding_configs(), input_hash_size, device, eviction_interval, zch_method)
-        self.mc_embedding_collection = ManagedCollisionEmbeddingCollection(
-            embedding_collection=ec,
-            managed_collision_collection=ManagedCollisionCollection(modules, ec.embedding_configs()),  # type: ignore[arg-type]
+        configs = list(tables)
+        collection = self._collection_class(tables=configs, device=torch.device("meta"))  # type: ignore[arg-type]
+        modules = _sort_zch_modules(configs, input_hash_size, device, eviction_interval, zch_method)
+        managed = self._managed_class(
+            collection,  # type: ignore[arg-type]
+            ManagedCollisionCollection(modules, configs),  # type: ignore[arg-type]
             allow_in_place_embed_weight_update=allow_in_place_embed_weight_update,
             return_remapped_features=False,
         )
-        self.remapped_ids: Optional[Dict[str, torch.Tensor]] = None
+        setattr(self, self._managed_name, managed)
+
+
+class McEmbeddingCollectionAdapter(_SortZchAdapter):
+    """An EmbeddingCollection's tables behind sorted-ids managed collisions (see ``_SortZchAdapter``).
+
+    ``parameters()`` are the collection's only. ``forward(kjt)`` returns {feature: JaggedTensor}; the remapped ids
+    of the last call are ``remapped_ids`` (None: TorchRec does not ask the collection for them).
+    """
+
+    _collection_class = EmbeddingCollection
+    _managed_class = ManagedCollisionEmbeddingCollection
+    _managed_name = "mc_embedding_collection"
+    mc_embedding_collection: ManagedCollisionEmbeddingCollection
+    remapped_ids: Optional[Dict[str, torch.Tensor]] = None
 
     def forward(self, input: KeyedJaggedTensor) -> Dict[str, JaggedTensor]:
         """input: KJT [F x B x L] of raw ids -> {feature: JaggedTensor of embeddings}."""
@@ -226,34 +242,16 @@ class McEmbeddingCollectionAdapter(nn.Module):
         return self.mc_embedding_collection._embedding_collection.embedding_configs()
 
 
-class McEmbeddingBagCollectionAdapter(nn.Module):
-    """An EmbeddingBagCollection's tables behind sorted-ids managed collisions (``zch_method="sort_zch"``).
+class McEmbeddingBagCollectionAdapter(_SortZchAdapter):
+    """An EmbeddingBagCollection's tables behind sorted-ids managed collisions (see ``_SortZchAdapter``).
 
-    Built on the meta device as in TorchRec; ``forward(kjt)`` returns the KeyedTensor of pooled
-    embeddings; ``parameters()`` are the collection's only.
+    ``forward(kjt)`` returns the KeyedTensor of pooled embeddings; ``parameters()`` are the collection's only.
     """
 
-    def __init__(
-        self,
-        tables: List[EmbeddingBagConfig],
-        input_hash_size: int,
-        device: torch.device,
-        world_size: int,
-        eviction_interval: int = 1,
-        allow_in_place_embed_weight_update: bool = False,
-        zch_method: str = "",
-        mpzch_num_buckets: Optional[int] = 80,
-        mpzch_max_probe: Optional[int] = 100,
-    ) -> None:
-        super().__init__()
-        ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-        modules = _sort_zch_modules(ebc.embedding_bag_configs(), input_hash_size, device, eviction_interval, zch_method)
-        self.mc_embedding_bag_collection = ManagedCollisionEmbeddingBagCollection(
-            embedding_bag_collection=ebc,
-            managed_collision_collection=ManagedCollisionCollection(modules, ebc.embedding_bag_configs()),  # type: ignore[arg-type]
-            allow_in_place_embed_weight_update=allow_in_place_embed_weight_update,
-            return_remapped_features=False,
-        )
+    _collection_class = EmbeddingBagCollection
+    _managed_class = ManagedCollisionEmbeddingBagCollection
+    _managed_name = "mc_embedding_bag_collection"
+    mc_embedding_bag_collection: ManagedCollisionEmbeddingBagCollection
 
     def forward(self, input_kjt: KeyedJaggedTensor) -> KeyedTensor:
         """input_kjt: KJT [F x B x L] of raw ids -> KeyedTensor [B, sum of dims]."""
