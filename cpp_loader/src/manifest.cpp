@@ -99,9 +99,6 @@ void features(const json& m) {
     any_weighted = any_weighted || f.value("weighted", weighted);
   }
   if (!features.empty() && weighted != any_weighted) fail(at({key("weighted")}), "weighted", "must say whether any sparse feature is weighted");
-  const json want = derived_inputs(m["num_dense"], weighted);
-  if (m["inputs"] != want)
-    fail(at({key("inputs")}), "inputs", "must be " + want.dump() + " (from num_dense and weighted), got " + m["inputs"].dump().substr(0, 200));
 }
 
 // The sample is one request of this model and its outputs: each tensor's dtype and shape follow from the manifest.
@@ -183,6 +180,12 @@ void aoti(const json& m) {
   if (named != outputs) fail(at({key("aoti"), key("output_order")}), "aoti-outputs", "must name every output once, " + py_list(declared));
 }
 
+void inputs(const json& m) {
+  const json want = derived_inputs(m["num_dense"], m["weighted"].get<bool>());
+  if (m["inputs"] != want)
+    fail(at({key("inputs")}), "inputs", "must be " + want.dump() + " (from num_dense and weighted), got " + m["inputs"].dump().substr(0, 200));
+}
+
 }  // namespace
 
 std::vector<Problem> contract_problems(const json& m) {
@@ -194,6 +197,7 @@ std::vector<Problem> contract_problems(const json& m) {
     sample(m);
     if (m.contains("tables")) table_rows(m);
     if (m.contains("aoti")) aoti(m);
+    inputs(m);
   } catch (const Broken& broken) {
     return {broken.problem};
   }

@@ -47,6 +47,7 @@ def first_broken(m: Dict[str, Any]) -> Optional[Problem]:
             _table_rows(m)
         if "aoti" in m:
             _aoti(m)
+        _inputs(m)
     except _Broken as e:
         return e.problem
     return None
@@ -87,9 +88,6 @@ def _features(m: Dict[str, Any]) -> None:
     weighted = m["weighted"]
     if m["sparse_features"] and weighted != any(f.get("weighted", weighted) for f in m["sparse_features"]):
         _fail(("weighted",), "weighted", "must say whether any sparse feature is weighted")
-    want = derived_inputs(m["num_dense"], weighted)
-    if m["inputs"] != want:
-        _fail(("inputs",), "inputs", f"must be {compact(want)} (from num_dense and weighted), got {compact(m['inputs'])[:200]}")
 
 
 def _sample(m: Dict[str, Any]) -> None:
@@ -142,3 +140,9 @@ def _aoti(m: Dict[str, Any]) -> None:
             _fail(("aoti", "dynamic", key), "aoti-dynamic", f"must be [min, max] sizes, got [{low}, {high}]")
     if sorted(aoti["output_order"]) != sorted(m["outputs"]):
         _fail(("aoti", "output_order"), "aoti-outputs", f"must name every output once, {sorted(m['outputs'])}")
+
+
+def _inputs(m: Dict[str, Any]) -> None:
+    want = derived_inputs(m["num_dense"], m["weighted"])
+    if m["inputs"] != want:
+        _fail(("inputs",), "inputs", f"must be {compact(want)} (from num_dense and weighted), got {compact(m['inputs'])[:200]}")

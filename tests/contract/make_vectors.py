@@ -200,7 +200,6 @@ def _rules(name: str, m: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     flip = [_set(("sparse_features", i, "weighted"), False) for i in range(len(features))] if m["weighted"] else \
         [_set(("sparse_features", 0, "weighted"), True)]
     yield _case("weighted not saying whether any feature is", flip, ("weighted",), "weighted")
-    yield _case("inputs not those of num_dense", [_set(("inputs", "dense", "shape"), ["B", m["num_dense"] + 1])], ("inputs",), "inputs")
     b = m["sample"]["batch_size"]
     yield _case("the sample's dense of another width", [_set(("sample", "inputs", "dense", "shape"), [b, m["num_dense"] + 1])],
                 ("sample", "inputs", "dense"), "sample")
@@ -218,6 +217,7 @@ def _rules(name: str, m: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     yield _case("model.pt2's dynamic span reversed", [add_aoti, _set(("aoti", "dynamic", "dense.0"), [512, 1])],
                 ("aoti", "dynamic", "dense.0"), "aoti-dynamic")
     yield _case("model.pt2's outputs not the model's", [add_aoti, _set(("aoti", "output_order"), ["nope"])], ("aoti", "output_order"), "aoti-outputs")
+    yield _case("inputs not those of num_dense", [_set(("inputs", "dense", "shape"), ["B", m["num_dense"] + 1])], ("inputs",), "inputs")
 
 
 def cases() -> List[Dict[str, Any]]:
