@@ -116,6 +116,18 @@ def _is_proxy(t: torch.Tensor) -> bool:
     return isinstance(t, torch.fx.Proxy) or torch.compiler.is_compiling()
 
 
+def _normalized_index(
+    values: torch.Tensor, lengths: Optional[torch.Tensor], offsets: Optional[torch.Tensor]
+) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """A constructor's lengths and offsets through ``empty_index_or_same``; as given while fx traces or torch.export
+    captures (``_is_proxy``, which TorchScript does not compile: hence the scripting branch)."""
+    if torch.jit.is_scripting():
+        return empty_index_or_same(lengths), empty_index_or_same(offsets)
+    elif not _is_proxy(values):
+        return empty_index_or_same(lengths), empty_index_or_same(offsets)
+    return lengths, offsets
+
+
 def _nested_lists(values: torch.Tensor, lengths: List[int]) -> str:
     """'[[1, 2], [], [3]]' for values split by lengths (for __str__, TorchRec's text: each element as Python prints
     it, so float values read '1.0'; [N, D] values give a list per element). ValueError for more than 2 dimensions."""
@@ -168,12 +180,7 @@ class JaggedTensor:
         lengths: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
     ) -> None:
-        if torch.jit.is_scripting():
-            lengths = empty_index_or_same(lengths)
-            offsets = empty_index_or_same(offsets)
-        elif not _is_proxy(values):
-            lengths = empty_index_or_same(lengths)
-            offsets = empty_index_or_same(offsets)
+        lengths, offsets = _normalized_index(values, lengths, offsets)
         if lengths is None:
             if offsets is None:
                 raise ValueError("JaggedTensor: give lengths or offsets")
@@ -566,12 +573,7 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
         jt_dict: Optional[Dict[str, JaggedTensor]] = None,
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> None:
-        if torch.jit.is_scripting():
-            lengths = empty_index_or_same(lengths)
-            offsets = empty_index_or_same(offsets)
-        elif not _is_proxy(values):
-            lengths = empty_index_or_same(lengths)
-            offsets = empty_index_or_same(offsets)
+        lengths, offsets = _normalized_index(values, lengths, offsets)
         # which of lengths / offsets the caller gave, or asked for since (TorchRec's lengths_or_none / offsets_or_none)
         self._lengths_known = lengths is not None
         self._offsets_known = offsets is not None
@@ -632,12 +634,7 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> "KeyedJaggedTensor":
         """Builds a KJT and computes length_per_key now (one synchronisation)."""
-        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=None, stride=stride,
-                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
-                                stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
-                                jt_dict=None)
-        kjt.length_per_key()
-        return kjt
+        return _synced_kjt(keys, values, weights, lengths, None, stride, stride_per_key_per_rank, inverse_indices)
 
     @staticmethod
     def from_offsets_sync(
@@ -649,12 +646,8 @@ class KeyedJaggedTensor(metaclass=_TracedWithTracedKeys):
         stride_per_key_per_rank: Optional[List[List[int]]] = None,
         inverse_indices: Optional[Tuple[List[str], torch.Tensor]] = None,
     ) -> "KeyedJaggedTensor":
-        kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, offsets=offsets, lengths=None, stride=stride,
-                                length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
-                                stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
-                                jt_dict=None)
-        kjt.length_per_key()
-        return kjt
+        """Builds a KJT and computes length_per_key now (one synchronisation)."""
+        return _synced_kjt(keys, values, weights, None, offsets, stride, stride_per_key_per_rank, inverse_indices)
 
     @staticmethod
     def from_jt_dict(jt_dict: Dict[str, JaggedTensor]) -> "KeyedJaggedTensor":
@@ -1433,6 +1426,26 @@ def _kjt_empty_like(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
 
 
 torch.fx.wrap("_kjt_empty_like")
+
+
+def _synced_kjt(
+    keys: List[str],
+    values: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    lengths: Optional[torch.Tensor],
+    offsets: Optional[torch.Tensor],
+    stride: Optional[int],
+    stride_per_key_per_rank: Optional[List[List[int]]],
+    inverse_indices: Optional[Tuple[List[str], torch.Tensor]],
+) -> KeyedJaggedTensor:
+    """from_lengths_sync / from_offsets_sync's body: the KJT of ``lengths`` or ``offsets``, its length_per_key
+    computed now."""
+    kjt = KeyedJaggedTensor(keys=keys, values=values, weights=weights, lengths=lengths, offsets=offsets, stride=stride,
+                            length_per_key=None, stride_per_key_per_rank=stride_per_key_per_rank, inverse_indices=inverse_indices,
+                            stride_per_key=None, lengths_offset_per_key=None, offset_per_key=None, index_per_key=None,
+                            jt_dict=None)
+    kjt.length_per_key()
+    return kjt
 
 
 def _inverse_indices_to(
