@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from recship.contract.manifest import ArtifactError, Manifest
-from recship.contract.repository import MODEL_NAME, VERSION_NAME, version_folders
+from recship.contract.repository import MODEL_NAME, VERSION_NAME, parse_version, version_folders  # VERSION_NAME: for serving.kserve
 from recship.export.artifact import open_artifact
 from recship.serving.batcher import Batcher
 from recship.serving.metrics import Metrics
@@ -184,7 +184,7 @@ def _not_a_version_or_model(root: Path) -> None:
         entries = [e for e in root.iterdir() if e.is_dir() and not e.name.startswith(".")]
     except OSError:
         return
-    if entries and all(VERSION_NAME.fullmatch(e.name) and (e / "manifest.json").is_file() for e in entries):
+    if entries and all(parse_version(e.name) is not None and (e / "manifest.json").is_file() for e in entries):
         raise ValueError(f"--model-repo {root} is one model's folder (its versions {sorted(int(e.name) for e in entries)[:5]} hold "
                          f"the artifacts); give the repository that holds it: --model-repo {root.parent}")
 
@@ -339,7 +339,7 @@ class ModelRepository:
     def _readiness(self) -> Dict[Tuple[str, str], int]:
         """(model, version) -> 1 serving / 0 not, for every served and every refused version (the metrics' gauge)."""
         out = {(u.model, u.version): 0 for u in self.unavailable()
-               if MODEL_NAME.fullmatch(u.model) and (u.version == "" or VERSION_NAME.fullmatch(u.version))}
+               if MODEL_NAME.fullmatch(u.model) and (u.version == "" or parse_version(u.version) is not None)}
         out.update({(s.name, str(s.version)): int(s.batcher.alive) for s in self.versions()})
         return out
 
