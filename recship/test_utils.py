@@ -310,15 +310,15 @@ class TestTowerCollectionSparseNN(TestSparseNNBase):
         return _loss_or_pred(self, self.over(torch.cat([dense, sparse], dim=1)), input.label)
 
 
-class TestEBCSharder(EmbeddingBagCollectionSharder):
-    """An EmbeddingBagCollectionSharder that offers one sharding type and one compute kernel (tests pin a plan's
-    choice with it)."""
+class _OneChoiceSharder:
+    """A sharder (mixed in before EmbeddingBagCollectionSharder or EmbeddingCollectionSharder) that offers one sharding
+    type and one compute kernel: tests pin a plan's choice with it."""
 
     def __init__(self, sharding_type: str, kernel_type: str, fused_params: Optional[Dict[str, Any]] = None,
                  qcomm_codecs_registry: Optional[Dict[str, Any]] = None) -> None:
         self._sharding_type = sharding_type
         self._kernel_type = kernel_type
-        super().__init__(fused_params or {}, qcomm_codecs_registry)
+        super().__init__(fused_params or {}, qcomm_codecs_registry)  # type: ignore[call-arg]  # the sharder's
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         return [self._sharding_type]
@@ -327,20 +327,12 @@ class TestEBCSharder(EmbeddingBagCollectionSharder):
         return [self._kernel_type]
 
 
-class TestECSharder(EmbeddingCollectionSharder):
+class TestEBCSharder(_OneChoiceSharder, EmbeddingBagCollectionSharder):
+    """An EmbeddingBagCollectionSharder that offers one sharding type and one compute kernel."""
+
+
+class TestECSharder(_OneChoiceSharder, EmbeddingCollectionSharder):
     """An EmbeddingCollectionSharder that offers one sharding type and one compute kernel."""
-
-    def __init__(self, sharding_type: str, kernel_type: str, fused_params: Optional[Dict[str, Any]] = None,
-                 qcomm_codecs_registry: Optional[Dict[str, Any]] = None) -> None:
-        self._sharding_type = sharding_type
-        self._kernel_type = kernel_type
-        super().__init__(fused_params or {}, qcomm_codecs_registry)
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return [self._sharding_type]
-
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        return [self._kernel_type]
 
 
 __all__ = [
