@@ -110,7 +110,7 @@ def test_a_sample_shape_must_be_the_models(small_artifact, tmp_path):
     _edit_manifest(art, lambda m: m.update(num_dense=12))
     with pytest.raises(ArtifactError) as e:
         open_artifact(art)
-    assert str(e.value) == (f"{art}/manifest.json: sample.inputs['dense'] must be float32 [4, 12] (batch_size, num_dense), "
+    assert str(e.value) == (f"{art}/manifest.json: sample.inputs.dense must be float32 [4, 12] (batch_size, num_dense), "
                             "got float32 [4, 13]")
 
 
