@@ -34,6 +34,8 @@ void check_keywords(const json& node, const std::string& at) {
   if (!node.is_object()) throw std::logic_error("manifest.schema.json: " + at + " must be an object");
   for (const auto& [key, value] : node.items()) {
     if (!kKeywords.count(key)) throw std::logic_error("manifest.schema.json: " + at + " uses keyword '" + key + "', which the C++ loader does not know");
+    if (key == "pattern" && !node.contains("maxLength"))
+      throw std::logic_error("manifest.schema.json: " + at + " has a pattern without a maxLength (the regex engine recurses per character)");
     if (key == "properties" || key == "$defs")
       for (const auto& [name, sub] : value.items()) check_keywords(sub, at + "/" + key + "/" + name);
     else if (key == "prefixItems" || key == "allOf")
@@ -141,7 +143,9 @@ struct Walk {
     if (node.contains("const") && v != node["const"]) add(where, "const", "must be " + shown(node["const"]), why);
     if (v.is_string()) {
       const std::string& s = v.get_ref<const std::string&>();
-      if (node.contains("pattern") && !std::regex_search(s, pattern(node["pattern"].get<std::string>())))
+      // within maxLength only: std::regex recurses once per character (a long string would overflow the stack)
+      if (node.contains("pattern") && code_points(s) <= node["maxLength"].get<size_t>() &&
+          !std::regex_search(s, pattern(node["pattern"].get<std::string>())))
         add(where, "pattern", "must be " + node["description"].get<std::string>(), why);
       if (node.contains("minLength") && code_points(s) < node["minLength"].get<size_t>())
         add(where, "minLength", "must have at least " + node["minLength"].dump() + " characters", why);

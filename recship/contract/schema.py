@@ -2,12 +2,14 @@
 a manifest breaks it as a ``Problem`` (where, which rule, the message users read), in the order and words the C++
 loader's interpreter of the same file uses (cpp_loader/src/schema.cpp).
 
-Two readings of the schema both loaders share: "integer" is a JSON integer literal (1.0 is not one), and a problem's
-``where`` is the field it names (for ``required``, the missing field itself, not its parent).
+The schema's readings both loaders share (its description says them): "integer" is a JSON integer literal (1.0 is not
+one), a pattern applies to a string within its node's maxLength; and a problem's ``where`` is the field it names (for
+``required``, the missing field itself, not its parent).
 """
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any, Dict, Iterator, List, Sequence, Tuple, Union
@@ -53,12 +55,20 @@ def schema() -> Dict[str, Any]:
     return json.loads(resources.files("recship.contract").joinpath(SCHEMA_FILE).read_text(encoding="utf-8"))
 
 
+def _pattern(validator: Any, pattern: str, instance: Any, node: Dict[str, Any]) -> Iterator[jsonschema.ValidationError]:
+    """The pattern keyword, on a string within its node's maxLength only (the schema's third reading)."""
+    if isinstance(instance, str) and len(instance) <= node["maxLength"] and not re.search(pattern, instance):
+        yield jsonschema.ValidationError(f"{instance[:80]!r} does not match {pattern!r}")
+
+
 @functools.lru_cache(maxsize=None)
 def _validator() -> jsonschema.protocols.Validator:
+    """jsonschema's validator of the file's draft, with the schema's readings: "integer" is a JSON integer literal;
+    a pattern applies within maxLength."""
     base = jsonschema.validators.validator_for(schema())
     base.check_schema(schema())
     strict = base.TYPE_CHECKER.redefine("integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
-    return jsonschema.validators.extend(base, type_checker=strict)(schema())
+    return jsonschema.validators.extend(base, {"pattern": _pattern}, type_checker=strict)(schema())
 
 
 def resolve(node: Any) -> Any:

@@ -164,6 +164,8 @@ def _rules(name: str, m: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
                                                          for i, t in enumerate(tensors) for j in range(len(t["segments"]))], None)
     yield _case("a sample file named with a final newline after ..", [_set(("sample", "inputs", "dense", "file"), "sample/..\n")], None)
     yield _case("an op library named ..<newline>", [_set(("op_libraries", 0), "..\n")], None)
+    yield _case("a sample file name past its maxLength, outside the artifact: refused by its length alone",
+                [_set(("sample", "inputs", "dense", "file"), "/" + "a" * 4096)], ("sample", "inputs", "dense", "file"), "maxLength")
     # the schema's if/then
     yield _case("format 1 with tables", [_set(("format",), "recship.artifact/1")], ("format",), "const")
     yield _case("format 2 without tables", [{"op": "remove", "path": "/tables"}], ("tables",), "required")

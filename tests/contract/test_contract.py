@@ -44,11 +44,13 @@ def test_importing_the_contract_loads_no_torch_numpy_nor_other_recship_module(tm
 
 def test_the_schema_uses_only_keywords_both_loaders_know():
     """schema.py has words for each keyword (KEYWORDS); the C++ interpreter knows the same set and refuses others."""
-    used = set()
+    used, patterned = set(), []
 
     def walk(node):
         if isinstance(node, dict):
             used.update(node)
+            if "pattern" in node:
+                patterned.append(node)
             for key, value in node.items():
                 if key in ("properties", "$defs"):
                     for sub in value.values():
@@ -61,6 +63,7 @@ def test_the_schema_uses_only_keywords_both_loaders_know():
 
     walk(schema())
     assert used <= KEYWORDS, used - KEYWORDS
+    assert all("maxLength" in node for node in patterned), patterned  # the reading both loaders need (schema.py)
     cpp = (ROOT / "cpp_loader" / "src" / "schema.cpp").read_text()
     block = re.search(r"kKeywords = \{(.*?)\};", cpp, re.S).group(1)
     assert set(re.findall(r'"([^"]+)"', block)) == KEYWORDS
@@ -162,6 +165,21 @@ def _mutations(m, rng, count):
             parent[where[-1]] = rng.choice(values)
         out.append((f"{'/'.join(map(str, where))}", edited))
     return out
+
+
+def test_very_long_strings_are_refused_alike_without_a_crash(binary, tmp_path):
+    """Strings far past their maxLength (the C++ regex engine would overflow its stack on them): refused by length."""
+    manifests = []
+    for where in (("op_libraries", 0), ("sample", "inputs", "dense", "file"), ("model_sha256",)):
+        for text in ("a" * 1_000_000, "/" + "\\" * 1_000_000):
+            m = base("dlrm")
+            parent = m
+            for key in where[:-1]:
+                parent = parent[key]
+            parent[where[-1]] = text
+            assert [p.rule for p in problems(m) if p.where == where] == ["maxLength"]
+            manifests.append(m)
+    _assert_alike(binary, manifests, [str(i) for i in range(len(manifests))], tmp_path)
 
 
 @pytest.mark.parametrize("name", BASES)
