@@ -17,15 +17,10 @@ import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
-from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed, _mean_over_groups
+from recship.metrics.sample_window import GROUPING_KEYS, LABELS, PREDICTIONS, REQUIRED_INPUTS, WEIGHTS  # TorchRec's names here
+from recship.metrics.sample_window import SampleWindowComputation, _concat_if_needed, _window_mean_over_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
-
-PREDICTIONS = "predictions"
-LABELS = "labels"
-WEIGHTS = "weights"
-GROUPING_KEYS = "grouping_keys"
-REQUIRED_INPUTS = "required_inputs"
 
 
 def _compute_auc_helper(
@@ -64,10 +59,7 @@ def compute_auc_per_group(
     grouping_keys: torch.Tensor,
 ) -> torch.Tensor:
     """[n_tasks] means over the groups of ``grouping_keys`` ([N]) of each group's AUC (0.5 with no group)."""
-    preds, labs, wts = _concat_if_needed(predictions, labels, weights)
-    if grouping_keys.numel() != 0 and grouping_keys[0] == -1:  # the placeholder of an empty state
-        grouping_keys = grouping_keys[1:]
-    return _mean_over_groups(_compute_auc_helper, preds, labs, wts, grouping_keys)
+    return _window_mean_over_groups(_compute_auc_helper, predictions, labels, weights, grouping_keys)
 
 
 class AUCMetricComputation(SampleWindowComputation):

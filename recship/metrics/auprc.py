@@ -15,15 +15,11 @@ import torch.nn.functional as F
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation, RecMetricException
+from recship.metrics.sample_window import GROUPING_KEYS, LABELS, PREDICTIONS, REQUIRED_INPUTS, WEIGHTS  # TorchRec's names here
 from recship.metrics.sample_window import SampleWindowComputation, _mean_over_groups
 
 logger: logging.Logger = logging.getLogger(__name__)
 
-PREDICTIONS = "predictions"
-LABELS = "labels"
-WEIGHTS = "weights"
-GROUPING_KEYS = "grouping_keys"
-REQUIRED_INPUTS = "required_inputs"
 LIFETIME_WEIGHTED_AUPRC = "lifetime_weighted_auprc"
 LIFETIME_WEIGHT = "lifetime_weight"
 
@@ -115,7 +111,6 @@ class AUPRCMetricComputation(SampleWindowComputation):
                 )
             )
         return reports
-
 
 
 class AUPRCMetric(RecMetric):

@@ -1,12 +1,12 @@
 """Calibration: sum(w * prediction) / sum(w * label), 0 where no weighted positives. 1 is calibrated.
 Keys ``calibration-{task}|lifetime_calibration`` and ``|window_calibration``."""
 
-from typing import Any, Dict, List, Type
+from typing import Dict, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 CALIBRATION_NUM = "calibration_num"
@@ -27,15 +27,10 @@ def get_calibration_states(
 
 
 class CalibrationMetricComputation(SumsComputation):
+    _NAME = MetricName.CALIBRATION
     _SUMS = (CALIBRATION_NUM, CALIBRATION_DENOM)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_calibration_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.CALIBRATION, compute_calibration, *self._SUMS)
+    _states = staticmethod(get_calibration_states)
+    _value = staticmethod(compute_calibration)
 
 
 class CalibrationMetric(RecMetric):

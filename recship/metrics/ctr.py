@@ -1,12 +1,12 @@
 """CTR: the weighted rate of positive labels, sum(w * label) / sum(w) (0 with no weight). Keys
 ``ctr-{task}|lifetime_ctr`` and ``|window_ctr``."""
 
-from typing import Any, Dict, List, Type
+from typing import Dict, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 CTR_NUM = "ctr_num"
@@ -22,15 +22,10 @@ def get_ctr_states(labels: torch.Tensor, predictions: torch.Tensor, weights: tor
 
 
 class CTRMetricComputation(SumsComputation):
+    _NAME = MetricName.CTR
     _SUMS = (CTR_NUM, CTR_DENOM)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_ctr_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.CTR, compute_ctr, *self._SUMS)
+    _states = staticmethod(get_ctr_states)
+    _value = staticmethod(compute_ctr)
 
 
 class CTRMetric(RecMetric):

@@ -1,12 +1,12 @@
 """Mean absolute error, weighted: sum(w * |y - prediction|) / sum(w) (0 with no weight). Keys
 ``mae-{task}|lifetime_mae`` and ``|window_mae``."""
 
-from typing import Any, Dict, List, Type
+from typing import Dict, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 ERROR_SUM = "error_sum"
@@ -26,15 +26,10 @@ def get_mae_states(labels: torch.Tensor, predictions: torch.Tensor, weights: tor
 
 
 class MAEMetricComputation(SumsComputation):
+    _NAME = MetricName.MAE
     _SUMS = (ERROR_SUM, WEIGHTED_NUM_SAMPLES)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_mae_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.MAE, compute_mae, *self._SUMS)
+    _states = staticmethod(get_mae_states)
+    _value = staticmethod(compute_mae)
 
 
 class MAEMetric(RecMetric):

@@ -9,11 +9,11 @@ below at eta (eta = 1e-12). Keys ``ne-{task}|lifetime_ne``, ``ne-{task}|window_n
 """
 
 from functools import partial
-from typing import Any, Callable, Dict, List, Tuple, Type
+from typing import Any, Dict, List, Tuple, Type
 
 import torch
 
-from recship.metrics.metrics_namespace import MetricName, MetricNameBase, MetricNamespace
+from recship.metrics.metrics_namespace import MetricName, MetricNamespace
 from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
@@ -88,10 +88,7 @@ class _NESumsComputation(SumsComputation):
         allow_missing_label_with_zero_weight (bool): a task whose weight sums to zero reports eta, not inf/nan.
     """
 
-    _NAME: MetricNameBase
     _SUMS: Tuple[str, ...] = ("cross_entropy_sum", "weighted_num_samples", "pos_labels", "neg_labels")
-    _states: Callable[..., Dict[str, torch.Tensor]]
-    _value: Callable[..., torch.Tensor]
 
     def __init__(self, *args: Any, allow_missing_label_with_zero_weight: bool = False, **kwargs: Any) -> None:
         self._allow_missing_label_with_zero_weight = allow_missing_label_with_zero_weight

@@ -1,12 +1,12 @@
 """The weight of the samples whose label is NaN (missing). Keys ``num_missing_labels-{task}|lifetime_num_missing_labels`` and ``|window_num_missing_labels``; weights None
 counts every sample as 1."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 
@@ -23,16 +23,10 @@ def get_num_missing_labels_states(
 
 
 class NumMissingLabelsMetricComputation(SumsComputation):
+    _NAME = MetricName.NUM_MISSING_LABELS
     _SUMS = ("missing_label_sum",)
     _NEEDS = ("predictions",)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_num_missing_labels_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.NUM_MISSING_LABELS, lambda total: total, *self._SUMS)
+    _states = staticmethod(get_num_missing_labels_states)
 
 
 class NumMissingLabelsMetric(RecMetric):

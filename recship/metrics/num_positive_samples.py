@@ -1,12 +1,12 @@
 """The weighted number of positive labels, sum(w * label) (NaN labels count 0). Keys ``num_positive_samples-{task}|lifetime_num_positive_samples`` and ``|window_num_positive_samples``; weights None
 counts every sample as 1."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 
@@ -23,16 +23,10 @@ def get_num_positive_sample_states(
 
 
 class NumPositiveSamplesMetricComputation(SumsComputation):
+    _NAME = MetricName.NUM_POSITIVE_SAMPLES
     _SUMS = ("weighted_pos_sum",)
     _NEEDS = ("predictions",)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_num_positive_sample_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.NUM_POSITIVE_SAMPLES, lambda total: total, *self._SUMS)
+    _states = staticmethod(get_num_positive_sample_states)
 
 
 class NumPositiveSamplesMetric(RecMetric):

@@ -2,7 +2,7 @@
 counting as positive (0 where nothing is predicted positive). Keys ``precision-{task}|lifetime_precision`` and
 ``|window_precision``."""
 
-from typing import Dict, Optional, Type
+from typing import Callable, Dict, Optional, Type
 
 import torch
 
@@ -30,15 +30,28 @@ def compute_false_pos_sum(
     return torch.sum(weights * ((predictions.double() >= threshold) * (1 - labels)), dim=-1)
 
 
-def get_precision_states(
-    labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor], threshold: float = 0.5
+def _true_pos_and(
+    name: str,
+    count: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+    labels: torch.Tensor,
+    predictions: torch.Tensor,
+    weights: Optional[torch.Tensor],
+    threshold: float,
 ) -> Dict[str, torch.Tensor]:
+    """{"true_pos_sum": ..., name: count(...)}, [n_tasks] each (weights None: all ones); precision's and recall's
+    states."""
     if weights is None:
         weights = torch.ones_like(predictions)
     return {
         "true_pos_sum": compute_true_pos_sum(labels, predictions, weights, threshold),
-        "false_pos_sum": compute_false_pos_sum(labels, predictions, weights, threshold),
+        name: count(labels, predictions, weights, threshold),
     }
+
+
+def get_precision_states(
+    labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor], threshold: float = 0.5
+) -> Dict[str, torch.Tensor]:
+    return _true_pos_and("false_pos_sum", compute_false_pos_sum, labels, predictions, weights, threshold)
 
 
 class PrecisionMetricComputation(ThresholdSumsComputation):

@@ -7,7 +7,8 @@ from typing import Dict, Optional, Type
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.precision import compute_true_pos_sum
+from recship.metrics.precision import _true_pos_and
+from recship.metrics.precision import compute_true_pos_sum as compute_true_pos_sum  # TorchRec's recall module has it
 from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import ThresholdSumsComputation
 
@@ -28,12 +29,7 @@ def compute_false_neg_sum(
 def get_recall_states(
     labels: torch.Tensor, predictions: torch.Tensor, weights: Optional[torch.Tensor], threshold: float = 0.5
 ) -> Dict[str, torch.Tensor]:
-    if weights is None:
-        weights = torch.ones_like(predictions)
-    return {
-        "true_pos_sum": compute_true_pos_sum(labels, predictions, weights, threshold),
-        "false_neg_sum": compute_false_neg_sum(labels, predictions, weights, threshold),
-    }
+    return _true_pos_and("false_neg_sum", compute_false_neg_sum, labels, predictions, weights, threshold)
 
 
 class RecallMetricComputation(ThresholdSumsComputation):

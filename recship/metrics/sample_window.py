@@ -55,6 +55,21 @@ def _mean_over_groups(
     return torch.cat(means)
 
 
+def _window_mean_over_groups(
+    value_of: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    predictions: List[torch.Tensor],
+    labels: List[torch.Tensor],
+    weights: List[torch.Tensor],
+    grouping_keys: torch.Tensor,
+) -> torch.Tensor:
+    """``_mean_over_groups`` of a window's lists of [n_tasks, b] tensors, the keys' placeholder of an empty window
+    dropped."""
+    preds, labs, wts = _concat_if_needed(predictions, labels, weights)
+    if grouping_keys.numel() != 0 and grouping_keys[0] == -1:
+        grouping_keys = grouping_keys[1:]
+    return _mean_over_groups(value_of, preds, labs, wts, grouping_keys)
+
+
 class SampleWindowComputation(RecMetricComputation):
     """Keeps the window's samples; ``grouped`` adds the ``grouping_keys`` buffer, fed from
     ``required_inputs["grouping_keys"]`` at each update."""

@@ -1,12 +1,12 @@
 """The sum of the weights. Keys ``sum_weights-{task}|lifetime_sum_weights`` and ``|window_sum_weights``; weights None
 counts every sample as 1."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 
@@ -23,16 +23,10 @@ def get_weighted_sum_states(
 
 
 class SumWeightsMetricComputation(SumsComputation):
+    _NAME = MetricName.SUM_WEIGHTS
     _SUMS = ("weighted_sum",)
     _NEEDS = ("predictions",)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_weighted_sum_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.SUM_WEIGHTS, lambda total: total, *self._SUMS)
+    _states = staticmethod(get_weighted_sum_states)
 
 
 class SumWeightsMetric(RecMetric):

@@ -1,6 +1,6 @@
 """The shape most metrics share: a few [n_tasks] float64 sums per batch, each with a lifetime and a window state,
-reduced across ranks by summing, and a value computed from the sums. A metric names its sums and gives the
-per-batch function; ``_reports`` makes its lifetime and window values. ``ThresholdSumsComputation``: the same for
+reduced across ranks by summing, and a value computed from the sums. A metric names its sums, the per-batch
+function and the value's; ``_reports`` makes its lifetime and window values. ``ThresholdSumsComputation``: the same for
 the metrics that count predictions at or above a threshold (precision, recall, accuracy)."""
 
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -11,13 +11,21 @@ from recship.metrics.metrics_namespace import MetricNameBase, MetricPrefix
 from recship.metrics.rec_metric import MetricComputationReport, RecMetricComputation, RecMetricException
 
 
+def _as_is(total: torch.Tensor) -> torch.Tensor:
+    return total
+
+
 class SumsComputation(RecMetricComputation):
-    """Subclasses set ``_SUMS`` (the state names, in the order TorchRec registers them) and implement
-    ``_batch_sums(labels, predictions, weights) -> {name: [n_tasks]}``; ``_NOT_PERSISTENT`` lists sums left out of
-    the state_dict. ``_NEEDS`` says which of predictions/weights must be given."""
+    """Subclasses set ``_SUMS`` (the state names, in the order TorchRec registers them), ``_states(labels,
+    predictions, weights) -> {name: [n_tasks]}`` (a batch's sums) and ``_value(*sums)``, reported as ``_NAME``
+    (default: the one sum as it is), or override ``_batch_sums`` and ``_compute``. ``_is_persistent`` says which
+    sums go in the state_dict; ``_NEEDS`` says which of predictions/weights must be given."""
 
     _SUMS: Tuple[str, ...] = ()
     _NEEDS: Tuple[str, ...] = ("predictions", "weights")
+    _NAME: MetricNameBase
+    _states: Callable[..., Dict[str, torch.Tensor]]
+    _value: Callable[..., torch.Tensor] = staticmethod(_as_is)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -36,7 +44,7 @@ class SumsComputation(RecMetricComputation):
     def _batch_sums(
         self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
-        raise NotImplementedError
+        return self._states(labels, predictions, weights)
 
     def _num_samples(self, labels: torch.Tensor, predictions: torch.Tensor) -> int:
         return predictions.shape[-1]
@@ -56,6 +64,9 @@ class SumsComputation(RecMetricComputation):
         assert predictions is not None
         self._add_sums(self._batch_sums(labels, predictions, weights), self._num_samples(labels, predictions))
 
+    def _compute(self) -> List[MetricComputationReport]:
+        return self._reports(self._NAME, self._value, *self._SUMS)
+
     def _reports(
         self, name: MetricNameBase, fn: Callable[..., torch.Tensor], *sums: str, description: Optional[str] = None
     ) -> List[MetricComputationReport]:
@@ -64,9 +75,6 @@ class SumsComputation(RecMetricComputation):
             MetricComputationReport(name, MetricPrefix.LIFETIME, fn(*[getattr(self, s) for s in sums]), description),
             MetricComputationReport(name, MetricPrefix.WINDOW, fn(*[self.get_window_state(s) for s in sums]), description),
         ]
-
-    def _state_value(self, state: torch.Tensor) -> torch.Tensor:
-        return state
 
 
 class ThresholdSumsComputation(SumsComputation):
@@ -77,10 +85,7 @@ class ThresholdSumsComputation(SumsComputation):
         threshold (float): a prediction at or above it counts as positive.
     """
 
-    _NAME: MetricNameBase
     _NEEDS = ("predictions",)
-    _states: Callable[..., Dict[str, torch.Tensor]]
-    _value: Callable[..., torch.Tensor]
 
     def __init__(self, *args: Any, threshold: float = 0.5, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -90,6 +95,3 @@ class ThresholdSumsComputation(SumsComputation):
         self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
     ) -> Dict[str, torch.Tensor]:
         return self._states(labels, predictions, weights, self._threshold)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(self._NAME, self._value, *self._SUMS)

@@ -5,12 +5,12 @@ As in TorchRec, the window counts each update as ``labels.shape[0]`` samples (th
 computation, not the batch size), so the window holds the last ``window_size / n_tasks`` updates.
 """
 
-from typing import Any, Dict, List, Type
+from typing import Any, Dict, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 
@@ -19,7 +19,9 @@ def get_mean(value_sum: torch.Tensor, num_samples: torch.Tensor) -> torch.Tensor
 
 
 class WeightedAvgMetricComputation(SumsComputation):
+    _NAME = MetricName.WEIGHTED_AVG
     _SUMS = ("weighted_sum", "weighted_num_samples")
+    _value = staticmethod(get_mean)
 
     def _num_samples(self, labels: torch.Tensor, predictions: torch.Tensor) -> int:
         return labels.shape[0]
@@ -29,9 +31,6 @@ class WeightedAvgMetricComputation(SumsComputation):
     ) -> Dict[str, torch.Tensor]:
         assert weights is not None
         return {"weighted_sum": (predictions * weights).sum(dim=-1), "weighted_num_samples": weights.sum(dim=-1)}
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.WEIGHTED_AVG, get_mean, *self._SUMS)
 
 
 class WeightedAvgMetric(RecMetric):

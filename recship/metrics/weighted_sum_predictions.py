@@ -1,12 +1,12 @@
 """The weighted sum of the predictions, sum(w * prediction) (NaN predictions count 0). Keys ``weighted_sum_predictions-{task}|lifetime_weighted_sum_predictions`` and ``|window_weighted_sum_predictions``; weights None
 counts every sample as 1."""
 
-from typing import Any, Dict, List, Optional, Type
+from typing import Dict, Optional, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 
@@ -23,16 +23,10 @@ def get_weighted_sum_prediction_states(
 
 
 class WeightedSumPredictionsMetricComputation(SumsComputation):
+    _NAME = MetricName.WEIGHTED_SUM_PREDICTIONS
     _SUMS = ("weighted_predictions_sum",)
     _NEEDS = ("predictions",)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_weighted_sum_prediction_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.WEIGHTED_SUM_PREDICTIONS, lambda total: total, *self._SUMS)
+    _states = staticmethod(get_weighted_sum_prediction_states)
 
 
 class WeightedSumPredictionsMetric(RecMetric):

@@ -2,12 +2,12 @@
 agreeing with ties; each pair weighs w_i * w_j. Keys ``xauc-{task}|lifetime_xauc`` and ``|window_xauc``.
 Pairs are formed inside a batch only, so the value depends on the batching (as in TorchRec); O(B^2) per batch."""
 
-from typing import Any, Dict, List, Type
+from typing import Dict, Type
 
 import torch
 
 from recship.metrics.metrics_namespace import MetricName, MetricNamespace
-from recship.metrics.rec_metric import MetricComputationReport, RecMetric, RecMetricComputation
+from recship.metrics.rec_metric import RecMetric, RecMetricComputation
 from recship.metrics.sums import SumsComputation
 
 ERROR_SUM = "error_sum"
@@ -40,15 +40,10 @@ def get_xauc_states(labels: torch.Tensor, predictions: torch.Tensor, weights: to
 
 
 class XAUCMetricComputation(SumsComputation):
+    _NAME = MetricName.XAUC
     _SUMS = (ERROR_SUM, WEIGHTED_NUM_PAIRS)
-
-    def _batch_sums(
-        self, labels: torch.Tensor, predictions: torch.Tensor, weights: Any
-    ) -> Dict[str, torch.Tensor]:
-        return get_xauc_states(labels, predictions, weights)
-
-    def _compute(self) -> List[MetricComputationReport]:
-        return self._reports(MetricName.XAUC, compute_xauc, *self._SUMS)
+    _states = staticmethod(get_xauc_states)
+    _value = staticmethod(compute_xauc)
 
 
 class XAUCMetric(RecMetric):
