@@ -6,6 +6,7 @@ fbgemm_gpu only. Names and subpackages load on first use (PEP 562), so
 not load torch; fbgemm_gpu is imported by the parts that need it.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 from recship.fbgemm import install as _install_fbgemm_ops
@@ -48,8 +49,6 @@ _MODULE_ALIASES = {"optim": "recship.distributed"}
 
 def __getattr__(name: str) -> object:
     if name in _MODULE_ALIASES:
-        import importlib
-
         return importlib.import_module(_MODULE_ALIASES[name])
     return _names_getattr(name)
 

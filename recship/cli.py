@@ -14,6 +14,8 @@ from typing import List, Optional
 
 from recship import __version__
 from recship.flags import FlagError, apply_config_argument
+from recship.logs import error_line
+from recship.oserrors import one_line
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 _COMMANDS = {
@@ -21,7 +23,7 @@ _COMMANDS = {
     "train": ("recship.trainer.cli", "train any model that follows the model contract (--model; the built-in DLRM by default) with sharded embedding tables"),
     "export": ("recship.export.cli", "export a checkpoint to a quantized, self-checking artifact (model.pt2 and/or TorchScript model.pt)"),
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
-    "serve": ("recship.serving.server", "serve exported models over gRPC (recship Predictor, KServe v2) and HTTP (KServe v2 REST)"),
+    "serve": ("recship.serving.cli", "serve exported models over gRPC (recship Predictor, KServe v2) and HTTP (KServe v2 REST)"),
     "predict": ("recship.serving.client", "send one request to a running server"),
 }
 
@@ -60,8 +62,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             apply_config_argument(subcommand_parser(parser, command), argv[1:])
         except (ValueError, OSError) as e:
-            from recship.oserrors import one_line
-
             print(f"recship {command}: error: {one_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
             return 2
     try:
@@ -73,9 +73,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return module.run(args)
     except (ValueError, OSError) as e:  # an OSError (a full disk, a read-only folder): its file, cause and stage
-        from recship.logs import error_line
-        from recship.oserrors import one_line
-
         message = one_line(e) if isinstance(e, OSError) else e
         print(error_line(args.command, message, getattr(args, "log_format", None) or "text"), file=sys.stderr)
         return 2

@@ -9,10 +9,22 @@ step before) and stops with an error if one is off.
 """
 
 import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List
 
-# torch and recship's modules are imported inside the functions that run: `recship demo --help` needs none
+import numpy as np
+
+from recship import cli
+from recship.native import NativeError, find, packaged, runtime_env
+from recship.serving import PredictClient
+from recship.serving.server import Server, ServerConfig
+
+# torch and the modules that import it are imported inside the functions that run: `recship demo --help` needs none
 if TYPE_CHECKING:
     from recship import EmbeddingBagCollection
 
@@ -29,9 +41,7 @@ def _step(title: str) -> None:
 
 def _compare_formats(path: str, manifest) -> None:
     """model.pt2 against model.pt: outputs on random requests, and batch-1 latency."""
-    import statistics
-    import time
-
+    # lazy: keeps `recship demo --help` torch-free
     import torch
 
     from recship.export.artifact import open_artifact
@@ -72,6 +82,7 @@ def _expect(ok: bool, what: str) -> None:
 
 def tutorial_ebc() -> "EmbeddingBagCollection":
     """The tutorial's two 4096 x 64 tables, 'product' and 'user'."""
+    # lazy: keeps `recship demo --help` torch-free
     from recship import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 
     return EmbeddingBagCollection(
@@ -84,6 +95,7 @@ def tutorial_ebc() -> "EmbeddingBagCollection":
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: keeps `recship demo --help` torch-free
     import torch
 
     from recship import (
@@ -95,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
         KeyedJaggedTensor,
         PoolingType,
     )
+    from recship.export import ExportConfig, export_model
+    from recship.export.artifact import open_artifact
+    from recship.quantize import QuantConfig, quantize_embedding_bag_collection
+    from recship.trainer import sharding_walkthrough
+    from recship.trainer.checkpoint_reader import CheckpointReader
+    from recship.trainer.train import TrainConfig, launch
 
     torch.manual_seed(args.seed)
 
@@ -170,14 +188,9 @@ def run(args: argparse.Namespace) -> int:
     _expect(torch.equal(traced(mb).values(), pooled.values()), "torch.fx.symbolic_trace(ebc) matches eager")
 
     _step("Sharding the tutorial's 4 tables over 2 ranks, each sharding type")
-    from recship.trainer import sharding_walkthrough
-
     sharding_walkthrough.run()
 
     _step("Train the default DLRM on synthetic Criteo-like data: 2 gloo ranks, checkpoint at the end")
-    from recship.trainer.checkpoint_reader import CheckpointReader
-    from recship.trainer.train import TrainConfig, launch
-
     summary = launch(TrainConfig(out=args.out, steps=200, nproc_per_node=2, eval_every=100, checkpoint_every=100, seed=args.seed,
                                  overwrite=True))  # the walk-through starts over each time it runs
     first = sum(summary["losses"][:20]) / 20
@@ -195,8 +208,6 @@ def run(args: argparse.Namespace) -> int:
         _expect(curves.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"training curves (loss, eval log loss, AUC): {curves}")
 
     _step("Quantize the tutorial's product/user tables to INT8 (fbgemm inference TBE)")
-    from recship.quantize import QuantConfig, quantize_embedding_bag_collection
-
     qebc, report = quantize_embedding_bag_collection(ebc, QuantConfig(dtype="int8"))
     data, scale_bias = qebc.table_weights()["product_table"]
     assert scale_bias is not None  # INT8 rows carry an fp16 scale and bias
@@ -216,11 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
     _step("Export the trained DLRM: INT8 (TorchScript + AOTInductor) into a model repository, and INT4 (2 shards each), "
           "then load and self-check each")
-    import shutil
-
-    from recship.export import ExportConfig, export_model
-    from recship.export.artifact import open_artifact
-
     repo = Path(args.out) / "repo"
     shutil.rmtree(repo, ignore_errors=True)  # the walk-through starts over each time it runs: the export is version 1
     served_artifact = repo / "dlrm" / "1"
@@ -251,13 +257,6 @@ def run(args: argparse.Namespace) -> int:
         )
 
     _step("Serve the repository (the INT8 artifact) over gRPC, query it with the client, shut down")
-    import time
-
-    import numpy as np
-
-    from recship.serving import PredictClient
-    from recship.serving.server import Server, ServerConfig
-
     server = Server(ServerConfig(model_repo=str(repo), port=0))
     try:
         _expect(server.repo.get("dlrm").version == 1, f"the server loaded dlrm version 1 from {repo}")
@@ -288,11 +287,6 @@ def run(args: argparse.Namespace) -> int:
     print("   server stopped")
 
     _step("Build the C++ loader and run recship_predict on the same artifact and request")
-    import json
-    import subprocess
-
-    from recship.native import NativeError, find, packaged, runtime_env
-
     if packaged("recship_predict") is None:  # not installed with recship: the source checkout's, built now
         print("   building (cmake, Release, -j2; cached after the first time)...", flush=True)
     try:
@@ -317,16 +311,10 @@ def run(args: argparse.Namespace) -> int:
 
 def two_tower(args: argparse.Namespace) -> None:
     """A model that is not the DLRM, through the same commands: recship.models:TwoTower."""
-    import json
-    import shutil
-
-    import numpy as np
+    # lazy: keeps `recship demo --help` torch-free
     import torch
 
-    from recship.cli import main as recship
     from recship.export.artifact import open_artifact
-    from recship.serving import PredictClient
-    from recship.serving.server import Server, ServerConfig
 
     _step("Bring your own model: train the two-tower example (recship.models:TwoTower) on 2 ranks, export it, serve it")
     model_args = {"num_users": 2000, "num_items": 5000, "num_countries": 50, "num_categories": 200, "dim": 32}
@@ -334,12 +322,12 @@ def two_tower(args: argparse.Namespace) -> None:
     command = ["train", "--model", "recship.models:TwoTower", "--model-args", json.dumps(model_args), "--out", str(run_dir),
                "--steps", "150", "--nproc-per-node", "2", "--eval-every", "0", "--checkpoint-every", "0", "--overwrite", "--no-progress"]
     print("   recship " + " ".join(command[:4]) + " '" + command[4] + "' " + " ".join(command[5:]))
-    _expect(recship(command) == 0, "trained (its own loss: binary cross-entropy of the towers' dot product)")
+    _expect(cli.main(command) == 0, "trained (its own loss: binary cross-entropy of the towers' dot product)")
     checkpoint = sorted((run_dir / "checkpoints").iterdir())[-1]
     shutil.rmtree(repo, ignore_errors=True)  # starts over each run: the export below is version 1
     export = ["export", str(checkpoint), "--model-repo", str(repo), "--model-name", "two_tower"]
     print("   recship " + " ".join(export))
-    _expect(recship(export) == 0, "exported from the checkpoint alone (it records the entry point and its arguments)")
+    _expect(cli.main(export) == 0, "exported from the checkpoint alone (it records the entry point and its arguments)")
     artifact = repo / "two_tower" / "1"
     model, manifest = open_artifact(artifact)
     print("   features:", [(f.name, f.pooling.lower()) for f in manifest.sparse_features],
@@ -364,10 +352,8 @@ def two_tower(args: argparse.Namespace) -> None:
 
 def _kserve_query(port: int, sparse, dense, want) -> None:
     """The same request through the KServe v2 protocol with tritonclient (a dev dependency)."""
-    import numpy as np
-
     try:
-        import tritonclient.grpc as tg
+        import tritonclient.grpc as tg  # lazy: tritonclient is a dev dependency, absent from a plain install
     except ImportError:
         print("   tritonclient is not installed: KServe v2 query skipped")
         return

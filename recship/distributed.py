@@ -7,11 +7,15 @@ TorchRec code imports these from ``torchrec.distributed.embeddingbag``, ``.embed
 ``.model_parallel``, ``.planner``, ``.planner.types``, ``.types``,
 ``.embedding_types``, ``.shard``, ``.sharding_plan`` and ``torchrec.optim``; in recship they are all
 here (README: "Coming from TorchRec"). The implementations live in
-``recship.trainer`` (training) and ``recship.export`` (inference sharding).
+``recship.trainer`` (training) and ``recship.quantize`` (inference sharding).
 """
 
 from typing import Optional, Sequence, Union
 
+# fbgemm's enums, which TorchRec re-exports in torchrec.distributed.types. recship's lookups always check ids as FATAL
+# does: its training sharders refuse a bounds-check setting, its inference sharders take FUSED_PARAM_BOUNDS_CHECK_MODE
+# and check all the same. CacheAlgorithm goes in a CacheParams, which recship refuses.
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
 import torch
 from torch import nn
 
@@ -29,6 +33,11 @@ from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FU
                                                FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
                                                get_propogate_device, set_propogate_device)
 from recship.names import DataType  # TorchRec's torchrec.distributed.types re-exports it
+# TorchRec's inference sharders (torchrec.distributed.quant_embeddingbag / quant_embedding)
+from recship.quantize.sharded import shard_modules as _shard_quantized
+from recship.quantize.sharders import (InferManagedCollisionCollectionSharder, QuantEmbeddingBagCollectionSharder, QuantEmbeddingCollectionSharder,
+                                       QuantFeatureProcessedEmbeddingBagCollectionSharder, QuantManagedCollisionEmbeddingBagCollectionSharder,
+                                       QuantManagedCollisionEmbeddingCollectionSharder, ShardedQuantEmbeddingBagCollection)
 from recship.trainer.fused_optim import CombinedOptimizer, EmbeddingFusedOptimizer, EmbOptimType, FusedOptimizerConfig
 from recship.trainer.fused_optim import (EmptyFusedOptimizer, FusedOptimizer, FusedOptimizerModule, KeyedOptimizer,
                                         KeyedOptimizerWrapper, OptimizerWrapper, RowWiseAdagrad, apply_optimizer_in_backward)
@@ -102,14 +111,9 @@ def _shard_modules(
     plan: Optional[ShardingPlan] = None,
     sharders: Optional[list] = None,
 ) -> nn.Module:
-    """TorchRec's ``torchrec.distributed.shard._shard_modules``: inference sharding of a quantized model.
-
-    See ``recship.quantize.sharded.shard_modules`` (imported here when called, so that
-    ``import recship`` does not load the export pipeline).
-    """
-    from recship.quantize.sharded import shard_modules
-
-    return shard_modules(module, env=env, device=device, plan=plan, sharders=sharders)
+    """TorchRec's ``torchrec.distributed.shard._shard_modules``: inference sharding of a quantized model
+    (``recship.quantize.sharded.shard_modules``)."""
+    return _shard_quantized(module, env=env, device=device, plan=plan, sharders=sharders)
 
 
 __all__ = [
@@ -155,28 +159,8 @@ __all__ = [
     "FUSED_PARAM_REGISTER_TBE_BOOL", "init_parameters", "get_propogate_device", "DataType", "set_propogate_device",
     "GradientAccumulationConfig", "GradientAccumulationWrapper", "ObjectPoolShardingPlan", "ObjectPoolShardingType",
     "FusedEmbeddingBagCollectionSharder", "ShardedFusedEmbeddingBagCollection",
-    "HybridEvalDMP",
+    "HybridEvalDMP", "BoundsCheckMode", "CacheAlgorithm",
+    "InferManagedCollisionCollectionSharder", "QuantEmbeddingBagCollectionSharder", "QuantEmbeddingCollectionSharder",
+    "QuantFeatureProcessedEmbeddingBagCollectionSharder", "QuantManagedCollisionEmbeddingBagCollectionSharder",
+    "QuantManagedCollisionEmbeddingCollectionSharder", "ShardedQuantEmbeddingBagCollection",
 ]
-
-
-# TorchRec's inference sharders (torchrec.distributed.quant_embeddingbag / quant_embedding), from recship.quantize.sharders
-# when first asked for, so that importing this module does not load the quantized collections
-_INFERENCE_SHARDERS = ("QuantEmbeddingBagCollectionSharder", "QuantEmbeddingCollectionSharder",
-                       "QuantFeatureProcessedEmbeddingBagCollectionSharder", "ShardedQuantEmbeddingBagCollection",
-                       "InferManagedCollisionCollectionSharder", "QuantManagedCollisionEmbeddingCollectionSharder",
-                       "QuantManagedCollisionEmbeddingBagCollectionSharder")
-
-
-def __getattr__(name: str) -> object:
-    if name in ("BoundsCheckMode", "CacheAlgorithm"):  # fbgemm's enums, which TorchRec re-exports in
-        # torchrec.distributed.types (loaded when asked for: fbgemm takes seconds to import). recship's lookups always
-        # check ids as FATAL does: its training sharders refuse a bounds-check setting, its inference sharders take
-        # FUSED_PARAM_BOUNDS_CHECK_MODE and check all the same. CacheAlgorithm goes in a CacheParams, which recship refuses.
-        from fbgemm_gpu import split_table_batched_embeddings_ops_common as common
-
-        return getattr(common, name)
-    if name in _INFERENCE_SHARDERS:
-        from recship.quantize import sharders
-
-        return getattr(sharders, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ def install() -> None:
 
 
 def _patch(torch: ModuleType) -> None:
-    from torch._ops import _OpNamespace
+    from torch._ops import _OpNamespace  # lazy: called once torch is imported; `import recship` loads no torch
 
     namespace = torch.ops.fbgemm  # torch creates the namespace object on first access
     if type(namespace) is _OpNamespace:  # not yet ours (and not a namespace someone else replaced)
@@ -49,6 +49,7 @@ def _namespace_class(base: type) -> type:
                 if op_name.startswith("__") or "fbgemm_gpu" in sys.modules:
                     raise
             try:
+                # lazy: the point of this module, fbgemm_gpu on the first missing operator (`import recship` loads none)
                 import fbgemm_gpu  # noqa: F401 - registers torch.ops.fbgemm.*
             except ImportError as e:
                 raise AttributeError(f"torch.ops.fbgemm.{op_name}: fbgemm_gpu, which registers fbgemm's operators, "

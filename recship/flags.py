@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Dict, Sequence
 
+import yaml
+
 
 class FlagError(Exception):
     """A flag was given a name it does not take; ``main`` prints it as one line and returns 2.
@@ -45,8 +47,6 @@ def parse_mapping(text: str, *, yaml_format: bool = True, holds: str = "settings
     """``text`` (YAML, or JSON) as a mapping; an empty document is {}. ValueError saying what is wrong."""
     try:
         if yaml_format:
-            import yaml
-
             values = yaml.safe_load(text)
         else:
             values = json.loads(text)

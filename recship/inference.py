@@ -37,7 +37,8 @@ from recship.quantize.quantizer import QuantConfig
 from recship.quantize.sharders import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
                                        FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL,
                                        QuantEmbeddingBagCollectionSharder, QuantEmbeddingCollectionSharder,
-                                       QuantFeatureProcessedEmbeddingBagCollectionSharder, default_sharders, shard_quant_model)
+                                       QuantFeatureProcessedEmbeddingBagCollectionSharder, _default_fused_params, default_sharders,
+                                       shard_quant_model)
 from recship.sparse import KeyedJaggedTensor
 from recship.trainer.distributed.types import ModuleSharder
 from recship.modules.embedding_configs import EmbeddingBagConfig
@@ -151,12 +152,10 @@ def sample_batch(sample: Batch, device: Union[str, torch.device]) -> Dict[str, t
 
 
 def __getattr__(name: str) -> Any:
-    """TorchRec's DEFAULT_SHARDERS and DEFAULT_FUSED_PARAMS, built when first asked for (they import fbgemm)."""
+    """TorchRec's DEFAULT_SHARDERS and DEFAULT_FUSED_PARAMS, built anew each time they are asked for."""
     if name == "DEFAULT_SHARDERS":
         return default_sharders()
     if name == "DEFAULT_FUSED_PARAMS":
-        from recship.quantize.sharders import _default_fused_params
-
         fused: Dict[str, Any] = _default_fused_params()
         return fused
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -83,6 +83,7 @@ def _adopt_torch_loggers(fmt: logging.Formatter) -> int:
 
     Only plain StreamHandlers on stderr are changed: torch's file and trace handlers keep their format.
     """
+    # lazy: keeps --help torch-free (the recship command imports this module for its error lines)
     import torch._logging  # noqa: F401  (installs torch's handlers, if torch was not imported yet)
 
     changed = 0

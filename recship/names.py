@@ -74,6 +74,7 @@ class DataType(Enum):
     def to_sparse_type(self):  # -> fbgemm_gpu.split_embedding_configs.SparseType
         """fbgemm's SparseType for this type (imports fbgemm_gpu on first use); ValueError for the types fbgemm has
         no embedding storage for (INT64, INT32, UINT8)."""
+        # lazy: keeps --help, which reads these names, free of torch and fbgemm
         from fbgemm_gpu.split_embedding_configs import SparseType
 
         if self in (DataType.INT64, DataType.INT32, DataType.UINT8):
@@ -95,6 +96,7 @@ class DataType(Enum):
         torch.int8 / qint8 / quint8 -> INT8, quint4x2 -> INT4, quint2x4 -> INT2, and the
         float dtypes as ``from_torch_dtype``; anything else is a ValueError naming it.
         """
+        # lazy: keeps --help, which reads these names, free of torch and fbgemm
         import torch
 
         observers = {torch.int8: DataType.INT8, torch.qint8: DataType.INT8, torch.quint8: DataType.INT8,
@@ -124,6 +126,7 @@ _TABLE_TYPES = (DataType.FP32, DataType.FP16, DataType.BF16, DataType.FP8, DataT
 
 @functools.lru_cache(maxsize=None)
 def _torch_dtypes() -> "dict[DataType, torch.dtype]":
+    # lazy: keeps --help, which reads these names, free of torch and fbgemm
     import torch
 
     return {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
@@ -134,6 +137,7 @@ def data_type_to_dtype(data_type: DataType) -> "torch.dtype":
     """The torch dtype of ``data_type``, as TorchRec's: FP32/FP16/BF16 their float dtypes, INT64/INT32/INT8/UINT8
     the integer dtypes, INT4 torch.quint4x2, INT2 torch.quint2x4, NFP8 torch.float8_e4m3fn. FP8 (fbgemm's row-wise
     HFP8, which TorchRec has not) is a ValueError."""
+    # lazy: keeps --help, which reads these names, free of torch and fbgemm
     import torch
 
     if not isinstance(data_type, DataType):
@@ -147,6 +151,7 @@ def data_type_to_dtype(data_type: DataType) -> "torch.dtype":
 
 @functools.lru_cache(maxsize=None)
 def _other_dtypes() -> "dict[DataType, torch.dtype]":
+    # lazy: keeps --help, which reads these names, free of torch and fbgemm
     import torch
 
     return {DataType.INT64: torch.int64, DataType.INT32: torch.int32, DataType.INT8: torch.int8,
@@ -157,6 +162,7 @@ def _other_dtypes() -> "dict[DataType, torch.dtype]":
 def dtype_to_data_type(dtype: "torch.dtype") -> DataType:
     """The DataType of a torch dtype, as TorchRec's: float32/float16/bfloat16, int64, int32, int8/qint8/quint8 -> INT8,
     uint8, quint4x2 -> INT4, quint2x4 -> INT2, float8_e4m3fn -> NFP8; ValueError for any other dtype."""
+    # lazy: keeps --help, which reads these names, free of torch and fbgemm
     import torch
 
     others = {torch.int64: DataType.INT64, torch.int32: DataType.INT32, torch.uint8: DataType.UINT8,
@@ -189,6 +195,7 @@ def pooling_type_to_str(pooling_type: PoolingType) -> str:
 def pooling_type_to_pooling_mode(pooling_type: PoolingType, sharding_type: Optional["ShardingType"] = None):
     """fbgemm's PoolingMode of ``pooling_type`` (imports fbgemm_gpu). MEAN under row-wise or table-row-wise
     sharding is SUM, as TorchRec's: those shardings divide by the bag size after their all-to-all."""
+    # lazy: keeps --help, which reads these names, free of torch and fbgemm
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import PoolingMode
 
     if not isinstance(pooling_type, PoolingType):

@@ -15,11 +15,14 @@ a chart as a side effect (training's curves, export's table chart) calls ``plot_
 instead: one warning per process, and the run goes on.
 """
 
+import importlib.util
 import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 log = logging.getLogger("recship.plots")
 
@@ -38,6 +41,7 @@ class PlotsUnavailable(ImportError, ValueError):
 def _figure(width: float, height: float) -> Any:
     """A matplotlib Figure of ``width`` x ``height`` inches on its own Agg canvas."""
     try:
+        # lazy: matplotlib is an optional extra (`plots`), absent from a plain install
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as e:
@@ -64,8 +68,6 @@ def _save(fig: Any, path: Union[str, Path]) -> Path:
 def require() -> None:
     """Raises PlotsUnavailable unless matplotlib is installed; finds it without importing it (cheap),
     so a command asked for a chart can refuse before its long work rather than after."""
-    import importlib.util
-
     try:
         found = importlib.util.find_spec("matplotlib") is not None
     except ValueError:  # a module object without a spec in sys.modules
@@ -95,8 +97,6 @@ def plot_or_warn(plot: Callable[..., Path], *args: Any, **kwargs: Any) -> Option
 
 def moving_average(values: Sequence[float], window: int) -> List[float]:
     """The trailing mean of ``values`` over the last ``window`` points (fewer at the start), one per value."""
-    import numpy as np
-
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     total = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])

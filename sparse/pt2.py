@@ -5,6 +5,7 @@ Outside a compilation (eager, TorchScript) each check returns its input untouche
 from typing import List
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, guard_or_true
 
 
 def is_torchdynamo_compiling() -> bool:
@@ -62,7 +63,6 @@ def pt2_guard_or_false(x: bool) -> bool:
     """``x``; while compiling, False where it depends on an unbacked size (``guard_or_false``)."""
     if torch.jit.is_scripting() or not is_pt2_compiling():
         return x
-    from torch.fx.experimental.symbolic_shapes import guard_or_false  # loaded only while compiling
 
     return guard_or_false(x)
 
@@ -71,7 +71,6 @@ def pt2_guard_or_true(x: bool) -> bool:
     """``x``; while compiling, True where it depends on an unbacked size (``guard_or_true``)."""
     if torch.jit.is_scripting() or not is_pt2_compiling():
         return x
-    from torch.fx.experimental.symbolic_shapes import guard_or_true
 
     return guard_or_true(x)
 
