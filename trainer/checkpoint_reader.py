@@ -24,9 +24,11 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Tuple, Typ
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from recship.names import DLRM_ENTRY, EARLIER_DLRM_ENTRY
 from recship.modules.embedding_configs import EmbeddingBagConfig
+from recship.modules.types import DataType, PoolingType
 from recship.trainer.planner.types import ShardingPlan
 
 FORMAT = "recship.checkpoint/1"
@@ -142,8 +144,6 @@ class CheckpointReader:
     def table_configs(self) -> List[Tuple[str, EmbeddingBagConfig]]:
         """(module path, config) of every pooled table; an EmbeddingCollection's sharded tables come with the dense
         state (``dense_state_dict``), whole, as its replicated ones do."""
-        from recship.modules.types import DataType, PoolingType
-
         out = []
         for key, t in self._pooled_tables():
             c = dict(t["config"])
@@ -343,8 +343,6 @@ def _mapped_tensor(
     copy) when it is one chunk whose first element is 4-byte aligned, else copied once from the
     mapped chunks into ``allocate(shape)``; None when its chunks are not plain torch.save records
     (dcp.load reads it then)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
     md = metadata.state_dict_metadata.get(name)
     if not isinstance(md, TensorStorageMetadata) or md.properties.dtype != torch.float32 or tuple(md.size) != shape:
         return None

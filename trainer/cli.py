@@ -15,6 +15,8 @@ from dataclasses import fields
 from typing import Any, Dict, List, Optional, Set
 
 from recship.flags import FlagError, json_object, one_of, parse_with_config
+from recship.logs import configure_logging
+from recship.oserrors import doing, one_line
 from recship.trainer.config import TrainConfig, default_of
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -74,9 +76,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recship.logs import configure_logging
-    from recship.oserrors import doing
-    from recship.trainer.train import launch  # torch, from here on
+    from recship.trainer.train import launch  # lazy: keeps `recship train --help` torch-free
 
     config = config_from_args(args)
     configure_logging(config.log_format)
@@ -118,7 +118,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         return run(parse_with_config(parser, sys.argv[1:] if argv is None else argv))
     except (ValueError, OSError, FlagError) as e:  # as recship.cli says them
-        from recship.oserrors import one_line
-
         print(f"recship train: error: {one_line(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2

@@ -77,7 +77,7 @@ class TrainConfig:
 
     def use_cuda(self) -> bool:
         if self.device == "auto":
-            import torch
+            import torch  # lazy: keeps `recship train --help` torch-free
 
             return torch.cuda.is_available()
         return self.device == "cuda"
@@ -112,7 +112,7 @@ class TrainConfig:
             if f.metadata["choices"] is not None and getattr(self, f.name) is not None:
                 setattr(self, f.name, name_in(getattr(self, f.name), f.metadata["choices"], f.name.replace("_", " ")))
         if self.device == "cuda":
-            import torch
+            import torch  # lazy: keeps `recship train --help` torch-free
 
             if not torch.cuda.is_available():
                 raise ValueError("--device cuda asked for, but torch sees no CUDA device")
@@ -163,6 +163,6 @@ def table_sizes(value: Union[int, List[int]]) -> List[int]:
 
 
 def _is_entry_point(data: str) -> bool:
-    from recship.trainer.data import is_entry_point  # with torch: only a run with --model asks
+    from recship.trainer.data import is_entry_point  # lazy: keeps `recship train --help` torch-free (only --model asks)
 
     return is_entry_point(data)

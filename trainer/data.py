@@ -24,6 +24,7 @@ import torch
 
 from recship.names import CRITEO_NUM_DENSE, CRITEO_NUM_SPARSE
 from recship.sparse import KeyedJaggedTensor
+from recship.trainer.entry_point import load_factory
 
 log = logging.getLogger(__name__)
 
@@ -286,8 +287,6 @@ class DataFunction:
     """
 
     def __init__(self, entry: str, batch_size: int, rank: int, world_size: int, features: List[str], weighted: bool) -> None:
-        from recship.trainer.entry_point import load_factory
-
         self.path = entry
         self._function: Callable[..., Any] = load_factory(entry)
         self._kwargs = {"batch_size": batch_size, "rank": rank, "world_size": world_size}

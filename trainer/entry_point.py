@@ -18,6 +18,13 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
+from recship.sparse import KeyedJaggedTensor
+from recship.trainer.feature_processors import feature_processed_features
+from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
+from recship.trainer.managed_collisions.modules import resized_collection
+
+
 def load_factory(entry: str) -> Callable[..., nn.Module]:
     """The callable named by ``package.module:factory``; ValueError naming what is wrong."""
     module_name, sep, attr = entry.partition(":")
@@ -72,9 +79,6 @@ def describe_model(module: nn.Module, num_dense: Optional[int] = None) -> Dict[s
     "num_dense": int}: features in the order of their collections (first path in ``named_modules`` order)
     and tables.
     """
-    from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-    from recship.trainer.feature_processors import feature_processed_features
-
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
     if len(params) != 2:
@@ -190,11 +194,6 @@ def check_contract(module: nn.Module, contract: Dict[str, Any], batch_size: int 
     column}) names one-logit outputs and columns the labels have. ``labels``: {data: its labels' shape, [B] or
     [B, T]} of the run's data functions (default, and for data without one: [B]).
     """
-    from recship.sparse import KeyedJaggedTensor
-    from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
-    from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
-    from recship.trainer.managed_collisions.modules import resized_collection
-
     name = type(module).__name__
     for path, table in contract["tables"]:
         if table.embedding_dim % 4:

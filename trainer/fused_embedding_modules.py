@@ -26,6 +26,9 @@ import copy
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, Union
 
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 import torch
 from torch import nn
 
@@ -61,8 +64,6 @@ def convert_optimizer_type_and_kwargs(
     ours = _FUSABLE.get(optimizer_type)
     if ours is None:
         return None
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
-
     return FbgemmOptim[ours.name], kwargs
 
 
@@ -92,8 +93,6 @@ def _device(device: Optional[Union[str, torch.device]], location: Any) -> torch.
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"a fused embedding collection holds its tables in fbgemm kernels on cpu or cuda, not {device}")
     if location is not None:
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-
         if location != EmbeddingLocation.HOST and device.type != "cuda":
             raise ValueError(f"location={location} needs device=cuda, got {device}")
     return device
@@ -104,13 +103,6 @@ def _training_kernel(
     device: torch.device, location: Any,
 ) -> Any:  # fbgemm's SplitTableBatchedEmbeddingBagsCodegen (untyped)
     """One fbgemm training kernel over ``tables`` (feature i reads table feature_table_map[i]), tables initialised."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-    )
-
     for t in tables:
         if t.embedding_dim % 4 != 0:
             raise ValueError(f"table {t.name!r}: fbgemm's training kernels take an embedding_dim that is a multiple of 4, "

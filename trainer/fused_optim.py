@@ -24,6 +24,8 @@ from enum import Enum
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.optim import _apply_optimizer_in_backward
 
 from recship.names import EmbOptimType
 from recship.trainer.optimizers import RowWiseAdagrad, TableOptimizer
@@ -245,15 +247,13 @@ class KeyedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         """Copies a ``state_dict()`` of the same parameters into this optimizer's state, in place (TorchRec's)."""
-        from recship.trainer.distributed.sharded_state import copy_state
-
         new_state = state_dict["state"]
         for key, p in self.params.items():
             if p not in self.state or not self.state[p]:
                 continue
             if key not in new_state:
                 raise ValueError(f"optimizer state_dict has no state for parameter {key!r} (it has {sorted(new_state)})")
-            copy_state(self.state[p], new_state[key], key)
+            _copy_state(self.state[p], new_state[key], key)
         if "param_groups" in state_dict:
             key_of = {id(p): k for k, p in self.params.items()}
             given = {"/".join(sorted(g["params"])): g for g in state_dict["param_groups"]}
@@ -278,6 +278,35 @@ def _state_content(state: Mapping[str, Any]) -> Dict[str, Any]:
         else:
             out[key] = value
     return out
+
+
+def _copy_state(dst: Dict[str, Any], src: Dict[str, Any], path: str) -> None:
+    """Copies a fused optimizer's per-parameter state ``src`` into ``dst`` in place (tensors) or by value (the rest)."""
+    for key, current in dst.items():
+        if key not in src:
+            raise ValueError(f"optimizer state {path}: {key!r} is missing from the state_dict (it has {sorted(src)})")
+        new = src[key]
+        if isinstance(current, dict):
+            _copy_state(current, new, f"{path}.{key}")
+        elif not isinstance(current, torch.Tensor) and callable(getattr(current, "load_state_dict", None)):
+            current.load_state_dict(new)  # an object in the state that saves itself (its state_dict() was saved)
+        elif isinstance(current, ShardedTensor):
+            if not isinstance(new, ShardedTensor) or list(new.size()) != list(current.size()):
+                got = list(new.size()) if isinstance(new, (torch.Tensor, ShardedTensor)) else type(new).__name__
+                raise ValueError(f"optimizer state {path}.{key}: expected a ShardedTensor {list(current.size())}, got {got}")
+            given = {tuple(s.metadata.shard_offsets): s.tensor for s in new.local_shards()}
+            with torch.no_grad():
+                for shard in current.local_shards():
+                    src_t = given.get(tuple(shard.metadata.shard_offsets))
+                    if src_t is None or src_t.shape != shard.tensor.shape:
+                        raise ValueError(f"optimizer state {path}.{key}: no matching local shard at {shard.metadata.shard_offsets}")
+                    if src_t.data_ptr() != shard.tensor.data_ptr():
+                        shard.tensor.copy_(src_t)
+        elif isinstance(current, torch.Tensor):
+            with torch.no_grad():
+                current.copy_(new)
+        else:
+            dst[key] = new
 
 
 class FusedOptimizer(KeyedOptimizer, abc.ABC):
@@ -469,8 +498,6 @@ class CombinedOptimizer(KeyedOptimizer):
 def apply_optimizer_in_backward(optimizer_class: Any, params: Any, optimizer_kwargs: Dict[str, Any]) -> None:
     """TorchRec's ``torchrec.optim.apply_optimizer_in_backward``: torch's ``_apply_optimizer_in_backward``, which
     DistributedModelParallel reads to fuse that optimizer into a sharded table's backward."""
-    from torch.distributed.optim import _apply_optimizer_in_backward
-
     _apply_optimizer_in_backward(optimizer_class, params, optimizer_kwargs)
 
 

@@ -18,12 +18,14 @@ As in TorchRec, ``model.module`` is the sharded model itself (no DDP around it) 
 keys the tables' optimizer state by the same names.
 """
 
+import os
 from dataclasses import asdict
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from recship.trainer.distributed.sharded_ebc import ShardedEmbeddingBagCollection
@@ -279,8 +281,6 @@ class DefaultDataParallelWrapper(DataParallelWrapper):
     def wrap(self, dmp: "DistributedModelParallel", env: ShardingEnv, device: torch.device) -> None:
         wrapped = _ddp(dmp, env, device, self._ignore, **self._kwargs)
         if wrapped is not None and self._precision is not None:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
             hook = default_hooks.fp16_compress_hook if self._precision == "fp16" else default_hooks.bf16_compress_hook
             wrapped.register_comm_hook(env.pg, hook)
 
@@ -367,7 +367,5 @@ def init_parameters(module: nn.Module, device: torch.device) -> None:
 
 
 def _local_world_size(world_size: int) -> int:
-    import os
-
     value = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return value if world_size % value == 0 else world_size

@@ -7,6 +7,7 @@ State-dict keys are TorchRec's: ``position_weights.<feature>``.
 """
 
 import abc
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -162,8 +163,6 @@ class PositionWeightedProcessor(BaseGroupedFeatureProcessor):
 
     def state_dict(self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False):  # type: ignore[no-untyped-def, override]
         """``position_weights.<feature>`` for each feature (TorchRec's)."""
-        from collections import OrderedDict
-
         if destination is None:
             destination = OrderedDict()
             destination._metadata = OrderedDict()  # type: ignore[attr-defined]

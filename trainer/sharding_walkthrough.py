@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from recship.names import TRAINING_SHARDING_TYPES
-from recship.sparse import KeyedJaggedTensor
+from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.trainer.distributed import ShardedEmbeddingBagCollection
 from recship.trainer.distributed.types import ShardingEnv
 from recship.modules.embedding_configs import EmbeddingBagConfig
@@ -73,8 +73,6 @@ def _rank_main(rank: int, port: int, queue) -> None:
 
 
 def _slice(jt, rank):
-    from recship.sparse import JaggedTensor
-
     lo, hi = 2 * rank, 2 * rank + 2
     o = jt.offsets()
     return JaggedTensor(values=jt.values()[int(o[lo]) : int(o[hi])], lengths=jt.lengths()[lo:hi])

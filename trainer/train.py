@@ -27,14 +27,19 @@ from typing import Any, Dict, Generator, Iterable, Iterator, List, Optional, Tup
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recship.cpus import usable_cpus
+from recship.logs import configure_logging
 from recship.names import DLRM_ENTRY
 from recship.oserrors import carried, carry
-from recship.trainer.checkpoint import load_checkpoint, save_checkpoint
-from recship.trainer.checkpoint_reader import complete_checkpoints, latest_checkpoint, read_metadata
-from recship.trainer.config import TrainConfig
+from recship.plots import plot_or_warn, plot_training_curves
+from recship.trainer.checkpoint import _sharded_modules, load_checkpoint, save_checkpoint
+from recship.trainer.checkpoint_reader import CheckpointReader, _dcp_shapes, complete_checkpoints, latest_checkpoint, read_metadata
+from recship.trainer.config import DLRM_SHAPE, RECORDED, TrainConfig, changed_fields
 from recship.trainer.data import Batch, CriteoTSV, DataFunction, SyntheticConfig, SyntheticCriteo, is_entry_point, prefetch
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
 from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -191,8 +196,6 @@ class _Trainer:
 
     def _non_finite_weights(self) -> Optional[str]:
         """What of this rank's weights holds a NaN or an inf (its table shards, then the dense parameters), or None."""
-        from recship.trainer.checkpoint import _sharded_modules
-
         for path, module in _sharded_modules(self.model):
             for (table, _), weight in module.local_shards().items():
                 if not bool(torch.isfinite(weight).all()):
@@ -247,7 +250,6 @@ class _Trainer:
         """Draws OUT/curves.png from the run's whole history (rank 0); None with --no-plot or without matplotlib."""
         if not self.config.plot:
             return None
-        from recship.plots import plot_or_warn, plot_training_curves
 
         out = Path(self.config.out)
         return plot_or_warn(plot_training_curves, out / "curves.png", history.steps, history.loss_values, history.evals,
@@ -369,7 +371,6 @@ class _NoBar:
 def _progress(total: int, initial: int, enabled: bool):
     if not enabled or not sys.stderr.isatty():  # a bar on a terminal only: in a log file it is noise
         return _NoBar()
-    from tqdm import tqdm
 
     return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
 
@@ -378,7 +379,6 @@ def _logging_above(bar: Any) -> Any:
     """While a tqdm bar shows, the console log handlers write through tqdm.write (above the bar)."""
     if isinstance(bar, _NoBar):
         return nullcontext()
-    from tqdm.contrib.logging import logging_redirect_tqdm
 
     return logging_redirect_tqdm()
 
@@ -404,7 +404,6 @@ def train(config: TrainConfig) -> Dict[str, Any]:
 def _rank_entry(rank: int, world_size: int, port: int, config: TrainConfig, out: str) -> None:
     """One local rank; spawned ranks are separate processes, a single rank runs in this one."""
     if world_size > 1:  # a spawned process: its log lines look like the parent's
-        from recship.logs import configure_logging
 
         configure_logging(config.log_format)
         os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -466,8 +465,6 @@ def launch(config: TrainConfig, given: Optional[Iterable[str]] = None) -> Dict[s
     if n == 1:
         _rank_entry(0, 1, port, config, config.out)
     else:
-        import torch.multiprocessing as mp
-
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")
         level = spawn_log.level
         spawn_log.setLevel(logging.ERROR)  # not "Terminating process N" on a rank's error: the error says why
@@ -528,9 +525,6 @@ def resumed_config(config: TrainConfig, given: Optional[Iterable[str]] = None) -
     checkpoint (another entry point, a model whose table or dense shapes differ from the saved ones) is a
     ValueError, one line. A checkpoint written before the run's config was recorded gives back its model only.
     """
-    from recship.trainer.checkpoint_reader import read_metadata
-    from recship.trainer.config import DLRM_SHAPE, RECORDED, changed_fields
-
     newest = latest_checkpoint(Path(config.out) / "checkpoints")
     if newest is None:
         return config, None
@@ -593,9 +587,6 @@ def _flag_text(value: Any) -> str:
 def _check_shapes(config: TrainConfig, checkpoint: Path, given: Iterable[str]) -> None:
     """ValueError, one line, if the model ``config`` builds (on meta) has other tables or dense shapes than
     ``checkpoint`` saved: flags that change the model's shape cannot continue it."""
-    from recship.trainer.checkpoint_reader import CheckpointReader, _dcp_shapes
-    from recship.trainer.config import DLRM_SHAPE
-
     flags = ", ".join("--" + k.replace("_", "-") for k in ("model", "model_args", *DLRM_SHAPE) if k in given) or "the flags"
     entry, args = config.entry_point()
     model = build_model(entry, args, device="meta")

@@ -21,13 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 from recship.trainer.distributed.sharded_module import ShardedModule
 from recship.trainer.model_parallel import DistributedModelParallel
 
-
-def _fsdp_class() -> Optional[type]:
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # a torch build without distributed FSDP
-        return None
-    return FullyShardedDataParallel
+try:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+except ImportError:  # a torch build without distributed FSDP: no such wrapper to take off
+    FullyShardedDataParallel = None  # type: ignore[assignment, misc]
 
 
 def get_module(module: nn.Module) -> nn.Module:
@@ -40,11 +37,10 @@ def get_module(module: nn.Module) -> nn.Module:
 
 def get_unwrapped_module(module: nn.Module) -> nn.Module:
     """``module`` without any DistributedModelParallel, DistributedDataParallel or FullyShardedDataParallel wrapper."""
-    fsdp = _fsdp_class()
     while True:
         if isinstance(module, DistributedModelParallel):
             module = module._dmp_wrapped_module
-        elif fsdp is not None and isinstance(module, fsdp):
+        elif FullyShardedDataParallel is not None and isinstance(module, FullyShardedDataParallel):
             module = module._fsdp_wrapped_module  # type: ignore[assignment]
         elif isinstance(module, DistributedDataParallel):
             module = module.module  # type: ignore[assignment]  # DDP's module is typed loosely

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from recship.trainer.distributed.types import LazyAwaitable
+from recship.sparse import KeyedJaggedTensor
 
 W = TypeVar("W")
 KT = TypeVar("KT")
@@ -309,8 +310,6 @@ def get_ec_index_dedup() -> bool:
 def pad_vbe_kjt_lengths(features: Any) -> Any:
     """A variable-batch KeyedJaggedTensor with every key's lengths padded by zeros to the largest batch (its stride),
     so that it is an ordinary KJT of batch ``max(stride_per_key())``; the values and weights are unchanged."""
-    from recship.sparse import KeyedJaggedTensor
-
     strides = features.stride_per_key()
     stride = max(strides) if strides else 0
     lengths = features.lengths()

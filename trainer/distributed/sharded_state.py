@@ -172,32 +172,3 @@ def copy_into_shards(
                 w.copy_(value[r0 : r0 + rows, c0 : c0 + cols])
         else:
             raise TypeError(f"{name}: expected a ShardedTensor or a tensor, got {type(value).__name__}")
-
-
-def copy_state(dst: Dict[str, Any], src: Dict[str, Any], path: str) -> None:
-    """Copies a fused optimizer's per-parameter state ``src`` into ``dst`` in place (tensors) or by value (the rest)."""
-    for key, current in dst.items():
-        if key not in src:
-            raise ValueError(f"optimizer state {path}: {key!r} is missing from the state_dict (it has {sorted(src)})")
-        new = src[key]
-        if isinstance(current, dict):
-            copy_state(current, new, f"{path}.{key}")
-        elif not isinstance(current, torch.Tensor) and callable(getattr(current, "load_state_dict", None)):
-            current.load_state_dict(new)  # an object in the state that saves itself (its state_dict() was saved)
-        elif isinstance(current, ShardedTensor):
-            if not isinstance(new, ShardedTensor) or list(new.size()) != list(current.size()):
-                got = list(new.size()) if isinstance(new, (torch.Tensor, ShardedTensor)) else type(new).__name__
-                raise ValueError(f"optimizer state {path}.{key}: expected a ShardedTensor {list(current.size())}, got {got}")
-            given = {tuple(s.metadata.shard_offsets): s.tensor for s in new.local_shards()}
-            with torch.no_grad():
-                for shard in current.local_shards():
-                    src_t = given.get(tuple(shard.metadata.shard_offsets))
-                    if src_t is None or src_t.shape != shard.tensor.shape:
-                        raise ValueError(f"optimizer state {path}.{key}: no matching local shard at {shard.metadata.shard_offsets}")
-                    if src_t.data_ptr() != shard.tensor.data_ptr():
-                        shard.tensor.copy_(src_t)
-        elif isinstance(current, torch.Tensor):
-            with torch.no_grad():
-                current.copy_(new)
-        else:
-            dst[key] = new

@@ -17,6 +17,9 @@ ShardedEmbeddingBagCollection (pooled, ``sharded_ebc``) and ShardedEmbeddingColl
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation, PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen, WeightDecayMode
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -103,18 +106,6 @@ def _make_tbe(
 ) -> Any:  # fbgemm's SplitTableBatchedEmbeddingBagsCodegen (untyped)
     """One training TBE over ``shards`` = [(table, shard, rows, cols)]; SUM pooling, or none (``pooled=False``:
     [ids, cols] rows, every shard of one width)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType as FbgemmOptim
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
-        BoundsCheckMode,
-        EmbeddingLocation,
-        PoolingMode,
-    )
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice,
-        SplitTableBatchedEmbeddingBagsCodegen,
-        WeightDecayMode,
-    )
-
     if device.type == "cuda":
         location, compute = EmbeddingLocation.DEVICE, ComputeDevice.CUDA
     else:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
+from recship.names import TRAINING_SHARDING_TYPES
+
 W = TypeVar("W")
 M = TypeVar("M", bound=nn.Module)
 
@@ -166,8 +168,6 @@ class ModuleSharder(abc.ABC, Generic[M]):
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         """Names of the sharding types this sharder can produce on ``compute_device_type``."""
-        from recship.names import TRAINING_SHARDING_TYPES
-
         return [st.value for st in TRAINING_SHARDING_TYPES]
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:

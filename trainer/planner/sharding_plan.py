@@ -14,9 +14,11 @@ planner's plan of the same types and ranks are equal.
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from recship.names import EmbeddingComputeKernel, ShardingType
+from recship.trainer.distributed.sharders import get_default_sharders
 from recship.trainer.planner.planner import column_block_count, column_blocks, host_ranks, row_blocks
 from recship.trainer.planner.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardMetadata, _member
 
@@ -177,8 +179,6 @@ def construct_module_sharding_plan(module: nn.Module, per_param_sharding: Dict[s
     """``module``'s plan (table -> ParameterSharding, an ``EmbeddingModuleShardingPlan`` as in TorchRec): each table's
     generator called with its weight. ``world_size`` defaults to the process group's, ``local_size`` to the world's,
     ``device_type`` to cuda where torch sees one."""
-    import torch.distributed as dist
-
     _check_sharder(module, sharder)
     tables = _tables(module)
     unknown, missing = sorted(set(per_param_sharding) - set(tables)), sorted(set(tables) - set(per_param_sharding))
@@ -206,8 +206,6 @@ def get_sharding_constructor_from_type(sharding_type: ShardingType) -> Callable[
 
 def get_module_to_default_sharders() -> Dict[type, Any]:
     """Module type -> its default sharder (``get_default_sharders()`` keyed by ``module_type``)."""
-    from recship.trainer.distributed.sharders import get_default_sharders
-
     return {sharder.module_type: sharder for sharder in get_default_sharders()}
 
 

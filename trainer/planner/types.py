@@ -14,6 +14,9 @@ from enum import Enum, unique
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Type, TypeVar, Union
 
+from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
 from recship.names import DEVICES, EmbeddingComputeKernel, ShardingType
 from recship.trainer.planner.constants import (BWD_COMPUTE_MULTIPLIER, CROSS_NODE_BANDWIDTH, DDR_CAP, DDR_MEM_BW, HBM_CAP,
                                               HBM_MEM_BW, HBM_TO_DDR_MEM_BW, INTRA_NODE_BANDWIDTH, SSD_CAP, SSD_MEM_BW,
@@ -217,9 +220,6 @@ def _get_sharding_spec(self: ParameterSharding) -> Optional[Any]:
     placement "rank:<r>/<device>"), or None for data-parallel replicas."""
     if self.sharding_type == ShardingType.DATA_PARALLEL:
         return None
-    from torch.distributed._shard.metadata import ShardMetadata as TorchShardMetadata
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-
     return EnumerableShardingSpec([
         TorchShardMetadata(shard_offsets=list(s.shard_offsets), shard_sizes=list(s.shard_sizes), placement=s.placement)
         for s in self.shards
