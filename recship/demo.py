@@ -22,7 +22,7 @@ import numpy as np
 from recship import cli
 from recship.native import NativeError, find, packaged, runtime_env
 from recship.serving import PredictClient
-from recship.serving.server import Server, ServerConfig
+from recship.serving.settings import ServerConfig
 
 # torch and the modules that import it are imported inside the functions that run: `recship demo --help` needs none
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ def _compare_formats(path: str, manifest) -> None:
     import torch
 
     from recship.export.artifact import open_artifact
+    from recship.serving.server import Server
 
     compiled, _ = open_artifact(path, format="aoti")
     scripted, _ = open_artifact(path, format="torchscript")
@@ -110,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from recship.export import ExportConfig, export_model
     from recship.export.artifact import open_artifact
     from recship.quantize import QuantConfig, quantize_embedding_bag_collection
+    from recship.serving.server import Server
     from recship.trainer import sharding_walkthrough
     from recship.trainer.checkpoint_reader import CheckpointReader
     from recship.trainer.train import TrainConfig, launch

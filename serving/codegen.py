@@ -19,6 +19,10 @@ import tempfile
 from pathlib import Path
 from typing import List
 
+import grpc_tools
+from google.protobuf import descriptor_pb2
+from grpc_tools import protoc
+
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
 PACKAGE = "recship/serving/v1"  # the protos' package path; it maps onto serving/v1/
@@ -29,9 +33,6 @@ OUT = ROOT / "serving" / "v1"
 
 def generate(out: Path = OUT) -> List[Path]:
     """Compiles every .proto under protos/recship/serving/v1 into ``out``; returns the written files."""
-    import grpc_tools
-    from grpc_tools import protoc
-
     protos = sorted((PROTO_ROOT / PACKAGE).glob("*.proto"))
     if not protos:
         raise FileNotFoundError(f"no .proto files under {PROTO_ROOT / PACKAGE}")
@@ -60,8 +61,6 @@ def generate(out: Path = OUT) -> List[Path]:
 
 def _descriptor_module(protoc, include: Path, tmp: Path, out: Path) -> Path:
     """protos/inference/grpc_service.proto -> out/kserve_descriptor.py (its serialized FileDescriptorProto)."""
-    from google.protobuf import descriptor_pb2
-
     dump = tmp / "kserve.pb"
     if protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"-I{include}", f"--descriptor_set_out={dump}", KSERVE]) != 0:
         raise RuntimeError(f"protoc failed on {PROTO_ROOT / KSERVE}")

@@ -25,10 +25,18 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
+import grpc
+from prometheus_client.utils import floatToGoString
+
+from recship.export.aoti import process_folder
+from recship.native import NativeError, find, packaged, runtime_env
 from recship.serving import rules
+from recship.serving.grpc_status import CODES
+from recship.serving.inference import ErrorKind, SampledLog
+from recship.serving.metrics import ModelStats
+from recship.serving.settings import ModelSettings
 
 if TYPE_CHECKING:
-    from recship.serving.metrics import ModelStats
     from recship.serving.repository import ServedVersion
 
 log = logging.getLogger("recship.serving")
@@ -43,8 +51,6 @@ class FrontError(RuntimeError):
 def build_front() -> Path:
     """Returns ``recship_front``: the one installed with recship (a wheel built with RECSHIP_BUILD_CPP), else built
     (incrementally) from the source checkout (recship.native.find); FrontError where neither can be had here."""
-    from recship.native import NativeError, find, packaged
-
     if packaged("recship_front") is None:
         log.info("building the C++ front (cmake, incremental: minutes the first time, seconds after)")
     try:
@@ -60,11 +66,6 @@ def front_tables() -> Dict[str, Any]:
     """What the C++ front counts and says as the Python server does, sent to it at start (``--tables``; the front has
     no copy of its own, cpp_loader/tools/front/tables.h): the serving rules' (``rules.py``) histogram buckets, sampled
     log, and the refusals it makes itself with the gRPC code and status name of each (``grpc_status.py``)."""
-    import grpc
-
-    from recship.serving.grpc_status import CODES
-    from recship.serving.inference import ErrorKind, SampledLog
-
     def refusal(key: str) -> Dict[str, Any]:
         kind = ErrorKind[rules.REFUSALS[key].kind]
         return {"code": CODES[kind].value[0], "status": kind.label, "message": rules.REFUSALS[key].message}
@@ -87,8 +88,6 @@ class CppFront:
         self.binary = binary = binary or build_front()
         self._on_exit = on_exit
         self._stopping = False
-        from recship.serving.settings import ModelSettings
-
         # the server's settings by ServerConfig's field names, as a model's own go in its load command
         settings = {**ModelSettings.defaults(config).front_settings(),
                     "max_message_bytes": config.max_message_bytes, "max_inflight_bytes": config.max_inflight_bytes}
@@ -99,9 +98,6 @@ class CppFront:
             if config.tls_client_ca is not None:
                 args += ["--tls-client-ca", config.tls_client_ca]
         self._lock = threading.Lock()
-        from recship.export.aoti import process_folder
-        from recship.native import runtime_env
-
         # the front's temp folder (TMPDIR: torch's AOTI loader extracts each model.pt2 there), inside this
         # process's own: removed once the front has exited, however it ended, and with this process's folder
         self.folder = Path(tempfile.mkdtemp(prefix="front-", dir=process_folder()))
@@ -207,8 +203,6 @@ class CppFront:
 
     def model_stats(self) -> Dict[Tuple[str, str], "ModelStats"]:
         """The front's Triton statistics by (model, version) (serving/metrics.py ModelStats)."""
-        from recship.serving.metrics import ModelStats
-
         out = {}
         for m in self.stats()["models"]:
             if m["model"] == rules.UNROUTED:  # requests that reached no version: in no version's statistics
@@ -220,8 +214,6 @@ class CppFront:
 
     def samples(self) -> Dict[str, List[Tuple[str, Dict[str, str], float]]]:
         """The front's counts as Prometheus samples by family name (serving/metrics.py's families)."""
-        from prometheus_client.utils import floatToGoString
-
         stats = self.stats()
         out: Dict[str, List[Tuple[str, Dict[str, str], float]]] = {}
         for r in stats["requests"]:

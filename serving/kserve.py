@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from recship import __version__
 from recship.export.artifact import Manifest
 from recship.serving.inference import Inference, Outcome
 from recship.serving.metrics import Metrics
@@ -183,8 +184,6 @@ def model_metadata(served: ServedVersion, versions: Optional[List[int]] = None) 
 
 
 def server_metadata() -> dict:
-    from recship import __version__
-
     # Triton's extension names, only those implemented; REST adds binary_tensor_data (serving/rest.py)
     return {"name": "recship", "version": __version__, "extensions": ["model_repository", "model_configuration", "statistics"]}
 

@@ -30,8 +30,10 @@ was serving keeps its versions and last good settings until the file is fixed.
 """
 
 import copy
+import ctypes
 import dataclasses
 import functools
+import gc
 import hashlib
 import logging
 import stat
@@ -155,8 +157,6 @@ def _retire(versions: List[ServedVersion]) -> None:
 def release_memory() -> None:
     """Collects garbage now and returns free heap to the OS (glibc ``malloc_trim``): glibc keeps what a
     thread freed in that thread's arena, so without it a replaced model's heap stays in RSS."""
-    import gc
-
     gc.collect()
     trim = _malloc_trim()
     if trim is not None:
@@ -165,8 +165,6 @@ def release_memory() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _malloc_trim() -> Optional[Callable[[int], int]]:
-    import ctypes
-
     try:
         return ctypes.CDLL("libc.so.6").malloc_trim  # type: ignore[no-any-return]
     except (OSError, AttributeError):  # not glibc

@@ -2,6 +2,7 @@
 
     recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port 9100] [--http-port 8000]
 
+(the command's flags and its process: ``serving/cli.py``)
 One gRPC port answers recship's Predictor (``serving/predictor.py``), KServe v2 (``serving/kserve_grpc.py``, its codec ``serving/kserve.py``),
 ``grpc.health.v1`` and, unless ``--no-reflection``, server reflection; ``--http-port``
 adds KServe v2 over HTTP (``serving/rest.py``, aiohttp on the same event loop) and
@@ -16,34 +17,36 @@ and answers every request; each served model version has one batcher thread that
 the forwards; the repository's watcher thread loads versions.
 """
 
-import argparse
 import asyncio
-import atexit
 import dataclasses
 import errno
 import functools
 import logging
 import os
 import shutil
-import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
+from typing import Callable, Optional
 
-from recship.logs import configure_logging
-from recship.names import LOG_FORMATS
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from recship.export.aoti import process_folder, remove_abandoned
 from recship.oserrors import doing
-from recship.serving.settings import SERVER_FIELDS, ServerConfig, flag_of, megabytes
+from recship.serving import kserve_grpc, predictor
+from recship.serving.front import CppFront, FrontMirror
+from recship.serving.inference import Inference
+from recship.serving.metrics import Metrics
+from recship.serving.repository import ModelRepository
+from recship.serving.rest import RestFront
+from recship.serving.settings import ServerConfig
 
-if TYPE_CHECKING:
-    from recship.serving.front import CppFront
-
-# `recship serve --config FILE` takes every flag from a YAML/JSON file, flags on the command line winning
-# (recship/flags.py applies it); this module imports grpc and torch only once a server starts, so --help is quick.
 
 log = logging.getLogger("recship.serving")
 
@@ -51,20 +54,14 @@ class Server:
     """A running server (its asyncio loop on a thread of its own); ``stop()`` drains in-flight requests."""
 
     def __init__(self, config: ServerConfig) -> None:
-        import torch
-
-        from recship.serving.metrics import Metrics
-
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device")
         self.config = config
         self.rest = None
-        self.front: Optional["CppFront"] = None  # the C++ front (config.front == "cpp")
+        self.front: Optional[CppFront] = None  # the C++ front (config.front == "cpp")
         self._backend_dir: Optional[str] = None
         self._backend = ""  # the address this process listens on behind the front
         self._stopping = threading.Event()
-        from recship.export.aoti import remove_abandoned
-
         remove_abandoned()  # what SIGKILLed servers left in the temp folder (extracted model.pt2, the front's files)
         self._front_started, self._front_pause = time.monotonic(), 1.0
         self.metrics = Metrics()
@@ -90,15 +87,6 @@ class Server:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _start(self) -> None:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-        from grpc_health.v1.health import aio as health_aio
-        from grpc_reflection.v1alpha import reflection
-
-        from recship.serving import kserve_grpc, predictor
-        from recship.serving.inference import Inference
-        from recship.serving.repository import ModelRepository
-
         config = self.config
         self.health = health_aio.HealthServicer()
         loop = self._loop
@@ -138,13 +126,11 @@ class Server:
             reflection.enable_server_reflection(names + [reflection.SERVICE_NAME], self.grpc)
         address = f"{config.host}:{config.port}"
         if config.front == "cpp":  # the front takes the public port; this server listens behind it, privately
-            from recship.export.aoti import process_folder  # (removed at exit; a dead server's by the next one)
 
             self._backend_dir = tempfile.mkdtemp(prefix="sock-", dir=process_folder())
             address = f"unix:{self._backend_dir}/backend.sock"
             self.grpc.add_insecure_port(address)
             await self.grpc.start()
-            from recship.serving.front import CppFront, FrontMirror
 
             self._backend = address
             front = await loop.run_in_executor(None, functools.partial(CppFront, config, address, on_exit=self._front_exited))
@@ -163,7 +149,6 @@ class Server:
         if self.front is None:
             await self.grpc.start()
         if config.http_port is not None:
-            from recship.serving.rest import RestFront
 
             self.rest = RestFront(self.inference)
             try:
@@ -176,7 +161,6 @@ class Server:
     def _front_exited(self, code: int) -> None:
         """The C++ front died (a crash: it never exits unasked): start a new one on the same port, after a pause
         that grows while it keeps dying young (1 s, 2 s, ... 30 s), so a front that cannot run does not spin."""
-        from recship.serving.front import CppFront, FrontMirror
 
         assert self.front is not None  # only a started front calls this
         self._front_binary = self.front.binary
@@ -281,76 +265,3 @@ def _add_port(add: Callable[[], int], host: str, port: int) -> int:
     if bound == 0:
         raise _cannot_listen(host, port)
     return bound
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``recship serve``'s flags: ServerConfig's fields (serving/settings.py), with --config and --log-format."""
-    parser.add_argument("--config", help="YAML or JSON file of these flags (keys as the flags, `max-batch-size` or "
-                                         "`max_batch_size`); flags given on the command line override it (default: none)")
-    for f in SERVER_FIELDS.values():
-        if not f.metadata["help"]:
-            continue  # a setting of the Python API only
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        kw: Dict[str, Any] = {}
-        said = ""
-        if default is dataclasses.MISSING:
-            kw["required"] = True
-            said = "required"
-        elif isinstance(default, bool):
-            kw.update(action=argparse.BooleanOptionalAction, default=default)
-            said = "default on" if default else "default off"
-        elif isinstance(default, list):
-            kw.update(action="append", default=[], metavar="NAME")
-        elif f.metadata["megabytes_below"]:
-            kw.update(type=float, default=default / 2**20, metavar="MB")
-            said = f"default {default / 2**20:g} MB"
-        else:
-            check = f.metadata["range"]
-            kw.update(default=default, type=str if check is None else int if check.integer else float)
-            if f.metadata["choices"] is not None:
-                kw["choices"] = list(f.metadata["choices"])
-            said = f"default {default:g}" if isinstance(default, float) else f"default {default}"
-        if f.metadata["default_text"]:
-            said = f"default: {f.metadata['default_text']}"
-        parser.add_argument(flag_of(f), help=f"{f.metadata['help']} ({said})", **kw)
-    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
-                        help="text: time, level, logger and message; json: one JSON object per line, for log collectors "
-                             "(the deploy/ manifests pass it) (default text, as every recship command)")
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The ServerConfig of parsed ``recship serve`` arguments (a --config file's values are already in them)."""
-    values: Dict[str, Any] = {}
-    for f in SERVER_FIELDS.values():
-        if f.metadata["help"]:
-            value = getattr(args, flag_of(f)[2:].replace("-", "_"))
-            if f.metadata["megabytes_below"]:
-                value = megabytes(flag_of(f), value, below=f.metadata["megabytes_below"])
-            values[f.name] = list(value) if isinstance(value, list) else value
-    return ServerConfig(**values)
-
-
-def run(args: argparse.Namespace) -> int:
-    configure_logging(args.log_format)
-    server = Server(config_from_args(args))  # a port in use, an unreadable file: recship.cli says the OSError in one line
-    done, stopping = threading.Event(), threading.Event()
-
-    def shutdown(signum, frame):
-        log.info("signal %d: draining and stopping", signum)
-        if not stopping.is_set():  # a second signal changes nothing: the drain goes on
-            stopping.set()
-            threading.Thread(target=lambda: (server.stop(drain_delay=server.config.drain_delay_s), done.set()), daemon=True).start()
-
-    signal.signal(signal.SIGTERM, shutdown)
-    signal.signal(signal.SIGINT, shutdown)
-    rest = f", KServe REST on {args.host}:{server.rest.port}" if server.rest else ""
-    print(f"recship serve: listening on {args.host}:{server.port}{rest}", flush=True)
-    done.wait()
-    # Stopped: every listener closed, the front gone, the temp folders removed. The interpreter's own teardown
-    # (torch's and gRPC's destructors, module by module) took 1 to 3 s more, past what --drain-delay promises:
-    # the process ends here, its exit handlers run (the temp folder's removal) and its logs and output flushed.
-    atexit._run_exitfuncs()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

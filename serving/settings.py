@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
+from recship.cpus import usable_cpus
 from recship.flags import parse_mapping
 from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
 from recship.oserrors import doing
@@ -365,8 +366,6 @@ def default_torch_threads() -> int:
     on a 64-core node gets 2, not 63). On 2 CPUs that split would halve the forward
     (bench/serve_bench.py measures a 512-example forward with 1 thread and with 2).
     """
-    from recship.cpus import usable_cpus
-
     cores = usable_cpus()
     return cores - 1 if cores > 2 else cores
 

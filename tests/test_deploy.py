@@ -31,7 +31,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 import yaml
 
-from recship.serving.server import Server, add_arguments, config_from_args
+from recship.serving.cli import add_arguments, config_from_args
+from recship.serving.server import Server
 
 from model_requests import model_repo
 
@@ -92,7 +93,7 @@ class Running:
 
     def __init__(self, args: argparse.Namespace, repo: Path) -> None:
         self.args = args
-        self.server = Server(dataclasses.replace(  # the mapping recship.serving.server.run uses
+        self.server = Server(dataclasses.replace(  # the mapping recship.serving.cli.run uses
             config_from_args(args), model_repo=str(repo), host="127.0.0.1", port=0,
             metrics_port=None if args.metrics_port is None else 0, metrics_host=None,
             http_port=None if args.http_port is None else 0,
@@ -438,7 +439,7 @@ def test_dockerfile_builds_the_wheel_and_it_installs(tmp_path):
     (wheel,) = wheels.glob("recship-*.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        for needed in ("recship/__init__.py", "recship/cli.py", "recship/serving/server.py", "recship/serving/rest.py",
+        for needed in ("recship/__init__.py", "recship/cli.py", "recship/serving/cli.py", "recship/serving/server.py", "recship/serving/rest.py",
                        "recship/serving/v1/predictor_pb2.py", "recship/serving/v1/predictor_pb2_grpc.py",
                        "recship/serving/v1/kserve_descriptor.py", "recship/serving/v1/serving_rules.py"):
             assert needed in names, f"{needed} is not in {wheel.name}"

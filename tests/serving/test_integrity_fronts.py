@@ -27,7 +27,8 @@ from recship.serving import inference, rest
 from recship.serving.client import PredictClient
 from recship.serving.kserve import message
 from recship.serving.requests import InvalidRequest
-from recship.serving.server import Server, ServerConfig, config_from_args
+from recship.serving.cli import config_from_args
+from recship.serving.server import Server, ServerConfig
 from recship.serving.v1 import predictor_pb2 as pb
 from model_requests import listening_socket, model_repo
 from serving_helpers import front_binary, http_request

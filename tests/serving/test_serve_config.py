@@ -8,7 +8,8 @@ import pytest
 
 from recship.cli import build_parser, subcommand_parser
 from recship.flags import apply_config_file
-from recship.serving.server import ServerConfig, config_from_args
+from recship.serving.cli import config_from_args
+from recship.serving.settings import ServerConfig
 
 
 def _parse(argv, config=None):
