@@ -28,14 +28,19 @@ model; the assert is the backstop). The rows are the quantized module's storage,
 not copied.
 """
 
+import copy
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
+from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeatureProcessedEmbeddingBagCollection
+from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
+from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
 from recship.quantize.tbe import LookupLayout
 from recship.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 from recship.sparse.ids import check_id_dtype, first_out_of_range, out_of_range_message
+
 
 class FlatTBE(nn.Module):
     """One fbgemm inference TBE: its storage as buffers and a direct call of the lookup op.
@@ -315,9 +320,6 @@ class FlatPooledLookup(nn.Module):
     @staticmethod
     def of(module: nn.Module) -> "FlatPooledLookup":
         """The flat lookup of a QuantEmbeddingBagCollection or ShardedQuantEmbeddingBagCollection (rows shared)."""
-        from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
-        from recship.quantize.modules import QuantEmbeddingBagCollection
-
         if isinstance(module, (ShardedQuantEmbeddingBagCollection, QuantEmbeddingBagCollection)):
             return _of_layout(module.lookup_layout())
         raise TypeError(f"FlatPooledLookup.of takes a (sharded) QuantEmbeddingBagCollection, got {type(module).__name__}")
@@ -475,8 +477,6 @@ class FlatEmbeddingCollection(nn.Module):
 
     @staticmethod
     def of(module: nn.Module) -> "FlatEmbeddingCollection":
-        from recship.quantize.modules import QuantEmbeddingCollection
-
         if not isinstance(module, QuantEmbeddingCollection):
             raise TypeError(f"FlatEmbeddingCollection.of takes a QuantEmbeddingCollection, got {type(module).__name__}")
         layout = module.lookup_layout()
@@ -531,12 +531,6 @@ class _UnpooledShard(nn.Module):
 def flatten_collections(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose quantized collections (plain or inference-sharded) are their flat
     twins; everything else is deep-copied, the tables' rows are shared with ``model``."""
-    import copy
-
-    from recship.quantize.feature_processed import FeatureProcessedLookup, QuantFeatureProcessedEmbeddingBagCollection
-    from recship.quantize.sharded import ShardedQuantEmbeddingBagCollection
-    from recship.quantize.modules import QuantEmbeddingBagCollection, QuantEmbeddingCollection
-
     memo: Dict[int, object] = {}
     for m in model.modules():
         if id(m) in memo:

@@ -15,8 +15,10 @@ collection on ``meta`` quantizes to zero rows on the CPU, to be loaded (TorchRec
 import logging
 from typing import Any, Dict, List, Optional, Tuple, Type
 
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 import torch
 from torch import nn
+from torch.ao.quantization import PlaceholderObserver, quantize_dynamic
 
 from recship.contract.tables import split_shard
 from recship.quantize.feature_processed import QuantFeatureProcessedEmbeddingBagCollection
@@ -54,8 +56,6 @@ def quantize_feature(module: nn.Module, inputs: Tuple[Any, ...]) -> Tuple[Any, .
 
 def _qconfig(weight_dtype: torch.dtype, output_dtype: torch.dtype,
              per_table_weight_dtype: Optional[Dict[str, torch.dtype]]) -> QuantConfig:
-    from torch.ao.quantization import PlaceholderObserver
-
     check_output_dtype(output_dtype)
     # min/max rows, as TorchRec's (fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf): not recship's error-minimising
     # INT4/INT2 clipping, so the stored rows are TorchRec's bytes
@@ -86,8 +86,6 @@ def quantize_embeddings(
     Unlike ``recship.quantize.quantize_embeddings`` (which quantizes EmbeddingCollections too, and reports the
     error), EmbeddingCollections are left alone unless ``additional_mapping`` maps them, as TorchRec does.
     """
-    from torch.ao.quantization import quantize_dynamic
-
     qconfig = _qconfig(dtype, output_dtype, per_table_weight_dtype)
     spec: Dict[Type[nn.Module], Any] = {EmbeddingBagCollection: qconfig}
     mapping: Dict[Type[nn.Module], Type[nn.Module]] = {EmbeddingBagCollection: QuantEmbeddingBagCollection}
@@ -182,8 +180,6 @@ def quantize_inference_model(
 def get_table_to_weights_from_tbe(model: nn.Module) -> Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """table name -> (stored rows [rows, row bytes] uint8, scale/bias [rows, 4] uint8 or None) of every fbgemm
     inference TBE in ``model``: views of the rows, as fbgemm's ``split_embedding_weights`` gives them."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
     out: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
     for m in model.modules():
         if isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen):
@@ -195,8 +191,6 @@ def get_table_to_weights_from_tbe(model: nn.Module) -> Dict[str, Tuple[torch.Ten
 def assign_weights_to_tbe(model: nn.Module, table_to_weight: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
     """Copies ``table_to_weight`` (as ``get_table_to_weights_from_tbe`` gives it) into every fbgemm inference TBE of
     ``model``; ValueError names a table of a TBE that it lacks."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
     for m in model.modules():
         if isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen):
             found = [_block_weights(spec[0], current[0], table_to_weight)

@@ -14,8 +14,10 @@ import dataclasses
 import functools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, cast, overload
 
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 import torch
 from torch import nn
+from torch.ao.quantization import QConfig
 
 from recship.quantize.quantizer import (BlockView, HostRows, QuantConfig, QuantizationReport, TableHook, TableLoader, TableReport,
                                         choose_types, quantize_into, require_float32_output)
@@ -75,7 +77,6 @@ class QuantEmbeddingBagCollection(QuantTables):
         host_rows: Optional[HostRows] = None,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
         modes = {PoolingType.SUM: PoolingMode.SUM, PoolingType.MEAN: PoolingMode.MEAN}
         groups = [(modes[p], [t for t in tables if t.pooling == p]) for p in (PoolingType.SUM, PoolingType.MEAN)]
@@ -160,7 +161,6 @@ class QuantEmbeddingCollection(QuantTables):
         host_rows: Optional[HostRows] = None,
     ) -> None:
         super().__init__()
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 
         dims = sorted({t.embedding_dim for t in tables})
         groups = [(PoolingMode.NONE, [t for t in tables if t.embedding_dim == d]) for d in dims]
@@ -425,8 +425,6 @@ def quantize_from_float(cls: Type[QuantModule], module: nn.Module) -> QuantModul
     ``per_table_weight_dtype`` may name tables of other collections; those entries are
     skipped here (an unknown name in ``table_dtypes`` is still an error).
     """
-    from torch.ao.quantization import QConfig
-
     pooled = issubclass(cls, QuantEmbeddingBagCollection)
     float_type = EmbeddingBagCollection if pooled else EmbeddingCollection
     if not isinstance(module, float_type):

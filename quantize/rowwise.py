@@ -5,7 +5,8 @@ and one fp16 bias per row and q in [0, 2^bits - 1]; q values are packed low bits
 first (two per byte for INT4, four for INT2). In the TBE the row is laid out as
 ``[scale fp16 | bias fp16 | packed q]`` (``split_embedding_weights`` returns the
 packed data and the 4-byte scale/bias separately). FP16 and FP32 rows are the
-values themselves; FP8 uses fbgemm's own hfp8 conversion.
+values themselves; FP8 uses fbgemm's own hfp8 conversion. fbgemm's operators
+(``torch.ops.fbgemm.*``) load fbgemm_gpu on first use, as everywhere in recship (recship/fbgemm.py).
 
 The min/max choice (scale = (max - min) / (2^bits - 1), bias = min, both rounded
 to fp16 first) is bit-identical to fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf.
@@ -82,11 +83,7 @@ def _fbgemm_layout(rows: int, dim: int, bits: int) -> bool:
     values at ``bits``: a non-empty chunk whose rows pack into whole, even byte counts (they refuse
     e.g. INT2 at dim 12 or INT4 at dim 3). Their bytes and floats equal this module's
     (tests/quantize/test_rowwise.py)."""
-    if rows == 0 or (dim * bits) % 16:
-        return False
-    import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-
-    return True
+    return rows > 0 and (dim * bits) % 16 == 0
 
 
 def _best_range(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +243,6 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
     if data_type == DataType.FP32:
         return QuantizedRows(w.contiguous().view(torch.uint8), None)
     if data_type == DataType.FP8:
-        import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm)
-
         max_pos = _fp8_max()
         return QuantizedRows(
             torch.ops.fbgemm.FloatToHFP8Quantized(w.contiguous(), FP8_EXPONENT_BITS, FP8_EXPONENT_BIAS, max_pos), None
@@ -298,8 +293,6 @@ def dequantize_rows(rows: QuantizedRows, data_type: DataType, dim: int) -> torch
     if data_type == DataType.FP32:
         return rows.data.contiguous().view(torch.float32)
     if data_type == DataType.FP8:
-        import fbgemm_gpu  # noqa: F401
-
         return torch.ops.fbgemm.HFP8QuantizedToFloat(rows.data.contiguous(), FP8_EXPONENT_BITS, FP8_EXPONENT_BIAS)
     raise ValueError(f"cannot dequantize {data_type.name}")
 

@@ -14,7 +14,8 @@ float summation order. Column blocks get their own per-row scale/bias, so a
 column-wise model differs from the unsharded one by (at most) quantization error.
 """
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union, cast
+import copy
+from typing import Any, Dict, List, Optional, Tuple, Union, cast
 
 import torch
 from torch import nn
@@ -30,11 +31,10 @@ from recship.contract.tables import shard_name
 from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.modules.embedding_modules import get_embedding_names_by_table
 from recship.trainer.planner.planner import bucketize_rows, column_block_count, column_blocks, merge_blocks, row_blocks
+from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
+                                               FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL, ShardingEnv)
 from recship.trainer.planner.types import ParameterSharding, ShardingPlan, ShardingType
 from recship.modules.types import DataType, PoolingType
-
-if TYPE_CHECKING:
-    from recship.trainer.distributed.types import ShardingEnv
 
 torch.fx.wrap(check_ids)  # a single fx node here too (fx.wrap patches per importing module)
 
@@ -141,8 +141,6 @@ class ShardedQuantEmbeddingBagCollection(nn.Module):
         fused_params: Optional[Dict[str, Any]] = None,
         device: Optional[torch.device] = None,
     ) -> None:
-        from recship.trainer.distributed.types import (FUSED_PARAM_BOUNDS_CHECK_MODE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP,
-                                                       FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS, FUSED_PARAM_REGISTER_TBE_BOOL)
 
         super().__init__()
         if not isinstance(module, QuantEmbeddingBagCollection):
@@ -397,10 +395,6 @@ def shard_quant_model(
 
     Returns (the sharded module, {collection path: {table: its shards}}).
     """
-    import copy
-
-    from recship.quantize.modules import QuantEmbeddingBagCollection
-
     if (devices is None) == (shards is None):
         raise ValueError("give exactly one of devices=[...] and shards=N")
     if devices is not None:
@@ -507,8 +501,6 @@ def shard_modules(
             QuantEmbeddingBagCollectionSharder, ...): exactly the collections of their ``module_type`` are sharded,
             each by its sharder.
     """
-    from recship.trainer.distributed.types import ShardingEnv
-
     by_type: Dict[type, Any] = {}
     for sharder in sharders or []:
         if not isinstance(getattr(sharder, "module_type", None), type) or not callable(getattr(sharder, "shard", None)):

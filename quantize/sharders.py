@@ -18,6 +18,7 @@ id against its table before any block sees it, whatever the mode). Any other key
 
 from typing import Any, Dict, Generic, List, Optional, Tuple, Type, TypeVar, Union, cast
 
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 import torch
 from torch import nn
 
@@ -253,8 +254,6 @@ class QuantManagedCollisionEmbeddingBagCollectionSharder(_QuantManagedCollisionS
 # TorchRec's defaults for inference sharding (torchrec.inference.modules); BoundsCheckMode.NONE is TorchRec's value,
 # read as "no check of its own": recship checks ids before the TBEs whatever it says
 def _default_fused_params() -> Dict[str, Any]:
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-
     return {FUSED_PARAM_REGISTER_TBE_BOOL: True, FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: True,
             FUSED_PARAM_BOUNDS_CHECK_MODE: BoundsCheckMode.NONE, FUSED_PARAM_LENGTHS_TO_OFFSETS_LOOKUP: False}
 
@@ -287,8 +286,6 @@ def shard_quant_model(
     one that does not fit at all is a ValueError. ``sharding_device`` (where TorchRec builds the sharded modules
     before moving them) changes nothing here: the shards are built where they run, their rows copied.
     """
-    from recship.trainer.distributed.types import ShardingEnv
-
     if compute_device not in ("cuda", "cpu"):
         raise ValueError(f"shard_quant_model: compute_device must be cuda or cpu, got {compute_device!r}")
     sharders = list(sharders) if sharders else default_sharders()

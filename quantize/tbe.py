@@ -23,6 +23,9 @@ The TBE's own buffers are non-persistent, so state_dict's keys are exactly Torch
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from fbgemm_gpu.split_embedding_configs import SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 import torch
 from torch import nn
 
@@ -210,10 +213,6 @@ class QuantTables(nn.Module):
             converts the result, as TorchRec's collections do with the same ``output_dtype``.
         host_rows: where the TBEs keep their host rows (``HostRows``); None: fbgemm's own zeros.
         """
-        from fbgemm_gpu.split_embedding_configs import SparseType
-        from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
         self.row_alignment = row_alignment if row_alignment is not None else (16 if device.type == "cuda" else 1)
         self._output_dtype = check_output_dtype(output_dtype)
         self._device = torch.device(device)
@@ -379,8 +378,6 @@ class QuantTables(nn.Module):
 
     def _kernels(self) -> List[Any]:
         """``self.tbes`` as the fbgemm TBEs ``_build`` put there (fbgemm is untyped: Any to mypy)."""
-        from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
-
         kernels = []
         for tbe in self.tbes:
             assert isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen), type(tbe)
