@@ -29,14 +29,18 @@ import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import fbgemm_gpu
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from recship.contract.manifest import AotiSpec, Manifest, ModelFields, Versions, file_sha256
 from recship.contract.repository import RepositoryError, exchange, next_version, publish_version
 from recship.contract.tables import PINNED_NAME, TABLES_FILE, TablesSpec, table_name
+from recship.export.aoti import AotiError, load_package
+from recship.export.aoti_compile import AotiPackage, compile_package, compiler_available
 from recship.export.any_model import export_any_model
 from recship.export.artifact import write_sample
 from recship.export.blocks import run_in_blocks
@@ -45,11 +49,11 @@ from recship.export.model import StageError
 from recship.export.tables import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
 from recship.oserrors import doing, label, write_bytes
+from recship.plots import plot_artifact, plot_or_warn
+from recship.modules.embedding_modules import EmbeddingBagCollection, materialize
 from recship.quantize.quantizer import QuantizationReport, TableReport
-from recship.modules.embedding_modules import EmbeddingBagCollection
-
-if TYPE_CHECKING:
-    from recship.export.aoti import AotiPackage
+from recship.trainer.checkpoint_reader import META_FILE, CheckpointError, CheckpointReader, latest_checkpoint
+from recship.trainer.entry_point import build_model
 
 log = logging.getLogger(__name__)  # warnings; recship.logs formats them (text or --log-format json)
 
@@ -66,9 +70,6 @@ def _module_from_checkpoint(
     ``config.model``): (the model, its dense part loaded and its EmbeddingBagCollection tables not,
     the config naming its entry point, the training run's seed, ``load_table(path, table)`` reading
     one float table)."""
-    from recship.trainer.checkpoint_reader import META_FILE, CheckpointError, CheckpointReader, latest_checkpoint
-    from recship.trainer.entry_point import build_model
-
     if not path.exists():
         raise ExportError(f"checkpoint not found: {path}")
     folder = path if path.name == "checkpoints" else path / "checkpoints"  # a run folder (recship train --out), or its checkpoints
@@ -114,7 +115,6 @@ def _module_from_checkpoint(
     for mpath, _ in every_path:
         model.set_submodule(mpath, nn.Module())
     try:
-        from recship.modules.embedding_modules import materialize
 
         materialize(model, "cpu")
         missing, unexpected = model.load_state_dict(reader.dense_state_dict(), strict=False)
@@ -289,8 +289,6 @@ def write_artifact(
         manifest = Manifest.from_fields(fields, output_dims, sample_files, file_sha256(tmp / "model.pt") if program is not None else None,
                                         current_versions(), aoti=aoti_spec, tables=spec, row_block=config.row_block)
         if config.plot is not False:  # into the staging folder: it is published with the rest or not at all
-            from recship.plots import plot_artifact, plot_or_warn
-
             if config.plot:
                 plot_artifact(tmp / TABLES_CHART, manifest.to_dict())
             else:
@@ -321,8 +319,6 @@ def write_artifact(
 
 def current_versions() -> Versions:
     """The releases this process exports with: the manifest's ``versions`` (a loader refuses another torch)."""
-    import fbgemm_gpu
-
     return Versions(torch.__version__, getattr(fbgemm_gpu, "__version__", "unknown"), sys.version.split()[0])
 
 
@@ -343,8 +339,6 @@ def _remove_abandoned(prefix: Path) -> None:
 
 
 def _wants_aoti(config: ExportConfig) -> bool:
-    from recship.export.aoti import compiler_available
-
     if config.format == "torchscript":
         return False
     if config.device != "cpu":
@@ -355,7 +349,6 @@ def _wants_aoti(config: ExportConfig) -> bool:
         if config.progress:
             log.warning("no C++ compiler found (or RECSHIP_AOTI=0): writing model.pt (TorchScript) only, no AOTInductor model.pt2")
         return False
-    import shutil
 
     if not shutil.which(os.environ.get("CXX", "g++")):
         raise ExportError("--format aoti/both needs a C++ compiler (g++ or $CXX) for AOTInductor; none found")
@@ -363,11 +356,9 @@ def _wants_aoti(config: ExportConfig) -> bool:
 
 
 def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: ExportConfig,
-                 script_error: Optional[StageError] = None) -> "AotiPackage":
+                 script_error: Optional[StageError] = None) -> AotiPackage:
     """Compiles ``exported`` into tmp/model.pt2 (without its constants: they go into the tables file).
     ``script_error``: why there is no model.pt, said too if model.pt2 fails (then the model has no program)."""
-    from recship.export.aoti import AotiError, compile_package
-
     num_features = len(fields.sparse_features)
     # a fixed request with every size >= 2 (sizes 0 and 1 would be specialised by torch.export)
     example = (
@@ -385,13 +376,11 @@ def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: E
         raise ExportError(f"{e} (export with --format torchscript to skip model.pt2)") from e
 
 
-def _finish_aoti(package: "AotiPackage", fields: ModelFields, inputs: Dict[str, torch.Tensor], outputs: Dict[str, torch.Tensor],
+def _finish_aoti(package: AotiPackage, fields: ModelFields, inputs: Dict[str, torch.Tensor], outputs: Dict[str, torch.Tensor],
                  tables: TablesSpec, row_block: int, reference: str = "model.pt") -> Tuple[AotiSpec, Dict[str, torch.Tensor]]:
     """Adds the tables spec to model.pt2 (so it pins the tables), checks it on the sample against ``outputs``
     (``reference``'s: model.pt's, or the eager model's when there is no model.pt) and returns the manifest's
     ``aoti`` with the sample outputs to record: model.pt's where there is one, else model.pt2's own."""
-    from recship.export.aoti import AotiError, load_package
-
     pin_pt2(package.path, tables)
     try:
         compiled = load_package(package.path, package.target_isa, package.constants)
@@ -415,8 +404,6 @@ class _Stages:
     def __init__(self, stages: List[str], enabled: bool) -> None:
         self._bar = None
         if enabled and sys.stderr.isatty():  # a bar on a terminal only: in a log file it is noise
-            from tqdm import tqdm
-
             self._bar = tqdm(total=len(stages), desc="export", unit="stage", file=sys.stderr)
         self._started = False
         self.stage = ""  # the stage running: an OSError names it (recship.oserrors)

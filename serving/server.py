@@ -161,7 +161,6 @@ class Server:
     def _front_exited(self, code: int) -> None:
         """The C++ front died (a crash: it never exits unasked): start a new one on the same port, after a pause
         that grows while it keeps dying young (1 s, 2 s, ... 30 s), so a front that cannot run does not spin."""
-
         assert self.front is not None  # only a started front calls this
         self._front_binary = self.front.binary
         now = time.monotonic()
@@ -194,7 +193,6 @@ class Server:
         """Readiness answers 503 (gRPC health NOT_SERVING) at once; the listeners keep serving for ``drain_delay``
         seconds (SIGTERM: --drain-delay, while load balancers take the server out), then stop taking requests and
         let those in flight and queued finish (up to ``grace`` seconds); then unloads."""
-
         self._stopping.set()
 
         async def stop():

@@ -1,0 +1,141 @@
+"""Compiling model.pt2: torch.export of the served module and AOTInductor's package of it (export's side of
+``recship.export.aoti``, which holds what a loader needs: the package format's CPU targets, process folders,
+loading).
+
+The compiled kernels target ``PORTABLE_ISA`` by default (AVX2, FMA), one thread per inductor kernel (see
+``compile_package``), and the package holds no constants: the artifact's tables file has them.
+"""
+
+import io
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from recship.export.aoti import ISA_VECTOR_BITS, PORTABLE_ISA, AotiError, load, quiet
+from recship.oserrors import write_bytes
+from recship.quantize.flat import IdCheck
+from recship.trainer.entry_point import user_files, user_line
+
+
+def compiler_available() -> bool:
+    """Whether ``--format auto`` compiles model.pt2: a C++ compiler for AOTInductor is on PATH
+    (``$CXX`` or g++) and the environment does not say ``RECSHIP_AOTI=0``."""
+    if os.environ.get("RECSHIP_AOTI", "1") == "0":
+        return False
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
+
+
+@dataclass
+class AotiPackage:
+    """What ``compile_package`` built: the file, its dynamic ranges and how long it took."""
+
+    path: Path
+    target_isa: str
+    dynamic: Dict[str, List[int]]  # input dim -> [min, max]
+    compile_seconds: float
+    size_bytes: int
+    # fqn -> tensor of each constant the package takes at load (it was compiled without them)
+    constants: Dict[str, torch.Tensor]
+
+
+@contextmanager
+def _export_mode(module: nn.Module) -> Iterator[None]:
+    """Flat lookups check ids with tensor asserts (not Python errors) while torch.export traces ``module``."""
+    lookups = [m for m in module.modules() if isinstance(m, IdCheck)]
+    saved = [m.asserts for m in lookups]
+    for m in lookups:
+        m.asserts = True
+    try:
+        yield
+    finally:
+        for m, a in zip(lookups, saved):
+            m.asserts = a
+
+
+def compile_package(
+    module: nn.Module,
+    example: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]],
+    num_features: int,
+    path: Path,
+    target_isa: Optional[str] = PORTABLE_ISA,
+    max_batch: int = 1 << 16,
+    max_ids: int = 1 << 30,
+) -> AotiPackage:
+    """torch.export + AOTInductor of ``module``'s forward(dense, lengths, values, weights) into ``path``.
+
+    Args:
+        example: one request (dense [B, num_dense], lengths [F*B] int32, values [N] int64,
+            weights [N] float32 or None); B and N are dynamic in the package (any B in
+            [1, max_batch], N in [0, max_ids]); whether weights are given is fixed.
+        target_isa: -march of the compiled kernels (None: the build machine's, ``native``).
+
+    The package holds no constants (``aot_inductor.package_constants_in_so`` off): the tables and
+    the dense weights go into the artifact's tables file, and ``load_package`` takes them back.
+    """
+    dense, lengths, values, weights = example
+    if dense.shape[0] < 2 or values.shape[0] < 2:
+        raise AotiError("the example request needs a batch of >= 2 and >= 2 ids (sizes 0 and 1 would be specialised)")
+    batch = Dim("batch", min=1, max=max_batch)
+    ids = Dim("ids", min=0, max=max_ids)
+    dynamic = {
+        "dense": {0: batch},
+        "lengths": {0: num_features * batch},
+        "values": {0: ids},
+        "weights": None if weights is None else {0: ids},
+    }
+    start = time.perf_counter()
+    module.eval()
+    try:
+        with _export_mode(module), torch.no_grad(), quiet():
+            program = torch.export.export(module, (dense, lengths, values, weights), dynamic_shapes=dynamic, strict=False)
+    except Exception as e:  # any capture failure ends with its reason, and the line of the user's code it came from
+        where = user_line(e, user_files(module))
+        raise AotiError(f"torch.export failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                        + (f" (at {where})" if where else "")) from e
+    # cpp.threads 1: inductor's own kernels run on one thread, their loops never split across threads. Left at its
+    # default (the exporting machine's torch.get_num_threads()), a parallel reduction keeps one partial result per
+    # thread in an array of that size, indexed by the running thread: a model exported on a 2-core machine wrote
+    # past it and crashed any process that ran it with more intra-op threads (seen: the two-tower at 3 and 4), and
+    # a float reduction's bits depended on the thread count. GEMMs (extern kernels) still use the caller's threads.
+    options: Dict[str, object] = {"aot_inductor.package_constants_in_so": False, "cpp.threads": 1}
+    if target_isa is not None:
+        options["cpp.march"] = target_isa
+        if target_isa in ISA_VECTOR_BITS:
+            options["cpp.simdlen"] = ISA_VECTOR_BITS[target_isa]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # packaged into memory, then written: torch's zip writer aborts the process (std::terminate in a destructor)
+    # when the disk fills under it, where Python's write raises ENOSPC
+    package = io.BytesIO()
+    try:
+        with quiet():
+            torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
+    except OSError:  # the disk's (full, read-only), not the compiler's: said as such
+        raise
+    except Exception as e:
+        raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    write_bytes(path, package.getbuffer(), f"writing {path.name}")
+    built = path
+    seconds = time.perf_counter() - start
+    return AotiPackage(
+        Path(built), target_isa or "native",
+        {"dense.0": [1, max_batch], "lengths.0": [num_features, num_features * max_batch], "values.0": [0, max_ids]},
+        seconds, Path(built).stat().st_size, _needed_constants(Path(built), program),
+    )
+
+
+def _needed_constants(path: Path, program: Any) -> Dict[str, torch.Tensor]:
+    """fqn -> tensor of the constants the compiled package at ``path`` asks for, from the exported program."""
+    available = {**program.state_dict, **program.constants}
+    fqns = load(path).get_constant_fqns()
+    missing = [f for f in fqns if not isinstance(available.get(f), torch.Tensor)]
+    if missing:
+        raise AotiError(f"AOTInductor asks for constants the exported program lacks: {missing[:5]}")
+    return {f: available[f] for f in fqns}
