@@ -45,7 +45,6 @@ def _compare_formats(path: str, manifest) -> None:
     import torch
 
     from recship.export.artifact import open_artifact
-    from recship.serving.server import Server
 
     compiled, _ = open_artifact(path, format="aoti")
     scripted, _ = open_artifact(path, format="torchscript")
@@ -317,6 +316,7 @@ def two_tower(args: argparse.Namespace) -> None:
     import torch
 
     from recship.export.artifact import open_artifact
+    from recship.serving.server import Server
 
     _step("Bring your own model: train the two-tower example (recship.models:TwoTower) on 2 ranks, export it, serve it")
     model_args = {"num_users": 2000, "num_items": 5000, "num_countries": 50, "num_categories": 200, "dim": 32}
