@@ -11,7 +11,10 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from recship.flags import json_object, one_of
+from recship.logs import configure_logging
 from recship.names import DEVICES, EXPORT_DTYPES, EXPORT_FORMATS, INFERENCE_SHARDINGS, LOG_FORMATS, MODEL_NAME
 
 if TYPE_CHECKING:
@@ -105,7 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def export_model(source: str, config: "ExportConfig") -> Dict[str, Any]:
     """recship.export.pipeline.export_model (the stages), imported (with torch) on the first call."""
-    from recship.export.pipeline import export_model as export
+    from recship.export.pipeline import export_model as export  # lazy: `recship export --help` stays torch-free
 
     return export(source, config)
 
@@ -123,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--overwrite does not apply with --model-repo: every export is a new version")
     if not Path(args.checkpoint).exists():  # before torch loads: a mistyped path answers at once
         raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from recship.export.config import ExportConfig  # torch, from here on
-    from recship.logs import configure_logging
+    from recship.export.config import ExportConfig  # lazy: torch, from here on (`recship export --help` stays torch-free)
 
     configure_logging(args.log_format)
     config = ExportConfig(

@@ -7,6 +7,7 @@ import torch
 
 from recship.export.blocks import DEFAULT_ROW_BLOCK
 from recship.names import DEVICES, EXPORT_FORMATS, ID_POLICIES, INFERENCE_SHARDINGS, MODEL_NAME
+from recship.plots import require
 from recship.quantize.quantizer import QuantConfig
 
 
@@ -107,8 +108,6 @@ class ExportConfig:
         if self.error_budget is not None and self.error_budget <= 0:
             raise ExportError(f"error_budget must be > 0, got {self.error_budget}")
         if self.plot is True:  # asked for: refuse now, not after the export's work
-            from recship.plots import require
-
             require()
 
 

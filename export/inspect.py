@@ -13,14 +13,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # imported here: `recship inspect --help` needs none of them (nor torch)
+    # lazy: `recship inspect --help` stays torch-free
     from recship.export.artifact import aoti_runs_here, open_artifact, self_check
     from recship.export.pipeline import report_text
+    from recship.plots import plot_artifact, require
     from recship.trainer.text import text_table
 
     if args.plot:
-        from recship.plots import require
-
         require()  # before the report: a chart that cannot be drawn is the one-line error, not a trailing one
     model, m = open_artifact(args.artifact, check=False, format="auto")
     info, versions = m.model, m.versions
@@ -36,8 +35,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"sharding: {s.num_devices} {s.device} device(s), row alignment {s.row_alignment}, {len(s.shards)} shards")
     print(report_text(m.to_dict()))
     if args.plot:
-        from recship.plots import plot_artifact
-
         print(f"chart: {plot_artifact(args.plot, m.to_dict())}")
     files = (["model.pt"] if m.model_sha256 is not None else []) + (["model.pt2"] if m.aoti is not None else []) \
         + (["tables.bin (every table)"] if m.tables is not None else [])

@@ -46,7 +46,8 @@ def _importer() -> Any:
     """The PackageImporter running the calling code: ``torch_package_importer`` where this module is inside the
     package, else that of the nearest caller loaded from a package (its ``__loader__``)."""
     try:
-        import torch_package_importer  # type: ignore[import-not-found]  # torch.package's name for the running importer
+        # lazy: torch.package's name for the running importer, which exists only inside a package
+        import torch_package_importer  # type: ignore[import-not-found]
 
         return torch_package_importer
     except ImportError:

@@ -13,6 +13,9 @@ from recship.sparse import JaggedTensor, KeyedJaggedTensor
 from recship.sparse.ids import check_id_dtype
 from recship.modules.embedding_configs import EmbeddingBagConfig
 from recship.modules.types import DataType
+from recship.quantize.rowwise import dequantize_rows, quantize_rows
+from recship.trainer.data import CriteoTSV, task_labels
+from recship.trainer.entry_point import load_factory
 
 # a validation request: dense [B, num_dense] float32, its KJT, labels [B] (or [B, T] for T tasks) float32 or None
 Batch = Tuple[torch.Tensor, KeyedJaggedTensor, Optional[torch.Tensor]]
@@ -30,15 +33,11 @@ def eval_batches(
     the data functions ``recship train --data`` takes.
     """
     if Path(eval_data).is_file():
-        from recship.trainer.data import CriteoTSV
-
         if len(names) != CriteoTSV.NUM_SPARSE or num_dense != CriteoTSV.NUM_DENSE:
             raise ExportError(f"--eval-data {eval_data}: a Criteo TSV file feeds models with 13 dense and 26 sparse features; "
                               f"this one has {num_dense} and {len(names)} (give a package.module:function instead)")
         source = ((b.dense, b.sparse, b.labels) for b in CriteoTSV(eval_data, rows, batch, feature_names=names))
     elif ":" in eval_data:
-        from recship.trainer.entry_point import load_factory
-
         data_function: Callable[..., Any] = load_factory(eval_data)  # typed for model factories; this one yields batches
         try:
             source = iter(data_function(batch_size=batch, rank=0, world_size=1))
@@ -59,8 +58,6 @@ def eval_batches(
             raise ExportError(f"--eval-data {eval_data}: the model's features are {'weighted' if weighted else 'unweighted'}; "
                               "the batches' are not")
         if labels is not None:
-            from recship.trainer.data import task_labels
-
             try:
                 labels = task_labels(labels, dense.shape[0], f"--eval-data {eval_data}")
             except ValueError as e:
@@ -93,8 +90,6 @@ def quantized_pooled_lookup(weight: torch.Tensor, jt: JaggedTensor, t: Embedding
     block (col_offset, cols) quantized and dequantized as its shard stores it, then pooled as
     ``pooled_lookup`` does. The exported model must agree with it up to float rounding, whatever its
     sharding and kernels."""
-    from recship.quantize.rowwise import dequantize_rows, quantize_rows
-
     check_id_dtype(jt.values(), "feature lookup")
     ids = jt.values().to(torch.int64)
     unique, inverse = torch.unique(ids, return_inverse=True)
