@@ -2,7 +2,8 @@
 module imports a layer above its own (docs/architecture.md, "Layout" and "Architecture", names the order).
 
 Imports under ``if TYPE_CHECKING:`` do not run and are left out; ``from recship.x import y`` counts as an import of
-the module ``recship.x.y`` when ``y`` is one, else of ``recship.x``.
+the module ``recship.x.y`` when ``y`` is one, else of ``recship.x``. An import of ``recship.a.b.c`` is also one of the packages
+``recship.a`` and ``recship.a.b`` (their ``__init__`` runs first), the importer's own packages aside.
 """
 
 import ast
@@ -66,8 +67,18 @@ def _imports(modules: Dict[str, Path]) -> Dict[str, Set[str]]:
                     targets.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
                 targets.update(a.name for a in node.names if a.name.startswith("recship"))
+        # importing recship.a.b.c runs recship/a/b/__init__.py first: an import of each package on the way, except the
+        # importer's own packages (they ran before it)
+        own = _packages_of(name)
+        targets.update(p for t in list(targets) for p in _packages_of(t) if p not in own)
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
+
+
+def _packages_of(module: str) -> Set[str]:
+    """The packages ``module`` is inside: recship.a.b.c -> {recship, recship.a, recship.a.b}."""
+    parts = module.split(".")
+    return {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def _layer(module: str) -> int:
