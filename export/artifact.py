@@ -26,11 +26,14 @@ import io
 import math
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, List, Optional, Tuple, Union
 
+import fbgemm_gpu  # registers the TBE ops the models call
 import torch
 
+from recship.export.aoti import AotiError, cpu_supports, load_package
 from recship.export.blocks import RowBlocks
 # the contract's names, re-exported: what this module loads is described there, and importers of it keep working
 from recship.contract.manifest import (FORMAT_V1, MAX_ID_BOUND, SAMPLE_DTYPES, AotiSpec, ArtifactError, Manifest, ModelFields,
@@ -38,6 +41,7 @@ from recship.contract.manifest import (FORMAT_V1, MAX_ID_BOUND, SAMPLE_DTYPES, A
 from recship.contract.tables import TablesError, check_pinned, pt2_pinned
 from recship.export.tables import aoti_constants, attach_torchscript, map_tables
 from recship.names import LOAD_FORMATS
+from recship.sparse.ids import out_of_range_message
 
 _DTYPES = {name: getattr(torch, name) for name in SAMPLE_DTYPES}  # the sample files' dtypes
 
@@ -90,8 +94,6 @@ def read_sample(path: Union[str, Path], manifest: Manifest) -> Tuple[Dict[str, t
 
 def _check_sample_request(path: Path, manifest: Manifest, inputs: Dict[str, torch.Tensor]) -> None:
     """The sample's inputs as a request: the server's rules (and words) for what a file can get wrong."""
-    from recship.sparse.ids import out_of_range_message
-
     files = {name: spec.file for name, spec in manifest.sample.inputs.items()}
 
     def bad(name: str, why: str) -> ArtifactError:
@@ -145,8 +147,6 @@ def open_artifact(
     ``trusted``: sha256s of manifest.json files allowed to load (None: any); a listed manifest
     pins every file through its checksums.
     """
-    import fbgemm_gpu  # noqa: F401  (registers the TBE ops the module calls)
-
     if format not in FORMATS:
         raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
     path = Path(path)
@@ -196,8 +196,6 @@ def _release(version: str) -> str:
 
 def _check_versions(path: Path, manifest: Manifest) -> None:
     """The artifact's torch and fbgemm_gpu releases must be this process's (the C++ loader's check_versions)."""
-    import fbgemm_gpu
-
     built, running = _release(manifest.versions.torch), _release(torch.__version__)
     if built != running:
         raise ArtifactError(f"{path / 'manifest.json'}: artifact built with torch {built}, this loader runs torch {running}")
@@ -210,8 +208,6 @@ def _check_versions(path: Path, manifest: Manifest) -> None:
 def _check_op_libraries(path: Path, manifest: Manifest) -> None:
     """Each fbgemm op library the manifest names is one fbgemm_gpu ships (the C++ loader dlopens them from its folder;
     importing fbgemm_gpu loaded them here), in the C++ loader's words."""
-    import fbgemm_gpu
-
     folder = os.path.dirname(fbgemm_gpu.__file__)
     for lib in manifest.op_libraries:
         if not os.path.isfile(os.path.join(folder, lib)):
@@ -249,8 +245,6 @@ def _open_torchscript(path: Path, manifest: Manifest, data: bytes, tables: Dict[
 
 def aoti_runs_here(manifest: Manifest) -> Tuple[bool, str]:
     """(whether this process can run the artifact's model.pt2, why not)."""
-    from recship.export.aoti import cpu_supports
-
     if manifest.aoti is None:
         return False, "the artifact has no model.pt2 (exported with --format torchscript)"
     if manifest.aoti.torch != torch.__version__:
@@ -269,9 +263,7 @@ def _aoti_runs_or_fail(path: Path, manifest: Manifest) -> None:
 
 
 def _open_aoti(path: Path, manifest: Manifest, data: bytes, tables: Dict[str, torch.Tensor]) -> Any:
-    import tempfile
 
-    from recship.export.aoti import AotiError, load_package
 
     assert manifest.aoti is not None  # _aoti_runs_or_fail says so
     constants = aoti_constants(manifest.tables, tables) if manifest.tables is not None else None

@@ -6,7 +6,7 @@ The artifact directory (the contract the server and the C++ loader read):
                     left out (placeholders filled from tables.bin at load)
     model.pt2       the same forward compiled by AOTInductor (``--format aoti`` or ``both``), its tables
                     likewise in tables.bin
-    tables.bin      every table's rows once, aligned, mapped read-only by every loader (export/tables.py)
+    tables.bin      every table's rows once, aligned (export/tables_writer.py), mapped read-only by every loader (export/tables.py)
     manifest.json   features, tables (tables.bin's tensors and segments), types, outputs, plan, versions,
                     op libraries, quantization report, sha256 of every file, the sample's files
     sample/         one request as raw little-endian tensors and the outputs the
@@ -46,7 +46,7 @@ from recship.export.artifact import write_sample
 from recship.export.blocks import run_in_blocks
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError
 from recship.export.model import StageError
-from recship.export.tables import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
+from recship.export.tables_writer import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
 from recship.oserrors import doing, label, write_bytes
 from recship.plots import plot_artifact, plot_or_warn

@@ -29,7 +29,7 @@ from recship.test_models import (DENSE_LAYER_OUT_SIZE, OVER_ARCH_OUT_SIZE, Copya
                                  TestPositionWeightedPreprocModule, TestPreprocNonWeighted, TestPreprocWeighted, TestSparseNNBase,
                                  _post_sparsenn_forward, _tables_dim_sum)
 from recship.trainer.distributed.sharders import EmbeddingBagCollectionSharder, EmbeddingCollectionSharder
-from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig
+from recship.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig, EmbeddingConfig, EmbeddingTableConfig
 from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from recship.trainer.feature_processors import FeatureProcessedEmbeddingBagCollection, PositionWeightedModuleCollection
 from recship.trainer.position_weighted import PositionWeightedProcessor

@@ -14,9 +14,6 @@ from typing import Iterator, List, Tuple
 
 from test_layers import ROOT, _modules, _type_checking_nodes
 
-# packages whose imports are not swept yet (other work is rewriting them); the lead empties this set
-NOT_YET_SWEPT = {"recship.serving", "recship.export"}
-
 _REASON = re.compile(r"#\s*lazy:\s*\S")
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 _IMPORTS = (ast.Import, ast.ImportFrom)
@@ -127,8 +124,6 @@ def test_the_check_finds_an_unexplained_import_and_accepts_the_explained_ones():
 def test_every_import_inside_a_function_says_why():
     offenders = []
     for name, path in _modules().items():
-        if ".".join(name.split(".")[:2]) in NOT_YET_SWEPT:
-            continue
         for line in unexplained(path.read_text()):
             offenders.append(f"{path.relative_to(ROOT)}:{line}")
     assert not offenders, ("imports inside functions without a `# lazy: <reason>` comment (move them to the top of "

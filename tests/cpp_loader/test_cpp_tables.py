@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
-from recship.export.tables import PINNED_NAME, TABLES_FILE
+from recship.contract.tables import PINNED_NAME, TABLES_FILE
 
 from binaries import run_binary
 from model_requests import ModelInputs, in_process, random_request, request_file, runnable_aoti

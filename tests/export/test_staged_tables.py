@@ -1,4 +1,4 @@
-"""Export quantizes rows straight into tables.bin (export/tables.py StagedTables).
+"""Export quantizes rows straight into tables.bin (export/tables_writer.py StagedTables).
 
 References: the same export with the rows in the TBEs' own memory, written by the plain
 writer (its bytes and manifest), and the bytes the writer is asked to write.
@@ -11,9 +11,10 @@ import torch
 
 from recship.export import ExportConfig, export_model
 from recship.export import pipeline
-from recship.export import tables as tables_module
+from recship.export import tables_writer
 from recship.export.artifact import open_artifact
-from recship.export.tables import TABLES_FILE, StagedTables, TablesWriter
+from recship.contract.tables import TABLES_FILE
+from recship.export.tables_writer import StagedTables, TablesWriter
 from recship.export.any_model import export_any_model
 from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig
 from recship.models.dlrm import BuiltinDLRM, DLRMConfig
@@ -84,7 +85,7 @@ def test_staged_rows_are_not_written_again(tmp_path, monkeypatch):
             sizes.append(f)
         return f
 
-    monkeypatch.setattr(tables_module, "open", counting_open, raising=False)
+    monkeypatch.setattr(tables_writer, "open", counting_open, raising=False)
     export_model(_models()["dlrm"], ExportConfig(out=str(tmp_path / "a"), dtype="int8", progress=False, validation_batches=1,
                                                  format="torchscript", plot=False))
     assert written and written[0][0], "the rows were not quantized into the staged file"

@@ -1,4 +1,4 @@
-"""The tables file (export/tables.py): tables stored once, mapped, verified per table, shared between equal versions.
+"""The tables file (export/tables_writer.py writes it, export/tables.py maps it): tables stored once, mapped, verified per table, shared between equal versions.
 
 References: the same artifact in the old layout (format 1: model.pt with its tables inside, rebuilt here
 from the format-2 one) run in-process, plain file sizes, /proc/self/maps and VmRSS of this process.
@@ -17,7 +17,7 @@ import torch
 
 from recship.export import ExportConfig, export_model
 from recship.export.artifact import FORMAT_V1, ArtifactError, Manifest, file_sha256, open_artifact
-from recship.export.tables import TABLES_FILE
+from recship.contract.tables import TABLES_FILE
 from recship.models import TwoTower
 from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
