@@ -126,9 +126,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--overwrite does not apply with --model-repo: every export is a new version")
     if not Path(args.checkpoint).exists():  # before torch loads: a mistyped path answers at once
         raise FileNotFoundError(f"checkpoint not found: {args.checkpoint}")
+    configure_logging(args.log_format)  # first: importing torch and fbgemm below warns, in this format
     from recship.export.config import ExportConfig  # lazy: torch, from here on (`recship export --help` stays torch-free)
 
-    configure_logging(args.log_format)
     config = ExportConfig(
         out=args.out,
         repo=args.repo,

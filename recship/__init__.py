@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from recship.fbgemm import install as _install_fbgemm_ops
 from recship.lazy import lazy_names
+from recship.logs import ignore_dependency_notices
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ def __getattr__(name: str) -> object:
 
 # torch.ops.fbgemm.* works after `import recship` as after `import torchrec` (fbgemm_gpu loads on first use)
 _install_fbgemm_ops()
+ignore_dependency_notices()  # before any import of torch or fbgemm_gpu, in every process that imports recship
 
 
 if TYPE_CHECKING:  # what __getattr__ returns, for type checkers

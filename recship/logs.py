@@ -97,6 +97,16 @@ def _adopt_torch_loggers(fmt: logging.Formatter) -> int:
     return changed
 
 
+def ignore_dependency_notices() -> None:
+    """Hides two notices of recship's dependencies that say nothing to its users: fbgemm_gpu-cpu's that its SSD lookups
+    are not in the build (printed on every import of fbgemm_gpu), and torch's that TorchScript is deprecated (printed
+    when torch and fbgemm script their own modules at import, and by every export: recship writes TorchScript on
+    purpose). ``import recship`` calls it, so that a process's first lines (a spawned rank's too) are not these."""
+    warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=DeprecationWarning)
+    warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=FBGEMM_SSD_IMPORTS, category=DeprecationWarning)
+
+
 def configure_logging(fmt: str = "json") -> None:
     """Sends recship's log lines (INFO and up; other libraries' from WARNING) to stderr in ``fmt``
     (json or text), with Python warnings and torch's own log lines in the same format (see the module's
@@ -107,9 +117,7 @@ def configure_logging(fmt: str = "json") -> None:
     # recship's own lines at INFO; other libraries (fbgemm_gpu logs every .so it loads) at WARNING
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     logging.getLogger("recship").setLevel(logging.INFO)
-    warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=DeprecationWarning)
-    warnings.filterwarnings("ignore", message=TORCHSCRIPT_DEPRECATION, category=FutureWarning)
-    warnings.filterwarnings("ignore", message=FBGEMM_SSD_IMPORTS, category=DeprecationWarning)
+    ignore_dependency_notices()
     warnings.showwarning = _log_warning
     _adopt_torch_loggers(chosen)
 

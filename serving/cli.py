@@ -70,9 +70,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging(args.log_format)  # first: importing torch and fbgemm below warns, in this format
     from recship.serving.server import Server  # lazy: `recship serve --help` stays torch-free
 
-    configure_logging(args.log_format)
     server = Server(config_from_args(args))  # a port in use, an unreadable file: recship.cli says the OSError in one line
     done, stopping = threading.Event(), threading.Event()
 

@@ -45,11 +45,11 @@ def test_usable_cpus_is_the_affinity_capped_by_the_quota_rounded_up(tmp_path, mo
 
 @pytest.mark.parametrize("cores,threads", [(1, 1), (2, 2), (3, 2), (8, 7)])
 def test_the_servers_forward_threads_follow_the_usable_cpus(monkeypatch, cores, threads):
-    from recship.serving.settings import default_torch_threads
+    from recship.serving import settings
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the host's cores do not count
-    monkeypatch.setattr(cpus, "usable_cpus", lambda *a, **k: cores)
-    assert default_torch_threads() == threads
+    monkeypatch.setattr(settings, "usable_cpus", lambda *a, **k: cores)  # the name settings calls
+    assert settings.default_torch_threads() == threads
 
 
 def test_this_machine_reads_without_error():

@@ -76,10 +76,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from recship.trainer.train import launch  # lazy: keeps `recship train --help` torch-free
-
     config = config_from_args(args)
-    configure_logging(config.log_format)
+    configure_logging(config.log_format)  # first: importing torch and fbgemm below warns, in this format
+    from recship.trainer.train import launch  # lazy: keeps `recship train --help` torch-free
     with doing("training", config.out):  # an OSError that names no file is the run folder's
         summary = launch(config, given=given_fields(args))
     if summary["rank"] != 0:

@@ -161,7 +161,7 @@ def test_bad_neighbours_are_refused_listed_and_do_not_stop_other_models(small_ar
         assert [m.name for m in server.repo.models()] == ["dlrm"]
         index = _index(server.port)
         assert index[("dlrm", "1")] == ("READY", "")
-        expected = {("as_list", "1"): "must be a JSON object", ("sharding_list", "1"): "sharding must be dict",
+        expected = {("as_list", "1"): "manifest.json: must be dict, got list", ("sharding_list", "1"): "sharding must be dict",
                     ("features_int", "1"): "sparse_features must be list", ("escaping_sample", "1"): "relative path inside",
                     ("unicode_version", "²"): "named by a number", ("no_model_pt", "1"): "model.pt is missing",
                     ("bad name!", ""): "model folder names", ("junk", "1"): "corrupt"}
