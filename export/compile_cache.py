@@ -270,9 +270,12 @@ def program_key(program: Any, options: Dict[str, object], target_isa: Optional[s
 
 def baked_constants(program: Any, taken: List[str]) -> List[str]:
     """The constants ``program``'s graph uses that its compiled package does not take at load (``taken``): compiled
-    in by value, which the key does not cover (``program_key``); such a package is not cached."""
+    in by value, which the key does not cover (``program_key``); such a package is not cached. Empty tensors aside:
+    they have no value (inductor makes its own, of the shape the key has)."""
     users = {n.name: len(n.users) for n in program.graph.find_nodes(op="placeholder")}
-    used = {spec.target for spec in program.graph_signature.input_specs if spec.target is not None and users.get(spec.arg.name)}
+    constants = {**program.state_dict, **program.constants}
+    used = {spec.target for spec in program.graph_signature.input_specs
+            if spec.target in constants and users.get(spec.arg.name) and constants[spec.target].numel()}
     return sorted(used - set(taken))
 
 

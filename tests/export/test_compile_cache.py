@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from recship.export.compile_cache import ENTRY, PACKAGE, CompileCache, program_key
+from recship.export.compile_cache import ENTRY, PACKAGE, CompileCache, baked_constants, program_key
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                     reason="AOTInductor needs a C++ compiler (g++)")
@@ -158,14 +158,18 @@ class _Served(nn.Module):
         return {"logit": self.top(features)}
 
 
-def _key(num_dense=3, num_features=2, seed=0, options=None):
+def _program(num_dense=3, num_features=2, seed=0):
     from recship.export.aoti_compile import export_program
 
     torch.manual_seed(seed)
     module = _Served(num_dense, num_features)
     example = (torch.zeros(2, num_dense), torch.ones(2 * num_features, dtype=torch.int32),
                torch.zeros(2 * num_features, dtype=torch.int64), None)
-    return program_key(export_program(module, example, num_features), options or {"cpp.threads": 1}, "x86-64-v3")
+    return export_program(module, example, num_features)
+
+
+def _key(num_dense=3, num_features=2, seed=0, options=None):
+    return program_key(_program(num_dense, num_features, seed), options or {"cpp.threads": 1}, "x86-64-v3")
 
 
 def test_the_key_is_the_graphs_not_the_weights():
@@ -173,6 +177,15 @@ def test_the_key_is_the_graphs_not_the_weights():
     assert len(key) == 64 and key == _key(seed=1)  # other weights, the one-element bias included: the same program
     others = [_key(num_dense=4), _key(num_features=3), _key(options={"cpp.threads": 2})]
     assert len({key, *others}) == 4
+
+
+def test_a_package_that_leaves_out_a_used_constant_is_said_to_bake_it():
+    program = _program()
+    every = sorted({**program.state_dict, **program.constants})
+    assert baked_constants(program, every) == []
+    assert baked_constants(program, [f for f in every if f != "top.bias"]) == ["top.bias"]  # compiled in by value
+    program.state_dict["top.bias"] = torch.empty(0)  # an empty tensor has no value to compile in
+    assert baked_constants(program, [f for f in every if f != "top.bias"]) == []
 
 
 def test_the_key_is_the_same_in_another_process():
