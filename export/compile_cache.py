@@ -74,7 +74,7 @@ def default_folder() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "recship" / "aoti"
 
 
-def resolve(setting: Union[bool, str, None]) -> Optional["CompileCache"]:
+def resolve(setting: Union[bool, str, os.PathLike, None]) -> Optional["CompileCache"]:
     """The cache ``ExportConfig.compile_cache`` names: True the default folder, a path that folder, False none."""
     if setting is False or setting is None:
         return None

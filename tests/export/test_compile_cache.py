@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch import nn
 
-from recship.export.compile_cache import ENTRY, PACKAGE, CompileCache, baked_constants, program_key
+from recship.export.compile_cache import ENTRY, PACKAGE, CompileCache, baked_constants, program_key, resolve
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                     reason="AOTInductor needs a C++ compiler (g++)")
@@ -45,6 +45,22 @@ def test_an_entry_round_trips_and_a_miss_is_none(tmp_path):
     hit = cache.get("a" * 64)
     assert hit is not None and hit.package == _package(b"x" * 100) and hit.constant_fqns == ["w", "b"]
     assert CompileCache(tmp_path / "c").get("b" * 64) is None
+
+
+def test_where_the_cache_is(tmp_path, monkeypatch):
+    from recship.export import ExportConfig, ExportError
+
+    monkeypatch.setenv("RECSHIP_CACHE_DIR", str(tmp_path / "env"))
+    assert resolve(True).folder == tmp_path / "env" and resolve(str(tmp_path / "own")).folder == tmp_path / "own"
+    assert resolve(False) is None
+    monkeypatch.delenv("RECSHIP_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert resolve(True).folder == tmp_path / "xdg" / "recship" / "aoti"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert resolve(True).folder == Path.home() / ".cache" / "recship" / "aoti"
+    for bad in (3, ""):
+        with pytest.raises(ExportError, match=f"compile_cache must be True, False or a folder's path, got {bad!r}"):
+            ExportConfig(out=str(tmp_path / "a"), compile_cache=bad)
 
 
 def _corrupt_package(entry: Path) -> None:
