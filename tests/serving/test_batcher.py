@@ -12,14 +12,17 @@ from recship.sparse import KeyedJaggedTensor
 
 
 class Echo:
-    """A fake model: logit = row sum of dense + number of ids per example; records batch sizes."""
+    """A fake model: logit = row sum of dense + number of ids per example; records batch sizes. ``entered`` is set
+    once the worker has called it (and waits on ``gate``, if given)."""
 
     def __init__(self, delay=0.0, gate=None):
         self.batches = []
         self.delay = delay
         self.gate = gate
+        self.entered = threading.Event()
 
     def __call__(self, dense, lengths, values, weights):
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait()
         time.sleep(self.delay)
@@ -82,13 +85,15 @@ def test_full_queue_refuses_at_once_and_expired_requests_do_not_run():
     gate = threading.Event()
     model = Echo(gate=gate)
     b = Batcher(model, max_batch_size=1, max_delay_s=0.0, max_queue=2)
-    running = b.submit(_req(1, 0))  # taken by the worker, blocked on the gate
-    time.sleep(0.1)
-    expired = b.submit(_req(1, 1), deadline=time.monotonic() + 0.05)
+    running = b.submit(_req(1, 0))
+    assert model.entered.wait(timeout=30)  # taken by the worker, blocked on the gate
+    deadline = time.monotonic() + 0.2
+    expired = b.submit(_req(1, 1), deadline=deadline)
     b.submit(_req(1, 2))
     with pytest.raises(QueueFull):
         b.submit(_req(1, 3))
-    time.sleep(0.1)
+    while time.monotonic() <= deadline:
+        time.sleep(0.01)
     gate.set()
     running.result(timeout=5)
     with pytest.raises(DeadlineExpired):
@@ -161,8 +166,8 @@ def test_a_cancelled_or_expired_request_in_any_queue_state_does_not_stop_the_wor
     gate = threading.Event()
     model = Echo(gate=gate)
     b = Batcher(model, max_batch_size=2, max_delay_s=0.05, max_queue=8)
-    blocker = b.submit(_req(1, 0))  # the worker takes it and waits on the gate
-    time.sleep(0.1)
+    blocker = b.submit(_req(1, 0))
+    assert model.entered.wait(timeout=30)  # the worker took it and waits on the gate
     if when == "queued":
         _cancelled(b, 1)
     elif when == "expired_and_cancelled":
@@ -184,9 +189,10 @@ def test_a_cancelled_or_expired_request_in_any_queue_state_does_not_stop_the_wor
 
 def test_stop_with_a_full_queue_returns_at_once_and_answers_everything():
     gate = threading.Event()
-    b = Batcher(Echo(gate=gate), max_batch_size=1, max_delay_s=0.0, max_queue=4)
+    model = Echo(gate=gate)
+    b = Batcher(model, max_batch_size=1, max_delay_s=0.0, max_queue=4)
     running = b.submit(_req(1, 0))
-    time.sleep(0.1)
+    assert model.entered.wait(timeout=30)  # the worker took it and waits on the gate
     queued = [b.submit(_req(1, i)) for i in range(1, 5)]
     with pytest.raises(QueueFull):
         b.submit(_req(1, 9))

@@ -88,7 +88,7 @@ def test_the_cli_says_it_in_one_line_and_exits_2(tmp_path):
 
 
 def test_serve_help_is_quick_and_imports_no_torch():  # (grpc it may: recship.serving's client needs it)
-    code = ("import sys, time; t = time.perf_counter(); from recship.cli import build_parser; build_parser('serve').format_help(); "
-            "print(time.perf_counter() - t, 'torch' in sys.modules)")
+    code = ("import sys, time; t = time.process_time(); from recship.cli import build_parser; build_parser('serve').format_help(); "
+            "print(time.process_time() - t, 'torch' in sys.modules)")  # CPU seconds: a busy machine's wait for a core left out
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert float(out[0]) < 1.0 and out[1] == "False"

@@ -3,7 +3,6 @@
 import re
 import shutil
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,6 +17,7 @@ from recship.serving.server import Server, ServerConfig
 from recship.models.dlrm import BuiltinDLRM, DLRMConfig
 
 from model_requests import dlrm_request, in_process
+from serving_helpers import wait_until
 
 ROWS = [20 + i for i in range(26)]
 
@@ -158,15 +158,15 @@ def test_hot_reload_under_load_loses_no_request_and_refuses_a_broken_version(tmp
         threads = [threading.Thread(target=load) for _ in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        wait_until(lambda: versions or errors, what="the first answer")
         shutil.copytree(staging / "2", root / "m" / ".incoming")
         (root / "m" / ".incoming").rename(root / "m" / "2")  # a version appears complete
-        deadline = time.time() + 20
-        while time.time() < deadline and (not versions or versions[-1] != 2):
-            time.sleep(0.05)
+        wait_until(lambda: errors or (versions and versions[-1] == 2), what="version 2 to answer")
         shutil.copytree(staging / "3", root / "m" / ".incoming3")
         (root / "m" / ".incoming3").rename(root / "m" / "3")
-        time.sleep(0.6)
+        wait_until(lambda: any((u.model, u.version) == ("m", "3") for u in server.repo.unavailable()), what="version 3's refusal")
+        answered = len(versions)
+        wait_until(lambda: errors or len(versions) >= answered + 20, what="answers after version 3's refusal")
         stop.set()
         for t in threads:
             t.join()
@@ -213,10 +213,7 @@ def test_a_refused_version_is_retried_once_its_files_change(tmp_path, repo):
                 shutil.copytree(item, root / "dlrm" / "2" / item.name)
             elif item.name != "manifest.json":
                 shutil.copy(item, root / "dlrm" / "2" / item.name)
-        deadline = time.time() + 10
-        while time.time() < deadline and server.repo.get("dlrm").version != 2:
-            time.sleep(0.05)
-        assert server.repo.get("dlrm").version == 2
+        wait_until(lambda: server.repo.get("dlrm").version == 2, what="version 2 to load once its files are complete")
     finally:
         server.stop()
 
