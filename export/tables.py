@@ -14,9 +14,10 @@ order of the manifest's ``tables.tensors``; zeros between them. Each tensor is s
 segments, one per table of a TBE (or the whole tensor for a dense constant), each with its
 sha256, so a corrupt or swapped file is refused with the table named.
 
-Loading maps the file read-only and copy-on-write (``torch.from_file(shared=False)``:
-MAP_PRIVATE): the rows live in the page cache, one copy shared by every process that maps
-the file, and never on the heap; verifying reads each segment once, in parallel, and a
+Loading maps each tensor's pages of the file on their own, copy-on-write (MAP_PRIVATE, as
+``torch.from_file(shared=False)``): the rows live in the page cache, one copy shared by every
+process that maps the file, and never on the heap (but tensors smaller than a page, copied);
+a tensor's mapping lives as long as the tensor; verifying reads each segment once, in parallel, and a
 process does not verify the same file (device, inode, size, mtime) twice. A tensor whose
 segments' sha256s equal those of a tensor another loaded version already uses is taken from
 that version once this version's own file has verified: two versions with equal tables share
@@ -30,6 +31,8 @@ inside it.
 import ctypes
 import hashlib
 import math
+import mmap
+import os
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -86,17 +89,26 @@ def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) 
     folder = Path(folder)
     file = folder / spec.file
     try:
-        stat = file.stat()
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as e:
         raise TablesError(f"{folder}: {spec.file} cannot be read ({e.strerror}): the artifact is incomplete") from None
+    try:
+        return _map_verified(file, fd, os.fstat(fd), spec, verify)
+    finally:
+        os.close(fd)  # the mappings stay valid without it
+
+
+def _map_verified(file: Path, fd: int, stat: os.stat_result, spec: TablesSpec, verify: bool) -> Dict[str, torch.Tensor]:
+    """``map_tables`` of the open file ``fd`` (``file``, of ``stat``)."""
     size = stat.st_size
     if size != spec.bytes:
         short = next((f"table {s.name!r} of {t.name} needs bytes up to {t.offset + s.offset + s.bytes}"
                       for t in spec.tensors for s in t.segments if t.offset + s.offset + s.bytes > size), None)
         raise TablesError(f"{file}: {size} bytes, the manifest says {spec.bytes}"
                           + (f" (truncated: {short})" if short else "") + "; re-copy or re-export the artifact")
-    storage = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-    views = {t.name: storage[t.offset: t.offset + t.bytes] for t in spec.tensors}
+    # one mapping per tensor, not one of the whole file: a tensor another version shares (below) keeps its own pages
+    # mapped, not this file's other tables; small ones (a TBE's offsets, equal in every retrain) are copies
+    views = {t.name: _map(fd, t.offset, t.bytes) for t in spec.tensors}
     if verify:
         identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
         with _LIVE_LOCK:
@@ -128,11 +140,24 @@ def map_tables(folder: Union[str, Path], spec: TablesSpec, verify: bool = True) 
                 continue
             typed = _typed(views[t.name], t)
             out[t.name] = typed
-            if verify and typed.numel() and typed.data_ptr() == views[t.name].data_ptr():  # a mapped view: shareable
+            if verify and typed.numel() and typed.data_ptr() == views[t.name].data_ptr():  # not a copy: shareable
                 _LIVE[t.key()] = weakref.ref(typed)
         for key in [k for k, r in _LIVE.items() if r() is None]:
             del _LIVE[key]
     return out
+
+
+def _map(fd: int, offset: int, nbytes: int) -> torch.Tensor:
+    """``nbytes`` bytes of the open file ``fd`` from ``offset`` as a uint8 tensor: mapped copy-on-write on their own
+    (the mapping goes, munmap, with the last tensor that views it), or read onto the heap where they are less than a
+    page: a mapping would hold a page of the page cache for them, and keep the file's blocks on disk after it is
+    deleted for as long as a version that shares them lives."""
+    if nbytes < mmap.PAGESIZE:
+        data = os.pread(fd, nbytes, offset)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts at a page; tensors start at ALIGN (4096)
+    mapped = mmap.mmap(fd, offset + nbytes - start, offset=start, access=mmap.ACCESS_COPY)
+    return torch.frombuffer(mapped, dtype=torch.uint8, offset=offset - start, count=nbytes)
 
 
 def _typed(raw: torch.Tensor, t: TableTensor) -> torch.Tensor:

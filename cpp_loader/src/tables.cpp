@@ -52,9 +52,12 @@ int threads_available() {
 }
 
 // tables.bin mapped: released (munmap) when the last tensor made from it goes.
+// One tensor's bytes of a tables file: its pages mapped (copy-on-write), or a copy on the heap where they are less
+// than a page (as export/tables.py).
 struct Mapping {
-  char* data = nullptr;
+  char* data = nullptr;  // mapped: munmap'ed with the last tensor that views it
   size_t size = 0;
+  std::vector<char> copy;
   Mapping() = default;
   Mapping(const Mapping&) = delete;
   Mapping& operator=(const Mapping&) = delete;
@@ -256,20 +259,40 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
                         (short_of.empty() ? "" : " (truncated: " + short_of + ")") + "; re-copy or re-export the artifact");
   }
 
-  // copy-on-write, as torch.from_file(shared=False): the pages are the page cache's, shared by every process
-  // mapping the file, until someone writes to one (nobody does: the model reads its tables)
-  auto mapping = std::make_shared<Mapping>();
-  if (size > 0) {
-    void* data = mmap(nullptr, static_cast<size_t>(size), PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-    if (data == MAP_FAILED) {
-      const int error = errno;
-      close(fd);
-      throw ArtifactError(file + " cannot be mapped (" + std::strerror(error) + ")");
+  // each tensor's pages mapped on their own, copy-on-write (as export/tables.py): the pages are the page cache's, shared
+  // by every process mapping the file, until someone writes to one (nobody does: the model reads its tables); a tensor
+  // another version shares (below) keeps only its own pages mapped, not this file's other tables; small ones (a TBE's
+  // offsets, equal in every retrain) are copies
+  std::map<std::string, std::shared_ptr<Mapping>> mappings;
+  std::map<std::string, char*> starts;
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  for (const auto& t : spec.tensors) {
+    auto mapping = std::make_shared<Mapping>();
+    starts[t.name] = nullptr;
+    if (t.bytes > 0 && t.bytes < page) {  // a copy: a mapping would hold a page (and the file's blocks, once deleted)
+      mapping->copy.resize(static_cast<size_t>(t.bytes));
+      if (pread(fd, mapping->copy.data(), mapping->copy.size(), static_cast<off_t>(t.offset)) != t.bytes) {
+        const int error = errno;
+        close(fd);
+        throw ArtifactError(file + " cannot be read (" + std::strerror(error) + ")");
+      }
+      starts[t.name] = mapping->copy.data();
+    } else if (t.bytes > 0) {
+      const int64_t begin = t.offset - t.offset % page;
+      const size_t length = static_cast<size_t>(t.offset + t.bytes - begin);
+      void* data = mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, static_cast<off_t>(begin));
+      if (data == MAP_FAILED) {
+        const int error = errno;
+        close(fd);
+        throw ArtifactError(file + " cannot be mapped (" + std::strerror(error) + ")");
+      }
+      mapping->data = static_cast<char*>(data);
+      mapping->size = length;
+      starts[t.name] = mapping->data + (t.offset - begin);
     }
-    mapping->data = static_cast<char*>(data);
-    mapping->size = static_cast<size_t>(size);
+    mappings[t.name] = mapping;
   }
-  close(fd);  // the mapping stays valid without it
+  close(fd);  // the mappings stay valid without it
 
   // every segment this file holds is verified, but for those this process already verified in the very same
   // file (same device, inode, size and mtime: a version loaded again, a tables.bin hard-linked into the next)
@@ -295,7 +318,7 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
     for (size_t i = next++; i < jobs.size(); i = next++) {
       const TableTensor& t = *jobs[i].tensor;
       const Segment& s = *jobs[i].segment;
-      const std::string digest = sha256_hex(mapping->data + t.offset + s.offset, static_cast<size_t>(s.bytes));
+      const std::string digest = sha256_hex(starts.at(t.name) + s.offset, static_cast<size_t>(s.bytes));
       if (digest != s.sha256)
         jobs[i].problem = file + ": " + (s.rows ? "table " : "constant ") + py_repr(s.name) + " (bytes " +
                           std::to_string(t.offset + s.offset) + ".." + std::to_string(t.offset + s.offset + s.bytes) + " of " +
@@ -316,8 +339,8 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
     throw ArtifactError(first + (problems > 1 ? " (and " + std::to_string(problems - 1) + " more)" : ""));
 
   // only now that this file verified: a tensor equal to one a live version uses (same layout and checksums) is
-  // taken from that version's mapping, so the two share their pages; this file's mapping goes (munmap) with the
-  // last tensor made from it, at once where none is
+  // taken from that version's mapping, so the two share their pages; each of this file's mappings goes (munmap) with
+  // the last tensor made from it, at once where none is
   std::map<std::string, at::Tensor> out;
   std::lock_guard<std::mutex> lock(live_mutex);
   auto& mine = verified[identity];
@@ -330,9 +353,9 @@ std::map<std::string, at::Tensor> map_tables(const std::string& dir, const Spec&
       out[t.name] = typed(it->second.data, t, shared);
       continue;
     }
-    char* data = mapping->data + t.offset;
-    out[t.name] = typed(data, t, mapping);
-    if (span(t.shape, t.stride) > 0) live[k] = {mapping, data};
+    char* data = starts.at(t.name);
+    out[t.name] = typed(data, t, mappings.at(t.name));
+    if (span(t.shape, t.stride) > 0) live[k] = {mappings.at(t.name), data};
   }
   for (auto it = live.begin(); it != live.end();) it = it->second.mapping.expired() ? live.erase(it) : std::next(it);
   return out;

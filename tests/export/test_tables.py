@@ -321,3 +321,46 @@ def test_each_tables_segment_holds_its_own_rows(tmp_path, shards):
         shown = f"{name}@0" if shards > 1 else name
         with pytest.raises(ArtifactError, match=rf"tables\.bin: table '{shown}' \(bytes"):
             open_artifact(copy)
+
+
+def _mapped_bytes(path: Path) -> int:
+    """Bytes of this process's mappings of the file ``path``."""
+    total = 0
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(None, 5)
+        if len(fields) == 6 and fields[5] in (str(path), f"{path} (deleted)"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            total += end - start
+    return total
+
+
+def test_a_shared_tensor_keeps_only_its_own_pages_of_the_other_version_mapped(tmp_path):
+    """Versions that share one small constant (a TBE's offsets, equal across retrains) and differ in their tables:
+    the newer version takes the constant from the older one, which must not keep the older one's file mapped once it
+    is gone (a whole-file mapping did, for as long as the newer version lived: its tables in memory, its blocks on
+    disk). A tensor smaller than a page is a copy; a larger one has a mapping of its own."""
+    from recship.export.tables import map_tables
+    from recship.export.tables_writer import TablesWriter
+
+    small = torch.arange(26, dtype=torch.int64)
+    folders = []
+    for seed in (1, 2):
+        writer = TablesWriter()
+        writer.add_aoti({"offsets": small, "rows": torch.randn(1000, 64, generator=torch.Generator().manual_seed(seed))})
+        folder = tmp_path / str(seed)
+        folder.mkdir()
+        folders.append((folder, writer.write(folder)))
+    (old, old_spec), (new, new_spec) = folders
+    older = map_tables(old, old_spec)
+    assert _mapped_bytes(old / TABLES_FILE) >= 1000 * 64 * 4
+    newer = map_tables(new, new_spec)
+    assert newer["offsets"].data_ptr() == older["offsets"].data_ptr()  # shared
+    assert torch.equal(newer["offsets"], small) and not torch.equal(newer["rows"], older["rows"])
+    del older
+    gc.collect()
+    (old / TABLES_FILE).unlink()  # the old version removed from the repository
+    assert _mapped_bytes(old / TABLES_FILE) == 0, "the old version's tables are still mapped through a shared constant"
+    assert torch.equal(newer["offsets"], small)
+    del newer
+    gc.collect()
+    assert _mapped_bytes(old / TABLES_FILE) == 0 and _mapped_bytes(new / TABLES_FILE) == 0
