@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Sequence, Tupl
 import torch
 
 from recship.names import AUTO, INFERENCE_TYPES, DataType
-from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_rows, row_bytes, row_chunks, single_threaded_pool
+from recship.quantize.rowwise import dequantize_rows, quantize_measured, quantize_measured_into, quantize_rows, row_bytes, row_chunks, single_threaded_pool
 from recship.modules.embedding_configs import BaseEmbeddingConfig
 from recship.trainer.text import text_table
 
@@ -430,14 +430,10 @@ def _fill(
     def block(rows_range: Tuple[int, int]) -> Tuple[float, float]:
         start, end = rows_range
         rows = weight[start:end].detach().float().cpu()
-        q, worst, total = quantize_measured(rows, dt, config.error_minimizing)
+        worst, total = quantize_measured_into(rows, dt, config.error_minimizing, data[start:end],
+                                              None if scale_bias is None else scale_bias[start:end])
         if not math.isfinite(worst):  # a NaN/inf value, or values the type cannot hold: never stored
             raise NonFiniteRow(start + _first_unstorable(rows, dt), dt)
-        data[start:end].copy_(q.data)
-        if scale_bias is not None:
-            if q.scale_bias is None:
-                raise ValueError(f"{dt.name} rows have no scale/bias, but the block has scale_bias storage (None for FP types)")
-            scale_bias[start:end].copy_(q.scale_bias)
         return worst, total
 
     blocks = list(row_chunks(weight.shape[0], min(config.chunk_rows, _BLOCK_ROWS)))

@@ -9,7 +9,8 @@ values themselves; FP8 uses fbgemm's own hfp8 conversion. fbgemm's operators
 (``torch.ops.fbgemm.*``) load fbgemm_gpu on first use, as everywhere in recship (recship/fbgemm.py).
 
 The min/max choice (scale = (max - min) / (2^bits - 1), bias = min, both rounded
-to fp16 first) is bit-identical to fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf.
+to fp16 first) is bit-identical to fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf;
+at 8 bits recship's own kernel (quantize/int8_kernel.py) gives the same bytes faster.
 The error-minimising choice searches clipping ranges per row and keeps min/max
 wherever nothing beats it, so no row gets worse. It evaluates a clipping only where a
 bound on its error does not already rule it out (on ordinary INT8 rows, everywhere:
@@ -29,6 +30,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from recship.modules.types import DataType
+from recship.quantize import int8_kernel
 
 # Fractions of a row's range clipped from the bottom and from the top; (0, 0) is min/max.
 _CLIP_GRID = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
@@ -232,6 +234,10 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
             # fbgemm's kernel gives the same bytes several times faster, except on rows with a NaN, an inf or a
             # span that overflows (its NaN bits differ): a chunk with such a row takes the torch path whole
             if _fbgemm_layout(w.shape[0], w.shape[1], bits) and bool(torch.isfinite(hi - lo).all()):
+                if bits == 8 and int8_kernel.available():  # the same bytes, faster (quantize/int8_kernel.py)
+                    data, scale_bias = w.new_empty(w.shape, dtype=torch.uint8), w.new_empty((w.shape[0], 4), dtype=torch.uint8)
+                    if int8_kernel.quantize_int8_into(w.contiguous(), data, scale_bias) is not None:
+                        return QuantizedRows(data, scale_bias)
                 fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), bits)  # [packed | scale | bias]
                 return QuantizedRows(fused[:, :-4], fused[:, -4:])
             scale, bias = _qparams(lo, hi, bits)
@@ -269,6 +275,33 @@ def quantize_measured(w: torch.Tensor, data_type: DataType, error_minimizing: bo
     values = dequantize_rows(q, data_type, w.shape[1])
     err = (values.sub_(w) if bits else values - w).abs_()  # FP32's values alias ``w``
     return q, float(err.max()) if err.numel() else 0.0, float(err.sum(dtype=torch.float64))
+
+
+def quantize_measured_into(w: torch.Tensor, data_type: DataType, error_minimizing: bool, data: torch.Tensor,
+                           scale_bias: Optional[torch.Tensor]) -> Tuple[float, float]:
+    """``quantize_measured`` written into ``data`` [rows, packed bytes] and ``scale_bias`` [rows, 4] (uint8 views
+    of a TBE's rows, any row stride; None for FP types); returns the (max, sum) of |dequantized - w|.
+
+    Min/max INT8 rows in fbgemm's layout take the INT8 kernel where it runs (quantize/int8_kernel.py: the same
+    bytes as fbgemm's op, written in place, the error measured in the same pass). Where the error is not finite,
+    the rows written are undefined (the caller refuses them).
+    """
+    w = w.detach().float()
+    if (data_type == DataType.INT8 and not error_minimizing and scale_bias is not None and _fbgemm_layout(w.shape[0], w.shape[1], 8)
+            and int8_kernel.available()):
+        measured = int8_kernel.quantize_int8_into(w.contiguous(), data, scale_bias)
+        if measured is not None:
+            return measured
+    q, worst, total = quantize_measured(w, data_type, error_minimizing)
+    if not math.isfinite(worst):
+        return worst, total
+    data.copy_(q.data)
+    if (scale_bias is None) != (q.scale_bias is None):
+        raise ValueError(f"{data_type.name} rows {'have' if q.scale_bias is not None else 'have no'} scale/bias, but the block "
+                         f"{'has no' if scale_bias is None else 'has'} scale_bias storage (None for FP types)")
+    if scale_bias is not None:
+        scale_bias.copy_(q.scale_bias)
+    return worst, total
 
 
 def _fp8_max() -> float:
