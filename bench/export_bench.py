@@ -4,16 +4,24 @@
                                            [--search both|on|off] [--workdir DIR]
     .venv/bin/python bench/export_bench.py --rows 1000000 --dtypes int4   # real size: 6.6 GB float
     .venv/bin/python bench/export_bench.py --checkpoint CKPT [--dtypes ...]  # export a checkpoint already there
+    .venv/bin/python bench/export_bench.py --cold-warm   # the compile cache: cold vs warm export of small models
 
 Trains one step to get a checkpoint of that size, then exports it in a fresh process per
 (type, search) and prints wall time, GB/s of float input (the tables' float bytes over the
 export's wall time, every stage included), the process's peak RSS (VmHWM), the RSS of a
 process that only imported torch + fbgemm_gpu + recship, and both as multiples of the float
 tables' size. Without --workdir the checkpoint goes to a temporary folder, deleted at the end.
+
+``--cold-warm``: the default DLRM (26 x 1000 x 16) and the two-tower (models/two_tower.py), INT8, format auto
+(model.pt2 and model.pt), each exported from memory in a fresh process: cold (empty compile cache and inductor
+cache), then warm (the same architecture with other weights, both caches as the cold export left them), then warm
+with ``compile_cache=False`` (inductor's own caches only). Prints the export's seconds, the part in torch.export +
+model.pt2's compile (or its cache lookup), and warm / cold.
 """
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -43,6 +51,37 @@ cpu_seconds = after.user + after.system - cpu.user - cpu.system
 print(json.dumps({"seconds": seconds, "cpu_seconds": cpu_seconds, "rss": hwm(), "threads": torch.get_num_threads()}))
 """
 
+COLD_WARM_CHILD = """
+import json, sys, time
+import torch
+from recship.export import ExportConfig, export_model
+from recship.models import TwoTower
+from recship.models.dlrm import BuiltinDLRM, DLRMConfig
+name, out, seed, cache = sys.argv[1:5]
+torch.manual_seed(int(seed))
+model = BuiltinDLRM(DLRMConfig()) if name == "dlrm" else TwoTower()
+t = time.perf_counter()
+manifest = export_model(model, ExportConfig(out=out, dtype="int8", progress=False, overwrite=True,
+                                            compile_cache=cache if cache != "off" else False))
+print(json.dumps({"seconds": time.perf_counter() - t, "compile": (manifest.get("aoti") or {}).get("compile_seconds", 0.0)}))
+"""
+
+
+def cold_warm(work: Path) -> None:
+    """Cold and warm exports of the small models (``--cold-warm``; see the module's docstring)."""
+    print(f"{'model':22s} {'export':18s} {'seconds':>8s} {'compile':>8s} {'rest':>6s} {'x cold':>7s}")
+    for name, label in (("dlrm", "DLRM 26 x 1000 x 16"), ("two_tower", "two-tower")):
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / name / "inductor")}
+        env.pop("RECSHIP_AOTI", None)
+        cold = None
+        for run, seed, cache in (("cold", 0, "cache"), ("warm", 1, "cache"), ("warm, no cache", 2, "off")):
+            argv = [name, str(work / name / "art"), str(seed), str(work / name / "cache") if cache == "cache" else "off"]
+            out = subprocess.run([sys.executable, "-c", COLD_WARM_CHILD, *argv], capture_output=True, text=True, check=True, env=env)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            cold = cold or r["seconds"]
+            print(f"{label:22s} {run:18s} {r['seconds']:8.1f} {r['compile']:8.1f} {r['seconds'] - r['compile']:6.1f} "
+                  f"{r['seconds'] / cold:7.2f}", flush=True)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,11 +93,15 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="keep the checkpoint and artifacts here (default: a temporary folder, deleted)")
     parser.add_argument("--checkpoint", default=None, help="export this checkpoint (of the built-in DLRM) instead of training one; "
                         "its tables give the float size")
+    parser.add_argument("--cold-warm", action="store_true", help="time cold vs warm exports of small models (the compile cache) instead")
     parser.add_argument("--plot", default=str(PLOT), metavar="PNG", help=f"the chart of the results (default bench/out/{PLOT.name}; '' for none)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="recship-export-bench-"))
     try:
-        run(args, work)
+        if args.cold_warm:
+            cold_warm(work)
+        else:
+            run(args, work)
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)

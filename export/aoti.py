@@ -65,7 +65,7 @@ class AotiError(RuntimeError):
     """The AOTInductor package cannot be built or run here; the message says why."""
 
 
-def _cpu_flags() -> Optional[set]:
+def cpu_flags() -> Optional[set]:
     """This CPU's flags (/proc/cpuinfo), or None where there is no /proc/cpuinfo."""
     if not Path("/proc/cpuinfo").exists():
         return None
@@ -80,7 +80,7 @@ def cpu_supports(isa: str) -> Tuple[bool, str]:
     non-Linux hosts are taken on trust. An unsupported ISA is logged once per process: model.pt2
     packages built for it do not run here (``--model-format auto`` serves model.pt instead)."""
     needed = _ISA_FLAGS.get(isa)
-    flags = _cpu_flags() if needed is not None else None
+    flags = cpu_flags() if needed is not None else None
     if needed is None or flags is None:
         return True, ""
     missing = " ".join(f for f in needed if f not in flags and not (f == "bmi1" and "bmi1" not in flags and "bmi2" in flags))

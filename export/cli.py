@@ -85,6 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "torchscript (default auto)")
     parser.add_argument("--target-isa", default="x86-64-v3",
                         help="the -march of model.pt2's compiled kernels; native for this machine's CPU only (default x86-64-v3: AVX2)")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument("--compile-cache", metavar="DIR", default=None,
+                       help="keep model.pt2's compiled programs here, by graph: a re-export of the same architecture "
+                            "skips the compile (default $RECSHIP_CACHE_DIR, else ~/.cache/recship/aoti)")
+    cache.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                       help="compile model.pt2 afresh and keep nothing (default: the compile cache is used)")
     parser.add_argument("--row-block", type=int, default=None, metavar="N",
                         help="examples per forward: every batch runs in blocks of exactly N rows, so a request's answer does "
                              "not depend on the requests it was batched with (bitwise); 0 runs whole batches (faster at large "
@@ -151,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         target_isa=args.target_isa,
         **({"row_block": args.row_block} if args.row_block is not None else {}),
         plot=args.plot,
+        compile_cache=True if args.compile_cache is None else args.compile_cache,
         progress=args.progress is not False,
     )
     with logging_redirect_tqdm():  # log lines go above the stage bar, not into it

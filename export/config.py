@@ -1,7 +1,8 @@
 """ExportConfig: what an export writes and how (``recship export``'s flags), checked when it is made."""
 
+import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 
@@ -47,6 +48,9 @@ class ExportConfig:
         error as a chart (recship/plots.py; a picture beside the contract's files, read by no
         loader): False (default) none; True one, matplotlib missing being an error up front;
         None one if matplotlib is installed, else a warning (``recship export`` without --plot).
+    compile_cache: where model.pt2's compiled programs are kept by graph, so an export of an architecture compiled
+        before skips the compile (recship/export/compile_cache.py): True (default) ``$RECSHIP_CACHE_DIR``, else
+        ``~/.cache/recship/aoti``; a folder's path; False none (every export compiles).
     """
 
     out: Optional[str] = None
@@ -75,6 +79,7 @@ class ExportConfig:
     row_block: int = DEFAULT_ROW_BLOCK  # examples per forward (export/blocks.py); 0: whole batches
     repo: Optional[str] = None  # instead of out: write repo/<model_name>/<next version>/ (see above)
     plot: Optional[bool] = False  # tables.png in the artifact: False no, True yes (or an error), None if matplotlib is there
+    compile_cache: Union[bool, str, os.PathLike] = True  # model.pt2's compile cache: True the default folder, a folder, False none (see above)
 
     def __post_init__(self) -> None:
         if (self.out is None) == (self.repo is None):
@@ -107,6 +112,8 @@ class ExportConfig:
             raise ExportError(str(e)) from None
         if self.error_budget is not None and self.error_budget <= 0:
             raise ExportError(f"error_budget must be > 0, got {self.error_budget}")
+        if not isinstance(self.compile_cache, (bool, str, os.PathLike)) or self.compile_cache == "":
+            raise ExportError(f"compile_cache must be True, False or a folder's path, got {self.compile_cache!r}")
         if self.plot is True:  # asked for: refuse now, not after the export's work
             require()
 

@@ -44,6 +44,7 @@ from recship.export.aoti_compile import AotiPackage, compile_package, compiler_a
 from recship.export.any_model import export_any_model
 from recship.export.artifact import write_sample
 from recship.export.blocks import run_in_blocks
+from recship.export.compile_cache import resolve
 from recship.export.config import TABLES_CHART, ExportConfig, ExportError
 from recship.export.model import StageError
 from recship.export.tables_writer import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
@@ -369,7 +370,7 @@ def _compile_aoti(tmp: Path, exported: nn.Module, fields: ModelFields, config: E
         raise ExportError("an AOTInductor model needs at least one sparse feature")
     isa = None if config.target_isa == "native" else config.target_isa
     try:
-        return compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa)
+        return compile_package(exported, example, num_features, tmp / "model.pt2", target_isa=isa, cache=resolve(config.compile_cache))
     except AotiError as e:
         if script_error is not None:
             raise ExportError(f"{e}; and {script_error}: neither model.pt2 nor model.pt can be built") from e

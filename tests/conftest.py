@@ -19,6 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ["RECSHIP_AOTI"] = "0"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_cache(tmp_path_factory) -> Path:
+    """model.pt2's compile cache of this session (export/compile_cache.py; subprocesses inherit it), not the user's
+    ~/.cache: a test compiles a model the session compiled before from it, as a re-export does."""
+    folder = tmp_path_factory.mktemp("compile-cache")
+    os.environ["RECSHIP_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def small_artifacts(tmp_path_factory):
     """``small_artifacts(model="dlrm", dtype="int8", device="cpu", format="torchscript", shards=1) -> Path``: each
@@ -97,6 +106,8 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "export/test_aoti.py::test_the_server_runs_model_pt2_unless_told_otherwise",
     "export/test_aoti.py::test_two_tower_with_an_embedding_collection_compiles",
     "export/test_aoti_folder.py::aoti_artifact",
+    "export/test_compile_cache.py::test_a_hit_equals_a_fresh_compile_bitwise_and_a_corrupt_entry_is_rebuilt",  # 3 compiles
+    "export/test_compile_cache.py::test_two_exports_into_one_cache_at_once_both_succeed",
     "export/test_artifact_integrity.py::both",  # the small DLRM with model.pt2
     "export/test_export.py::test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size",
     "export/test_staged_tables.py::test_rows_quantized_into_the_file_equal_the_written_ones",

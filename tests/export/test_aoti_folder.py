@@ -123,10 +123,10 @@ def test_loading_model_pt2_twice_says_nothing_of_the_isa_and_leaves_nothing(aoti
 
 
 def test_a_package_this_cpu_cannot_run_is_said_once_in_recship_words(aoti_artifact, monkeypatch, caplog):
-    flags = aoti._cpu_flags()
+    flags = aoti.cpu_flags()
     if flags is None:
         pytest.skip("no /proc/cpuinfo: every ISA is taken on trust")
-    monkeypatch.setattr(aoti, "_cpu_flags", lambda: flags - {"avx2", "fma"})
+    monkeypatch.setattr(aoti, "cpu_flags", lambda: flags - {"avx2", "fma"})
     monkeypatch.setattr(aoti, "_said_unsupported", set())
     with caplog.at_level(logging.WARNING, logger="recship"):
         for _ in range(2):  # auto: model.pt instead
