@@ -1,16 +1,20 @@
-"""The INT8 row kernel (quantize/kernels/rowwise_int8.c): fbgemm's 8-bit rows with fp16 scale/bias, bit for bit,
-vectorised, with the quantization error measured in the same pass.
+"""recship's row kernels (quantize/kernels/rowwise.c), vectorised with AVX2, each bit-equal to what it replaces:
 
-fbgemm's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` at 8 bits computes its codes in a scalar loop (~2 GB/s per
-core here, against ~10 GB/s for its AVX2 INT4 path); the error report then needs a dequantize and a diff over
-the rows again. This kernel does both in one pass and writes straight into the TBE's row views (strided).
+- ``quantize_int8_into``: fbgemm's 8-bit rows with fp16 scale/bias, with the quantization error measured in the
+  same pass. fbgemm's ``FloatToFusedNBitRowwiseQuantizedSBHalf`` at 8 bits computes its codes in a scalar loop
+  (~2 GB/s per core here, against ~10 GB/s for its AVX2 INT4 path), and the error report needed a dequantize
+  and a diff over the rows again. This kernel does both in one pass and writes straight into the TBE's row
+  views (strided).
+- ``search_range``: the error-minimising search's choice of (scale, bias) (``rowwise._best_range``), all
+  candidates of a row in one pass over it where torch made ~7 passes per candidate; the rows whose choice a
+  float sum's order could change are left to the torch search.
 
 The C file is compiled on first use (plain C, no torch headers: ~0.3 s) into a cache folder,
 ``$RECSHIP_CACHE_DIR/kernels``, else ``$XDG_CACHE_HOME/recship/kernels``, else ``~/.cache/recship/kernels``, under
 a name holding the hash of its source and flags (an atomic rename: concurrent exports are safe), and loaded
 with ctypes, which releases the GIL during the call: row blocks run on several threads. Where there is no C
-compiler (``$CC`` or ``cc``), or the CPU lacks AVX2/F16C, ``available()`` is False and callers use fbgemm's op,
-which gives the same bytes.
+compiler (``$CC`` or ``cc``), or the CPU lacks AVX2/F16C, ``available()`` is False and callers use fbgemm's op
+and the torch search, which give the same bytes.
 """
 
 import ctypes
@@ -28,7 +32,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "kernels" / "rowwise_int8.c"
+SOURCE = Path(__file__).resolve().parent / "kernels" / "rowwise.c"
 # -ffp-contract=off: fbgemm's codes and dequantized values are a separate mul and add (no FMA)
 FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu11")
 
@@ -45,11 +49,11 @@ def cache_dir() -> Path:
 def _library() -> Optional[ctypes.CDLL]:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler (cc or $CC): INT8 rows are quantized by fbgemm's op (the same bytes, slower)")
+        log.info("no C compiler (cc or $CC): rows are quantized by fbgemm's op and torch (the same bytes, slower)")
         return None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + "\0".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"rowwise_int8-{key}.so"
+    target = cache_dir() / f"rowwise-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
@@ -57,7 +61,7 @@ def _library() -> Optional[ctypes.CDLL]:
         try:
             done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
             if done.returncode:
-                log.warning("compiling %s failed (%s); INT8 rows are quantized by fbgemm's op (the same bytes, slower): %s",
+                log.warning("compiling %s failed (%s); rows are quantized by fbgemm's op and torch (the same bytes, slower): %s",
                             SOURCE, compiler, done.stderr.strip()[-500:])
                 return None
             os.replace(tmp, target)
@@ -66,12 +70,14 @@ def _library() -> Optional[ctypes.CDLL]:
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
     if not lib.recship_int8_supported():
-        log.info("this CPU lacks AVX2/F16C: INT8 rows are quantized by fbgemm's op")
+        log.info("this CPU lacks AVX2/F16C: rows are quantized by fbgemm's op and torch")
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.recship_quantize_int8.restype = i64
     lib.recship_quantize_int8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.POINTER(ctypes.c_float),
                                           ctypes.POINTER(ctypes.c_double)]
+    lib.recship_search_range.restype = i64
+    lib.recship_search_range.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr]
     return lib
 
 
@@ -98,3 +104,32 @@ def quantize_int8_into(w: torch.Tensor, data: torch.Tensor, scale_bias: torch.Te
     bad = lib.recship_quantize_int8(w.data_ptr(), rows, dim, w.stride(0), data.data_ptr(), data.stride(0),
                                     scale_bias.data_ptr(), scale_bias.stride(0), ctypes.byref(worst), ctypes.byref(total))
     return None if bad else (worst.value, total.value)
+
+
+# the kernel's limits (its arrays; its error bound needs dim * 2^-24 small)
+SEARCH_MAX_CANDIDATES = 63
+SEARCH_MAX_DIM = 4096
+
+
+def search_range(w: torch.Tensor, bits: int, cut_lo: torch.Tensor, cut_hi: torch.Tensor
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For rows ``w`` [rows, dim] float32 (rows contiguous, dim <= SEARCH_MAX_DIM) and the clipping grid ``cut_lo``,
+    ``cut_hi`` [candidates] float32 (search order, min/max left out): (scale, bias, decided) [rows], float32, float32,
+    bool: where ``decided``, the (scale, bias) ``rowwise._best_range`` chooses, bit for bit; elsewhere undefined
+    (the torch search decides those rows). The kernel must be ``available()``."""
+    lib = _library()
+    assert lib is not None, "search_range needs available()"
+    rows, dim = w.shape
+    if w.dtype != torch.float32 or w.stride(1) != 1 or cut_lo.dtype != torch.float32 or cut_hi.dtype != torch.float32:
+        raise TypeError(f"search_range takes float32 rows and cuts with contiguous columns, got {w.dtype} stride {w.stride()}, "
+                        f"{cut_lo.dtype}, {cut_hi.dtype}")
+    candidates = cut_lo.numel()
+    if cut_hi.numel() != candidates or candidates > SEARCH_MAX_CANDIDATES or dim > SEARCH_MAX_DIM:
+        raise ValueError(f"search_range: {candidates} and {cut_hi.numel()} cuts (at most {SEARCH_MAX_CANDIDATES}, as many of "
+                         f"each) for rows of {dim} values (at most {SEARCH_MAX_DIM})")
+    cut_lo, cut_hi = cut_lo.contiguous(), cut_hi.contiguous()
+    scale, bias = torch.empty(rows), torch.empty(rows)
+    decided = torch.empty(rows, dtype=torch.uint8)
+    lib.recship_search_range(w.data_ptr(), rows, dim, w.stride(0), bits, cut_lo.data_ptr(), cut_hi.data_ptr(), candidates,
+                             scale.data_ptr(), bias.data_ptr(), decided.data_ptr())
+    return scale, bias, decided.bool()

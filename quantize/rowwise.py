@@ -10,11 +10,13 @@ values themselves; FP8 uses fbgemm's own hfp8 conversion. fbgemm's operators
 
 The min/max choice (scale = (max - min) / (2^bits - 1), bias = min, both rounded
 to fp16 first) is bit-identical to fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf;
-at 8 bits recship's own kernel (quantize/int8_kernel.py) gives the same bytes faster.
+at 8 bits recship's own kernel (quantize/row_kernels.py) gives the same bytes faster.
 The error-minimising choice searches clipping ranges per row and keeps min/max
 wherever nothing beats it, so no row gets worse. It evaluates a clipping only where a
 bound on its error does not already rule it out (on ordinary INT8 rows, everywhere:
-only rows of tiny range, where the fp16 scale or bias is coarse, can gain).
+only rows of tiny range, where the fp16 scale or bias is coarse, can gain). The row kernel
+makes the same choice in one pass per row; rows whose choice a float sum's order could
+turn are searched by torch as before.
 
 Everything works on row chunks (``chunk_rows``) so a table of any size is
 quantized with bounded extra memory, and all offsets are 64-bit.
@@ -30,7 +32,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from recship.modules.types import DataType
-from recship.quantize import int8_kernel
+from recship.quantize import row_kernels
 
 # Fractions of a row's range clipped from the bottom and from the top; (0, 0) is min/max.
 _CLIP_GRID = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)
@@ -97,10 +99,14 @@ def _best_range(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]
     only on rows where a lower bound on its error does not already reach min/max's.
     """
     scale, bias = torch.empty_like(w[:, 0]), torch.empty_like(w[:, 0])
+    fast = row_kernels.available() and w.shape[1] <= row_kernels.SEARCH_MAX_DIM
 
     def search(block: Tuple[int, int]) -> None:
         start, end = block
-        scale[start:end], bias[start:end] = _search_block(w[start:end], bits)
+        if fast:
+            scale[start:end], bias[start:end] = _search_block_fast(w[start:end], bits)
+        else:
+            scale[start:end], bias[start:end] = _search_block(w[start:end], bits)
 
     blocks = list(row_chunks(w.shape[0], _SEARCH_ROWS))
     workers = min(torch.get_num_threads(), len(blocks))
@@ -131,6 +137,20 @@ def single_threaded_pool(workers: int) -> Iterator[ThreadPoolExecutor]:
     finally:
         pool.shutdown(wait=True)
         torch.set_num_threads(threads)
+
+
+def _search_block_fast(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """_search_block's choice by the row kernel (quantize/row_kernels.py: every candidate of a row in one pass); the
+    rows it leaves undecided (near ties a float sum's order could turn, NaN/inf, a zero min or max) by _search_block."""
+    cut_lo, cut_hi = _clip_candidates()
+    scale, bias, decided = row_kernels.search_range(w.contiguous(), bits, cut_lo, cut_hi)
+    left = (~decided).nonzero()[:, 0]
+    if left.numel():
+        # at least two rows, as every block _search_block sees (a lone row's sum may take another order)
+        rows = left.repeat(2) if left.numel() == 1 else left
+        found_scale, found_bias = _search_block(w.index_select(0, rows), bits)
+        scale[left], bias[left] = found_scale[: left.numel()], found_bias[: left.numel()]
+    return scale, bias
 
 
 def _search_block(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -234,9 +254,9 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
             # fbgemm's kernel gives the same bytes several times faster, except on rows with a NaN, an inf or a
             # span that overflows (its NaN bits differ): a chunk with such a row takes the torch path whole
             if _fbgemm_layout(w.shape[0], w.shape[1], bits) and bool(torch.isfinite(hi - lo).all()):
-                if bits == 8 and int8_kernel.available():  # the same bytes, faster (quantize/int8_kernel.py)
+                if bits == 8 and row_kernels.available():  # the same bytes, faster (quantize/row_kernels.py)
                     data, scale_bias = w.new_empty(w.shape, dtype=torch.uint8), w.new_empty((w.shape[0], 4), dtype=torch.uint8)
-                    if int8_kernel.quantize_int8_into(w.contiguous(), data, scale_bias) is not None:
+                    if row_kernels.quantize_int8_into(w.contiguous(), data, scale_bias) is not None:
                         return QuantizedRows(data, scale_bias)
                 fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), bits)  # [packed | scale | bias]
                 return QuantizedRows(fused[:, :-4], fused[:, -4:])
@@ -282,14 +302,14 @@ def quantize_measured_into(w: torch.Tensor, data_type: DataType, error_minimizin
     """``quantize_measured`` written into ``data`` [rows, packed bytes] and ``scale_bias`` [rows, 4] (uint8 views
     of a TBE's rows, any row stride; None for FP types); returns the (max, sum) of |dequantized - w|.
 
-    Min/max INT8 rows in fbgemm's layout take the INT8 kernel where it runs (quantize/int8_kernel.py: the same
+    Min/max INT8 rows in fbgemm's layout take the INT8 kernel where it runs (quantize/row_kernels.py: the same
     bytes as fbgemm's op, written in place, the error measured in the same pass). Where the error is not finite,
     the rows written are undefined (the caller refuses them).
     """
     w = w.detach().float()
     if (data_type == DataType.INT8 and not error_minimizing and scale_bias is not None and _fbgemm_layout(w.shape[0], w.shape[1], 8)
-            and int8_kernel.available()):
-        measured = int8_kernel.quantize_int8_into(w.contiguous(), data, scale_bias)
+            and row_kernels.available()):
+        measured = row_kernels.quantize_int8_into(w.contiguous(), data, scale_bias)
         if measured is not None:
             return measured
     q, worst, total = quantize_measured(w, data_type, error_minimizing)

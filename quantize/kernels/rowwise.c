@@ -152,3 +152,201 @@ __attribute__((target("avx2,f16c"))) int64_t recship_quantize_int8(
   *sum_err = total;
   return bad_rows;
 }
+
+/* ------------------------------------------------------------------------------------------------------
+ * The error-minimising search of INT4/INT2 (and INT8) ranges: recship.quantize.rowwise._best_range's choice.
+ *
+ * For each row: the min/max (scale, bias) and one per clipping candidate, each computed by the float ops of
+ * rowwise.py (_qparams: bias = fp16(lo), scale = fp16((hi - bias) / levels), 1 where that is 0; a candidate
+ * clips lo + cut_lo * span and hi - cut_hi * span), and each one's squared error by _sq_error's float ops:
+ * d = round_half_even((x - bias) * (1 / scale)) clamped to [0, levels], then (d * scale + bias - x)^2.
+ * Those terms are the very floats torch computes; only their sum's order differs from torch's. Any order of
+ * a float sum of n non-negative terms is within gamma = n * 2^-24 (relative) of the exact sum, so two sums
+ * whose values here differ by more than 2.5 gamma compare the same way in torch. A row is decided here only
+ * where that settles the choice (the first least error, min/max winning ties: a candidate whose (scale,
+ * bias) equals min/max's or an earlier candidate's can never be chosen and is skipped); otherwise it is left
+ * undecided for the torch search (near ties, a NaN or inf, a row whose min or max is 0: which of -0.0 and
+ * +0.0 torch.aminmax returns is its own business).
+ */
+
+static inline int same_bits(float a, float b) {
+  uint32_t x, y;
+  memcpy(&x, &a, sizeof(x));
+  memcpy(&y, &b, sizeof(y));
+  return x == y;
+}
+
+/* The per-lane partial sums of (clamp(round_half_even((x - bias) * inverse), 0, levels) * scale + bias - x)^2
+ * over a row's full groups of 8 values. */
+__attribute__((target("avx2,f16c"))) static inline __m256 sq_error_lanes(const float* x, int64_t full, __m256 scale_v,
+                                                                         __m256 bias_v, __m256 inverse_v, __m256 top) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < full; c += 8) {
+    const __m256 v = _mm256_loadu_ps(x + c);
+    __m256 d = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, bias_v), inverse_v), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    d = _mm256_min_ps(_mm256_max_ps(d, zero), top);
+    d = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(d, scale_v), bias_v), v);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(d, d));
+  }
+  return acc;
+}
+
+/* [sum of a[0]'s lanes, ..., sum of a[7]'s lanes] */
+__attribute__((target("avx2,f16c"))) static inline __m256 lane_sums(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* The sum of the error terms of a row's values after its full groups of 8 (one by one, as sq_error_lanes). */
+static inline float tail_sq_error(const float* x, int64_t full, int64_t dim, float scale, float bias, float inverse, float levels) {
+  float sum = 0.0f;
+  for (int64_t c = full; c < dim; ++c) {
+    float d = nearbyintf((x[c] - bias) * inverse);
+    d = d < 0.0f ? 0.0f : (d > levels ? levels : d);
+    d = d * scale + bias - x[c];
+    sum += d * d;
+  }
+  return sum;
+}
+
+#define SEARCH_SLOTS 64 /* min/max and at most 63 candidates */
+
+/* rows [rows, dim] (row r at w + r * w_stride floats), ``candidates`` clipping fractions cut_lo / cut_hi (the
+ * search order, min/max left out): writes each decided row's (scale, bias) and decided[r] = 1, decided[r] = 0
+ * for the others; returns the number undecided (-1: more than 63 candidates or dim > 4096). */
+__attribute__((target("avx2,f16c"))) int64_t recship_search_range(const float* w, int64_t rows, int64_t dim, int64_t w_stride,
+                                                                  int bits, const float* cut_lo, const float* cut_hi,
+                                                                  int64_t candidates, float* scale_out, float* bias_out,
+                                                                  uint8_t* decided) {
+  if (candidates + 1 > SEARCH_SLOTS || dim > 4096) return -1;
+  const float levels = (float)((1 << bits) - 1);
+  const double e = 2.5 * (double)dim * 0x1p-24;  /* 2.5 gamma: see above */
+  const int64_t slots = candidates + 1, groups = (slots + 7) / 8, full = dim / 8 * 8;
+  /* slot 0: min/max (no cut); the grid after it; the last group padded with min/max again (never chosen) */
+  float cut_lo_all[SEARCH_SLOTS] = {0}, cut_hi_all[SEARCH_SLOTS] = {0};
+  memcpy(cut_lo_all + 1, cut_lo, candidates * sizeof(float));
+  memcpy(cut_hi_all + 1, cut_hi, candidates * sizeof(float));
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), finite_max = _mm256_set1_ps(FLT_MAX);
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps(), levels_v = _mm256_set1_ps(levels);
+  int64_t undecided = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = w + r * w_stride;
+    decided[r] = 0;
+    __m256 min_v = _mm256_set1_ps(FLT_MAX), max_v = _mm256_set1_ps(-FLT_MAX);
+    __m256 finite_v = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    for (int64_t c = 0; c < full; c += 8) {
+      const __m256 v = _mm256_loadu_ps(x + c);
+      min_v = _mm256_min_ps(min_v, v);
+      max_v = _mm256_max_ps(max_v, v);
+      finite_v = _mm256_and_ps(finite_v, _mm256_cmp_ps(_mm256_and_ps(v, abs_mask), finite_max, _CMP_LE_OQ));
+    }
+    float min_buf[8], max_buf[8];
+    _mm256_storeu_ps(min_buf, min_v);
+    _mm256_storeu_ps(max_buf, max_v);
+    int finite = _mm256_movemask_ps(finite_v) == 0xff;
+    float lo = FLT_MAX, hi = -FLT_MAX;
+    for (int i = 0; i < 8; ++i) {
+      lo = min_buf[i] < lo ? min_buf[i] : lo;
+      hi = max_buf[i] > hi ? max_buf[i] : hi;
+    }
+    for (int64_t c = full; c < dim; ++c) {
+      finite &= isfinite(x[c]) != 0;
+      lo = x[c] < lo ? x[c] : lo;
+      hi = x[c] > hi ? x[c] : hi;
+    }
+    if (!finite || lo == 0.0f || hi == 0.0f) {  /* NaN/inf: torch's rules; a zero min or max: its sign is torch's */
+      ++undecided;
+      continue;
+    }
+    const __m256 lo_v = _mm256_set1_ps(lo), hi_v = _mm256_set1_ps(hi), span_v = _mm256_set1_ps(hi - lo);
+    float scales[SEARCH_SLOTS], biases[SEARCH_SLOTS], inverses[SEARCH_SLOTS], sums[SEARCH_SLOTS];
+    double bounds[SEARCH_SLOTS];
+    for (int64_t g = 0; g < groups; ++g) {
+      /* 8 slots' (scale, bias) by _qparams' float ops, and the lower bound of _search_block on their error */
+      const __m256 clo = g == 0 ? _mm256_blend_ps(_mm256_add_ps(lo_v, _mm256_mul_ps(_mm256_loadu_ps(cut_lo_all), span_v)), lo_v, 1)
+                                : _mm256_add_ps(lo_v, _mm256_mul_ps(_mm256_loadu_ps(cut_lo_all + 8 * g), span_v));
+      const __m256 chi = g == 0 ? _mm256_blend_ps(_mm256_sub_ps(hi_v, _mm256_mul_ps(_mm256_loadu_ps(cut_hi_all), span_v)), hi_v, 1)
+                                : _mm256_sub_ps(hi_v, _mm256_mul_ps(_mm256_loadu_ps(cut_hi_all + 8 * g), span_v));
+      const __m256 bias = _mm256_cvtph_ps(_mm256_cvtps_ph(clo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      __m256 scale = _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_div_ps(_mm256_sub_ps(chi, bias), levels_v),
+                                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      scale = _mm256_blendv_ps(scale, one, _mm256_cmp_ps(scale, zero, _CMP_EQ_OQ));
+      _mm256_storeu_ps(scales + 8 * g, scale);
+      _mm256_storeu_ps(biases + 8 * g, bias);
+      _mm256_storeu_ps(inverses + 8 * g, _mm256_div_ps(one, scale));
+      const __m256 tops = _mm256_add_ps(_mm256_mul_ps(scale, levels_v), bias);
+      const __m256 below = _mm256_max_ps(_mm256_sub_ps(_mm256_min_ps(bias, tops), lo_v), zero);
+      const __m256 above = _mm256_max_ps(_mm256_sub_ps(hi_v, _mm256_max_ps(bias, tops)), zero);
+      const __m256 below2 = _mm256_mul_ps(below, below), above2 = _mm256_mul_ps(above, above);
+      _mm256_storeu_pd(bounds + 8 * g, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(below2)),
+                                                     _mm256_cvtps_pd(_mm256_castps256_ps128(above2))));
+      _mm256_storeu_pd(bounds + 8 * g + 4, _mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(below2, 1)),
+                                                         _mm256_cvtps_pd(_mm256_extractf128_ps(above2, 1))));
+    }
+    /* min/max's error, then the candidates whose bound does not rule them out, 8 at a time */
+    {
+      __m256 acc[8];
+      acc[0] = sq_error_lanes(x, full, _mm256_set1_ps(scales[0]), _mm256_set1_ps(biases[0]), _mm256_set1_ps(inverses[0]),
+                              levels_v);
+      for (int i = 1; i < 8; ++i) acc[i] = zero;
+      float lanes[8];
+      _mm256_storeu_ps(lanes, lane_sums(acc));
+      sums[0] = lanes[0] + tail_sq_error(x, full, dim, scales[0], biases[0], inverses[0], levels);
+    }
+    const double err0 = sums[0];
+    int64_t todo[SEARCH_SLOTS], count = 0;
+    for (int64_t k = 1; k < slots; ++k)
+      if (!(bounds[k] * (1 - 0x1p-16) >= err0 * (1 + e))) todo[count++] = k;  /* a NaN bound stays to do */
+    for (int64_t start = 0; start < count; start += 8) {
+      __m256 acc[8];
+      const int64_t n = count - start < 8 ? count - start : 8;
+      for (int64_t i = 0; i < 8; ++i) {
+        const int64_t k = todo[start + (i < n ? i : 0)];
+        acc[i] = sq_error_lanes(x, full, _mm256_set1_ps(scales[k]), _mm256_set1_ps(biases[k]), _mm256_set1_ps(inverses[k]),
+                                levels_v);
+      }
+      float lanes[8];
+      _mm256_storeu_ps(lanes, lane_sums(acc));
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t k = todo[start + i];
+        sums[k] = lanes[i] + tail_sq_error(x, full, dim, scales[k], biases[k], inverses[k], levels);
+      }
+    }
+    /* the choice: the first least error among the candidates, taken only if below min/max's (a candidate ruled out
+       by its bound has an error >= min/max's: never taken) */
+    int64_t best = 0;
+    int settled = isfinite(sums[0]) != 0;
+    if (settled && err0 != 0.0 && count > 0) {  /* an error of 0 is exact in any order: nothing is below it */
+      int64_t first = todo[0];
+      for (int64_t i = 0; i < count; ++i) {
+        settled &= isfinite(sums[todo[i]]) != 0;
+        if (sums[todo[i]] < sums[first]) first = todo[i];
+      }
+      /* a candidate with first's (scale, bias) has its error (a later one, tied: first wins); any other must be
+         clearly above it */
+      for (int64_t i = 0; settled && i < count; ++i) {
+        const int64_t k = todo[i];
+        if (k != first && !(same_bits(scales[k], scales[first]) && same_bits(biases[k], biases[first])))
+          settled = sums[first] * (1 + e) < sums[k] * (1 - e);
+      }
+      const int as_min_max = same_bits(scales[first], scales[0]) && same_bits(biases[first], biases[0]);
+      if (settled && !as_min_max) {
+        if (sums[first] * (1 + e) < err0 * (1 - e))
+          best = first;
+        else
+          settled = sums[first] * (1 - e) >= err0 * (1 + e);
+      }
+    }
+    if (!settled) {
+      ++undecided;
+      continue;
+    }
+    scale_out[r] = scales[best];
+    bias_out[r] = biases[best];
+    decided[r] = 1;
+  }
+  return undecided;
+}

@@ -1,4 +1,4 @@
-"""The INT8 row kernel (recship.quantize.int8_kernel) against fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf at
+"""The INT8 row kernel (recship.quantize.row_kernels) against fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf at
 8 bits: the same bytes on every kind of row, and the error fbgemm's own dequantization gives."""
 
 import math
@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from recship.modules.types import DataType
-from recship.quantize import int8_kernel
+from recship.quantize import row_kernels
 from recship.quantize.rowwise import quantize_measured, quantize_measured_into, quantize_rows
 
-pytestmark = pytest.mark.skipif(not int8_kernel.available(), reason="no C compiler, or a CPU without AVX2/F16C")
+pytestmark = pytest.mark.skipif(not row_kernels.available(), reason="no C compiler, or a CPU without AVX2/F16C")
 
 
 def _rows(kind: str, rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_bytes_and_error_equal_fbgemm(kind, dim):
     # strided outputs, as a TBE's row views are: [scale_bias | data | padding] per row
     storage = torch.full((w.shape[0], dim + 4 + 3), 0xAB, dtype=torch.uint8)
     data, scale_bias = storage[:, 4 : 4 + dim], storage[:, :4]
-    worst, total = int8_kernel.quantize_int8_into(w, data, scale_bias)
+    worst, total = row_kernels.quantize_int8_into(w, data, scale_bias)
     assert torch.equal(data, fused[:, :-4]) and torch.equal(scale_bias, fused[:, -4:])
     assert bool((storage[:, 4 + dim :] == 0xAB).all())  # nothing written past a row
     assert worst == float(err.max())
@@ -67,7 +67,7 @@ def test_rows_read_with_a_stride():
     w = wide[:, 16:80]  # rows 96 floats apart
     fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), 8)
     data, scale_bias = torch.empty(300, 64, dtype=torch.uint8), torch.empty(300, 4, dtype=torch.uint8)
-    int8_kernel.quantize_int8_into(w, data, scale_bias)
+    row_kernels.quantize_int8_into(w, data, scale_bias)
     assert torch.equal(data, fused[:, :-4]) and torch.equal(scale_bias, fused[:, -4:])
 
 
@@ -77,7 +77,7 @@ def test_a_row_that_cannot_be_stored_finite_is_reported(bad):
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
     w[17, 5] = bad
     data, scale_bias = torch.empty(40, 64, dtype=torch.uint8), torch.empty(40, 4, dtype=torch.uint8)
-    assert int8_kernel.quantize_int8_into(w, data, scale_bias) is None
+    assert row_kernels.quantize_int8_into(w, data, scale_bias) is None
     # through quantize_measured_into the error is not finite, as quantize_measured's
     _, worst, _ = quantize_measured(w, DataType.INT8)
     assert not math.isfinite(worst)
@@ -98,18 +98,114 @@ def test_quantize_rows_and_measured_into_give_the_kernels_bytes():
 def test_bad_arguments_are_refused():
     w = torch.randn(4, 8)
     with pytest.raises(ValueError, match=r"data \[4, 8\]"):
-        int8_kernel.quantize_int8_into(w, torch.empty(4, 9, dtype=torch.uint8), torch.empty(4, 4, dtype=torch.uint8))
+        row_kernels.quantize_int8_into(w, torch.empty(4, 9, dtype=torch.uint8), torch.empty(4, 4, dtype=torch.uint8))
     with pytest.raises(TypeError, match="float32"):
-        int8_kernel.quantize_int8_into(w.double(), torch.empty(4, 8, dtype=torch.uint8), torch.empty(4, 4, dtype=torch.uint8))
+        row_kernels.quantize_int8_into(w.double(), torch.empty(4, 8, dtype=torch.uint8), torch.empty(4, 4, dtype=torch.uint8))
 
 
 def test_the_compiled_kernel_is_cached_by_source(tmp_path, monkeypatch):
     monkeypatch.setenv("RECSHIP_CACHE_DIR", str(tmp_path))
-    assert int8_kernel.cache_dir() == tmp_path / "kernels"
-    int8_kernel._library.cache_clear()
+    assert row_kernels.cache_dir() == tmp_path / "kernels"
+    row_kernels._library.cache_clear()
     try:
-        assert int8_kernel.available()
+        assert row_kernels.available()
         built = list((tmp_path / "kernels").iterdir())
-        assert len(built) == 1 and built[0].name.startswith("rowwise_int8-") and built[0].suffix == ".so"
+        assert len(built) == 1 and built[0].name.startswith("rowwise-") and built[0].suffix == ".so"
     finally:
-        int8_kernel._library.cache_clear()
+        row_kernels._library.cache_clear()
+
+
+# -- the error-minimising search -------------------------------------------------------------------------------
+
+
+def _reference_best_range(w: torch.Tensor, bits: int):
+    """The search's definition written plainly: every candidate of rowwise's grid on every row in order, a
+    candidate replacing the best only where its squared error (torch's float32 sum) is strictly less."""
+    levels = 2**bits - 1
+
+    def qparams(lo, hi):
+        bias = lo.half().float()
+        scale = ((hi - bias) / levels).half().float()
+        return torch.where(scale == 0, torch.ones_like(scale), scale), bias
+
+    def sq_error(scale, bias):
+        d = torch.round((w - bias[:, None]) * (1.0 / scale)[:, None]).clamp(0, levels)
+        d = d * scale[:, None] + bias[:, None] - w
+        return (d * d).sum(dim=1)
+
+    lo, hi = torch.aminmax(w, dim=1)
+    span = hi - lo
+    best_scale, best_bias = qparams(lo, hi)
+    best = sq_error(best_scale, best_bias)
+    grid = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3)  # rowwise._CLIP_GRID, in its order
+    for a in grid:
+        for b in grid:
+            if (a, b) == (0.0, 0.0) or a + b >= 0.9:
+                continue
+            cut_a, cut_b = torch.tensor(a, dtype=torch.float32), torch.tensor(b, dtype=torch.float32)
+            scale, bias = qparams(lo + cut_a * span, hi - cut_b * span)
+            err = sq_error(scale, bias)
+            better = err < best  # NaN: never
+            best_scale, best_bias, best = torch.where(better, scale, best_scale), torch.where(better, bias, best_bias), torch.where(better, err, best)
+    return best_scale, best_bias
+
+
+def _search_rows(kind: str, rows: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "mirrored":  # symmetric rows: clipping the bottom or the top by the same fraction nearly ties
+        half = torch.randn(rows, (dim + 1) // 2, generator=g) * torch.rand(rows, 1, generator=g)
+        return torch.cat([half, -half], dim=1)[:, :dim].contiguous()
+    if kind == "few_values":  # 2-4 distinct values: many candidates with equal (scale, bias) or equal errors
+        values = torch.randn(rows, 4, generator=g)
+        return values.gather(1, torch.randint(0, 1 + int(torch.randint(1, 4, (1,), generator=g)), (rows, dim), generator=g))
+    if kind == "zero_ends":  # a min or max of 0, held as -0.0 or +0.0
+        w = torch.rand(rows, dim, generator=g) * torch.where(torch.rand(rows, 1, generator=g) < 0.5, 1.0, -1.0)
+        w[:, 0] = 0.0
+        w[::3, 1] = -0.0
+        return w
+    if kind == "tiny_range":  # a tiny range around a large value: coarse fp16 scale and bias, repeated candidates
+        return 100.0 + torch.rand(rows, dim, generator=g) * 10.0 ** -torch.randint(1, 6, (rows, 1), generator=g).float()
+    return _rows(kind, rows, dim, g)
+
+
+SEARCH_KINDS = ["random", "constant", "huge_range", "subnormal", "negative_zero", "ties", "mirrored", "few_values",
+                "zero_ends", "tiny_range"]
+
+
+@pytest.mark.parametrize("bits", [4, 2, 8])
+@pytest.mark.parametrize("dim", [64, 12, 130])
+def test_search_chooses_as_the_torch_search_on_every_row(bits, dim):
+    from recship.quantize.rowwise import _best_range, _search_block  # lazy: private helpers of the module under test
+
+    g = torch.Generator().manual_seed(bits * 100 + dim)
+    w = torch.cat([_search_rows(kind, 150, dim, g) for kind in SEARCH_KINDS])
+    w[7, 3], w[8, 5], w[9, 0] = float("nan"), float("inf"), -float("inf")
+    scale, bias = _best_range(w, bits)
+    old_scale, old_bias = _search_block(w, bits)  # the torch search on the whole block
+    ref_scale, ref_bias = _reference_best_range(w, bits)
+    bits_of = lambda t: t.view(torch.int32)  # noqa: E731 (NaN and -0.0 compared by their bits)
+    assert torch.equal(bits_of(scale), bits_of(old_scale)) and torch.equal(bits_of(bias), bits_of(old_bias))
+    assert torch.equal(bits_of(scale), bits_of(ref_scale)) and torch.equal(bits_of(bias), bits_of(ref_bias))
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_search_kernel_decides_ordinary_rows_and_leaves_near_ties(bits):
+    from recship.quantize.rowwise import _clip_candidates  # lazy: a private helper of the module under test
+
+    cut_lo, cut_hi = _clip_candidates()
+    g = torch.Generator().manual_seed(bits)
+    w = torch.randn(4000, 64, generator=g) * 0.1
+    scale, bias, decided = row_kernels.search_range(w, bits, cut_lo, cut_hi)
+    assert float(decided.float().mean()) > 0.99  # the torch search is the exception
+    ref_scale, ref_bias = _reference_best_range(w, bits)
+    assert torch.equal(scale[decided], ref_scale[decided]) and torch.equal(bias[decided], ref_bias[decided])
+    zero_min = torch.rand(50, 64, generator=g)
+    zero_min[:, 0] = 0.0
+    assert not bool(row_kernels.search_range(zero_min, bits, cut_lo, cut_hi)[2].any())  # torch's sign of zero
+
+
+def test_search_range_refuses_what_it_cannot_do():
+    cut = torch.zeros(64)
+    with pytest.raises(ValueError, match="64 and 64 cuts"):
+        row_kernels.search_range(torch.randn(4, 8), 4, cut, cut)
+    with pytest.raises(ValueError, match="5000"):
+        row_kernels.search_range(torch.randn(2, 5000), 4, cut[:3], cut[:3])
