@@ -133,6 +133,10 @@ def compile_package(
         options["cpp.march"] = target_isa
         if target_isa in ISA_VECTOR_BITS:
             options["cpp.simdlen"] = ISA_VECTOR_BITS[target_isa]
+            # the vector ISA is given: inductor takes those this CPU's flags list (/proc/cpuinfo) without compiling and
+            # loading a probe program for each (5 probes, 5-7 s of a cold export on 2 cores; cached only in inductor's
+            # cache folder); the ISA it picks is the same, and loaders check the host (aoti.cpu_supports)
+            options["cpp.vec_isa_ok"] = True
     path.parent.mkdir(parents=True, exist_ok=True)
     key = program_key(program, options, target_isa) if cache is not None else None
     hit = cache.get(key) if cache is not None and key is not None else None
