@@ -368,12 +368,13 @@ def test_a_new_version_is_served_by_the_front_and_a_removed_model_is_not_found(r
             for t in threads:
                 t.start()
             try:
-                time.sleep(0.2)
+                wait_until(lambda: seen or errors, what="a first answer (version 1)")
                 shutil.copytree(new_artifact, root / "dlrm" / ".incoming")
                 (root / "dlrm" / ".incoming").rename(root / "dlrm" / "2")  # a version appears complete
                 wait_until(lambda: [(m.name, m.serving_version) for m in client.stub.ListModels(pb.ListModelsRequest(), timeout=5).models]
                       == [("dlrm", 2)], what="ListModels to show version 2")
-                time.sleep(0.2)
+                listed = len(seen)
+                wait_until(lambda: errors or sum(v == 2 for v, _ in seen[listed:]) >= 6, what="answers of version 2")
             finally:
                 stop.set()
                 for t in threads:
