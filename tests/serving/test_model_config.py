@@ -43,6 +43,12 @@ def _put(staged, root, model, version):
     hidden.rename(root / model / str(version))
 
 
+def _configure(root, model, text):
+    """Writes the model's config.yaml with a rename, as a deployment would: a scan never reads it half written."""
+    (root / model / ".config.yaml").write_text(text)
+    (root / model / ".config.yaml").replace(root / model / "config.yaml")
+
+
 def _served(server, model):
     return [s.version for s in server.repo.versions(model)]
 
@@ -108,7 +114,7 @@ def test_all_then_an_edited_config_specific_one_serves_only_that_version(tmp_pat
     server = _server(root)
     try:
         assert _served(server, "m") == [3, 2, 1]
-        (root / "m" / "config.yaml").write_text("version_policy:\n  specific: [1]\n")  # picked up on the next scan
+        _configure(root, "m", "version_policy:\n  specific: [1]\n")  # picked up on the next scan
         wait_until(lambda: _served(server, "m") == [1], "version 1 alone")
         sparse, dense = dlrm_request(2, 2)
         with PredictClient(f"127.0.0.1:{server.port}") as client:
@@ -150,15 +156,15 @@ def test_per_model_batch_limit_a_bad_config_refuses_only_its_model_and_edits_tak
                 _predict(client, "bad", sparse5, dense5)
             assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
-            (root / "small" / "config.yaml").write_text("max-batch-size: 8\n")
-            (root / "bad" / "config.yaml").write_text("max-batch-size: 4\n")
+            _configure(root, "small", "max-batch-size: 8\n")
+            _configure(root, "bad", "max-batch-size: 4\n")
             wait_until(lambda: server.repo.get("small").spec.max_batch_size == 8, "small's new limit")
             wait_until(lambda: [m.name for m in server.repo.models()] == ["bad", "plain", "small"], "the fixed model")
             assert [e for e in repository_index(server.repo) if e["state"] != "READY"] == []
             version, got = _predict(client, "small", sparse5, dense5)
             np.testing.assert_array_equal(got["logit"], in_process(open_artifact(staged / "1")[0], sparse5, dense5)["logit"])
 
-            (root / "small" / "config.yaml").write_text("max-batch-size: 0\n")  # bad: small keeps serving, with its last good settings
+            _configure(root, "small", "max-batch-size: 0\n")  # bad: small keeps serving, with its last good settings
             wait_until(lambda: any(e["name"] == "small" and e["version"] == "" for e in repository_index(server.repo)), "the refusal")
             reason = next(e["reason"] for e in repository_index(server.repo) if e["name"] == "small" and e["version"] == "")
             assert reason == f"{root / 'small' / 'config.yaml'}: max-batch-size: takes an integer >= 1, got 0"
