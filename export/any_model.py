@@ -140,14 +140,19 @@ def _swap(model: nn.Module, paths: List[str], module: nn.Module) -> None:
 
 
 def tables_by_reference(module: nn.Module) -> Tuple[nn.Module, Callable[[str, str], torch.Tensor]]:
-    """(a copy of ``module`` whose EmbeddingBagCollections hold their tables on meta, ``load_table(path, table)``
-    reading a table from ``module`` itself): an in-memory model streams its tables as a checkpoint does, and
-    no float table is copied."""
+    """(a copy of ``module`` whose EmbeddingBagCollections hold their tables on meta and whose EmbeddingCollections
+    share ``module``'s own tables, ``load_table(path, table)`` reading an EBC table from ``module`` itself): an
+    in-memory model streams its tables as a checkpoint does, and no float table is copied. The export reads
+    ``module``'s tables and never writes them (it swaps the copy's collections for quantized ones): ``module`` is
+    left as it was."""
     memo: Dict[int, Any] = {}
     for _, m in module.named_modules():
         if type(m) is EmbeddingBagCollection:
             for p in m.parameters():
                 memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
+        elif type(m) is EmbeddingCollection:  # quantized whole from the copy's collection: its tables are these
+            for p in m.parameters():
+                memo[id(p)] = p
     copied = copy.deepcopy(module, memo)
 
     def load_table(path: str, table: str) -> torch.Tensor:

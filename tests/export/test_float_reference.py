@@ -13,6 +13,7 @@ from torch import nn
 from recship import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 from recship.export import ExportConfig, export_model, open_artifact
 from recship.export.any_model import synthetic_batch, tables_by_reference
+from recship.models import TwoTower
 
 
 def _remapped(features: KeyedJaggedTensor, scale: int, shift: int) -> KeyedJaggedTensor:
@@ -65,3 +66,16 @@ def test_tables_by_reference_copies_no_table_and_reads_the_models_own():
     assert load_table("shared", "t").data_ptr() == model.shared.embedding_bags["t"].weight.data_ptr()
     assert copied.head.weight.data_ptr() != model.head.weight.data_ptr()  # the dense part is the copy's own
     torch.testing.assert_close(copied.head.weight, model.head.weight, rtol=0, atol=0)
+
+
+def test_tables_by_reference_shares_embedding_collection_tables_and_leaves_the_model_as_it_was(tmp_path):
+    model = TwoTower(num_users=50, num_items=40)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copied, _ = tables_by_reference(model)
+    assert copied.history is not model.history  # a module of the copy's own ...
+    assert copied.history.embeddings["history_items"].weight is model.history.embeddings["history_items"].weight  # ... on the same table
+    assert copied.user_tables.embedding_bags["user_ids"].weight.device.type == "meta"
+    export_model(model, ExportConfig(out=str(tmp_path / "art"), dtype="int4", progress=False, format="torchscript"))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert type(model.history).__name__ == "EmbeddingCollection"  # not swapped for a quantized one
