@@ -2,10 +2,12 @@
 """Fixtures shared across test folders (the small artifacts, each exported once per session; the C++ loader's binary)
 and the one place tests get their markers (slow, cpp, distributed, gpu)."""
 
+import fcntl
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import pytest
 import torch
@@ -28,6 +30,12 @@ def compile_cache(tmp_path_factory) -> Path:
     return folder
 
 
+def _xdist_run_folder(tmp_path_factory) -> Optional[Path]:
+    """The temp folder that this run's pytest-xdist workers share (the parent of each one's basetemp); None when the
+    session is not an xdist worker."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
+
+
 @pytest.fixture(scope="session")
 def small_artifacts(tmp_path_factory):
     """``small_artifacts(model="dlrm", dtype="int8", device="cpu", format="torchscript", shards=1) -> Path``: each
@@ -36,7 +44,7 @@ def small_artifacts(tmp_path_factory):
     dlrm: a DLRM of 26 features cat_i (SMALL_ROWS[i] rows, dim 8), dense 13, outputs logit and prob [B, 1].
     emb: a weighted EmbeddingBagCollection, table a (40 x 16, MEAN) for x and y, table b (30 x 8) for z,
     whose ids take the modulo policy. Both are built after ``torch.manual_seed(0)``. Treat the folders as
-    read-only (copy one to change it): every test of the session shares them.
+    read-only (copy one to change it): every test of the session shares them, and under pytest-xdist every worker.
     """
     from recship.export import ExportConfig, export_model
     from recship.trainer import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
@@ -67,9 +75,26 @@ def small_artifacts(tmp_path_factory):
             raise ValueError(f"small_artifacts: model must be 'dlrm' or 'emb', got {model!r}")
         if shards > 1:
             extra.update(shards=shards, sharding="row_wise")
-        out = tmp_path_factory.mktemp("artifact") / f"{model}_{dtype}_{device}_{format}_{shards}"
-        export_model(module, ExportConfig(out=str(out), dtype=dtype, device=device, progress=False, validation_batches=1,
-                                          validation_batch_size=32, format=format, **extra))
+
+        def export(out: Path) -> None:
+            export_model(module, ExportConfig(out=str(out), dtype=dtype, device=device, progress=False, validation_batches=1,
+                                              validation_batch_size=32, format=format, **extra))
+
+        name = f"{model}_{dtype}_{device}_{format}_{shards}"
+        shared = _xdist_run_folder(tmp_path_factory)
+        if shared is None:
+            out = tmp_path_factory.mktemp("artifact") / name
+            export(out)
+        else:  # under pytest-xdist: the first worker to ask exports it, the others wait for it and share it
+            out = shared / "small-artifacts" / name
+            out.parent.mkdir(exist_ok=True)
+            with open(out.parent / f"{name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not out.exists():
+                    partial = out.parent / f"{name}.partial"
+                    shutil.rmtree(partial, ignore_errors=True)
+                    export(partial)
+                    partial.rename(out)
         built[key] = out
         return out
 
