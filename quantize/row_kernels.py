@@ -5,6 +5,7 @@
   (~2 GB/s per core here, against ~10 GB/s for its AVX2 INT4 path), and the error report needed a dequantize
   and a diff over the rows again. This kernel does both in one pass and writes straight into the TBE's row
   views (strided).
+- ``quantize_with``: rows quantized with given (scale, bias) (``rowwise._codes`` and ``_pack``) in one pass.
 - ``search_range``: the error-minimising search's choice of (scale, bias) (``rowwise._best_range``), all
   candidates of a row in one pass over it where torch made ~7 passes per candidate; the rows whose choice a
   float sum's order could change are left to the torch search.
@@ -76,6 +77,8 @@ def _library() -> Optional[ctypes.CDLL]:
     lib.recship_quantize_int8.restype = i64
     lib.recship_quantize_int8.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, i64, ctypes.POINTER(ctypes.c_float),
                                           ctypes.POINTER(ctypes.c_double)]
+    lib.recship_quantize_with.restype = i64
+    lib.recship_quantize_with.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64]
     lib.recship_search_range.restype = i64
     lib.recship_search_range.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr]
     return lib
@@ -104,6 +107,29 @@ def quantize_int8_into(w: torch.Tensor, data: torch.Tensor, scale_bias: torch.Te
     bad = lib.recship_quantize_int8(w.data_ptr(), rows, dim, w.stride(0), data.data_ptr(), data.stride(0),
                                     scale_bias.data_ptr(), scale_bias.stride(0), ctypes.byref(worst), ctypes.byref(total))
     return None if bad else (worst.value, total.value)
+
+
+def quantize_with(w: torch.Tensor, bits: int, scale: torch.Tensor, bias: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """Rows ``w`` [rows, dim] float32 (columns contiguous) quantized to ``bits`` (2, 4 or 8) with ``scale``, ``bias``
+    [rows] float32 (fp16 values): (data [rows, ceil(dim * bits / 8)] uint8, scale_bias [rows, 4] uint8), as rowwise.py's
+    ``_pack(_codes(...))`` and fp16 (scale, bias) give them; None where a code is not a number (a NaN or inf in a row,
+    whose bytes rowwise.py decides). The kernel must be ``available()``."""
+    lib = _library()
+    assert lib is not None, "quantize_with needs available()"
+    rows, dim = w.shape
+    if bits not in (2, 4, 8):
+        raise ValueError(f"quantize_with packs 2, 4 or 8 bits, got {bits}")
+    if w.dtype != torch.float32 or w.stride(1) != 1 or scale.dtype != torch.float32 or bias.dtype != torch.float32:
+        raise TypeError(f"quantize_with takes float32 rows with contiguous columns and float32 scale/bias, got {w.dtype} "
+                        f"stride {w.stride()}, {scale.dtype}, {bias.dtype}")
+    if scale.shape != (rows,) or bias.shape != (rows,):
+        raise ValueError(f"quantize_with: {rows} rows need scale and bias [{rows}], got {tuple(scale.shape)} and {tuple(bias.shape)}")
+    scale, bias = scale.contiguous(), bias.contiguous()
+    data = torch.empty(rows, (dim * bits + 7) // 8, dtype=torch.uint8)
+    scale_bias = torch.empty(rows, 4, dtype=torch.uint8)
+    bad = lib.recship_quantize_with(w.data_ptr(), rows, dim, w.stride(0), bits, scale.data_ptr(), bias.data_ptr(), data.data_ptr(),
+                                    data.stride(0), scale_bias.data_ptr(), scale_bias.stride(0))
+    return None if bad else (data, scale_bias)
 
 
 # the kernel's limits (its arrays; its error bound needs dim * 2^-24 small)

@@ -143,7 +143,7 @@ def _search_block_fast(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.
     """_search_block's choice by the row kernel (quantize/row_kernels.py: every candidate of a row in one pass); the
     rows it leaves undecided (near ties a float sum's order could turn, NaN/inf, a zero min or max) by _search_block."""
     cut_lo, cut_hi = _clip_candidates()
-    scale, bias, decided = row_kernels.search_range(w.contiguous(), bits, cut_lo, cut_hi)
+    scale, bias, decided = row_kernels.search_range(_columns_contiguous(w), bits, cut_lo, cut_hi)
     left = (~decided).nonzero()[:, 0]
     if left.numel():
         # at least two rows, as every block _search_block sees (a lone row's sum may take another order)
@@ -151,6 +151,11 @@ def _search_block_fast(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.
         found_scale, found_bias = _search_block(w.index_select(0, rows), bits)
         scale[left], bias[left] = found_scale[: left.numel()], found_bias[: left.numel()]
     return scale, bias
+
+
+def _columns_contiguous(w: torch.Tensor) -> torch.Tensor:
+    """``w`` [rows, dim] itself where each row's values are adjacent (the row kernels take any row stride), else a copy."""
+    return w if w.stride(1) == 1 else w.contiguous()
 
 
 def _search_block(w: torch.Tensor, bits: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -256,11 +261,15 @@ def quantize_rows(w: torch.Tensor, data_type: DataType, error_minimizing: bool =
             if _fbgemm_layout(w.shape[0], w.shape[1], bits) and bool(torch.isfinite(hi - lo).all()):
                 if bits == 8 and row_kernels.available():  # the same bytes, faster (quantize/row_kernels.py)
                     data, scale_bias = w.new_empty(w.shape, dtype=torch.uint8), w.new_empty((w.shape[0], 4), dtype=torch.uint8)
-                    if row_kernels.quantize_int8_into(w.contiguous(), data, scale_bias) is not None:
+                    if row_kernels.quantize_int8_into(_columns_contiguous(w), data, scale_bias) is not None:
                         return QuantizedRows(data, scale_bias)
                 fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w.contiguous(), bits)  # [packed | scale | bias]
                 return QuantizedRows(fused[:, :-4], fused[:, -4:])
             scale, bias = _qparams(lo, hi, bits)
+        if row_kernels.available():  # the same bytes in one pass (quantize/row_kernels.py)
+            packed = row_kernels.quantize_with(_columns_contiguous(w), bits, scale, bias)
+            if packed is not None:
+                return QuantizedRows(*packed)
         data = _pack(_codes(w, scale, bias, bits), bits)
         scale_bias = torch.stack([scale.half(), bias.half()], dim=1).view(torch.uint8)
         return QuantizedRows(data, scale_bias)
@@ -309,7 +318,7 @@ def quantize_measured_into(w: torch.Tensor, data_type: DataType, error_minimizin
     w = w.detach().float()
     if (data_type == DataType.INT8 and not error_minimizing and scale_bias is not None and _fbgemm_layout(w.shape[0], w.shape[1], 8)
             and row_kernels.available()):
-        measured = row_kernels.quantize_int8_into(w.contiguous(), data, scale_bias)
+        measured = row_kernels.quantize_int8_into(_columns_contiguous(w), data, scale_bias)
         if measured is not None:
             return measured
     q, worst, total = quantize_measured(w, data_type, error_minimizing)

@@ -350,3 +350,58 @@ __attribute__((target("avx2,f16c"))) int64_t recship_search_range(const float* w
   }
   return undecided;
 }
+
+/* ------------------------------------------------------------------------------------------------------
+ * Rows quantized with given (scale, bias): recship.quantize.rowwise's _codes and _pack, bit for bit.
+ * code = clamp(round_half_even((x - bias) * (1 / scale)), 0, 2^bits - 1), packed low bits first (8 / bits codes a
+ * byte, the last byte of a row padded with zero codes); scale_bias holds [fp16(scale) | fp16(bias)]. Returns the
+ * number of values whose code is not a number (a NaN or inf in the row, a NaN scale or bias): then the rows are
+ * not rowwise.py's, and the caller quantizes them there.
+ */
+__attribute__((target("avx2,f16c"))) int64_t recship_quantize_with(const float* w, int64_t rows, int64_t dim, int64_t w_stride,
+                                                                   int bits, const float* scale, const float* bias, uint8_t* data,
+                                                                   int64_t data_stride, uint8_t* scale_bias, int64_t sb_stride) {
+  const float levels = (float)((1 << bits) - 1);
+  const int per_byte = 8 / bits;
+  const int64_t full = dim / 8 * 8;
+  const __m256 zero = _mm256_setzero_ps(), top = _mm256_set1_ps(levels);
+  int64_t bad = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = w + r * w_stride;
+    uint8_t* out = data + r * data_stride;
+    const float inverse = 1.0f / scale[r];
+    const uint16_t qparams[2] = {to_half(scale[r]), to_half(bias[r])};
+    memcpy(scale_bias + r * sb_stride, qparams, sizeof(qparams));
+    const __m256 bias_v = _mm256_set1_ps(bias[r]), inverse_v = _mm256_set1_ps(inverse);
+    uint8_t codes[8];
+    __m256 ordered = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+    int64_t c = 0;
+    for (; c < full; c += 8) {
+      __m256 d = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), bias_v), inverse_v),
+                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      ordered = _mm256_and_ps(ordered, _mm256_cmp_ps(d, d, _CMP_ORD_Q));
+      d = _mm256_min_ps(_mm256_max_ps(d, zero), top);
+      const __m256i q = _mm256_cvttps_epi32(d);
+      const __m128i q16 = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+      _mm_storel_epi64((__m128i*)codes, _mm_packus_epi16(q16, q16));
+      for (int i = 0; i < 8; i += per_byte) {
+        uint8_t byte = 0;
+        for (int j = 0; j < per_byte; ++j) byte |= (uint8_t)(codes[i + j] << (j * bits));
+        out[(c + i) / per_byte] = byte;
+      }
+    }
+    bad += 8 - __builtin_popcount(_mm256_movemask_ps(ordered));
+    for (; c < dim; ++c) {
+      float d = nearbyintf((x[c] - bias[r]) * inverse);
+      if (d != d) {
+        ++bad;
+        d = 0.0f;
+      }
+      d = d < 0.0f ? 0.0f : (d > levels ? levels : d);
+      const int64_t byte = c / per_byte, shift = (c % per_byte) * bits;
+      if (shift == 0) out[byte] = 0;
+      out[byte] |= (uint8_t)((int)d << shift);
+    }
+  }
+  return bad;
+}

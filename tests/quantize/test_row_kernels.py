@@ -209,3 +209,28 @@ def test_search_range_refuses_what_it_cannot_do():
         row_kernels.search_range(torch.randn(4, 8), 4, cut, cut)
     with pytest.raises(ValueError, match="5000"):
         row_kernels.search_range(torch.randn(2, 5000), 4, cut[:3], cut[:3])
+
+
+# -- rows quantized with given (scale, bias) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("dim", [64, 12, 13, 130, 3])
+def test_quantize_with_gives_the_torch_codes_and_packing(bits, dim):
+    from recship.quantize.rowwise import _best_range, _codes, _pack, _qparams  # lazy: private helpers of the module under test
+
+    g = torch.Generator().manual_seed(bits * 1000 + dim)
+    w = torch.cat([_search_rows(kind, 40, dim, g) for kind in SEARCH_KINDS])
+    lo, hi = torch.aminmax(w, dim=1)
+    for scale, bias in (_qparams(lo, hi, bits), _best_range(w, bits)):
+        data, scale_bias = row_kernels.quantize_with(w, bits, scale, bias)
+        assert torch.equal(data, _pack(_codes(w, scale, bias, bits), bits))
+        assert torch.equal(scale_bias, torch.stack([scale.half(), bias.half()], dim=1).view(torch.uint8))
+    w[5, dim // 2] = float("nan")
+    assert row_kernels.quantize_with(w, bits, scale, bias) is None  # a NaN's code is torch's business
+    # rows read with a stride; an inf or -inf value with finite (scale, bias): the top code and 0, as torch's clamp
+    wide = torch.randn(6, dim + 7, generator=g)
+    wide[1, 3], wide[2, 2 + dim] = float("inf"), -float("inf")
+    scale, bias = torch.full((6,), 0.25), torch.full((6,), -1.0)
+    data, _ = row_kernels.quantize_with(wide[:, 3 : 3 + dim], bits, scale, bias)
+    assert torch.equal(data, _pack(_codes(wide[:, 3 : 3 + dim].contiguous(), scale, bias, bits), bits))
