@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops the packages call)
 import torch
-from torch.export.pt2_archive._package import AOTICompiledModel
+import torch.utils._pytree as pytree
 
 from recship.export.tables import unowned
 
@@ -201,6 +201,27 @@ def load(source: Union[Path, bytes]) -> Any:
         except zipfile.BadZipFile as e:
             raise AotiError(f"{'the model.pt2 bytes' if isinstance(source, bytes) else source}: not a model.pt2 package: {e}") from None
         with quiet():
-            return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(folder), "model", False, 1, -1))
+            return CompiledPackage(torch._C._aoti.AOTIModelPackageLoader(str(folder), "model", False, 1, -1))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+class CompiledPackage:
+    """A loaded package (``loader``: torch's AOTIModelPackageLoader), called with positional tensors as the module
+    it was compiled from. torch's own wrapper (torch.export.pt2_archive._package.AOTICompiledModel) does the same,
+    but importing its module imports torch._dynamo and sympy: 1.1 to 2 s of a server's start on 2 cores."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __call__(self, *args: Any) -> Any:
+        out_spec = pytree.treespec_loads(self.loader.get_call_spec()[1])
+        flat = [x for x in pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
+        return pytree.tree_unflatten(self.loader.boxed_run(flat), out_spec)
+
+    def load_constants(self, constants: Dict[str, torch.Tensor], *, check_full_update: bool, user_managed: bool = False) -> None:
+        """Takes ``constants`` (fqn -> tensor); ``user_managed``: their memory itself, which the caller keeps alive."""
+        self.loader.load_constants(constants, False, check_full_update, user_managed)
+
+    def get_constant_fqns(self) -> List[str]:
+        return self.loader.get_constant_fqns()

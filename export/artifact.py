@@ -131,7 +131,8 @@ FORMATS = LOAD_FORMATS
 
 
 def open_artifact(
-    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto"
+    path: Union[str, Path], check: bool = True, trusted: Optional[Collection[str]] = None, format: str = "auto",
+    accept: Optional[Callable[[Manifest], None]] = None,
 ) -> Tuple[Any, Manifest]:
     """(the model, Manifest), the artifact verified as a unit first; with ``check``, its sample runs too.
 
@@ -145,12 +146,15 @@ def open_artifact(
     model(dense, lengths, values, weights) -> Dict[str, Tensor], in blocks of the manifest's ``row_block``
     examples where it has one (``RowBlocks``: an answer does not depend on the batch it ran in).
     ``trusted``: sha256s of manifest.json files allowed to load (None: any); a listed manifest
-    pins every file through its checksums.
+    pins every file through its checksums. ``accept(manifest)``: the caller's own check of the manifest, once read
+    and before anything else (raises to refuse the artifact): a server's device, without reading the manifest twice.
     """
     if format not in FORMATS:
         raise ArtifactError(f"format must be one of {FORMATS}, got {format!r}")
     path = Path(path)
     manifest = Manifest.read(path, trusted)  # 1-2: the contract's open order (recship/contract/__init__.py)
+    if accept is not None:
+        accept(manifest)
     _check_versions(path, manifest)
     if manifest.model_sha256 is None and format == "torchscript":
         raise ArtifactError(f"{path} has no model.pt: TorchScript could not compile this model at export, its program is "

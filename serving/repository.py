@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Callable, Dict, FrozenSet, List, Optional, Tup
 from recship.contract.manifest import ArtifactError, Manifest
 from recship.contract.repository import MODEL_NAME, VERSION_NAME, parse_version, version_folders  # VERSION_NAME: for serving.kserve
 from recship.export.artifact import open_artifact
-from recship.serving.batcher import Batcher
+from recship.serving.batcher import Batcher, DeviceThread
 from recship.serving.metrics import Metrics
 from recship.serving.requests import ModelSpec, shown
 from recship.serving.settings import (MODEL_CONFIG, ConfigError, ModelSettings, config_value, default_torch_threads, read_model_config,
@@ -88,12 +88,14 @@ class ServedVersion:
         self.files = _signature(path)  # before loading: files that change during the load are loaded again
         self.refused_files: Optional[Tuple] = None  # the state of its files that last failed to load again
         self.reloaded = False  # loaded again because its files changed (for the log line)
-        built_for = Manifest.read(path).sharding.device
-        if built_for != config.device:
-            raise ArtifactError(f"{path}: exported for {built_for}, but this server runs on {config.device} (--device)")
+
+        def on_this_device(manifest: Manifest) -> None:
+            if manifest.sharding.device != config.device:
+                raise ArtifactError(f"{path}: exported for {manifest.sharding.device}, but this server runs on {config.device} (--device)")
+
         # verified as a unit (manifest, every file it lists, sample self-check); model.pt2 (AOTInductor) or
         # model.pt as --model-format says; ``trusted``: the allow-list of manifest sha256s
-        self.model, self.manifest = open_artifact(path, check=True, trusted=trusted, format=config.model_format)
+        self.model, self.manifest = open_artifact(path, check=True, trusted=trusted, format=config.model_format, accept=on_this_device)
         self.format = getattr(self.model, "format", "torchscript")
         self._repo = repo
         self._configure(settings or ModelSettings.defaults(config))
@@ -140,7 +142,7 @@ class ServedVersion:
             self.model, s.max_batch_size, s.max_delay_ms / 1000.0, s.max_queue,
             observe=functools.partial(metrics.observe_batch, name, str(version)), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
-            device_lock=self._repo.device_lock, threads=s.torch_threads or default_torch_threads(),
+            forwards=self._repo.forwards, threads=s.torch_threads or default_torch_threads(),
             on_death=died, batching=s.batching,
         )
 
@@ -204,7 +206,7 @@ class ModelRepository:
             read_trusted(config.trusted_sha256)  # a bad allow-list is an error at start, not a silent refusal of everything
         self.metrics = metrics
         self.defaults = ModelSettings.defaults(config)
-        self.device_lock = threading.Lock()  # one forward at a time on the server's device, across models
+        self.forwards = DeviceThread(config.device)  # one forward at a time on the server's device, across models, on one thread
         self._lock = threading.Lock()  # guards _serving and _unavailable (read by request threads)
         self._scanning = threading.Lock()  # one scan at a time
         self._serving: Dict[str, Dict[int, ServedVersion]] = {}  # model -> version -> served
@@ -563,6 +565,7 @@ class ModelRepository:
         with self._lock:  # nothing keeps a stopped repository's models: they are freed now, not at a later GC
             self._serving.clear()
             self._mirror = None
+        self.forwards.stop()
         release_memory()
 
 

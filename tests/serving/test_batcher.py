@@ -224,3 +224,45 @@ def test_a_dead_worker_fails_its_requests_refuses_new_ones_and_reports():
     with pytest.raises(WorkerDied):
         b.submit(_req(1, 1))
     b.stop()  # returns: the thread is gone
+
+
+def test_batchers_sharing_a_device_thread_run_their_forwards_on_it_one_at_a_time():
+    from recship.serving.batcher import DeviceThread
+
+    class Where(Echo):
+        """Echo recording the thread of each forward, its intra-op threads, and how many forwards ran at once."""
+
+        def __init__(self, running):
+            super().__init__(delay=0.01)
+            self.threads, self.running = [], running
+
+        def __call__(self, dense, lengths, values, weights):
+            self.running.append(1)
+            self.threads.append((threading.current_thread().name, torch.get_num_threads(), len(self.running)))
+            try:
+                return super().__call__(dense, lengths, values, weights)
+            finally:
+                self.running.pop()
+
+    device, running = DeviceThread("test"), []
+    models = [Where(running), Where(running)]
+    batchers = [Batcher(m, max_batch_size=4, forwards=device, threads=t) for m, t in zip(models, (1, 2))]
+    try:
+        futures = [(b, i, b.submit(_req(1, i))) for i in range(12) for b in batchers]
+        for b, i, f in futures:
+            assert torch.equal(f.result(timeout=30)["out"], _expected(_req(1, i)))
+        for m, t in zip(models, (1, 2)):
+            assert {name for name, _, _ in m.threads} == {"forwards-test"}
+            assert {n for _, n, _ in m.threads} == {t}  # each batcher's intra-op threads, set before its forwards
+            assert max(at_once for _, _, at_once in m.threads) == 1
+        failing = Batcher(lambda *inputs: 1 / 0, forwards=device)  # its failure is its batch's, not the device thread's
+        with pytest.raises(ZeroDivisionError):
+            failing.submit(_req(1, 0)).result(timeout=30)
+        failing.stop()
+        assert batchers[0].submit(_req(1, 0)).result(timeout=30)["out"].shape == (1, 1)
+    finally:
+        for b in batchers:
+            b.stop()
+        device.stop()
+    with pytest.raises(Exception, match="stopping"):
+        device.run(lambda: None)

@@ -6,6 +6,50 @@
 
 namespace recship::front {
 
+DeviceThread::~DeviceThread() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  ready_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void DeviceThread::run(std::function<void()> forward, int threads) {
+  std::future<void> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    jobs_.push_back(Job{std::move(forward), threads, {}});
+    done = jobs_.back().done.get_future();
+  }
+  ready_.notify_one();
+  done.get();
+}
+
+void DeviceThread::main() {
+  int threads = 0;  // what this thread's intra-op threads were last set to
+  while (true) {
+    Job job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ready_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, and every forward given has run
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    if (job.threads > 0 && job.threads != threads) {
+      recship::set_intra_op_threads(job.threads);
+      threads = job.threads;
+    }
+    try {
+      job.forward();
+      job.done.set_value();
+    } catch (...) {  // the caller's to handle
+      job.done.set_exception(std::current_exception());
+    }
+  }
+}
+
 Batcher::Batcher(Front* front, std::shared_ptr<const recship::Model> m, std::string n, int64_t v, Batching s)
     : name(std::move(n)), version(v), model(std::move(m)), settings(s), front_(front) {
   thread_ = std::thread([this] { main(); });
@@ -32,7 +76,6 @@ void Batcher::stop() {
 }
 
 void Batcher::main() {
-  if (settings.torch_threads > 0) recship::set_intra_op_threads(settings.torch_threads);
   std::vector<Call*> batch;
   while (collect(batch)) {
     if (!batch.empty()) run(batch);
@@ -94,8 +137,7 @@ void Batcher::run(const std::vector<Call*>& batch) {
   const auto started = Clock::now();
   std::vector<recship::NamedOutputs> outputs;
   try {
-    std::lock_guard<std::mutex> device(front_->device);
-    outputs = model->predict_batch(inputs);
+    front_->device.run([&] { outputs = model->predict_batch(inputs); }, settings.torch_threads);
   } catch (const std::exception& e) {  // the model failed: this batch's calls get the error, the worker goes on
     sampled_log().log("forward failed", "ERROR", "forward failed for a batch of " + std::to_string(live.size()) + " requests: " + e.what());
     for (Call* call : live) call->refuse(tables.internal, {{"type", "Error"}, {"error", e.what()}});

@@ -4,6 +4,8 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -26,10 +28,37 @@ struct Batching {
   int torch_threads = 0;      // intra-op threads per forward; 0: torch's default
 };
 
-// Queues Predict calls for one model version and runs them in merged batches on one thread: the oldest call waits
-// up to max_delay for company, a batch holds at most max_batch_size examples, calls whose client gave up or whose
-// deadline passed are answered without running, a failing forward fails only its batch, and every call gets
-// exactly its own rows.
+// The one thread that runs the forwards of every batcher, one at a time in the order given (as serving/batcher.py's
+// DeviceThread): a thread that runs forwards keeps what they cost after they end, its OpenMP team of intra-op
+// threads and its malloc arena holding its largest batch's freed activations (glibc), so one per device, not one per
+// served model.
+class DeviceThread {
+ public:
+  DeviceThread() : thread_([this] { main(); }) {}
+  ~DeviceThread();  // runs the forwards given, then ends the thread
+  // Runs forward() on the device's thread with `threads` intra-op threads (0: as they are); returns once it ran,
+  // throwing what it threw.
+  void run(std::function<void()> forward, int threads);
+
+ private:
+  struct Job {
+    std::function<void()> forward;
+    int threads;
+    std::promise<void> done;
+  };
+  void main();
+
+  std::mutex mu_;
+  std::condition_variable ready_;
+  std::deque<Job> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: started once the members above exist
+};
+
+// Queues Predict calls for one model version and runs them in merged batches (their forwards on the front's
+// DeviceThread): the oldest call waits up to max_delay for company, a batch holds at most max_batch_size examples,
+// calls whose client gave up or whose deadline passed are answered without running, a failing forward fails only
+// its batch, and every call gets exactly its own rows.
 class Batcher {
  public:
   enum class Submitted { kQueued, kFull, kStopped };

@@ -49,7 +49,7 @@ class Front {
   const Config config;
   Stats stats;
   Admission admission;
-  std::mutex device;  // one forward at a time on this process's CPU, across models (as the Python server does)
+  DeviceThread device;  // one forward at a time on this process's CPU, across models, on one thread (as the Python server)
   std::atomic<bool> accepting{true};
   grpc::GenericStub stub;
 
