@@ -10,12 +10,11 @@
   candidates of a row in one pass over it where torch made ~7 passes per candidate; the rows whose choice a
   float sum's order could change are left to the torch search.
 
-The C file is compiled on first use (plain C, no torch headers: ~0.3 s) into a cache folder,
-``$RECSHIP_CACHE_DIR/kernels``, else ``$XDG_CACHE_HOME/recship/kernels``, else ``~/.cache/recship/kernels``, under
-a name holding the hash of its source and flags (an atomic rename: concurrent exports are safe), and loaded
-with ctypes, which releases the GIL during the call: row blocks run on several threads. Where there is no C
-compiler (``$CC`` or ``cc``), or the CPU lacks AVX2/F16C, ``available()`` is False and callers use fbgemm's op
-and the torch search, which give the same bytes.
+The C file is compiled on first use (plain C, no torch headers: ~0.3 s) into ``cache_dir()``
+(``~/.cache/recship/kernels``) under a name holding the hash of its source, compiler and flags (written by
+an atomic rename: concurrent exports are safe), and loaded with ctypes, which releases the GIL during the
+call: row blocks run on several threads. Where there is no C compiler (``$CC`` or ``cc``), or the CPU lacks
+AVX2/F16C, ``available()`` is False and callers use fbgemm's op and the torch search (the same bytes, slower).
 """
 
 import ctypes
@@ -39,9 +38,8 @@ FLAGS = ("-O2", "-shared", "-fPIC", "-ffp-contract=off", "-std=gnu11")
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels are kept (read at each call: the environment may change between exports)."""
-    if os.environ.get("RECSHIP_CACHE_DIR"):
-        return Path(os.environ["RECSHIP_CACHE_DIR"]) / "kernels"
+    """Where compiled kernels are kept: ``$XDG_CACHE_HOME/recship/kernels``, else ``~/.cache/recship/kernels`` (read at
+    each call: the environment may change between exports)."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "recship" / "kernels"
 

@@ -1,5 +1,8 @@
-"""The INT8 row kernel (recship.quantize.row_kernels) against fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf at
-8 bits: the same bytes on every kind of row, and the error fbgemm's own dequantization gives."""
+"""The row kernels (recship.quantize.row_kernels) against what they replace, on random and adversarial rows (constant,
+huge-range, subnormal, -0.0, ties, mirrored, few-valued, zero-ended, tiny-range; NaN/inf where said):
+the INT8 kernel against fbgemm's FloatToFusedNBitRowwiseQuantizedSBHalf at 8 bits (the same bytes, the error fbgemm's
+own dequantization gives); the search against a plain reference of its definition and the torch search (the same
+(scale, bias) on every row); quantize_with against rowwise's torch codes and packing."""
 
 import math
 
@@ -8,7 +11,8 @@ import torch
 
 from recship.modules.types import DataType
 from recship.quantize import row_kernels
-from recship.quantize.rowwise import quantize_measured, quantize_measured_into, quantize_rows
+from recship.quantize.rowwise import (_best_range, _clip_candidates, _codes, _pack, _qparams, _search_block, quantize_measured,
+                                      quantize_measured_into, quantize_rows)
 
 pytestmark = pytest.mark.skipif(not row_kernels.available(), reason="no C compiler, or a CPU without AVX2/F16C")
 
@@ -104,12 +108,12 @@ def test_bad_arguments_are_refused():
 
 
 def test_the_compiled_kernel_is_cached_by_source(tmp_path, monkeypatch):
-    monkeypatch.setenv("RECSHIP_CACHE_DIR", str(tmp_path))
-    assert row_kernels.cache_dir() == tmp_path / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert row_kernels.cache_dir() == tmp_path / "recship" / "kernels"
     row_kernels._library.cache_clear()
     try:
         assert row_kernels.available()
-        built = list((tmp_path / "kernels").iterdir())
+        built = list((tmp_path / "recship" / "kernels").iterdir())
         assert len(built) == 1 and built[0].name.startswith("rowwise-") and built[0].suffix == ".so"
     finally:
         row_kernels._library.cache_clear()
@@ -174,7 +178,6 @@ SEARCH_KINDS = ["random", "constant", "huge_range", "subnormal", "negative_zero"
 @pytest.mark.parametrize("bits", [4, 2, 8])
 @pytest.mark.parametrize("dim", [64, 12, 130])
 def test_search_chooses_as_the_torch_search_on_every_row(bits, dim):
-    from recship.quantize.rowwise import _best_range, _search_block  # lazy: private helpers of the module under test
 
     g = torch.Generator().manual_seed(bits * 100 + dim)
     w = torch.cat([_search_rows(kind, 150, dim, g) for kind in SEARCH_KINDS])
@@ -182,14 +185,14 @@ def test_search_chooses_as_the_torch_search_on_every_row(bits, dim):
     scale, bias = _best_range(w, bits)
     old_scale, old_bias = _search_block(w, bits)  # the torch search on the whole block
     ref_scale, ref_bias = _reference_best_range(w, bits)
-    bits_of = lambda t: t.view(torch.int32)  # noqa: E731 (NaN and -0.0 compared by their bits)
+    def bits_of(t):  # NaN and -0.0 compared by their bits
+        return t.view(torch.int32)
     assert torch.equal(bits_of(scale), bits_of(old_scale)) and torch.equal(bits_of(bias), bits_of(old_bias))
     assert torch.equal(bits_of(scale), bits_of(ref_scale)) and torch.equal(bits_of(bias), bits_of(ref_bias))
 
 
 @pytest.mark.parametrize("bits", [4, 2])
 def test_search_kernel_decides_ordinary_rows_and_leaves_near_ties(bits):
-    from recship.quantize.rowwise import _clip_candidates  # lazy: a private helper of the module under test
 
     cut_lo, cut_hi = _clip_candidates()
     g = torch.Generator().manual_seed(bits)
@@ -217,7 +220,6 @@ def test_search_range_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("dim", [64, 12, 13, 130, 3])
 def test_quantize_with_gives_the_torch_codes_and_packing(bits, dim):
-    from recship.quantize.rowwise import _best_range, _codes, _pack, _qparams  # lazy: private helpers of the module under test
 
     g = torch.Generator().manual_seed(bits * 1000 + dim)
     w = torch.cat([_search_rows(kind, 40, dim, g) for kind in SEARCH_KINDS])
