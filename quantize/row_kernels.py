@@ -54,19 +54,13 @@ def _library() -> Optional[ctypes.CDLL]:
     key = hashlib.sha256(source + "\0".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / f"rowwise-{key}.so"
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
-        os.close(fd)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
-            if done.returncode:
-                log.warning("compiling %s failed (%s); rows are quantized by fbgemm's op and torch (the same bytes, slower): %s",
-                            SOURCE, compiler, done.stderr.strip()[-500:])
-                return None
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            _compile(compiler, target)
+        except (OSError, subprocess.CalledProcessError) as e:
+            why = e.stderr.strip()[-500:] if isinstance(e, subprocess.CalledProcessError) else str(e)
+            log.warning("compiling %s into %s failed (%s); rows are quantized by fbgemm's op and torch (the same bytes, slower)",
+                        SOURCE, target, why)
+            return None
     lib = ctypes.CDLL(str(target))
     if not lib.recship_int8_supported():
         log.info("this CPU lacks AVX2/F16C: rows are quantized by fbgemm's op and torch")
@@ -80,6 +74,19 @@ def _library() -> Optional[ctypes.CDLL]:
     lib.recship_search_range.restype = i64
     lib.recship_search_range.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, i64, ptr, ptr, ptr]
     return lib
+
+
+def _compile(compiler: str, target: Path) -> None:
+    """Compiles SOURCE into ``target`` through a temporary file beside it, renamed into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def available() -> bool:

@@ -236,3 +236,19 @@ def test_quantize_with_gives_the_torch_codes_and_packing(bits, dim):
     scale, bias = torch.full((6,), 0.25), torch.full((6,), -1.0)
     data, _ = row_kernels.quantize_with(wide[:, 3 : 3 + dim], bits, scale, bias)
     assert torch.equal(data, _pack(_codes(wide[:, 3 : 3 + dim].contiguous(), scale, bias, bits), bits))
+
+
+def test_a_cache_folder_that_cannot_be_written_leaves_the_torch_paths(tmp_path, monkeypatch, caplog):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    row_kernels._library.cache_clear()
+    try:
+        assert not row_kernels.available()
+        assert "rows are quantized by fbgemm's op and torch" in caplog.text
+        w = torch.randn(100, 64, generator=torch.Generator().manual_seed(0))
+        fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(w, 8)
+        q = quantize_rows(w, DataType.INT8)
+        assert torch.equal(q.data, fused[:, :-4])
+    finally:
+        row_kernels._library.cache_clear()
