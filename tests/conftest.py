@@ -24,8 +24,11 @@ os.environ["RECSHIP_AOTI"] = "0"
 @pytest.fixture(scope="session", autouse=True)
 def compile_cache(tmp_path_factory) -> Path:
     """model.pt2's compile cache of this session (export/compile_cache.py; subprocesses inherit it), not the user's
-    ~/.cache: a test compiles a model the session compiled before from it, as a re-export does."""
-    folder = tmp_path_factory.mktemp("compile-cache")
+    ~/.cache: a test compiles a model the session compiled before from it, as a re-export does. Under pytest-xdist
+    the workers share one (the cache is safe for concurrent exports: entries are renamed into place whole)."""
+    shared = _xdist_run_folder(tmp_path_factory)
+    folder = shared / "compile-cache" if shared is not None else tmp_path_factory.mktemp("compile-cache")
+    folder.mkdir(exist_ok=True)
     os.environ["RECSHIP_CACHE_DIR"] = str(folder)
     return folder
 
