@@ -18,7 +18,9 @@ these share their tables' pages with the version they replace once their own fil
 the old one they cannot); a second version with equal tables beside the first (its tables.bin
 hard-linked to the first's, as an export whose tables did not change leaves it); and ``recship_predict``'s peak RSS (VmHWM) over its
 own with a small artifact of the same model (--rows 1000). "table bytes" are the quantized rows
-(the sum of the features' rows x row bytes).
+(the sum of the features' rows x row bytes). Per model, for each configuration: what each of --models
+models adds to a server serving one, in PSS and threads, every model having answered requests of 1, 64
+and 512 examples (copies of the export whose equal tables are shared: what a model costs besides them).
 
 ``--model dlrm`` (default): --tables tables of --rows x --dim, saved with torch.save and exported
 from the loaded module in a second child. ``--model two_tower`` (recship.models:TwoTower, --tables
@@ -78,6 +80,20 @@ seconds = time.perf_counter() - start
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 print(json.dumps({"seconds": seconds, "hwm": hwm, "float_bytes": float_bytes, "built_rss": built}))
 """
+TRAFFIC = """  # each model answers requests of 1, 64 and 512 examples: its forwards' costs count
+import json, sys
+import numpy as np
+from recship.serving.client import PredictClient
+port, names, manifest = int(sys.argv[1]), sys.argv[2].split(","), json.load(open(sys.argv[3]))
+g = np.random.default_rng(0)
+with PredictClient(f"127.0.0.1:{port}", timeout=300) as client:
+    for name in names:
+        for batch in (1, 64, 512):
+            sparse = {f["name"]: [[int(i)] for i in g.integers(0, f["rows"], batch)] for f in manifest["sparse_features"]}
+            weights = {f["name"]: [[1.0]] * batch for f in manifest["sparse_features"] if f.get("weighted")} or None
+            dense = g.random((batch, manifest["num_dense"]), dtype=np.float32) if manifest["num_dense"] else None
+            client.predict(name, sparse, dense=dense, weights=weights)
+"""
 MODEL_NAMES = {"dlrm": "dlrm", "two_tower": "two_tower"}  # --model -> the name it is exported and served under
 
 
@@ -116,11 +132,11 @@ class Served:
     """A `recship serve` process on ``repo``; ``memory()`` -> (RSS MiB, PSS MiB) of it and its children."""
 
     def __init__(self, python: str, repo: Path, *flags: str, wait_for: Optional[str]) -> None:
-        self.http = _free_port()
+        self.http, self.port = _free_port(), _free_port()
         self.log = tempfile.TemporaryFile("w+")  # the server's log, for the error if it exits
         recship = str(Path(python).parent / "recship")
         self.start = time.perf_counter()
-        self.proc = subprocess.Popen([recship, "serve", "--model-repo", str(repo), "--port", str(_free_port()),
+        self.proc = subprocess.Popen([recship, "serve", "--model-repo", str(repo), "--port", str(self.port),
                                       "--http-port", str(self.http), "--poll-interval", "0.2", *flags],
                                      stdout=subprocess.DEVNULL, stderr=self.log)
         self.ready_s = self.wait(wait_for or "/v2/health/live")
@@ -140,6 +156,12 @@ class Served:
         time.sleep(1.0)
         pids = _tree(self.proc.pid)
         return (sum(_kib(p, "VmRSS") for p in pids) / 1024, sum(_kib(p, "Pss", "smaps_rollup") for p in pids) / 1024)
+
+    def threads(self) -> int:
+        """Threads named as their process (Python's, OpenMP's, the front's own; not gRPC's pools)."""
+        pids = _tree(self.proc.pid)
+        return sum(Path(f"/proc/{p}/task/{t}/comm").read_text() == Path(f"/proc/{p}/comm").read_text()
+                   for p in pids for t in os.listdir(f"/proc/{p}/task"))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -172,6 +194,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dtype", default="int8")
     parser.add_argument("--format", default="both", choices=["both", "torchscript"])
     parser.add_argument("--reloads", type=int, default=5)
+    parser.add_argument("--models", type=int, default=5, help="models served at once for the per-model figures")
     parser.add_argument("--python", default=sys.executable, help="the interpreter whose recship is measured (default: this one)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--json", default=None, help="also write the figures to this file")
@@ -254,6 +277,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 _copy_version(work / "export", repo / name, 1)
                 continue
             s.stop()
+        for config, flags in configs.items():
+            figures.update(_per_model(py, work, name, config, flags, args.models, env))
         small = work / "small"  # recship_predict's own footprint: the same model with 1000 rows (DLRM: per table)
         shutil.rmtree(small, ignore_errors=True)
         _export(py, args.model, args.tables, 1000, args.dim, args.dtype, args.format, work, small, env)
@@ -266,6 +291,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))
     return 0
+
+
+def _per_model(py: str, work: Path, name: str, config: str, flags: List[str], models: int, env: Dict[str, str]) -> Dict[str, float]:
+    """What each of ``models`` - 1 more models costs a server serving one (PSS MiB, threads), every model having
+    answered requests of 1, 64 and 512 examples: copies of the export under other names, moved in while it serves,
+    their tables.bin hard-linked (equal tables are shared: what a copy adds is what a model costs besides its tables)."""
+    repo, staged = work / "models", work / "staged"
+    shutil.rmtree(repo, ignore_errors=True)
+    shutil.rmtree(staged, ignore_errors=True)
+    names = [name] + [f"{name}_{i}" for i in range(2, models + 1)]
+    for n in names:
+        shutil.copytree(work / "export", staged / n / "1", ignore=shutil.ignore_patterns("tables.bin"))
+        os.link(work / "export" / "tables.bin", staged / n / "1" / "tables.bin")
+    repo.mkdir()
+    os.rename(staged / name, repo / name)
+    manifest = str(work / "export" / "manifest.json")
+    s = Served(py, repo, *flags, wait_for=f"/v2/models/{name}/ready")
+    try:
+        _child([py, "-c", TRAFFIC, str(s.port), name, manifest], env)
+        one_pss, one_threads = s.memory()[1], s.threads()
+        for n in names[1:]:
+            os.rename(staged / n, repo / n)
+        for n in names[1:]:
+            s.wait(f"/v2/models/{n}/ready")
+        _child([py, "-c", TRAFFIC, str(s.port), ",".join(names), manifest], env)
+        more = len(names) - 1
+        return {f"per_model_pss_mib_{config}": (s.memory()[1] - one_pss) / more, f"per_model_threads_{config}": (s.threads() - one_threads) / more}
+    finally:
+        s.stop()
+        shutil.rmtree(repo, ignore_errors=True)
 
 
 def _export(py: str, model: str, tables: int, rows: int, dim: int, dtype: str, fmt: str, work: Path, repo: Path,
