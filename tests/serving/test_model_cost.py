@@ -149,8 +149,8 @@ def test_serving_a_model_imports_no_compiler(small_artifacts, format):
 
 
 def test_a_load_reads_and_checks_the_manifest_once(small_artifact, tmp_path, monkeypatch):
-    """A served version's manifest is read and checked against the schema once per load (the server checked its
-    device by reading it a second time: 0.18 s for the 26 x 100k x 64 DLRM's 38 KB manifest on 2 cores)."""
+    """A served version's manifest is read and checked against the schema once per load (the server read and checked
+    it a second time to learn its device: 10 ms more per load for the 26 x 100k x 64 DLRM's 38 KB manifest on 2 cores)."""
     from recship.contract import manifest as contract
     from recship.serving.server import Server, ServerConfig
     from model_requests import model_repo
