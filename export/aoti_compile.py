@@ -16,7 +16,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -139,32 +139,22 @@ def compile_package(
             options["cpp.vec_isa_ok"] = True
     path.parent.mkdir(parents=True, exist_ok=True)
     key = program_key(program, options, target_isa) if cache is not None else None
-    hit = cache.get(key) if cache is not None and key is not None else None
-    if hit is not None:
-        data: Union[bytes, memoryview] = hit.package
-        write_bytes(path, data, f"writing {path.name}")
-        fqns = hit.constant_fqns
-        log.info("model.pt2: the compiled program of this graph from the compile cache (%s)", hit.folder)
+    if cache is None or key is None:
+        fqns = _compile(program, options, path)
     else:
-        # packaged into memory, then written: torch's zip writer aborts the process (std::terminate in a destructor)
-        # when the disk fills under it, where Python's write raises ENOSPC
-        package = io.BytesIO()
-        try:
-            with quiet():
-                torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
-        except OSError:  # the disk's (full, read-only), not the compiler's: said as such
-            raise
-        except Exception as e:
-            raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
-        data = package.getbuffer()
-        write_bytes(path, data, f"writing {path.name}")
-        fqns = load(path).get_constant_fqns()
-        if cache is not None and key is not None:
-            baked = baked_constants(program, fqns)
-            if baked:
-                log.warning("model.pt2 not cached: inductor compiled constants into it by value (%s)", ", ".join(baked[:5]))
+        with cache.compiling(key):  # an export compiling this program now: waited for, then its entry taken
+            hit = cache.get(key)
+            if hit is not None:
+                write_bytes(path, hit.package, f"writing {path.name}")
+                fqns = hit.constant_fqns
+                log.info("model.pt2: the compiled program of this graph from the compile cache (%s)", hit.folder)
             else:
-                cache.put(key, bytes(data), fqns)
+                fqns = _compile(program, options, path)
+                baked = baked_constants(program, fqns)
+                if baked:
+                    log.warning("model.pt2 not cached: inductor compiled constants into it by value (%s)", ", ".join(baked[:5]))
+                else:
+                    cache.put(key, path.read_bytes(), fqns)
     seconds = time.perf_counter() - start
     return AotiPackage(
         path, target_isa or "native",
@@ -182,6 +172,22 @@ def _constants_as_buffers(program: Any) -> Any:
         if spec.kind == InputKind.CONSTANT_TENSOR:
             spec.kind, spec.persistent = InputKind.BUFFER, False
     return program
+
+
+def _compile(program: Any, options: Dict[str, object], path: Path) -> List[str]:
+    """AOTInductor's package of ``program`` written to ``path``; returns the constants it takes at load (their fqns)."""
+    # packaged into memory, then written: torch's zip writer aborts the process (std::terminate in a destructor)
+    # when the disk fills under it, where Python's write raises ENOSPC
+    package = io.BytesIO()
+    try:
+        with quiet():
+            torch._inductor.aoti_compile_and_package(program, package_path=package, inductor_configs=options)
+    except OSError:  # the disk's (full, read-only), not the compiler's: said as such
+        raise
+    except Exception as e:
+        raise AotiError(f"AOTInductor compilation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+    write_bytes(path, package.getbuffer(), f"writing {path.name}")
+    return list(load(path).get_constant_fqns())
 
 
 def _needed_constants(fqns: List[str], program: Any) -> Dict[str, torch.Tensor]:

@@ -25,13 +25,14 @@ value) is not stored.
 
 Layout: ``<folder>/<key>/`` holding ``model.pt2`` and ``entry.json`` (the key, the package's sha256 and
 size, the constants it takes). An entry is written into a hidden temporary folder and renamed into
-place, so readers see it whole or not at all; two exports that miss at once both compile, the first
-rename wins and the other's is dropped. An entry that fails its checks (sha256, size, its key, the
+place, so readers see it whole or not at all; an export that misses while another process compiles the same
+program waits for it (``compiling``: a lock per key) and takes its entry. An entry that fails its checks (sha256, size, its key, the
 package's own archive) is logged, removed and rebuilt, never loaded. The folder is bounded to
 ``max_bytes`` (default 1 GiB), least recently used entries removed first (a hit refreshes its time).
 A cache that cannot be read or written is logged and skipped: the export goes on without it.
 """
 
+import fcntl
 import hashlib
 import io
 import json
@@ -44,9 +45,10 @@ import sys
 import time
 import uuid
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import fbgemm_gpu
 import torch
@@ -128,6 +130,27 @@ class CompileCache:
             pass
         return Hit(package, list(meta["constants"]), entry)
 
+    @contextmanager
+    def compiling(self, key: str) -> Iterator[None]:
+        """Held while this process compiles ``key``'s program: another export of the same program waits for it
+        (then finds it in the cache) instead of compiling it too. An advisory lock (flock) on ``.lock-<key>``, released
+        by the kernel however the holder ends; a cache folder that cannot take it is compiled into without it."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.folder / f".lock-{key}", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("model.pt2: another export is compiling the same program into %s; waiting for it", self.folder)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # (the lock file stays: removing it would let a third export lock another file of that name)
+
     def put(self, key: str, package: bytes, constant_fqns: List[str]) -> None:
         """Stores ``package`` under ``key`` (atomically; a racing export's entry is kept), then prunes the folder
         to ``max_bytes``. A cache that cannot be written is logged, not raised: the export does not need it."""
@@ -155,6 +178,8 @@ class CompileCache:
         the temporary folders of exports that are gone; returns the keys removed."""
         entries = []
         for path in self.folder.iterdir():
+            if path.name.startswith(".lock-"):
+                continue
             if path.name.startswith(".tmp-"):
                 pid = path.name.split("-")[1]
                 if pid.isdigit() and not _alive(int(pid)):

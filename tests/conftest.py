@@ -135,7 +135,7 @@ SLOW = {  # what takes long on 2 cores (pytest --durations): trainings, AOTInduc
     "export/test_aoti.py::test_two_tower_with_an_embedding_collection_compiles",
     "export/test_aoti_folder.py::aoti_artifact",
     "export/test_compile_cache.py::test_a_hit_equals_a_fresh_compile_bitwise_and_a_corrupt_entry_is_rebuilt",  # 3 compiles
-    "export/test_compile_cache.py::test_two_exports_into_one_cache_at_once_both_succeed",
+    "export/test_compile_cache.py::test_two_exports_into_one_cache_at_once_both_succeed_and_one_compiles",
     "export/test_artifact_integrity.py::both",  # the small DLRM with model.pt2
     "export/test_export.py::test_sharded_artifact_equals_the_dequantized_model_at_any_batch_size",
     "export/test_staged_tables.py::test_rows_quantized_into_the_file_equal_the_written_ones",

@@ -256,7 +256,7 @@ def _assert_bitwise(a, b):
 def test_a_hit_equals_a_fresh_compile_bitwise_and_a_corrupt_entry_is_rebuilt(tmp_path, caplog):
     cache = tmp_path / "cache"
     _export(tmp_path / "first", 0, str(cache))  # a miss: compiled and stored
-    (entry,) = cache.iterdir()
+    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".lock-")]
     with caplog.at_level(logging.INFO, logger="recship.export.aoti_compile"):
         _export(tmp_path / "hit", 1, str(cache))  # the same architecture, retrained: a hit
     assert "from the compile cache" in caplog.text
@@ -276,7 +276,8 @@ def test_a_hit_equals_a_fresh_compile_bitwise_and_a_corrupt_entry_is_rebuilt(tmp
 
 
 _CONCURRENT = """
-import sys
+import logging, sys
+logging.basicConfig(level=logging.INFO)
 sys.path.insert(0, sys.argv[3])
 from pathlib import Path
 from test_compile_cache import _export
@@ -285,13 +286,18 @@ _export(Path(sys.argv[1]), 0, sys.argv[2], "aoti")
 
 
 @needs_compiler
-def test_two_exports_into_one_cache_at_once_both_succeed(tmp_path):
+def test_two_exports_into_one_cache_at_once_both_succeed_and_one_compiles(tmp_path):
+    """Two exports of one model at once: the second to reach the compile waits for the first's, then takes its entry."""
     cache = tmp_path / "cache"
     runs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, str(tmp_path / name), str(cache), str(Path(__file__).parent)],
                              stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
+    errs = []
     for run in runs:
         _, err = run.communicate(timeout=600)
         assert run.returncode == 0, err
-    (entry,) = [p for p in cache.iterdir()]  # one entry, no temporary folder
+        errs.append(err)
+    assert sum("from the compile cache" in err for err in errs) == 1, errs  # one compiled, the other took its entry
+    (entry,) = [p for p in cache.iterdir() if not p.name.startswith(".")]
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == [f".lock-{entry.name}"]  # no temporary folder
     assert CompileCache(cache).get(entry.name) is not None
     _assert_bitwise(_answers(tmp_path / "a", "aoti"), _answers(tmp_path / "b", "aoti"))
