@@ -39,14 +39,19 @@ demo: $(STAMP) cpp-deps
 	$(VENV)/bin/recship demo
 
 # -rs prints why each skipped test was skipped (no GPU; a compiler that cannot link the sanitizers: the C++
-# tests' AddressSanitizer + UBSan run, tests/cpp_loader/test_cpp_sanitized.py, is part of the suite)
+# tests' AddressSanitizer + UBSan run, tests/cpp_loader/test_cpp_sanitized.py, is part of the suite).
+# pytest-xdist runs the tests on a worker per core (at most 4: each holds torch and the models of its tests), a
+# module's tests on one worker (--dist loadscope: a module's fixtures are built once); TEST_WORKERS=0 runs them in
+# this process. --durations=25 names where the time went.
+TEST_WORKERS ?= auto --maxprocesses=4
+PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadscope --durations=25
 test: $(STAMP) cpp-deps
-	$(PY) -m pytest -q -rs
+	$(PYTEST)
 
-# the quick loop (under 3 minutes on 2 cores): every package, without the tests marked slow, cpp (the C++ build),
+# the quick loop (about 2 minutes on 2 cores): every package, without the tests marked slow, cpp (the C++ build),
 # distributed (several ranks) or gpu; tests/conftest.py assigns the markers, `make test` runs them all
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -rs -m "not slow and not cpp and not distributed and not gpu"
+	$(PYTEST) -m "not slow and not cpp and not distributed and not gpu"
 
 # only that sanitizer run (its build is cached in build/cpp_loader_sanitize, as the normal one in build/cpp_loader)
 test-sanitize: $(STAMP) cpp-deps
