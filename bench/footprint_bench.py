@@ -19,8 +19,9 @@ the old one they cannot); a second version with equal tables beside the first (i
 hard-linked to the first's, as an export whose tables did not change leaves it); and ``recship_predict``'s peak RSS (VmHWM) over its
 own with a small artifact of the same model (--rows 1000). "table bytes" are the quantized rows
 (the sum of the features' rows x row bytes). Per model, for each configuration: what each of --models
-models adds to a server serving one, in PSS and threads, every model having answered requests of 1, 64
-and 512 examples (copies of the export whose equal tables are shared: what a model costs besides them).
+models adds to a server serving one, in PSS (but for the pages of tables.bin files) and threads, every
+model having answered requests of 1, 64 and 512 examples (copies of the export whose equal tables are
+shared: what a model costs besides them).
 
 ``--model dlrm`` (default): --tables tables of --rows x --dim, saved with torch.save and exported
 from the loaded module in a second child. ``--model two_tower`` (recship.models:TwoTower, --tables
@@ -156,6 +157,19 @@ class Served:
         time.sleep(1.0)
         pids = _tree(self.proc.pid)
         return (sum(_kib(p, "VmRSS") for p in pids) / 1024, sum(_kib(p, "Pss", "smaps_rollup") for p in pids) / 1024)
+
+    def pss_besides_tables(self) -> float:
+        """PSS MiB of it and its children but for their mappings of tables.bin files (whose pages are resident as the
+        kernel and the requests' ids decide: the per-model figures leave them out)."""
+        kib = 0
+        for p in _tree(self.proc.pid):
+            tables = False
+            for line in Path(f"/proc/{p}/smaps").read_text().splitlines():
+                if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+                    tables = line.rstrip().removesuffix(" (deleted)").endswith("/tables.bin")
+                elif line.startswith("Pss:") and not tables:
+                    kib += int(line.split()[1])
+        return kib / 1024
 
     def threads(self) -> int:
         """Threads named as their process (Python's, OpenMP's, the front's own; not gRPC's pools)."""
@@ -294,9 +308,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _per_model(py: str, work: Path, name: str, config: str, flags: List[str], models: int, env: Dict[str, str]) -> Dict[str, float]:
-    """What each of ``models`` - 1 more models costs a server serving one (PSS MiB, threads), every model having
-    answered requests of 1, 64 and 512 examples: copies of the export under other names, moved in while it serves,
-    their tables.bin hard-linked (equal tables are shared: what a copy adds is what a model costs besides its tables)."""
+    """What each of ``models`` - 1 more models costs a server serving one (PSS MiB but for tables.bin's pages, threads),
+    every model having answered requests of 1, 64 and 512 examples: copies of the export under other names, moved in
+    while it serves, their tables.bin hard-linked (equal tables are shared: what a copy adds is what a model costs
+    besides them)."""
     repo, staged = work / "models", work / "staged"
     shutil.rmtree(repo, ignore_errors=True)
     shutil.rmtree(staged, ignore_errors=True)
@@ -310,14 +325,17 @@ def _per_model(py: str, work: Path, name: str, config: str, flags: List[str], mo
     s = Served(py, repo, *flags, wait_for=f"/v2/models/{name}/ready")
     try:
         _child([py, "-c", TRAFFIC, str(s.port), name, manifest], env)
-        one_pss, one_threads = s.memory()[1], s.threads()
+        time.sleep(1.0)
+        one_pss, one_threads = s.pss_besides_tables(), s.threads()
         for n in names[1:]:
             os.rename(staged / n, repo / n)
         for n in names[1:]:
             s.wait(f"/v2/models/{n}/ready")
         _child([py, "-c", TRAFFIC, str(s.port), ",".join(names), manifest], env)
         more = len(names) - 1
-        return {f"per_model_pss_mib_{config}": (s.memory()[1] - one_pss) / more, f"per_model_threads_{config}": (s.threads() - one_threads) / more}
+        time.sleep(1.0)
+        return {f"per_model_pss_mib_{config}": (s.pss_besides_tables() - one_pss) / more,
+                f"per_model_threads_{config}": (s.threads() - one_threads) / more}
     finally:
         s.stop()
         shutil.rmtree(repo, ignore_errors=True)

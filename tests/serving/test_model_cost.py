@@ -6,9 +6,11 @@ first's: each copy's tables.bin is verified, then its tensors are the first copy
 copies add is what a model costs besides its tables. Before each measure every model answers requests of 1, 64 and
 512 examples: its forwards' costs count (the threads that ran them, what the allocator keeps of their activations).
 
-Measured on 2 cores (per added model, summed PSS of the processes): model.pt2 about 2 MiB and 1 thread, model.pt
-about 13 MiB (its TorchScript code and the executor's optimized graph of it), the C++ front about 2 MiB; with a thread
-per model running its forwards (the code before): 4.4, 15 and 4.4 MiB, 2 threads per model (with 2 intra-op threads).
+Measured by bench/footprint_bench.py on 2 cores (26 x 100k x 64 INT8, per added model, summed PSS of the processes):
+model.pt2 1.5 MiB, model.pt 14 MiB (its TorchScript code, 3.6 MiB, and the graph executor's optimized plans of it,
+which take a 512-example forward from 4.2 to 2.7 ms of CPU), the C++ front 2.1 MiB; when each model's forwards ran on
+its own batcher thread: 4.7, 15.6 and 5.0 MiB, and one thread more per model (its own OpenMP team's, at 2 intra-op
+threads; a team has a thread per core but one).
 The bound is the issue's goal, 20 MB per model.
 """
 
@@ -47,10 +49,15 @@ def _processes(pid: int) -> List[int]:
 
 
 def _pss_bytes(pids: List[int]) -> int:
+    """PSS of ``pids`` but for their mappings of tables.bin files (whose pages are resident as the kernel and the
+    requests' ids decide; the copies share the first model's)."""
     total = 0
     for pid in pids:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
+        tables = False
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's first line
+                tables = line.rstrip().removesuffix(" (deleted)").endswith("/tables.bin")
+            elif line.startswith("Pss:") and not tables:
                 total += int(line.split()[1]) * 1024
     return total
 
