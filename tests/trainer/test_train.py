@@ -69,11 +69,21 @@ def _gathered_after_load(rank, world_size, checkpoint, sharding):
     return tables, states, {k: v.clone() for k, v in dmp.unwrapped.over_arch.state_dict().items()}
 
 
+@pytest.fixture(scope="module")
+def row_wise_run(tmp_path_factory):
+    """(run folder, its checkpoint): 4 steps on 2 ranks, row-wise; trained once, each test resumes a copy."""
+    out = tmp_path_factory.mktemp("row_wise_run")
+    saved = launch(small(out, steps=4, nproc_per_node=2, sharding="row_wise"))
+    return out, Path(saved["checkpoint"])
+
+
 @pytest.mark.parametrize("world_size, sharding", [(1, "table_wise"), (3, "column_wise"), (2, "table_wise")])
-def test_checkpoint_reshards_on_load(tmp_path, world_size, sharding):
+def test_checkpoint_reshards_on_load(row_wise_run, tmp_path, world_size, sharding):
     from gloo_ranks import run_ranks
 
-    saved = launch(small(tmp_path, steps=4, nproc_per_node=2, sharding="row_wise"))
+    run, checkpoint = row_wise_run
+    shutil.copytree(run, tmp_path, dirs_exist_ok=True)
+    saved = {"checkpoint": str(tmp_path / checkpoint.relative_to(run))}
     want_tables, want_dense = _tables(saved["checkpoint"])
     # the saved row-wise adagrad state, read back with DCP in one process
     import torch.distributed.checkpoint as dcp
