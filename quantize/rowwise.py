@@ -328,7 +328,7 @@ def quantize_measured_into(w: torch.Tensor, data_type: DataType, error_minimizin
     if (scale_bias is None) != (q.scale_bias is None):
         raise ValueError(f"{data_type.name} rows {'have' if q.scale_bias is not None else 'have no'} scale/bias, but the block "
                          f"{'has no' if scale_bias is None else 'has'} scale_bias storage (None for FP types)")
-    if scale_bias is not None:
+    if scale_bias is not None and q.scale_bias is not None:  # (both or neither, checked above)
         scale_bias.copy_(q.scale_bias)
     return worst, total
 
