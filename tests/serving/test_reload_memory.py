@@ -155,7 +155,11 @@ def test_hot_reloads_free_the_replaced_version(exports, tmp_path, format, front,
         leftovers = {p: _deleted_tables(p) for p in pids}
         assert not any(leftovers.values()), f"removed versions' tables are still mapped (60 s after): {leftovers}"
         grown = _private_kib(pids) - base
-        assert grown * 1024 < 0.2 * table_bytes, \
+        # the bound: a fifth of the tables, plus one model's fixed cost (<= 20 MB, tests/serving/test_model_cost.py): the
+        # heap a retired model.pt freed is not always returned to the system by now (seen once under pytest-xdist: 11 MB
+        # after 5 reloads); a leak of each retired version is 5 of them (a TorchScript model ~13 MB, its rows' heap
+        # copy 93 MB: both caught)
+        assert grown * 1024 < 0.2 * table_bytes + 20e6, \
             f"anonymous RSS grew by {grown} KiB over 5 reloads ({table_bytes / 1024:.0f} KiB of tables)"
     finally:
         proc.terminate()
