@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     print("outputs: " + ", ".join(f"{k} {v.shape}" for k, v in m.outputs.items()))
     print(f"forwards: blocks of {m.row_block} examples (an answer does not depend on its batch)" if m.row_block
           else "forwards: whole batches (row_block 0: an answer's last bits may depend on its batch)")
-    rows = [(f.name, f.table, f.pooling.lower(), f"{f.rows} x {f.dim}", f.weight_type.lower(), f.id_policy) for f in m.sparse_features]
-    print(text_table(("feature", "table", "pooling", "rows x dim", "type", "ids"), rows))
+    rows = [(f.name, f.table, f.pooling.lower(), f"{f.rows} x {f.dim}", f.weight_type.lower(), f.id_policy,
+             "yes" if f.weighted else "no") for f in m.sparse_features]
+    print(text_table(("feature", "table", "pooling", "rows x dim", "type", "ids", "weighted"), rows))
     s = m.sharding
     print(f"sharding: {s.num_devices} {s.device} device(s), row alignment {s.row_alignment}, {len(s.shards)} shards")
     print(report_text(m.to_dict()))
