@@ -15,7 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from recship.flags import json_object, one_of
 from recship.logs import configure_logging
-from recship.names import DEVICES, EXPORT_DTYPES, EXPORT_FORMATS, INFERENCE_SHARDINGS, LOG_FORMATS, MODEL_NAME
+from recship.names import DEVICE_CHOICES, EXPORT_DTYPES, EXPORT_FORMATS, INFERENCE_SHARDINGS, LOG_FORMATS, MODEL_NAME
 
 if TYPE_CHECKING:
     from recship.export.config import ExportConfig
@@ -58,8 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--error-budget", type=float,
                         help="the largest allowed error: per table for auto types, of the outputs in validation "
                              "(default: 0.01 for auto types, no limit in validation)")
-    parser.add_argument("--device", default="cpu", type=one_of(DEVICES, "device"), choices=DEVICES,
-                        help="the device the artifact will run on, which decides row alignment (default cpu)")
+    parser.add_argument("--device", default="cpu", type=one_of(DEVICE_CHOICES, "device"), choices=DEVICE_CHOICES,
+                        help="the device the artifact will run on, which decides row alignment; auto: cuda where torch "
+                             "sees a GPU, else cpu (default cpu)")
     parser.add_argument("--shards", type=int, default=1, help="devices to spread the tables over (default 1)")
     parser.add_argument("--sharding", type=one_of(SHARDINGS, "sharding"), choices=SHARDINGS,
                         help="shard every table this way, in either case (default: the planner picks per table)")

@@ -7,7 +7,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 
 from recship.export.blocks import DEFAULT_ROW_BLOCK
-from recship.names import DEVICES, EXPORT_FORMATS, ID_POLICIES, INFERENCE_SHARDINGS, MODEL_NAME
+from recship.flags import resolve_device
+from recship.names import DEVICE_CHOICES, EXPORT_FORMATS, ID_POLICIES, INFERENCE_SHARDINGS, MODEL_NAME
 from recship.plots import require
 from recship.quantize.quantizer import QuantConfig
 
@@ -31,7 +32,8 @@ class ExportConfig:
     table_dtypes: table -> type overrides.
     error_budget: for auto types, the largest per-table error; for validation, the
         largest allowed output error (|prob| for a DLRM, relative for embeddings).
-    device: "cpu" or "cuda"; shards: number of devices (on CPU: shards in host memory).
+    device: "cpu", "cuda" or "auto" (cuda where torch sees a GPU, else cpu; resolved here);
+        shards: number of devices (on CPU: shards in host memory).
     sharding: force table_wise / row_wise / column_wise for every table (default: planner).
     validation_batch_size: batch size of the validation batches.
     id_policy: feature -> "reject" (default) or "modulo".
@@ -93,8 +95,9 @@ class ExportConfig:
                 raise ExportError("overwrite does not apply to repo (--overwrite with --repo): every export is a new version")
         if self.format not in EXPORT_FORMATS:
             raise ExportError(f"format must be auto, torchscript, aoti or both, got {self.format!r}")
-        if self.device not in DEVICES:
-            raise ExportError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.device not in DEVICE_CHOICES:
+            raise ExportError(f"device must be cpu, cuda or auto, got {self.device!r}")
+        self.device = resolve_device(self.device)
         if self.device == "cuda" and torch.cuda.device_count() < self.shards:
             raise ExportError(f"{self.shards} cuda shard(s) asked for, {torch.cuda.device_count()} CUDA device(s) present")
         if isinstance(self.row_block, bool) or not isinstance(self.row_block, int) or self.row_block < 0:

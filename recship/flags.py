@@ -32,6 +32,15 @@ def one_of(names: Sequence[str], what: str) -> Callable[[str], str]:
     return parse
 
 
+def resolve_device(device: str) -> str:
+    """``device`` as one of DEVICES: "auto" is "cuda" where torch sees a GPU, else "cpu"; cpu and cuda stay."""
+    if device != "auto":
+        return device
+    import torch  # lazy: --help and flag errors stay torch-free
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def json_object(text: str) -> Dict[str, Any]:
     """An argparse ``type``: a JSON object (``--model-args '{"rows": 10}'``); anything else is an argument error."""
     try:

@@ -314,6 +314,7 @@ INFERENCE_TYPES = (DataType.INT8, DataType.INT4, DataType.INT2, DataType.FP8, Da
 AUTO = "auto"  # a table's type chosen per table by the error budget
 EXPORT_DTYPES = tuple(t.name.lower() for t in INFERENCE_TYPES) + (AUTO,)  # --dtype, --table-dtype
 DEVICES = ("cpu", "cuda")
+DEVICE_CHOICES = ("auto",) + DEVICES  # --device of train, export and serve: auto is cuda where torch sees a GPU, else cpu
 LOG_FORMATS = ("text", "json")
 EXPORT_FORMATS = ("auto", "torchscript", "aoti", "both")  # what export writes: model.pt, model.pt2 or both
 LOAD_FORMATS = ("auto", "torchscript", "aoti")  # what a loader runs (auto: model.pt2 where it runs here)

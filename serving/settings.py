@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from recship.cpus import usable_cpus
-from recship.flags import parse_mapping
-from recship.names import DEVICES, ID_POLICIES, LOAD_FORMATS
+from recship.flags import parse_mapping, resolve_device
+from recship.names import DEVICE_CHOICES, ID_POLICIES, LOAD_FORMATS
 from recship.oserrors import doing
 from recship.serving.rules import LIMITS
 from recship.serving.values import shown
@@ -127,7 +127,8 @@ class ServerConfig:
                                            default_text="usable CPUs (affinity, cgroup quota) - 1 from 3 up, else all")
     max_message_bytes: int = ruled("max_message_bytes", flag="--max-message-mb", megabytes_below=1024)
     max_inflight_bytes: int = ruled("max_inflight_bytes", flag="--max-inflight-mb", megabytes_below=math.inf)
-    device: str = setting("cpu", "where models run; artifacts must be exported for it", choices=DEVICES)
+    device: str = setting("cpu", "where models run; artifacts must be exported for it; auto: cuda where torch sees a GPU, "
+                                 "else cpu", choices=DEVICE_CHOICES)
     http_idle_timeout_s: float = setting(30.0, range=Range(0, MAX_SECONDS, open_low=True))  # an idle HTTP connection is closed
     reflection: bool = setting(True, "gRPC server reflection for Predictor and health")
     tls_cert: Optional[str] = setting(None, "PEM certificate chain: gRPC, HTTP and metrics listeners speak TLS", default_text="plaintext")
@@ -159,6 +160,7 @@ class ServerConfig:
             choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ValueError(f"{flag_of(f)} must be {', '.join(choices[:-1])} or {choices[-1]}, got {value!r}")
+        self.device = resolve_device(self.device)
         if self.front == "cpp" and self.device != "cpu":
             raise ValueError("--front cpp runs models on the CPU; use --front python with --device cuda")
         if self.load_models and self.model_control != "explicit":

@@ -7,10 +7,8 @@ argument errors answer at once; ``recship.trainer.train`` runs the config.
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from recship.names import CPU_OPTIMIZERS, CRITEO_NUM_SPARSE, DLRM_ENTRY, LOG_FORMATS, OPTIMIZERS, SHARDINGS
-from recship.names import DEVICES as _DEVICES
-
-DEVICES = ("auto",) + _DEVICES  # auto: cuda where torch sees a GPU, else cpu
+from recship.flags import resolve_device
+from recship.names import CPU_OPTIMIZERS, CRITEO_NUM_SPARSE, DEVICE_CHOICES, DLRM_ENTRY, LOG_FORMATS, OPTIMIZERS, SHARDINGS
 
 
 def option(default: Any = MISSING, help: str = "", *, choices: Optional[Tuple[str, ...]] = None,
@@ -67,7 +65,7 @@ class TrainConfig:
     model_args: Dict[str, Any] = option(help="Keyword arguments of --model's factory, a JSON object.", default_factory=dict)
     nproc_per_node: int = option(1, "Local ranks to spawn (gloo on CPU, nccl on CUDA); under torchrun the launcher decides.")
     device: str = option("auto", "Where ranks train: cuda puts rank r on cuda:r of its host, auto picks cuda when torch sees "
-                                 "one.", choices=DEVICES)
+                                 "one.", choices=DEVICE_CHOICES)
     progress: bool = option(True, "Show rank 0's progress bar (step, loss, samples/s, epoch) and the final summary.")
     plot: bool = option(True, "Draw OUT/curves.png (train loss, eval log loss and AUC per step, over the whole run across "
                               "resumes) at each evaluation and at the end; it needs matplotlib (pip install 'recship[plots]'), "
@@ -76,11 +74,7 @@ class TrainConfig:
                                      "per line, as recship serve writes them).", choices=LOG_FORMATS)
 
     def use_cuda(self) -> bool:
-        if self.device == "auto":
-            import torch  # lazy: keeps `recship train --help` torch-free
-
-            return torch.cuda.is_available()
-        return self.device == "cuda"
+        return resolve_device(self.device) == "cuda"
 
     def entry_point(self) -> Tuple[str, Dict[str, Any]]:
         """(entry point, its arguments) of the model to train: ``model``, else the built-in DLRM
