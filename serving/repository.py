@@ -421,8 +421,8 @@ class ModelRepository:
             current = dict(self._serving.get(name, {}))
         present = {v for v, _ in versions}
         for version in sorted(set(current) - present, reverse=True):
-            log.warning("%s version %d was removed from the repository; its version policy picks again among the remaining versions",
-                        name, version, extra={"model": name, "version": version})
+            log.info("%s version %d was removed from the repository; its version policy picks again among the remaining versions",
+                     name, version, extra={"model": name, "version": version})
         trust = hashlib.sha256(",".join(sorted(trusted)).encode()).hexdigest() if trusted is not None else None
         policy = settings.version_policy
         allowed = set(policy.choose([v for v, _ in versions]))
@@ -473,8 +473,8 @@ class ModelRepository:
         if served.refused_files == files:
             return None
         where = {"model": served.name, "version": served.version}
-        log.warning("%s version %d: its files changed on disk; loading them again (the loaded version serves meanwhile)",
-                    served.name, served.version, extra=where)
+        log.info("%s version %d: its files changed on disk; loading them again (the loaded version serves meanwhile)",
+                 served.name, served.version, extra=where)
         try:
             fresh = ServedVersion(served.name, served.version, path, self, trusted, settings)
         except Exception as e:  # anything a bad artifact can raise: the loaded version keeps serving
@@ -513,9 +513,9 @@ class ModelRepository:
         for version, served in old.items():
             if chosen.get(version) is served:
                 continue
-            if version not in chosen:
-                log.warning("unloaded %s version %d: %s", name, version, why.get(version, "unknown"),
-                            extra={"model": name, "version": version})
+            if version not in chosen:  # routine (a rollout, a rollback, a request): what needs a person was logged as an error
+                log.info("unloaded %s version %d: %s", name, version, why.get(version, "unknown"),
+                         extra={"model": name, "version": version})
             # queued requests finish on the old version, then it goes
             threading.Thread(target=_retire, args=([served],), daemon=True, name=f"unload-{name}-{version}").start()
         self._on_change(name, bool(chosen))
