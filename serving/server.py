@@ -1,6 +1,6 @@
 """The prediction server: process wiring of the model repository, the request path and its fronts.
 
-    recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port 9100] [--http-port 8000]
+    recship serve --model-repo DIR [--host 127.0.0.1] [--port 8500] [--metrics-port PORT] [--http-port PORT]
 
 (the command's flags and its process: ``serving/cli.py``)
 One gRPC port answers recship's Predictor (``serving/predictor.py``), KServe v2 (``serving/kserve_grpc.py``, its codec ``serving/kserve.py``),
