@@ -25,6 +25,7 @@ _COMMANDS = {
     "inspect": ("recship.export.inspect", "print an artifact's manifest and self-check it"),
     "serve": ("recship.serving.cli", "serve exported models over gRPC (recship Predictor, KServe v2) and HTTP (KServe v2 REST)"),
     "predict": ("recship.serving.client", "send one request to a running server"),
+    "example-request": ("recship.serving.example_request", "print a valid request for an exported model (KServe v2 REST or recship predict JSON), from its sample"),
 }
 
 

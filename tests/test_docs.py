@@ -230,6 +230,9 @@ def test_readme_quick_start_runs_from_an_installed_package(tmp_path):
     assert '{"ready": true}' in out.splitlines()
     answer = json.loads(out.splitlines()[-1])  # recship predict's answer to the two examples
     assert [len(answer[name]) for name in ("logit", "prob")] == [2, 2] and all(len(row) == 1 for row in answer["prob"])
+    rest = {o["name"]: o for o in json.loads(out.splitlines()[-2])["outputs"]}  # the KServe REST answer to the same two
+    assert {name: (rest[name]["shape"], rest[name]["data"]) for name in ("logit", "prob")} == \
+        {name: ([2, 1], [row[0] for row in answer[name]]) for name in ("logit", "prob")}
     assert (tmp_path / "models" / "dlrm" / "1" / "manifest.json").exists()
 
 
