@@ -1,15 +1,22 @@
-"""``recship inspect DIR [--plot PNG]``: the manifest as tables, the checksums (every file the manifest
+"""``recship inspect DIR [--plot [PNG]]``: the manifest as tables, the checksums (every file the manifest
 lists, as a server verifies them), the sample self-check, and on request the chart of its tables
-(recship/plots.py)."""
+(recship/plots.py).
+
+``--plot`` alone is a switch, as in ``recship train`` and ``recship export``: it writes ``tables.png`` (export's
+name for the same chart) in the current folder, never into the artifact; ``--plot PNG`` writes that file."""
 
 import argparse
+from pathlib import Path
+
+CHART = "tables.png"  # --plot's file without a PNG, in the current folder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="the exported artifact directory to describe and self-check (required)")
-    parser.add_argument("--plot", metavar="PNG",
-                        help="also write the chart of the artifact's tables (bytes and quantization error) to this PNG "
-                             "file; needs matplotlib, pip install 'recship[plots]' (default: no chart)")
+    parser.add_argument("--plot", nargs="?", const=CHART, metavar="PNG",
+                        help=f"also draw the chart of the artifact's tables (bytes and quantization error): --plot alone "
+                             f"to {CHART} in the current folder, --plot PNG to that file; needs matplotlib, pip install "
+                             "'recship[plots]' (default: no chart)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"sharding: {s.num_devices} {s.device} device(s), row alignment {s.row_alignment}, {len(s.shards)} shards")
     print(report_text(m.to_dict()))
     if args.plot:
-        print(f"chart: {plot_artifact(args.plot, m.to_dict())}")
+        print(f"chart: {plot_artifact(Path(args.plot).absolute(), m.to_dict())}")
     files = (["model.pt"] if m.model_sha256 is not None else []) + (["model.pt2"] if m.aoti is not None else []) \
         + (["tables.bin (every table)"] if m.tables is not None else [])
     print(f"checksum: ok (sha256 of {', '.join(files)} as the manifest says; verified as a unit, whichever file runs)")

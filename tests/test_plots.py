@@ -373,6 +373,19 @@ def test_recship_export_prints_the_chart_and_inspect_draws_one(tmp_path, capsys,
     assert _read_png(chart).shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.TABLES_WIDTH * plots.DPI)
 
 
+def test_recship_inspect_plot_alone_is_a_switch_as_in_export(tmp_path, capsys, small_artifact, monkeypatch):
+    """inspect --plot without a file, as train's and export's --plot: tables.png in the current folder, its path
+    printed; the artifact is left as it was."""
+    from recship.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in small_artifact.iterdir())
+    assert main(["inspect", str(small_artifact), "--plot"]) == 0
+    assert f"chart: {tmp_path / 'tables.png'}" in capsys.readouterr().out.splitlines()
+    assert _read_png(tmp_path / "tables.png").shape[:2] == (round(plots._bar_height(26) * plots.DPI), plots.TABLES_WIDTH * plots.DPI)
+    assert sorted(p.name for p in small_artifact.iterdir()) == before
+
+
 def test_recship_inspect_plot_without_matplotlib_is_a_one_line_error(tmp_path, capsys, small_artifact, no_matplotlib):
     from recship.cli import main
 
