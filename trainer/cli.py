@@ -18,6 +18,7 @@ from recship.flags import FlagError, json_object, one_of, parse_with_config
 from recship.logs import configure_logging
 from recship.oserrors import doing, one_line
 from recship.trainer.config import TrainConfig, default_of
+from recship.trainer.factories import load_factory
 
 _FIELDS = {f.name: f for f in fields(TrainConfig)}
 
@@ -78,6 +79,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     configure_logging(config.log_format)  # first: importing torch and fbgemm below warns, in this format
+    if config.model is not None:  # a wrong --model costs its line before fbgemm_gpu and the trainer load, and before any rank
+        load_factory(config.model)
     from recship.trainer.train import launch  # lazy: keeps `recship train --help` torch-free
     with doing("training", config.out):  # an OSError that names no file is the run folder's
         summary = launch(config, given=given_fields(args))

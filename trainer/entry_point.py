@@ -7,7 +7,6 @@ The built-in DLRM is ``recship.models.dlrm:builtin``.
 
 import copy
 import dataclasses
-import importlib
 import inspect
 import linecache
 import os
@@ -20,30 +19,10 @@ from torch.overrides import TorchFunctionMode
 
 from recship.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection, materialize
 from recship.sparse import KeyedJaggedTensor
+from recship.trainer.factories import load_factory
 from recship.trainer.feature_processors import feature_processed_features
 from recship.trainer.managed_collisions import BaseManagedCollisionEmbeddingCollection
 from recship.trainer.managed_collisions.modules import resized_collection
-
-
-def load_factory(entry: str) -> Callable[..., nn.Module]:
-    """The callable named by ``package.module:factory``; ValueError naming what is wrong."""
-    module_name, sep, attr = entry.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"--model must look like package.module:factory, got {entry!r}")
-    if os.getcwd() not in sys.path:  # as uvicorn does: modules in the current directory are importable
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while importing
-        raise ValueError(f"--model {entry}: cannot import {module_name}: {type(e).__name__}: {e}") from None
-    factory: Any = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-        if factory is None:
-            raise ValueError(f"--model {entry}: {module_name} has no {attr}")
-    if not callable(factory):
-        raise ValueError(f"--model {entry}: {attr} is a {type(factory).__name__}, not a callable")
-    return factory
 
 
 def build_model(entry: str, args: Optional[Dict[str, Any]] = None, device: Optional[str] = None) -> nn.Module:
