@@ -50,7 +50,7 @@ from recship.export.model import StageError
 from recship.export.tables_writer import StagedTables, TablesWriter, link_if_unchanged, pin_pt2
 from recship.export.validation import Batch
 from recship.oserrors import doing, label, write_bytes
-from recship.plots import plot_artifact, plot_or_warn
+from recship.plots import plot_artifact, plot_if_available
 from recship.modules.embedding_modules import EmbeddingBagCollection, materialize
 from recship.quantize.quantizer import QuantizationReport, TableReport
 from recship.trainer.checkpoint_reader import META_FILE, CheckpointError, CheckpointReader, latest_checkpoint
@@ -293,7 +293,7 @@ def write_artifact(
             if config.plot:
                 plot_artifact(tmp / TABLES_CHART, manifest.to_dict())
             else:
-                plot_or_warn(plot_artifact, tmp / TABLES_CHART, manifest.to_dict())
+                plot_if_available(plot_artifact, tmp / TABLES_CHART, manifest.to_dict())
         if config.repo is not None:
             def stamp(version: int) -> None:  # the manifest names the version folder it goes into
                 manifest.model.version = version

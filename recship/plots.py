@@ -11,8 +11,9 @@ killed mid-write leaves the previous file or none, never half a PNG.
 
 Without matplotlib every function raises ``PlotsUnavailable`` (an ImportError, and a ValueError
 so the CLI reports it as one line with exit code 2 when a plot was asked for). Code that draws
-a chart as a side effect (training's curves, export's table chart) calls ``plot_or_warn``
-instead: one warning per process, and the run goes on.
+a chart as a side effect (training's curves, export's table chart) calls ``plot_if_available``
+instead: without matplotlib no chart, one INFO line per process saying how to get them (not a warning:
+an install without the extra is a choice, not a fault), and the run goes on.
 """
 
 import importlib.util
@@ -76,22 +77,23 @@ def require() -> None:
         raise PlotsUnavailable(f"a chart was asked for, but matplotlib is not installed: {INSTALL_HINT}")
 
 
-_warned = False
+_noted = False
 
 
-def plot_or_warn(plot: Callable[..., Path], *args: Any, **kwargs: Any) -> Optional[Path]:
-    """``plot(*args, **kwargs)``, or None with one warning per process when matplotlib is missing.
+def plot_if_available(plot: Callable[..., Path], *args: Any, **kwargs: Any) -> Optional[Path]:
+    """``plot(*args, **kwargs)``, or None when matplotlib is missing, saying how to get charts in one INFO line
+    per process.
 
     For charts drawn as a side effect: a missing optional extra must not fail a training run or
-    an export. Any other error still raises (a chart that cannot be drawn is a bug to see).
+    an export, nor warn on every one. Any other error still raises (a chart that cannot be drawn is a bug to see).
     """
-    global _warned
+    global _noted
     try:
         return plot(*args, **kwargs)
-    except PlotsUnavailable as e:
-        if not _warned:
-            log.warning("no charts: %s", e)
-            _warned = True
+    except PlotsUnavailable:
+        if not _noted:
+            log.info("no charts: matplotlib is not installed (%s draws them)", INSTALL_HINT)
+            _noted = True
         return None
 
 
@@ -341,10 +343,10 @@ def write_bench_chart(
     path: str, title: str, labels: Sequence[str], panels: Mapping[str, Mapping[str, Sequence[float]]], log: Optional[bool] = None,
 ) -> Optional[Path]:
     """What a bench script calls after printing its table: ``plot_bench`` and a line naming the PNG;
-    nothing for an empty ``path`` (``--plot ''``), a warning without matplotlib (the table is printed already)."""
+    nothing for an empty ``path`` (``--plot ''``), an INFO line without matplotlib (the table is printed already)."""
     if not path:
         return None
-    written = plot_or_warn(plot_bench, path, title, labels, panels, log)
+    written = plot_if_available(plot_bench, path, title, labels, panels, log)
     if written is not None:
         print(f"chart: {written}")
     return written

@@ -219,7 +219,7 @@ def no_matplotlib(monkeypatch):
     """Imports of matplotlib (and of its submodules already loaded) fail, as in an install without the extra."""
     for name in [n for n in sys.modules if n == "matplotlib" or n.startswith("matplotlib.")] + ["matplotlib"]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setattr(plots, "_warned", False)
+    monkeypatch.setattr(plots, "_noted", False)
 
 
 def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path, no_matplotlib):
@@ -229,21 +229,23 @@ def test_without_matplotlib_the_error_says_how_to_install_it(tmp_path, no_matplo
     assert not (tmp_path / "c.png").exists()
 
 
-def test_side_effect_charts_warn_once_without_matplotlib(tmp_path, no_matplotlib, caplog):
-    with caplog.at_level(logging.WARNING, logger="recship.plots"):
-        assert plots.plot_or_warn(plots.plot_training_curves, tmp_path / "c.png", [1], [0.5], []) is None
+def test_side_effect_charts_say_once_how_to_get_them_without_matplotlib(tmp_path, no_matplotlib, caplog):
+    """An install without the plots extra draws no chart and says so in one INFO line per process, not a warning."""
+    with caplog.at_level(logging.INFO, logger="recship.plots"):
+        assert plots.plot_if_available(plots.plot_training_curves, tmp_path / "c.png", [1], [0.5], []) is None
         table = {"table": "t", "data_type": "INT8", "float_bytes": 64, "quantized_bytes": 24, "max_abs_error": 0.1,
                  "mean_abs_error": 0.01, "pooled_relative_error": 0.004}
-        assert plots.plot_or_warn(plots.plot_table_report, tmp_path / "t.png", [table]) is None
+        assert plots.plot_if_available(plots.plot_table_report, tmp_path / "t.png", [table]) is None
         assert plots.write_bench_chart(str(tmp_path / "b.png"), "bench", ["a"], {"us": {"x": [1.0]}}) is None
-    warnings = [r for r in caplog.records if r.name == "recship.plots"]
-    assert len(warnings) == 1 and "recship[plots]" in warnings[0].getMessage()
+    lines = [r for r in caplog.records if r.name == "recship.plots"]
+    assert len(lines) == 1 and "recship[plots]" in lines[0].getMessage()
+    assert lines[0].levelno == logging.INFO
     assert list(tmp_path.iterdir()) == []
 
 
 def test_other_errors_are_not_swallowed(tmp_path):
     with pytest.raises(ValueError, match="same length"):
-        plots.plot_or_warn(plots.plot_training_curves, tmp_path / "c.png", [1, 2], [0.5], [])
+        plots.plot_if_available(plots.plot_training_curves, tmp_path / "c.png", [1, 2], [0.5], [])
 
 
 # -- the commands that draw them -------------------------------------------------------------------
@@ -304,12 +306,13 @@ def test_recship_train_no_plot_keeps_the_history_only(tmp_path, capsys):
     assert _history(out).steps == [1, 2]
 
 
-def test_training_without_matplotlib_warns_and_finishes(tmp_path, no_matplotlib, caplog):
-    with caplog.at_level(logging.WARNING, logger="recship.plots"):
+def test_training_without_matplotlib_says_so_once_and_finishes(tmp_path, no_matplotlib, caplog):
+    with caplog.at_level(logging.INFO, logger="recship.plots"):
         summary = launch(_tiny_training(tmp_path / "run", steps=4))
     assert summary["steps"] == 4 and summary["curves"] is None
-    warnings = [r.getMessage() for r in caplog.records if r.name == "recship.plots"]
-    assert len(warnings) == 1 and "recship[plots]" in warnings[0]  # once, not at each evaluation
+    lines = [r for r in caplog.records if r.name == "recship.plots"]
+    assert len(lines) == 1 and "recship[plots]" in lines[0].getMessage()  # once, not at each evaluation
+    assert lines[0].levelno == logging.INFO  # not a warning on every run of an install without the extra
     assert not (tmp_path / "run" / "curves.png").exists()
     assert _history(tmp_path / "run").steps == [1, 2, 3, 4]
 

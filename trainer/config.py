@@ -69,7 +69,7 @@ class TrainConfig:
     progress: bool = option(True, "Show rank 0's progress bar (step, loss, samples/s, epoch) and the final summary.")
     plot: bool = option(True, "Draw OUT/curves.png (train loss, eval log loss and AUC per step, over the whole run across "
                               "resumes) at each evaluation and at the end; it needs matplotlib (pip install 'recship[plots]'), "
-                              "without which a run warns once.")
+                              "without which a run draws none and says so in one line.")
     log_format: str = option("text", "Log lines (warnings, epochs) as text (time, level, logger, message) or json (one object "
                                      "per line, as recship serve writes them).", choices=LOG_FORMATS)
 

@@ -36,7 +36,7 @@ from recship.cpus import usable_cpus
 from recship.logs import configure_logging
 from recship.names import DLRM_ENTRY
 from recship.oserrors import carried, carry
-from recship.plots import plot_or_warn, plot_training_curves
+from recship.plots import plot_if_available, plot_training_curves
 from recship.trainer.checkpoint import _sharded_modules, load_checkpoint, save_checkpoint
 from recship.trainer.checkpoint_reader import CheckpointReader, _dcp_shapes, complete_checkpoints, latest_checkpoint, read_metadata
 from recship.trainer.config import DLRM_SHAPE, RECORDED, TrainConfig, changed_fields
@@ -252,7 +252,7 @@ class _Trainer:
             return None
 
         out = Path(self.config.out)
-        return plot_or_warn(plot_training_curves, out / "curves.png", history.steps, history.loss_values, history.evals,
+        return plot_if_available(plot_training_curves, out / "curves.png", history.steps, history.loss_values, history.evals,
                             title=f"{out.name}: {self.step} steps on {self.world_size} rank(s)", starts=history.starts)
 
     def run(self) -> Dict[str, Any]:
