@@ -77,9 +77,9 @@ def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
         raise CheckpointError(f"checkpoint directory not found: {path}")
     meta_file = path / META_FILE
     if not meta_file.is_file():
-        raise CheckpointError(f"{path} is not a complete recship checkpoint: {META_FILE} is missing")
+        raise _without_meta(path)
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint: DCP's .metadata file is missing")
+        raise _unfinished(path, "DCP's .metadata file is missing")
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
@@ -91,6 +91,42 @@ def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
         raise CheckpointError(f"{path} holds the built-in DLRM of an earlier recship ({EARLIER_DLRM_ENTRY}), whose parameters "
                               f"had other names than today's ({DLRM_ENTRY}, TorchRec's DLRM): train it again with this version")
     return meta
+
+
+_RECSHIP_KEYS = ("tables/", "dense/")  # the DCP keys of recship's state (TorchRec's are its modules' paths)
+_WRITTEN_LAST = f"{META_FILE} is missing (a save writes it last, after DCP's files)"
+
+
+def _unfinished(path: Path, missing: str) -> CheckpointError:
+    """The error of a folder that looks like a checkpoint still being written, or a save or copy cut short."""
+    save = " (a save writes step_N.tmp-<id> and renames it step_N once complete)" if ".tmp-" in path.name else ""
+    return CheckpointError(f"{path} looks incomplete or still being written{save}: {missing}")
+
+
+def _without_meta(path: Path) -> CheckpointError:
+    """Why ``path``, a folder without recship.json, is no checkpoint to read: one being written (what it has, what
+    is missing), or no checkpoint at all."""
+    data = sorted(p.name for p in path.glob("*.distcp"))
+    shown = ", ".join(data[:3]) + (f" and {len(data) - 3} more" if len(data) > 3 else "")
+    if (path / ".metadata").is_file():
+        if _recship_layout(path):
+            return _unfinished(path, _WRITTEN_LAST)
+        return CheckpointError(f"{path} is not a complete recship checkpoint: {META_FILE} is missing")
+    if data:
+        return _unfinished(path, f"it has DCP's data files ({shown}) but not DCP's .metadata, written after them, nor {META_FILE}")
+    if ".tmp-" in path.name:
+        return _unfinished(path, f"nothing of it is written yet: no DCP data file (*.distcp), no .metadata, no {META_FILE}")
+    what = "it is empty" if not any(path.iterdir()) else f"it has no {META_FILE}, no DCP .metadata and no DCP data file (*.distcp)"
+    return CheckpointError(f"{path} is not a checkpoint: {what}")
+
+
+def _recship_layout(path: Path) -> bool:
+    """Whether the DCP files in ``path`` hold recship's state (tables/... and dense/... keys), not TorchRec's."""
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception:  # a corrupt .metadata: what it holds is unknown
+        return False
+    return any(k.startswith(_RECSHIP_KEYS) for k in keys)
 
 
 def load_tensors(state: Dict[str, Any], path: Path, no_dist: bool = False) -> None:
@@ -252,6 +288,8 @@ def torchrec_metadata(path: Union[str, Path]) -> Dict[str, Any]:
         config = {"name": m["table"], "num_embeddings": rows, "embedding_dim": dim, "data_type": "FP32", "pooling": "SUM"}
         tables[f"{m['module'] or ''}/{m['table']}"] = {"config": config, "data_parallel": False, "dcp_key": key}
     if not tables:
+        if any(k.startswith(_RECSHIP_KEYS) for k in tensors):  # recship's own layout, its metadata file not there yet
+            raise _unfinished(path, _WRITTEN_LAST)
         raise CheckpointError(f"{path} has no {META_FILE} and no TorchRec table (<module>.embedding_bags.<table>.weight) in its DCP files")
     return {"format": "torchrec", "step": None, "config": None, "plan": None, "tables": tables,
             "dense_keys": sorted(dense), "dense_prefix": root}
