@@ -3,9 +3,11 @@
 and the one place tests get their markers (slow, cpp, distributed, gpu)."""
 
 import fcntl
+import logging
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
@@ -19,6 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # exports in tests write model.pt only unless a test asks for model.pt2 (format="both"): an AOTInductor
 # compile takes 15-40 s here; tests/export/test_aoti.py covers it (subprocesses inherit this too)
 os.environ["RECSHIP_AOTI"] = "0"
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """Each test leaves logging as it found it: a command run in-process (``main(["export", ...])``) configures the
+    root logger with a handler on the stderr of that moment (the test's captured stream, closed after it), which a
+    later test's log lines would meet ("--- Logging error ---" in its stderr)."""
+    root, ours = logging.getLogger(), logging.getLogger("recship")
+    saved = (root.handlers[:], root.level, ours.level, warnings.showwarning)
+    yield
+    root.handlers[:], (root.level, ours.level) = saved[0], saved[1:3]
+    warnings.showwarning = saved[3]
 
 
 @pytest.fixture(scope="session", autouse=True)
