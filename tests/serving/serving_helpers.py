@@ -2,6 +2,7 @@
 the C++ front's binary. (Requests and the in-process reference of every folder: tests/model_requests.py.)"""
 
 import socket
+import subprocess
 import time
 from typing import Dict, Optional, Tuple
 
@@ -95,3 +96,12 @@ def wait_until(condition, what: str = "condition", seconds: float = 60.0) -> Non
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen, seconds: float = 30.0) -> None:
+    """SIGTERM ``proc`` (a server a test started), SIGKILL if it has not exited within ``seconds``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()

@@ -27,7 +27,7 @@ import pytest
 
 from recship.serving.client import PredictClient
 from model_requests import dlrm_request
-from serving_helpers import front_binary, http_request
+from serving_helpers import front_binary, http_request, stop_process
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                     reason="AOTInductor needs a C++ compiler (g++)")
@@ -112,11 +112,7 @@ def test_a_served_model_costs_little_besides_its_tables(small_artifacts, tmp_pat
         # each model's batcher (one in each process with the C++ front); its forwards run on the device's one thread
         assert threads <= len(pids), f"a served model adds {threads} threads ({format}, {front} front)"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 def _serve(proc: subprocess.Popen, http: int, repo: Path, staged: Path, names: List[str], wait_live: bool = False) -> None:

@@ -29,7 +29,7 @@ import torch
 
 from recship.export.artifact import Manifest
 from model_requests import model_repo
-from serving_helpers import front_binary, http_request
+from serving_helpers import front_binary, http_request, stop_process
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                     reason="AOTInductor needs a C++ compiler (g++)")
@@ -162,11 +162,7 @@ def test_hot_reloads_free_the_replaced_version(exports, tmp_path, format, front,
         assert grown * 1024 < 0.2 * table_bytes + 20e6, \
             f"anonymous RSS grew by {grown} KiB over 5 reloads ({table_bytes / 1024:.0f} KiB of tables)"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
 
 
 @pytest.mark.parametrize("front", ["python", "cpp"])
