@@ -48,6 +48,8 @@ def artifact_folder(path: Path) -> Path:
 def example_request(manifest: Any, sample: Dict[str, Any], batch: int, format: str) -> Dict[str, Any]:
     """The first ``batch`` examples of the sample request ``sample`` (dense [B, n], lengths [F*B] feature-major, values,
     weights: numpy arrays) as a body of ``format`` (FORMATS)."""
+    from recship.serving.kserve import input_metadata  # lazy: imports torch; `recship example-request --help` does not
+
     features = manifest.sparse_features
     lengths = sample["lengths"].reshape(len(features), -1)
     total = lengths.shape[1]
@@ -72,15 +74,13 @@ def example_request(manifest: Any, sample: Dict[str, Any], batch: int, format: s
         if any(feature.weighted for feature in features):
             body["weights"] = {feature.name: weights[feature.name] for feature in features if feature.weighted}
         return body
-    inputs = []
+    data: Dict[str, Any] = {"dense": None if dense is None else dense.reshape(-1).tolist()}
     for feature in features:
-        flat = [i for example in ids[feature.name] for i in example]
-        inputs.append({"name": f"{feature.name}.lengths", "shape": [batch], "datatype": "INT32",
-                       "data": [len(example) for example in ids[feature.name]]})
-        inputs.append({"name": f"{feature.name}.values", "shape": [len(flat)], "datatype": "INT64", "data": flat})
-        if feature.weighted:
-            flat_w = [w for example in weights[feature.name] for w in example]
-            inputs.append({"name": f"{feature.name}.weights", "shape": [len(flat_w)], "datatype": "FP32", "data": flat_w})
-    if dense is not None:
-        inputs.append({"name": "dense", "shape": list(dense.shape), "datatype": "FP32", "data": dense.reshape(-1).tolist()})
+        data[f"{feature.name}.lengths"] = [len(example) for example in ids[feature.name]]
+        data[f"{feature.name}.values"] = [i for example in ids[feature.name] for i in example]
+        data[f"{feature.name}.weights"] = [w for example in weights[feature.name] for w in example]
+    inputs = []
+    for name, datatype, shape in input_metadata(manifest):  # the inputs the server lists, in its order
+        shape = [batch, *shape[1:]] if name == "dense" or name.endswith(".lengths") else [len(data[name])]
+        inputs.append({"name": name, "shape": shape, "datatype": datatype, "data": data[name]})
     return {"id": "example", "inputs": inputs}
