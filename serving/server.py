@@ -50,6 +50,33 @@ from recship.serving.settings import ServerConfig
 
 log = logging.getLogger("recship.serving")
 
+
+class Health(health_aio.HealthServicer):
+    """grpc.health.v1 whose Watch streams end when the server stops taking calls (``close``): a Watch (gRPC
+    clients' own health checking holds one open on each connection) never ends by itself, so a stop waited out
+    its whole grace for it (the C++ front's stop too: it forwards the stream to this server)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = asyncio.Event()
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
+        watch = asyncio.ensure_future(super().Watch(request, context))
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({watch, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            closed.cancel()
+        if watch.done() and not watch.cancelled():
+            return watch.result()  # (raises what the stream raised, e.g. its client is gone)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is stopping")
+
+    def close(self) -> None:
+        """Ends every Watch stream, open or to come, with UNAVAILABLE "the server is stopping"."""
+        self._closed.set()
+
+
 class Server:
     """A running server (its asyncio loop on a thread of its own); ``stop()`` drains in-flight requests."""
 
@@ -88,7 +115,7 @@ class Server:
 
     async def _start(self) -> None:
         config = self.config
-        self.health = health_aio.HealthServicer()
+        self.health = Health()
         loop = self._loop
 
         def on_change(name: str, ready: bool) -> None:  # called from the watcher and batcher threads too
@@ -201,6 +228,7 @@ class Server:
             if drain_delay > 0:
                 log.info("draining: not ready; listeners close in %g s", drain_delay)
                 await asyncio.sleep(drain_delay)
+            self.health.close()  # (a Watch is no call in flight: the grace below is not for it)
             if self.front is not None:  # it drains its own calls, and the ones it forwards here, first
                 await self._loop.run_in_executor(None, self.front.stop, grace)
             fronts = [self.grpc.stop(grace)] + ([self.rest.stop()] if self.rest is not None else [])

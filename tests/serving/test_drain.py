@@ -185,3 +185,51 @@ def test_sigterm_exits_within_the_drain_idle_and_under_load_through_the_close_wi
                 proc.kill()
                 proc.wait()
     assert min(past_drain) <= EXIT_S, past_drain  # no longer than the drain: nothing else waited for in every stop
+
+
+@pytest.mark.parametrize("front", ["python", "cpp"])
+def test_sigterm_exits_within_the_drain_with_idle_clients_and_a_health_watch_open(small_artifact, tmp_path, front):
+    """An idle server with clients connected: one that was answered and keeps its channel, one watching gRPC health
+    (gRPC clients' own health checking holds such a stream on each connection; it never ends by itself). The watch
+    sees NOT_SERVING at the signal and ends UNAVAILABLE "the server is stopping" when the listeners close; the
+    process exits after the drain and before the drain + the grace (before: the stop waited the whole grace for the
+    watch, either front), the best of two stops within the drain + EXIT_S."""
+    if front == "cpp":
+        front_binary()  # skips where gRPC C++ is missing
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    sparse, dense = dlrm_request(3, 1)
+    past_drain = []
+    for _ in range(2):
+        proc, port = _serve(repo, front, CLOSE_DRAIN_S)
+        try:
+            with PredictClient(f"127.0.0.1:{port}") as client, grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert client.predict("dlrm", sparse, dense)["prob"].shape == (3, 1)
+                watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=60)
+                seen, ended = [], []
+
+                def read():
+                    try:
+                        seen.extend(answer.status for answer in watch)
+                    except grpc.RpcError as e:
+                        ended.append((e.code(), e.details()))
+
+                reader = threading.Thread(target=read)
+                reader.start()
+                while not seen and not ended:
+                    time.sleep(0.01)
+                signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=60) == 0, proc.stderr.read()
+                exited = time.monotonic() - signalled
+                reader.join(timeout=10)
+            assert CLOSE_DRAIN_S <= exited < CLOSE_DRAIN_S + GRACE_S, exited
+            past_drain.append(exited - CLOSE_DRAIN_S)
+            assert seen == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING], seen
+            assert ended == [(grpc.StatusCode.UNAVAILABLE, "the server is stopping")], ended
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if past_drain[-1] <= EXIT_S:
+            break
+    assert min(past_drain) <= EXIT_S, past_drain
