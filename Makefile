@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 EXTRA  ?= cpu
 STAMP  := $(VENV)/.installed-$(EXTRA)-$(shell sha256sum pyproject.toml | cut -c1-16)
 
-.PHONY: demo test test-fast test-sanitize install clean cpp-deps
+.PHONY: demo test test-fast test-sanitize install clean cpp-deps wheel
 
 install: $(STAMP) cpp-deps
 
@@ -57,5 +57,10 @@ test-fast: $(STAMP)
 test-sanitize: $(STAMP) cpp-deps
 	$(PY) -m pytest -q -rs tests/cpp_loader/test_cpp_sanitized.py
 
+# dist/: the sdist and the manylinux wheel built from it, with the C++ parts (cpp_loader/make_wheel.py: python -m build,
+# then auditwheel repair; about 2 minutes on 2 cores). RECSHIP_BUILD_CPP=front makes a missing recship_front an error.
+wheel: $(STAMP) cpp-deps
+	$(PY) cpp_loader/make_wheel.py --outdir dist
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

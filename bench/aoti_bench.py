@@ -20,7 +20,6 @@ times, at batch 1, 64 and 512, in interleaved rounds (median of per-round median
 
 import argparse
 import copy
-import importlib.util
 import json
 import re
 import statistics
@@ -121,11 +120,10 @@ def _python(name: str, model: torch.nn.Module, art: Path, baseline_dir: Optional
 def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: Path, chart: Dict[str, List[float]]) -> None:
     """Prints the C++ table; appends each batch's raw forward medians (us) to ``chart`` (NaN: not run)."""
     from recship.export.artifact import Manifest
+    from recship.native import find, runtime_env
 
-    spec = importlib.util.spec_from_file_location("cpp_build", ROOT / "cpp_loader" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    binary = build.build() / "recship_predict"
+    binary = find("recship_predict")  # the one installed with recship, else this checkout's (built now)
+    env = runtime_env()
     manifest = Manifest.read(art)
     runs = {"flat TorchScript": (art, "torchscript"), "AOTI": (art, "aoti")}
     if baseline_dir:
@@ -151,7 +149,7 @@ def _cpp(name: str, art: Path, baseline_dir: Optional[str], rounds: int, work: P
         for _ in range(rounds):
             for k, (path, fmt) in runs.items():
                 out = subprocess.run([str(binary), str(path), "--request", str(request), "--bench", "200", "--format", fmt],
-                                     capture_output=True, text=True, check=True)
+                                     capture_output=True, text=True, check=True, env=env)
                 raw[k].append(float(re.search(r"raw forward p50 ([\d.]+)", out.stderr).group(1)) * 1e3)
                 predict[k].append(float(re.search(r"predict p50 ([\d.]+)", out.stderr).group(1)) * 1e3)
         chart[f"{name}, C++, batch {batch}"] = [statistics.median(raw[k]) if k in raw else float("nan") for k in VARIANTS]

@@ -371,15 +371,16 @@ def _row_bytes(dim: int, weight_type: str) -> int:
 
 def _cpp_predict(py: str, art: Path, small: Path, mib: float) -> Dict[str, float]:
     """recship_predict's peak RSS on the artifact, and that over its peak on ``small`` (the same model, few rows)."""
-    root = subprocess.run([py, "-c", "import recship, pathlib; print(pathlib.Path(recship.__file__).resolve().parents[1])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    # the release build (cpp_loader/build.py's); build/cpp_loader_sanitize holds an AddressSanitizer one
-    binary = Path(root, "build", "cpp_loader", "recship_predict")
-    if not (binary.is_file() and os.access(binary, os.X_OK)):
-        print("recship_predict not built (pytest tests/cpp_loader builds it): skipped", file=sys.stderr)
+    # that Python's recship_predict: installed with it, else built in its source checkout (the release build)
+    found = subprocess.run([py, "-c", "import json, recship.native as n; print(json.dumps([str(n.find('recship_predict')), n.runtime_env()]))"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        print(f"recship_predict not found: {found.stderr.strip()[-500:]}: skipped", file=sys.stderr)
         return {}
+    where, env = json.loads(found.stdout.splitlines()[-1])
+    binary = Path(where)
     def hwm(path: Path) -> Optional[int]:
-        out = subprocess.run(["/usr/bin/time", "-f", "%M", str(binary), str(path)], capture_output=True, text=True)
+        out = subprocess.run(["/usr/bin/time", "-f", "%M", str(binary), str(path)], capture_output=True, text=True, env=env)
         last = out.stderr.strip().splitlines()[-1] if out.stderr.strip() else ""
         if last.isdigit() and out.returncode == 0:
             return int(last)

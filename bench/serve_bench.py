@@ -237,11 +237,10 @@ def main() -> None:
     logging.getLogger("recship").setLevel(logging.ERROR)  # the generator cancels its last calls: one warning each
     fronts = ["python", "cpp"] if args.front == "both" else [args.front]
     load = None
-    if "cpp" in fronts or args.load == "cpp":
-        from recship.serving.front import build_front
+    if args.load == "cpp":  # the installed one (the wheel's recship/_cpp/bin), else built in a source checkout
+        from recship.native import find
 
-        build_front()  # builds recship_load beside it
-        load = build_front().parent / "recship_load" if args.load == "cpp" else None
+        load = find("recship_load")
     work = Path(tempfile.mkdtemp(prefix="recship-serve-bench-"))
     chart = {}
     for name in sorted(MODELS) if args.model == "all" else [args.model]:

@@ -1,10 +1,11 @@
-"""The C++ parts (``recship_predict``, ``recship_front``, ``librecship_loader`` and its headers) where recship has them.
+"""The C++ parts (``recship_predict``, ``recship_front``, ``recship_load``, ``librecship_loader`` and its headers) where
+recship has them.
 
-A wheel built with ``RECSHIP_BUILD_CPP`` set (setup.py's build step; the Docker image's builder stage) carries them
-as ``recship/_cpp/``: ``bin/`` (recship_predict, recship_front where gRPC C++ was found), ``lib/``
+A wheel built with its C++ parts (setup.py's build step, unless ``RECSHIP_BUILD_CPP=0``) carries them as
+``recship/_cpp/``: ``bin/`` (recship_predict; recship_front and recship_load where gRPC C++ was found), ``lib/``
 (librecship_loader.so), ``lib/cmake/recship/`` (``find_package(recship)``: target ``recship::loader``) and
-``include/recship/``. Those are used first. Without them (an editable install, a wheel built without
-``RECSHIP_BUILD_CPP``) a source checkout builds ``cpp_loader/`` into ``build/cpp_loader`` on first use (cmake,
+``include/recship/``. Those are used first. Without them (an editable install, a wheel built with
+``RECSHIP_BUILD_CPP=0``) a source checkout builds ``cpp_loader/`` into ``build/cpp_loader`` on first use (cmake,
 incremental); elsewhere ``find`` raises ``NativeError`` saying how to get them.
 
     recship_predict ARTIFACT_DIR [...]            # the console script: runs the binary find("recship_predict") gives
@@ -26,7 +27,7 @@ from typing import Dict, List, Mapping, Optional
 PACKAGED = Path(__file__).resolve().parent / "_cpp"
 # a source checkout: recship/ beside cpp_loader/ (an installed package has no cpp_loader/ beside it)
 SOURCE_BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "cpp_loader" / "build.py"
-TOOLS = ("recship_predict", "recship_front")
+TOOLS = ("recship_predict", "recship_front", "recship_load")  # recship_load: bench/serve_bench.py's load generator
 GRPC_DEBIAN = "libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler"
 
 
@@ -47,7 +48,7 @@ def source_checkout() -> bool:
 
 
 def find(name: str) -> Path:
-    """Path of tool ``name`` ("recship_predict" or "recship_front"): the packaged one, else built from the source
+    """Path of tool ``name`` (one of TOOLS): the packaged one, else built from the source
     checkout (incremental: minutes the first time, seconds after). NativeError where neither can be had."""
     found = packaged(name)
     if found is not None:
@@ -56,9 +57,9 @@ def find(name: str) -> Path:
         raise NativeError(f"{name} is not in this installation ({PACKAGED / 'bin'}): its wheel was built without gRPC C++ "
                           f"(Debian: {GRPC_DEBIAN}); rebuild the wheel with them installed and RECSHIP_BUILD_CPP=front")
     if not source_checkout():
-        raise NativeError(f"{name} is not installed with recship (its wheel was built without RECSHIP_BUILD_CPP) and "
-                          f"there is no source checkout to build it from: build the wheel with RECSHIP_BUILD_CPP=1 "
-                          f"(RECSHIP_BUILD_CPP=front for recship_front), or install the recship Docker image")
+        raise NativeError(f"{name} is not installed with recship (its wheel was built with RECSHIP_BUILD_CPP=0) and "
+                          f"there is no source checkout to build it from: install a wheel built with its C++ parts "
+                          f"(`make wheel`; RECSHIP_BUILD_CPP=front to require recship_front), or the recship Docker image")
     build_dir = _build_from_source()
     binary = build_dir / name
     if not binary.is_file():
@@ -83,7 +84,7 @@ def _build_from_source() -> Path:
 def cmake_prefix() -> Path:
     """The folder for CMAKE_PREFIX_PATH (``find_package(recship CONFIG REQUIRED)``); NativeError where not packaged."""
     if not (PACKAGED / "lib" / "cmake" / "recship" / "recshipConfig.cmake").is_file():
-        raise NativeError("the C++ library is not installed with recship (its wheel was built without RECSHIP_BUILD_CPP); "
+        raise NativeError("the C++ library is not installed with recship (its wheel was built with RECSHIP_BUILD_CPP=0); "
                           "in a source checkout link cpp_loader/ with add_subdirectory (README, C++)")
     return PACKAGED
 
@@ -136,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (NativeError, ValueError) as e:
         print(f"recship.native: {e}", file=sys.stderr)
         return 1
-    print("usage: python -m recship.native cmake-prefix | path {recship_predict,recship_front}", file=sys.stderr)
+    print(f"usage: python -m recship.native cmake-prefix | path {{{','.join(TOOLS)}}}", file=sys.stderr)
     return 2
 
 

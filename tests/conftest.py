@@ -233,7 +233,7 @@ CPP = {  # besides: a test that takes the `binary` fixture (recship_predict), or
     "serving/test_front.py",
     "serving/test_leftovers.py::test_a_restarted_cpp_front_does_not_accumulate_folders_nor_does_a_killed_cpp_server",
     "serving/test_repository_reload.py::test_the_cpp_front_loads_only_the_manifest_the_server_verified",
-    "test_wheel.py",  # builds the wheel with its C++ parts
+    "test_wheel.py",  # builds the sdist and the manylinux wheel (C++ parts and all) and installs both (~5 min)
 }
 DISTRIBUTED = {  # besides: a parameter nproc or world_size above 1 (gloo ranks, torchrun)
     "trainer/distributed/test_gpu.py",

@@ -4,13 +4,10 @@ by a test or says why it is only shown (tests/doc_blocks.py defines the markers)
 the pages' small Python blocks run here."""
 
 import ast
-import json
 import os
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +17,7 @@ import pytest
 from markdown.extensions.toc import slugify
 
 from doc_blocks import ROOT, Block, all_blocks, doc_block, doc_blocks, pages
+from quick_start import run_quick_start
 
 README_LINES = 250
 SHELL = {"", "sh", "bash", "console"}
@@ -204,36 +202,11 @@ def test_python_block_runs_as_shown(block, tmp_path):
         assert any(line == want for line in lines), f"{block.where()}: no line {want!r} in order in:\n{done.stdout}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_quick_start_runs_from_an_installed_package(tmp_path):
     """The README's CLI quick start, pasted into bash in an empty folder (only the installed package's commands on
-    PATH; its ports swapped for free ones): train, export into a repository, serve, ask over REST and gRPC, stop."""
-    script = doc_block("tests/test_docs.py::test_readme_quick_start_runs_from_an_installed_package")
-    grpc, http = _free_port(), _free_port()
-    script = script.replace("8500", str(grpc)).replace("8000", str(http))
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
-    try:  # the pipes close when the server the script started has drained and exited too
-        out, err = proc.communicate(timeout=600)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, err[-3000:]
-    assert '{"ready": true}' in out.splitlines()
-    answer = json.loads(out.splitlines()[-1])  # recship predict's answer to the two examples
-    assert [len(answer[name]) for name in ("logit", "prob")] == [2, 2] and all(len(row) == 1 for row in answer["prob"])
-    rest = {o["name"]: o for o in json.loads(out.splitlines()[-2])["outputs"]}  # the KServe REST answer to the same two
-    assert {name: (rest[name]["shape"], rest[name]["data"]) for name in ("logit", "prob")} == \
-        {name: ([2, 1], [row[0] for row in answer[name]]) for name in ("logit", "prob")}
-    assert (tmp_path / "models" / "dlrm" / "1" / "manifest.json").exists()
+    PATH; its ports swapped for free ones): train, export into a repository, serve, ask over REST and gRPC, stop.
+    tests/test_wheel.py runs it from the wheel and the sdist too."""
+    run_quick_start(Path(sys.executable).parent, tmp_path, os.environ)
 
 
 def test_the_serve_config_example_sets_those_flags(tmp_path):

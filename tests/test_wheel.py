@@ -1,22 +1,26 @@
-"""The wheel built with its C++ parts (setup.py, RECSHIP_BUILD_CPP=1), installed into a fresh venv, used with no
-source tree: ``recship_predict`` on PATH and ``recship serve --front cpp`` answer what the artifact answers
-in-process here, bitwise; the installed headers and CMake config link a program (find_package(recship)).
-
-The wheel is built from a copy of the files the Dockerfile's builder copies (plus cpp_loader/), with the C++ built
-in this checkout's cached build/cpp_loader (RECSHIP_CPP_BUILD_DIR; the `binary` fixture's): seconds when it is
-built already. The venv sees the dev venv's torch, fbgemm_gpu, grpc... through a .pth file (not the dev venv's
-recship: its editable finder is a .pth file of that folder, which a path added by a .pth does not run).
+"""recship as a package index takes it and a user installs it. A clean copy of this checkout (its tracked and
+untracked-but-not-ignored files) is built exactly as ``make wheel`` builds it (cpp_loader/make_wheel.py: ``python -m build``
+with build isolation, the sdist and then the wheel from that sdist, then ``auditwheel repair``). The wheel must be
+manylinux-tagged with torch's libraries its only external ones, every RUNPATH relative to ``$ORIGIN``, and no file
+naming a folder of the build. Each of the two is installed into a fresh venv in a folder with no source tree (the
+wheel as is, the sdist built by pip), where the README's quick start runs word for word; from the wheel's venv
+``recship_predict`` and ``recship serve --front cpp`` answer what the artifact answers in-process here, bitwise, and
+the installed headers and CMake config link a program.
 """
 
+import fnmatch
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
-import sysconfig
+import tarfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,24 +28,25 @@ import pytest
 
 from recship.export.artifact import Manifest, open_artifact
 from model_requests import dlrm_request, in_process, model_repo, request_file
+from quick_start import run_quick_start
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "setup.py", "README.md", "protos", "recship", "sparse", "modules", "trainer", "quantize", "export",
-           "models", "serving", "cpp_loader"]
+PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
+# torch's libraries: the only ones the repaired wheel may leave to the machine (cpp_loader/make_wheel.py's EXCLUDE)
+TORCH_LIBS = ("libtorch*.so", "libc10*.so")
 
 
 def _missing_toolchain() -> str:
-    """Why the C++ cannot be built here ('' where it can)."""
-    for tool in ("cmake", "c++"):
+    """Why the wheel cannot be built here ('' where it can)."""
+    for tool in ("cmake", "c++", "git"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
-    try:
-        import nlohmann_json  # noqa: F401  (the C++ build reads its headers)
-    except ImportError:
-        return "nlohmann-json (the dev extra) is not installed"
+    for module in ("build", "auditwheel"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} (the dev extra) is not installed"
+    if not (ROOT / ".git").exists():
+        return "not a git checkout (the clean copy is its files)"
     return ""
-
-
 
 
 def _run(args, timeout=300, **kw):
@@ -50,42 +55,66 @@ def _run(args, timeout=300, **kw):
     return done
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    from recship.native import NativeError, find
+def _cpp_mode() -> str:
+    """front where this machine has gRPC C++ (the wheel must then carry recship_front), else 1."""
+    return "front" if shutil.which("grpc_cpp_plugin") and shutil.which("protoc") else "1"
 
+
+def _extra() -> str:
+    """The fbgemm extra this machine's dev venv has (cpu or gpu)."""
+    try:
+        importlib.metadata.version("fbgemm-gpu-cpu")
+        return "cpu"
+    except importlib.metadata.PackageNotFoundError:
+        return "gpu"
+
+
+@dataclass
+class Dists:
+    source: Path  # the clean copy they were built from
+    tmp: Path  # TMPDIR of the build (its isolated environments and the sdist's unpacked copy)
+    sdist: Path
+    wheel: Path  # repaired
+    log: str
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory) -> Dists:
     missing = _missing_toolchain()
     if missing:
-        pytest.skip(f"the C++ build needs cmake, a C++17 compiler and nlohmann-json: {missing}")
-    find("recship_predict")  # configures build/cpp_loader against this checkout (not the copy) where it is not yet
-    try:  # where this checkout builds the front, the wheel must carry it (the Docker image's mode)
-        find("recship_front")
-        mode = "front"
-    except NativeError:
-        mode = "1"
-    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("wheels")
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(ROOT / name, src / name)
-    env = {**os.environ, "RECSHIP_BUILD_CPP": mode, "RECSHIP_CPP_BUILD_DIR": str(ROOT / "build" / "cpp_loader"),
-           "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", out, src], cwd=src, env=env, timeout=900)
-    (built,) = out.glob("recship-*.whl")
-    return built
+        pytest.skip(f"building the wheel needs cmake, a C++17 compiler, git and the dev extra: {missing}")
+    base = tmp_path_factory.mktemp("wheel")
+    source, out, tmp = base / "src", base / "dist", base / "tmp"
+    tmp.mkdir()
+    listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT).stdout.split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():  # (a tracked file deleted in the work tree is not part of the copy)
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    env = {**os.environ, "TMPDIR": str(tmp), "RECSHIP_BUILD_CPP": _cpp_mode()}
+    env.pop("RECSHIP_CPP_BUILD_DIR", None)
+    done = _run([sys.executable, source / "cpp_loader" / "make_wheel.py", "--outdir", out], cwd=source, env=env, timeout=1800)
+    sdist, wheel = (Path(line) for line in done.stdout.strip().splitlines()[-2:])
+    return Dists(source, tmp, sdist, wheel, done.stdout)
+
+
+def _fresh_venv(root: Path, requirement: str) -> Path:
+    """A new venv at ``root`` with ``requirement`` installed by pip, dependencies and all."""
+    _run([sys.executable, "-m", "venv", root], timeout=120)
+    env = {**_env(root), "RECSHIP_BUILD_CPP": _cpp_mode()}  # (the sdist's build)
+    _run([root / "bin" / "python", "-m", "pip", "install", "--disable-pip-version-check", requirement], cwd=root.parent,
+         env=env, timeout=1800)
+    return root
 
 
 @pytest.fixture(scope="module")
-def venv(wheel, tmp_path_factory) -> Path:
-    """A fresh venv with the wheel installed (--no-deps) and the dev venv's site-packages on its path."""
-    root = tmp_path_factory.mktemp("venv") / "v"
-    _run([sys.executable, "-m", "venv", root], timeout=120)
-    python = root / "bin" / "python"
-    site = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    (site / "dev_site_packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", wheel], timeout=300)
-    return root
+def venv(dists, tmp_path_factory) -> Path:
+    return _fresh_venv(tmp_path_factory.mktemp("venv") / "v", f"{dists.wheel}[{_extra()}]")
+
+
+@pytest.fixture(scope="module")
+def sdist_venv(dists, tmp_path_factory) -> Path:
+    return _fresh_venv(tmp_path_factory.mktemp("sdist-venv") / "v", f"{dists.sdist}[{_extra()}]")
 
 
 def _env(venv: Path) -> dict:
@@ -93,20 +122,81 @@ def _env(venv: Path) -> dict:
     return {**env, "PATH": f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", "VIRTUAL_ENV": str(venv)}
 
 
-def test_the_wheel_carries_the_cpp_parts_and_is_platform_tagged(wheel):
-    assert not wheel.name.endswith("-none-any.whl"), f"{wheel.name}: a wheel with binaries must name its platform"
-    with zipfile.ZipFile(wheel) as z:
+def _site(venv: Path) -> Path:
+    return venv / "lib" / PY / "site-packages"
+
+
+def test_the_wheel_is_manylinux_with_torch_its_only_external_libraries(dists):
+    assert "-manylinux_2_" in dists.wheel.name and dists.wheel.name.endswith("_x86_64.whl"), dists.wheel.name
+    assert "cmake --build" in dists.log and "Built target recship_predict" in dists.log, "the build showed no cmake progress"
+    shown = json.loads(_run([sys.executable, "-m", "auditwheel", "show", "--json", dists.wheel]).stdout)
+    assert shown["sym_tag"].startswith("manylinux_2_"), shown["sym_tag"]
+    assert dists.wheel.name.split("-")[-1] == f"{shown['sym_tag']}.whl"  # tagged by the glibc symbols it uses, no older
+    external = sorted(shown["external_libs"])
+    assert external and all(any(fnmatch.fnmatch(lib, p) for p in TORCH_LIBS) for lib in external), external
+
+
+def test_the_wheel_carries_the_cpp_parts_with_relative_runpaths_and_no_build_path(dists, tmp_path):
+    with zipfile.ZipFile(dists.wheel) as z:
         names = set(z.namelist())
         modes = {i.filename: i.external_attr >> 16 for i in z.infolist()}
         scripts = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
-    for needed in ("recship/_cpp/bin/recship_predict", "recship/_cpp/lib/librecship_loader.so", "recship/_cpp/include/recship/model.h",
-                   "recship/_cpp/include/recship/serving_rules.h",  # (model.h includes it: generated, installed beside it)
-                   "recship/_cpp/lib/cmake/recship/recshipConfig.cmake", "recship/_cpp/lib/cmake/recship/recshipTargets.cmake",
-                   "recship/contract/manifest.schema.json",  # the contract's one definition, read at run time
-                   "recship/native.py"):
-        assert needed in names, f"{needed} is not in {wheel.name}"
-    assert modes["recship/_cpp/bin/recship_predict"] & 0o111, "recship_predict is not executable in the wheel"
+        z.extractall(tmp_path)
+    tools = ["recship_predict"] + (["recship_front", "recship_load"] if _cpp_mode() == "front" else [])
+    for needed in [f"recship/_cpp/bin/{t}" for t in tools] + [
+            "recship/_cpp/lib/librecship_loader.so", "recship/_cpp/include/recship/model.h",
+            "recship/_cpp/include/recship/serving_rules.h",  # (model.h includes it: generated, installed beside it)
+            "recship/_cpp/lib/cmake/recship/recshipConfig.cmake", "recship/_cpp/lib/cmake/recship/recshipTargets.cmake",
+            "recship/contract/manifest.schema.json",  # the contract's one definition, read at run time
+            "recship/quantize/kernels/rowwise.c",  # compiled at first use
+            "recship/serving/v1/predictor_pb2.py",  # generated by the build
+            "recship/native.py"]:
+        assert needed in names, f"{needed} is not in {dists.wheel.name}"
+    for tool in tools:
+        assert modes[f"recship/_cpp/bin/{tool}"] & 0o111, f"{tool} is not executable in the wheel"
     assert "recship_predict = recship.native:predict_main" in scripts
+    # where the build ran (its copy, its isolated environments, this checkout and venv): named by no file
+    build_paths = [str(dists.source), str(dists.tmp), str(ROOT), sys.prefix]
+    elves = 0
+    for path in sorted(p for p in tmp_path.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        for found in build_paths:
+            assert found.encode() not in data, f"{path.relative_to(tmp_path)} names the build's folder {found}"
+        if data[:4] == b"\x7fELF":
+            elves += 1
+            dynamic = _run(["readelf", "-d", path]).stdout
+            for line in dynamic.splitlines():
+                if "(RUNPATH)" in line or "(RPATH)" in line:
+                    entries = line.split("[", 1)[1].rstrip("]").split(":")
+                    assert all(e.startswith("$ORIGIN") for e in entries), f"{path.relative_to(tmp_path)}: {line.strip()}"
+    assert elves >= len(tools) + 1
+
+
+def test_the_sdist_carries_the_sources_and_builds_the_same_wheel(dists, sdist_venv):
+    with tarfile.open(dists.sdist) as t:
+        names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
+    for needed in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "cpp_loader/CMakeLists.txt",
+                   "cpp_loader/backend/build_backend.py", "cpp_loader/src/model.cpp", "cpp_loader/tools/front/server.cpp",
+                   "protos/recship/serving/v1/predictor.proto", "recship/contract/manifest.schema.json", "serving/codegen.py",
+                   "quantize/kernels/rowwise.c"):
+        assert needed in names, f"{needed} is not in {dists.sdist.name}"
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    with zipfile.ZipFile(dists.wheel) as z:
+        from_wheel = {n for n in z.namelist() if n.startswith("recship/") and not n.endswith("/")}  # (auditwheel adds folders)
+    record = next(_site(sdist_venv).glob("recship-*.dist-info")) / "RECORD"
+    from_sdist = {line.split(",")[0] for line in record.read_text().splitlines()}
+    from_sdist = {n for n in from_sdist if n.startswith("recship/") and not n.endswith(".pyc")}
+    assert from_sdist == from_wheel, (sorted(from_sdist - from_wheel), sorted(from_wheel - from_sdist))
+
+
+@pytest.mark.parametrize("install", ["wheel", "sdist"])
+def test_readme_quick_start_runs_from_a_fresh_install(install, request, tmp_path):
+    venv = request.getfixturevalue("venv" if install == "wheel" else "sdist_venv")
+    here = tmp_path / "empty"  # no source tree here or above it
+    here.mkdir()
+    where = _run([venv / "bin" / "python", "-c", "import recship; print(recship.__file__)"], cwd=here, env=_env(venv)).stdout
+    assert Path(where.strip()).is_relative_to(venv), f"not the venv's recship: {where}"
+    run_quick_start(venv / "bin", here, _env(venv))
 
 
 def test_installed_recship_predict_on_path_equals_in_process_bitwise(venv, small_artifact, tmp_path):
@@ -125,6 +215,11 @@ def test_installed_recship_predict_on_path_equals_in_process_bitwise(venv, small
     assert sorted(got) == sorted(want)
     for k in want:
         np.testing.assert_array_equal(np.asarray(got[k], dtype=np.float32).reshape(want[k].shape), want[k], err_msg=k)
+    # the binary itself, without the wrapper's LD_LIBRARY_PATH and RECSHIP_FBGEMM_DIR (as a production program runs it):
+    # torch by its RUNPATH, fbgemm_gpu beside the wheel's recship/
+    direct = _run([_site(venv) / "recship" / "_cpp" / "bin" / "recship_predict", small_artifact, "--request", tmp_path / "r.json"],
+                  cwd=run_dir, env=_env(venv))
+    assert json.loads(direct.stdout) == got
     # the fbgemm op libraries come from $RECSHIP_FBGEMM_DIR (the wrapper sets it to the fbgemm_gpu Python imports)
     elsewhere = subprocess.run(["recship_predict", small_artifact], capture_output=True, text=True, cwd=run_dir, timeout=60,
                                env={**_env(venv), "RECSHIP_FBGEMM_DIR": str(tmp_path / "no-fbgemm")})
@@ -156,7 +251,7 @@ def test_installed_recship_serve_front_cpp_answers_as_in_process_bitwise(venv, s
     from recship.serving import PredictClient
     from recship.serving.client import outputs_of
 
-    front = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / "recship" / "_cpp" / "bin" / "recship_front"
+    front = _site(venv) / "recship" / "_cpp" / "bin" / "recship_front"
     if not front.is_file():
         pytest.skip("the wheel has no recship_front: gRPC C++ is not installed here (Debian: libgrpc++-dev protobuf-compiler-grpc)")
     repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
@@ -218,15 +313,15 @@ def test_without_packaged_binaries_nor_a_source_checkout_find_says_how_to_get_th
 
     monkeypatch.setattr(native, "PACKAGED", tmp_path / "site-packages" / "recship" / "_cpp")
     monkeypatch.setattr(native, "SOURCE_BUILD_SCRIPT", tmp_path / "site-packages" / "cpp_loader" / "build.py")
-    with pytest.raises(native.NativeError, match="built without RECSHIP_BUILD_CPP.*RECSHIP_BUILD_CPP=1"):
+    with pytest.raises(native.NativeError, match="built with RECSHIP_BUILD_CPP=0.*make wheel"):
         native.find("recship_predict")
     (native.PACKAGED / "bin").mkdir(parents=True)  # packaged, but without the front (no gRPC C++ at build time)
     (native.PACKAGED / "bin" / "recship_predict").write_bytes(b"")
     assert native.find("recship_predict") == native.PACKAGED / "bin" / "recship_predict"
     with pytest.raises(native.NativeError, match="recship_front is not in this installation.*without gRPC C\\+\\+"):
         native.find("recship_front")
-    with pytest.raises(ValueError, match="unknown C\\+\\+ tool 'recship_load'"):
-        native.find("recship_load")
+    with pytest.raises(ValueError, match="unknown C\\+\\+ tool 'recship_nope': one of recship_predict, recship_front, recship_load"):
+        native.find("recship_nope")
     with pytest.raises(native.NativeError, match="not installed with recship"):
         native.cmake_prefix()
 

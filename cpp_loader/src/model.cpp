@@ -43,6 +43,16 @@ namespace {
 
 using json = nlohmann::json;
 
+// fbgemm_gpu's folder as the wheel lays it out: this library is site-packages/recship/_cpp/lib/librecship_loader.so,
+// fbgemm_gpu is site-packages/fbgemm_gpu ("" where this library's own path cannot be found).
+std::string wheel_fbgemm_dir() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&wheel_fbgemm_dir), &info) == 0 || info.dli_fname == nullptr) return "";
+  std::string lib = info.dli_fname;
+  std::size_t slash = lib.rfind('/');
+  return (slash == std::string::npos ? std::string(".") : lib.substr(0, slash)) + "/../../../fbgemm_gpu";
+}
+
 // The bytes of the file at path, or nullopt with errno set (a folder: EISDIR).
 std::optional<std::string> read_bytes(const std::string& path) {
   struct stat st {};
@@ -299,12 +309,14 @@ std::unique_ptr<Model> Model::load(const std::string& artifact_dir, const LoadOp
   m.num_dense = m.manifest["num_dense"].get<int64_t>();
   m.row_block = m.manifest.value("row_block", int64_t{0});
   // 2. the torch and fbgemm_gpu it was built with
-  // LoadOptions::fbgemm_dir, else $RECSHIP_FBGEMM_DIR (recship.native sets it to the fbgemm_gpu Python imports: an
-  // installed wheel runs where it was not built), else the folder recorded at build time
+  // LoadOptions::fbgemm_dir, else $RECSHIP_FBGEMM_DIR (recship.native sets it to the fbgemm_gpu Python imports), else
+  // the folder recorded at build time (a source build), else the fbgemm_gpu installed beside the wheel this library
+  // came in (a relocatable build records none)
   const char* env_fbgemm = std::getenv("RECSHIP_FBGEMM_DIR");
   std::string fbgemm_dir = !options.fbgemm_dir.empty()         ? options.fbgemm_dir
                            : env_fbgemm && *env_fbgemm != '\0' ? std::string(env_fbgemm)
-                                                               : std::string(RECSHIP_FBGEMM_DIR);
+                           : *RECSHIP_FBGEMM_DIR != '\0'        ? std::string(RECSHIP_FBGEMM_DIR)
+                                                               : wheel_fbgemm_dir();
   if (options.check_versions) {
     std::string built_torch = release(m.manifest["versions"]["torch"].get<std::string>());
     std::string running_torch = release(TORCH_VERSION);
