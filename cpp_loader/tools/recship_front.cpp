@@ -94,7 +94,8 @@ int main(int argc, char** argv) {
   reply({{"listening", port}});
 
   const double grace = run_commands(front, std::cin);
-  front.accepting = false;
+  front.accepting = false;  // (its Predicts go to the Python server, which answers UNAVAILABLE once it closes)
+  front.close_windows();    // so a call waiting for company runs now, not at the end of its max_delay_ms
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(grace * 1000)));
   front.unload_all();
   sampled_log().flush();

@@ -75,6 +75,14 @@ void Batcher::stop() {
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
+void Batcher::close_window() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    window_closed_ = true;
+  }
+  ready_.notify_all();
+}
+
 void Batcher::main() {
   std::vector<Call*> batch;
   while (collect(batch)) {
@@ -99,10 +107,10 @@ bool Batcher::collect(std::vector<Call*>& batch) {
   const auto until = first->enqueued() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double, std::milli>(settings.max_delay_ms));
   while (examples < settings.max_batch_size) {
-    if (queue_.empty() && (settings.max_delay_ms <= 0 ||  // no waiting: only what is queued already
-                           !ready_.wait_until(lock, until, [this] { return stopping_ || !queue_.empty(); })))
+    if (queue_.empty() && (settings.max_delay_ms <= 0 || window_closed_ ||  // no waiting: only what is queued already
+                           !ready_.wait_until(lock, until, [this] { return stopping_ || window_closed_ || !queue_.empty(); })))
       break;
-    if (queue_.empty()) break;  // stopping: run what we have
+    if (queue_.empty()) break;  // stopping, or the window closed: run what we have
     Call* next = queue_.front();
     if (next->cancelled()) {  // its client gave up: it takes no room (run() answers it)
       queue_.pop_front();

@@ -69,6 +69,8 @@ class Batcher {
   }
   Submitted submit(Call* call);
   void stop();  // runs what is queued, then ends the thread; later submits get kStopped
+  // From now on a batch waits for no company (the front takes no more calls): what is queued runs at once.
+  void close_window();
   int64_t pending() {  // calls waiting for a forward (the metrics' queue depth)
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int64_t>(queue_.size()) + (carry_ != nullptr ? 1 : 0);
@@ -90,6 +92,7 @@ class Batcher {
   std::deque<Call*> queue_;
   Call* carry_ = nullptr;  // the call that did not fit the last batch: it starts the next
   bool stopping_ = false;
+  bool window_closed_ = false;
   std::thread thread_;
 };
 

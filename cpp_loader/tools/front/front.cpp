@@ -100,6 +100,11 @@ void Front::unload_all() {
   for (auto& [name, b] : all) b->stop();
 }
 
+void Front::close_windows() {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  for (const auto& [name, b] : served_) b->close_window();
+}
+
 json Front::gauges() {
   json pending = json::array();
   std::shared_lock<std::shared_mutex> lock(mu_);

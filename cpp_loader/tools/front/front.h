@@ -42,6 +42,8 @@ class Front {
                    const Batching& settings, const std::optional<std::string>& manifest_sha256);
   void unload(const std::string& name);
   void unload_all();
+  // Every served version's batch runs without waiting for company from now on (no more calls come: stopping).
+  void close_windows();
 
   // The gauges' values now: calls waiting per served version, and request bytes in flight.
   json gauges();
