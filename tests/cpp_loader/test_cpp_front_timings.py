@@ -77,11 +77,13 @@ def test_a_stop_runs_the_batch_waiting_for_company_at_once(repo, small_artifact)
                 assert time.monotonic() < deadline, server.front.stats()["gauges"]
                 time.sleep(0.01)
             stopping = time.monotonic()
-            server.stop(grace=2 * window_s, drain_delay=drain_s)
-            stopped = time.monotonic() - stopping
+            try:
+                server.stop(grace=2 * window_s, drain_delay=drain_s)
+            finally:
+                stopped = time.monotonic() - stopping
             caller.join()
     finally:
-        if stopped is None:
+        if stopped is None:  # (not stopped twice: a stopped server's loop is gone)
             server.stop(drain_delay=0)
     assert drain_s <= stopped < drain_s + MARGIN_S, stopped
     want = in_process(open_artifact(small_artifact, format="torchscript")[0], sparse, dense)
