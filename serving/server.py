@@ -60,7 +60,7 @@ class Health(health_aio.HealthServicer):
         super().__init__()
         self._closed = asyncio.Event()
 
-    async def Watch(self, request: health_pb2.HealthCheckRequest, context) -> None:
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         watch = asyncio.ensure_future(super().Watch(request, context))
         closed = asyncio.ensure_future(self._closed.wait())
         try:
