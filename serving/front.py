@@ -49,10 +49,10 @@ class FrontError(RuntimeError):
 
 
 def build_front() -> Path:
-    """Returns ``recship_front``: the one installed with recship (a wheel built with RECSHIP_BUILD_CPP), else built
-    (incrementally) from the source checkout (recship.native.find); FrontError where neither can be had here."""
+    """Returns ``recship_front``: the one installed with recship (the wheel's), else built (incrementally) from the
+    source checkout (recship.native.find); FrontError where neither can be had here."""
     if packaged("recship_front") is None:
-        log.info("building the C++ front (cmake, incremental: minutes the first time, seconds after)")
+        log.info("the C++ front of this source checkout: cmake builds what changed since its last build (minutes the first time)")
     try:
         return find("recship_front")
     except NativeError as e:
