@@ -16,7 +16,8 @@ cores, where each team has a thread per core).
 
 Admission is bounded (``max_queue`` requests waiting; more are refused at once), but
 the queue itself is not, so that the stop marker can always be queued: stopping
-never waits for room. No single request's fate can stop the worker: a future that
+never waits for room. A stopping server closes the window (``close_window``): from then on no request waits for
+company, and the one waiting runs at once. No single request's fate can stop the worker: a future that
 its caller already cancelled is skipped, a failing forward fails only its batch,
 and should the worker die anyway it fails everything queued, refuses new requests
 with ``WorkerDied`` and reports its death through ``on_death``.
@@ -28,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -73,6 +74,13 @@ class _Item:
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now > self.deadline
+
+
+class _Wake:
+    """The marker ``close_window`` queues: it ends the worker's wait for company (and is no request)."""
+
+
+_WAKE = _Wake()
 
 
 class DeviceThread:
@@ -164,7 +172,9 @@ class Batcher:
         self.max_delay_s = max_delay_s
         self.batching = batching
         self.max_queue = max_queue
-        self._queue: "queue.Queue[Optional[_Item]]" = queue.Queue()  # unbounded: admission is counted in submit()
+        # unbounded: admission is counted in submit(); None is the stop marker, _WAKE close_window's
+        self._queue: "queue.Queue[Union[_Item, _Wake, None]]" = queue.Queue()
+        self._window_closed = False
         self._observe = observe
         self._on_death = on_death
         self._stopping = False
@@ -210,13 +220,21 @@ class Batcher:
         if self._thread.is_alive():
             log.error("the worker of %s is still in a forward after %.0f s; leaving it behind", self.name, timeout)
 
+    def close_window(self) -> None:
+        """No request waits for company from now on (max_delay_s counts as 0): the batch waiting runs at once, with
+        what is queued. A stopping server calls it once it stops taking requests, so that its last calls do not
+        wait out a window that no request will join."""
+        with self._gate:
+            self._window_closed = True
+            self._queue.put_nowait(_WAKE)
+
     def _fail_queued(self, error: BaseException) -> None:
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if isinstance(item, _Item):
                 item.fail(error)
 
     # -- worker ------------------------------------------------------------
@@ -252,18 +270,21 @@ class Batcher:
         first = carry if carry is not None else self._queue.get()
         if first is None:
             return [], None, True
+        if isinstance(first, _Wake):  # close_window's marker, with no batch waiting
+            return [], None, False
         batch, examples = [first], first.request.batch_size
         if not self.batching:  # one request per forward, however many are queued
             return batch, None, False
-        until = first.enqueued + self.max_delay_s
         while examples < self.max_batch_size:
-            wait = until - time.monotonic()
+            wait = first.enqueued + (0.0 if self._window_closed else self.max_delay_s) - time.monotonic()
             try:
                 item = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
             except queue.Empty:
                 break
             if item is None:
                 return batch, None, True
+            if isinstance(item, _Wake):  # the window closed: take what is queued, wait no more
+                continue
             if item.future.cancelled():  # its caller gave up: it takes no room in the batch
                 continue
             if examples + item.request.batch_size > self.max_batch_size:

@@ -138,13 +138,16 @@ class ServedVersion:
             if served is not None:
                 served._repo.worker_died(served)
 
-        return Batcher(
+        batcher = Batcher(
             self.model, s.max_batch_size, s.max_delay_ms / 1000.0, s.max_queue,
             observe=functools.partial(metrics.observe_batch, name, str(version)), name=f"{name}-{version}",
             device="cuda:0" if config.device == "cuda" else "cpu",  # a CUDA artifact takes its inputs on its first device
             forwards=self._repo.forwards, threads=s.torch_threads or default_torch_threads(),
             on_death=died, batching=s.batching,
         )
+        if self._repo.windows_closed:  # loaded while the server stops
+            batcher.close_window()
+        return batcher
 
 
 def _retire(versions: List[ServedVersion]) -> None:
@@ -216,6 +219,7 @@ class ModelRepository:
         self._settings: Dict[str, ModelSettings] = {}  # model -> its last good settings
         self._on_change = on_change or (lambda name, ready: None)
         self._stop = threading.Event()
+        self.windows_closed = False  # close_windows: the server is stopping, no request waits for batch company
         self._watcher: Optional[threading.Thread] = None
         self._mirror: Optional["FrontMirror"] = None  # the C++ front, told of every version that starts or stops serving
         self.explicit = getattr(config, "model_control", "poll") == "explicit"
@@ -554,6 +558,13 @@ class ModelRepository:
 
         self._watcher = threading.Thread(target=watch, name="model-watcher", daemon=True)
         self._watcher.start()
+
+    def close_windows(self) -> None:
+        """The server stops taking requests: none waits for batch company any more, in the versions served now
+        (Batcher.close_window: the batch waiting runs at once) and in any loaded from now on."""
+        self.windows_closed = True
+        for served in self.versions():
+            served.batcher.close_window()
 
     def stop(self) -> None:
         """Stops watching and unloads every version, refusing what is still queued (the fronts have drained)."""

@@ -229,6 +229,7 @@ class Server:
                 log.info("draining: not ready; listeners close in %g s", drain_delay)
                 await asyncio.sleep(drain_delay)
             self.health.close()  # (a Watch is no call in flight: the grace below is not for it)
+            self.repo.close_windows()  # the calls in flight wait for no company that will not come
             if self.front is not None:  # it drains its own calls, and the ones it forwards here, first
                 await self._loop.run_in_executor(None, self.front.stop, grace)
             fronts = [self.grpc.stop(grace)] + ([self.rest.stop()] if self.rest is not None else [])

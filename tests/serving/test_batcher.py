@@ -266,3 +266,29 @@ def test_batchers_sharing_a_device_thread_run_their_forwards_on_it_one_at_a_time
         device.stop()
     with pytest.raises(Exception, match="stopping"):
         device.run(lambda: None)
+
+
+def test_close_window_runs_the_waiting_batch_at_once_and_later_requests_wait_for_no_company():
+    """A 30 s window: the first request waits for company; close_window (a stopping server) runs it at once, with
+    what was queued beside it in the same forward, and a request submitted afterwards runs alone without waiting."""
+    window = 30.0
+    model = Echo()
+    b = Batcher(model, max_batch_size=64, max_delay_s=window)
+    try:
+        first = [b.submit(_req(2, 1)), b.submit(_req(3, 2))]
+        time.sleep(0.2)  # both taken into the window (nothing else will come)
+        assert not any(f.done() for f in first)
+        closed = time.monotonic()
+        b.close_window()
+        answers = [f.result(timeout=window / 3) for f in first]
+        assert time.monotonic() - closed < window / 10
+        assert model.batches == [5]  # one forward: the window closed on what it held
+        late_req = _req(4, 3)
+        late = b.submit(late_req)
+        assert torch.equal(late.result(timeout=window / 3)["out"], _expected(late_req))
+        assert model.batches == [5, 4]
+        for f, seed, size in zip(answers, (1, 2), (2, 3)):
+            assert torch.equal(f["out"], _expected(_req(size, seed)))
+    finally:
+        b.stop()
+    assert b.pending == 0

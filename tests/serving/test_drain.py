@@ -11,12 +11,15 @@ import urllib.error
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from recship.export.artifact import open_artifact
 from recship.serving import PredictClient
+from recship.serving.server import Server, ServerConfig
 
-from model_requests import dlrm_request, model_repo
+from model_requests import dlrm_request, in_process, model_repo
 from serving_helpers import front_binary
 
 DRAIN_S = 2.0
@@ -233,3 +236,40 @@ def test_sigterm_exits_within_the_drain_with_idle_clients_and_a_health_watch_ope
         if past_drain[-1] <= EXIT_S:
             break
     assert min(past_drain) <= EXIT_S, past_drain
+
+
+def test_a_stop_runs_the_python_batch_waiting_for_company_at_once(small_artifact, tmp_path):
+    """One Predict waits in the Python batcher's window (max_delay_ms 20 s) when the server stops: once the drain ends
+    no call comes any more, so it runs then (Batcher.close_window) and is answered as in process; the stop ends
+    within the drain + EXIT_S (before: it waited the window out, inside the grace). tests/cpp_loader's
+    test_cpp_front_timings holds the C++ front's batcher to the same."""
+    window_s = 20.0
+    repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
+    server = Server(ServerConfig(model_repo=str(repo), port=0, front="python", max_delay_ms=window_s * 1000))
+    sparse, dense = dlrm_request(3, 5)
+    answers, stopped = [], None
+    try:
+        with PredictClient(f"127.0.0.1:{server.port}", timeout=60) as client:
+            caller = threading.Thread(target=lambda: answers.append(client.predict("dlrm", sparse, dense)))
+            caller.start()
+            deadline = time.monotonic() + 30
+            while server.inference.inflight_bytes == 0:  # accepted and held: submitted to the batcher right after
+                assert time.monotonic() < deadline and caller.is_alive(), answers
+                time.sleep(0.01)
+            time.sleep(0.2)
+            (served,) = server.repo.versions("dlrm")
+            assert served.batcher.pending == 0 and not answers  # taken into the window, waiting for company
+            stopping = time.monotonic()
+            try:
+                server.stop(grace=2 * window_s, drain_delay=CLOSE_DRAIN_S)
+            finally:
+                stopped = time.monotonic() - stopping
+            caller.join()
+    finally:
+        if stopped is None:  # (not stopped twice: a stopped server's loop is gone)
+            server.stop(drain_delay=0)
+    assert CLOSE_DRAIN_S <= stopped < CLOSE_DRAIN_S + EXIT_S, stopped
+    want = in_process(open_artifact(small_artifact, format="torchscript")[0], sparse, dense)
+    assert len(answers) == 1 and sorted(answers[0]) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(answers[0][name], want[name], err_msg=name)
