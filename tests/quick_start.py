@@ -14,7 +14,8 @@ from doc_blocks import doc_block
 BLOCK = "tests/quick_start.py::run_quick_start"  # its marker in README.md (run by tests/test_docs.py and tests/test_wheel.py)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -25,7 +26,7 @@ def run_quick_start(bin_dir: Path, cwd: Path, env: Mapping[str, str]) -> None:
     and its ports swapped for free ones, and checks what it printed: ready, the same two answers over KServe REST and
     gRPC, the exported version in the repository. AssertionError naming what went wrong."""
     script = doc_block(BLOCK)
-    grpc, http = _free_port(), _free_port()
+    grpc, http = free_port(), free_port()
     script = script.replace("8500", str(grpc)).replace("8000", str(http))
     env = dict(env, PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}")
     proc = subprocess.Popen(["bash", "-e", "-c", script], cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -28,7 +27,7 @@ import pytest
 
 from recship.export.artifact import Manifest, open_artifact
 from model_requests import dlrm_request, in_process, model_repo, request_file
-from quick_start import run_quick_start
+from quick_start import free_port, run_quick_start
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = f"python{sys.version_info.major}.{sys.version_info.minor}"
@@ -228,12 +227,6 @@ def test_installed_recship_predict_on_path_equals_in_process_bitwise(venv, small
     assert bad.returncode == 2 and "usage: recship_predict" in bad.stderr, bad  # the C++ tool's own usage and exit code
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _children_exe(pid: int) -> list:
     """The executables of ``pid``'s child processes."""
     out = []
@@ -257,7 +250,7 @@ def test_installed_recship_serve_front_cpp_answers_as_in_process_bitwise(venv, s
     repo = model_repo(tmp_path / "repo", {"dlrm": small_artifact})
     run_dir = tmp_path / "elsewhere"
     run_dir.mkdir()
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([venv / "bin" / "recship", "serve", "--model-repo", repo, "--host", "127.0.0.1", "--port", str(port),
                                "--front", "cpp"],
                               cwd=run_dir, env=_env(venv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
